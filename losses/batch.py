@@ -1,0 +1,131 @@
+"""Tensor inputs of the three loss channels.
+
+Every field is a padded ``[B, T]`` (or ``[B]``) tensor over completion tokens, so one
+dataclass serves every inner loop. ``rows(sl)`` slices a sub-batch but keeps the
+*global* ``Counts``: each channel is a sum over rows divided by global counts, which is
+what lets the memory-lean path evaluate the loss chunk by chunk (and what a
+data-parallel trainer all-reduces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Global normalizers of one optimizer step (all ranks, all micro-batches)."""
+
+    tokens: float  # completion tokens that carry loss
+    sequences: int  # completions
+    max_len: int  # the configured max completion length (Dr. GRPO's constant)
+
+    @classmethod
+    def from_mask(cls, mask: Tensor, max_len: int | None = None) -> Counts:
+        """Counts of a batch that is the whole step; clamped so an empty batch divides by 1."""
+        return cls(
+            tokens=max(float(mask.sum()), 1.0),
+            sequences=max(mask.shape[0], 1),
+            max_len=max(max_len if max_len is not None else mask.shape[-1], 1),
+        )
+
+
+def _slice_rows(obj, rows: slice):
+    """Slice every tensor field of a batch dataclass along dim 0; keep the rest."""
+    changes = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if isinstance(value, Tensor):
+            changes[field.name] = value[rows]
+        elif dataclasses.is_dataclass(value) and hasattr(value, "rows"):
+            changes[field.name] = value.rows(rows)
+    return dataclasses.replace(obj, **changes)
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """Channel 1: what the policy-gradient losses need besides the trainer's logprobs."""
+
+    mask: Tensor  # [B, T] bool, completion tokens that carry loss
+    advantages: Tensor  # [B] or [B, T]
+    counts: Counts
+    old_logprobs: Tensor | None = None  # [B, T] behaviour policy; None = on-policy (ratio 1)
+    inference_logprobs: Tensor | None = None  # [B, T] the sampler's, for TIS/MIS
+    ref_logprobs: Tensor | None = None  # [B, T] frozen reference, for the KL penalty
+    token_weights: Tensor | None = None  # [B, T] per-token loss weights (PRIME-RL's loss_weights)
+
+    rows = _slice_rows
+
+
+@dataclass(frozen=True)
+class TeacherLogits:
+    """A teacher's full logits at the completion positions, ``[B, T, V]``, no grad."""
+
+    logits: Tensor
+
+    rows = _slice_rows
+
+
+@dataclass(frozen=True)
+class TeacherHidden:
+    """A teacher's last hidden states ``[B, T, H]`` and LM head ``[V, H]``.
+
+    The memory-lean form of ``TeacherLogits``: logits are formed per chunk, never whole.
+    A self-teacher (SDPO) passes the student's own LM head weight.
+    """
+
+    hidden: Tensor
+    weight: Tensor
+
+    def rows(self, rows: slice) -> TeacherHidden:
+        return TeacherHidden(self.hidden[rows], self.weight)
+
+
+@dataclass(frozen=True)
+class TeacherTopK:
+    """What an external teacher endpoint returns: top-k ids and logprobs, ``[B, T, K]``."""
+
+    ids: Tensor
+    logprobs: Tensor
+
+    rows = _slice_rows
+
+
+Teacher = TeacherLogits | TeacherHidden | TeacherTopK
+
+
+@dataclass(frozen=True)
+class DistillInputs:
+    """Channel 2: a teacher's distribution at the student's own completion tokens."""
+
+    teacher: Teacher
+    mask: Tensor  # [B, T] bool, e.g. only the tokens after a hint
+    counts: Counts  # tokens = global count of distilled tokens
+
+    rows = _slice_rows
+
+
+@dataclass(frozen=True)
+class PreferenceInputs:
+    """Channel 3: chosen/rejected pairs, as summed completion logprobs of each side.
+
+    ``chosen_logps``/``rejected_logps`` carry the gradient; the ``ref_*`` sums come
+    from the frozen reference (DPO only; SimPO ignores them).
+    """
+
+    chosen_logps: Tensor  # [P]
+    rejected_logps: Tensor  # [P]
+    chosen_lengths: Tensor  # [P] completion tokens
+    rejected_lengths: Tensor  # [P]
+    num_pairs: int  # global pair count (the normalizer)
+    ref_chosen_logps: Tensor | None = None
+    ref_rejected_logps: Tensor | None = None
+
+
+def masked_sum_per_row(values: Tensor, mask: Tensor) -> Tensor:
+    """Row sums of ``values`` where ``mask``; a ``where`` so that inf/NaN at padding cannot leak."""
+    return torch.where(mask, values, torch.zeros_like(values)).sum(-1)

@@ -1,0 +1,163 @@
+"""``compose_loss``: total = policy + alpha_sdpo * distill + beta_replay * preference.
+
+Each channel is normalized by its own global token or pair count (as PRIME-RL's
+``compute_loss``), so the channels do not dilute each other and alpha/beta keep their
+meaning as batches change. A channel whose inputs are absent, or whose weight is 0, is
+not computed: it contributes exactly 0 and is reported as skipped.
+
+The policy's distribution comes in one of three forms (the ``Head``):
+- ``Logits``: full ``[B, T, V]`` logits at the completion positions (simple, memory-hungry);
+- ``LinearHead``: last hidden states and LM-head weight; channels 1 and 2 are then
+  evaluated chunk by chunk and ``[B, T, V]`` logits never exist;
+- ``TokenLogprobs``: only the sampled tokens' logprobs (what TRL or PRIME-RL compute);
+  enough for channel 1, not for distillation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from losses.batch import DistillInputs, PolicyInputs, PreferenceInputs
+from losses.distill import DistillConfig, distill_loss
+from losses.logprobs import fused_linear_loss, selective_logprobs
+from losses.policy import PolicyConfig, policy_loss
+from losses.preference import PreferenceConfig, preference_loss
+
+CHANNELS = ("policy", "distill", "preference")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Every knob of the three-channel loss; invalid combinations fail when it is built.
+
+    - ``alpha_sdpo``: weight of channel 2 (distillation, e.g. SDPO hint self-distillation).
+    - ``beta_replay``: weight of channel 3 (DPO/SimPO over teacher-trace pairs).
+    - ``chunk_tokens``: with a ``LinearHead``, about this many tokens' logits exist at
+      once (rounded to whole rows, at least one row).
+    """
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    alpha_sdpo: float = 0.0
+    beta_replay: float = 0.0
+    chunk_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        for name, kind in (("policy", PolicyConfig), ("distill", DistillConfig), ("preference", PreferenceConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"LossConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        if self.alpha_sdpo < 0 or self.beta_replay < 0:
+            raise ValueError(f"channel weights must be >= 0, got alpha_sdpo={self.alpha_sdpo}, beta_replay={self.beta_replay}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+
+
+@dataclass(frozen=True)
+class Logits:
+    logits: Tensor  # [B, T, V]
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    hidden: Tensor  # [B, T, H]
+    weight: Tensor  # [V, H]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprobs: Tensor  # [B, T]
+
+
+Head = Logits | LinearHead | TokenLogprobs
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch for the loss. ``targets`` are the completion token ids ``[B, T]``
+    (not needed with ``TokenLogprobs``); channels 1 and 2 share that grid."""
+
+    targets: Tensor | None = None
+    policy: PolicyInputs | None = None
+    distill: DistillInputs | None = None
+    preference: PreferenceInputs | None = None
+
+
+@dataclass
+class LossOutput:
+    loss: Tensor
+    metrics: dict[str, float]
+
+
+def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, active: set[str]):
+    """The channels that read the policy's distribution, as a loss of some rows' logits."""
+
+    def loss_of_rows(logits: Tensor, rows: slice) -> tuple[Tensor, dict[str, Tensor]]:
+        total, metrics = None, {}
+        if "policy" in active:
+            logprobs = selective_logprobs(logits, inputs.targets[rows])
+            total, parts = policy_loss(logprobs, inputs.policy.rows(rows), cfg.policy)
+            metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
+        if "distill" in active:
+            distill, parts = distill_loss(logits, inputs.distill.rows(rows), cfg.distill, taid_t)
+            metrics |= {"distill/loss": distill.detach()} | {f"distill/{k}": v for k, v in parts.items()}
+            total = cfg.alpha_sdpo * distill if total is None else total + cfg.alpha_sdpo * distill
+        return total, metrics
+
+    return loss_of_rows
+
+
+def _active_channels(head: Head, inputs: LossInputs, cfg: LossConfig) -> set[str]:
+    active = set()
+    if inputs.policy is not None:
+        active.add("policy")
+    if inputs.distill is not None and cfg.alpha_sdpo > 0:
+        if isinstance(head, TokenLogprobs):
+            raise ValueError(
+                "distillation (alpha_sdpo > 0) needs the student's whole distribution, but the head only "
+                "gives sampled-token logprobs; pass Logits or LinearHead instead of TokenLogprobs"
+            )
+        active.add("distill")
+    if inputs.preference is not None and cfg.beta_replay > 0 and inputs.preference.chosen_logps.numel():
+        active.add("preference")
+    if active - {"preference"} and not isinstance(head, TokenLogprobs) and inputs.targets is None:
+        raise ValueError("LossInputs.targets (the completion token ids) are needed to score the policy's tokens")
+    return active
+
+
+def compose_loss(head: Head, inputs: LossInputs, cfg: LossConfig, *, taid_t: float | None = None) -> LossOutput:
+    """The three-channel loss of one micro-batch and its per-channel metrics.
+
+    ``taid_t`` is the TAID schedule's current t (only for ``divergence='taid'``).
+    With ``alpha_sdpo = beta_replay = 0`` the result is bit-identical to ``policy_loss``.
+    """
+    active = _active_channels(head, inputs, cfg)
+    total: Tensor | None = None
+    metrics: dict[str, Tensor] = {}
+
+    if isinstance(head, TokenLogprobs):
+        if "policy" in active:
+            total, parts = policy_loss(head.logprobs, inputs.policy, cfg.policy)
+            metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
+    elif active & {"policy", "distill"}:
+        loss_of_rows = _token_channels(inputs, cfg, taid_t, active)
+        if isinstance(head, Logits):
+            total, metrics = loss_of_rows(head.logits, slice(None))
+        else:
+            rows_per_chunk = max(1, cfg.chunk_tokens // max(inputs.targets.shape[-1], 1))
+            total, metrics = fused_linear_loss(head.hidden, head.weight, loss_of_rows, rows_per_chunk)
+
+    if "preference" in active:
+        preference, parts = preference_loss(inputs.preference, cfg.preference)
+        metrics |= {"preference/loss": preference.detach()} | {f"preference/{k}": v for k, v in parts.items()}
+        total = cfg.beta_replay * preference if total is None else total + cfg.beta_replay * preference
+
+    if total is None:
+        raise ValueError("the batch has no loss inputs: give at least one of policy, distill or preference")
+    scalars = {name: float(value) for name, value in metrics.items()}
+    scalars |= {f"{name}/skipped": float(name not in active) for name in CHANNELS}
+    scalars["loss"] = float(total.detach())
+    return LossOutput(total, scalars)

@@ -1,0 +1,256 @@
+"""Channel 2: distillation of a teacher's distribution at the student's own tokens.
+
+Divergences are named by argument order (``kl_teacher_student`` is KL(T || S), the
+"forward" KL of classic distillation), because forward/reverse is named inconsistently
+across papers. All of them work on log-probabilities over a shared *support*: the full
+vocabulary, or a teacher's top-k ids plus one tail bucket holding the remaining mass
+(so both sides sum to 1 and k = V reproduces the full divergence).
+
+SDPO (hint self-distillation) is this channel with the teacher being the live policy
+scoring the same completion with a hint in context; ``hinted_inputs`` builds that
+teacher context and the positions that align it with the student's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from losses.batch import DistillInputs, TeacherLogits, TeacherTopK, masked_sum_per_row
+
+Divergence = Literal["kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd"]
+LOGP_FLOOR = -1e4  # log-probs are floored so that 0 * log 0 terms stay 0 in value and gradient
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Knobs of channel 2.
+
+    - ``divergence``: ``kl_teacher_student`` (forward KL), ``kl_student_teacher``
+      (reverse KL, on-policy distillation), ``jsd`` (generalized JSD: ``jsd_beta`` = 0 is
+      KL(T||S), 1 is KL(S||T), as TRL's GKD), ``taid`` (KL to the interpolation of the
+      detached student and the teacher at the loop's ``t``, arXiv 2501.16937), or
+      ``entropy_opd`` (reverse KL plus forward KL where the teacher is uncertain,
+      arXiv 2603.07079).
+    - ``temperature``: both sides' logits are divided by it (full-logit teachers only).
+    - ``token_clip``: per-token divergences above it are clipped (and get no gradient).
+    - ``eopd_mode``: ``gate`` is the paper's hard indicator ``RKL + eopd_lambda *
+      1[H_T > eopd_entropy] * FKL``; ``soft`` mixes ``(1-w) RKL + w FKL`` with
+      ``w = clamp(H_T / eopd_entropy, 0, 1)``. ``eopd_entropy`` (nats) has no published
+      default, so it must be set.
+    """
+
+    divergence: Divergence = "jsd"
+    jsd_beta: float = 0.5
+    temperature: float = 1.0
+    token_clip: float | None = None
+    eopd_mode: Literal["gate", "soft"] = "gate"
+    eopd_entropy: float | None = None
+    eopd_lambda: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.divergence not in ("kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd"):
+            raise ValueError(f"unknown divergence {self.divergence!r}")
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.token_clip is not None and self.token_clip <= 0:
+            raise ValueError(f"token_clip must be > 0 (or None), got {self.token_clip}")
+        if self.eopd_mode not in ("gate", "soft"):
+            raise ValueError(f"unknown eopd_mode {self.eopd_mode!r}; choose 'gate' or 'soft'")
+        if self.divergence == "entropy_opd" and self.eopd_entropy is None:
+            raise ValueError(
+                "divergence 'entropy_opd' needs eopd_entropy, the teacher-entropy threshold in nats "
+                "(no published default; log(V) is the maximum)"
+            )
+        if self.eopd_mode == "soft" and self.eopd_entropy is not None and self.eopd_entropy <= 0:
+            raise ValueError("the soft entropy gate divides by eopd_entropy, so it must be > 0")
+
+
+def _terms(p_logp: Tensor, q_logp: Tensor) -> Tensor:
+    return p_logp.exp() * (p_logp - q_logp)
+
+
+def kl_teacher_student(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(T || S) per position over the last dim (forward KL, mode-covering)."""
+    return _terms(teacher_logp, student_logp).sum(-1)
+
+
+def kl_student_teacher(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(S || T) per position over the last dim (reverse KL, mode-seeking)."""
+    return _terms(student_logp, teacher_logp).sum(-1)
+
+
+def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """GKD's generalized JSD: ``beta KL(T||M) + (1-beta) KL(S||M)``, ``M = (1-beta) S + beta T``.
+
+    The endpoints are the KLs themselves (beta = 0: KL(T||S), beta = 1: KL(S||T)); the
+    value jumps there by 1/beta, as in TRL, so do not expect continuity across them.
+    """
+    if beta == 0.0:
+        return kl_teacher_student(student_logp, teacher_logp)
+    if beta == 1.0:
+        return kl_student_teacher(student_logp, teacher_logp)
+    mixture = torch.logsumexp(
+        torch.stack([student_logp + math.log1p(-beta), teacher_logp + math.log(beta)]), dim=0
+    )
+    return beta * _terms(teacher_logp, mixture).sum(-1) + (1 - beta) * _terms(student_logp, mixture).sum(-1)
+
+
+def taid(student_logp: Tensor, teacher_logp: Tensor, t: float) -> Tensor:
+    """TAID: KL(p_t || S) with ``p_t ∝ sg(S)^(1-t) T^t``.
+
+    t = 0 gives zero gradient (the target is the detached student), t = 1 the
+    forward-KL gradient; ``TAIDScheduler`` moves t between them.
+    """
+    target = torch.log_softmax((1 - t) * student_logp.detach() + t * teacher_logp, dim=-1).clamp(min=LOGP_FLOOR)
+    return _terms(target, student_logp).sum(-1)
+
+
+def entropy(logp: Tensor) -> Tensor:
+    return -(logp.exp() * logp).sum(-1)
+
+
+def entropy_opd(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig) -> Tensor:
+    """Entropy-aware on-policy distillation: reverse KL, with forward KL where the teacher is uncertain.
+
+    The gate depends on the teacher only, so it carries no gradient.
+    """
+    reverse = kl_student_teacher(student_logp, teacher_logp)
+    forward = kl_teacher_student(student_logp, teacher_logp)
+    teacher_entropy = entropy(teacher_logp.detach())
+    if cfg.eopd_mode == "gate":
+        return reverse + cfg.eopd_lambda * (teacher_entropy > cfg.eopd_entropy) * forward
+    weight = (teacher_entropy / cfg.eopd_entropy).clamp(0.0, 1.0)
+    return (1 - weight) * reverse + weight * forward
+
+
+def _with_tail(logp_k: Tensor) -> Tensor:
+    """Append a bucket holding the probability mass outside the k ids."""
+    tail = (1 - logp_k.exp().sum(-1, keepdim=True)).clamp(min=torch.finfo(logp_k.dtype).tiny).log()
+    return torch.cat([logp_k, tail], dim=-1)
+
+
+def supports(student_logits: Tensor, teacher, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Student and teacher log-probs over a shared support, ``[..., V]`` or ``[..., K+1]``."""
+    acc = torch.promote_types(student_logits.dtype, torch.float32)
+    student_logp = torch.log_softmax(student_logits.to(acc) / temperature, dim=-1)
+    if isinstance(teacher, TeacherTopK):
+        if temperature != 1.0:
+            raise ValueError("a top-k teacher's logprobs cannot be re-tempered; use temperature 1.0")
+        student = _with_tail(student_logp.gather(-1, teacher.ids))
+        return student.clamp(min=LOGP_FLOOR), _with_tail(teacher.logprobs.to(acc)).clamp(min=LOGP_FLOOR)
+    with torch.no_grad():  # a self-teacher shares the student's weights; no gradient may reach them
+        logits = teacher.logits if isinstance(teacher, TeacherLogits) else teacher.hidden @ teacher.weight.T
+        teacher_logp = torch.log_softmax(logits.to(acc) / temperature, dim=-1)
+    return student_logp.clamp(min=LOGP_FLOOR), teacher_logp.clamp(min=LOGP_FLOOR)
+
+
+def divergence(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig, taid_t: float | None) -> Tensor:
+    """Per-position divergence chosen by ``cfg.divergence``."""
+    if cfg.divergence == "kl_teacher_student":
+        return kl_teacher_student(student_logp, teacher_logp)
+    if cfg.divergence == "kl_student_teacher":
+        return kl_student_teacher(student_logp, teacher_logp)
+    if cfg.divergence == "jsd":
+        return generalized_jsd(student_logp, teacher_logp, cfg.jsd_beta)
+    if cfg.divergence == "entropy_opd":
+        return entropy_opd(student_logp, teacher_logp, cfg)
+    if taid_t is None:
+        raise ValueError("divergence 'taid' needs the schedule's current t (TAIDScheduler.t)")
+    return taid(student_logp, teacher_logp, taid_t)
+
+
+def distill_loss(
+    student_logits: Tensor, inputs: DistillInputs, cfg: DistillConfig, taid_t: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Masked token-mean divergence over the *global* distilled-token count.
+
+    Metrics are row-additive; ``agreement`` is the share of distilled tokens where the
+    student's and teacher's most likely tokens coincide.
+    """
+    student_logp, teacher_logp = supports(student_logits, inputs.teacher, cfg.temperature)
+    per_token = divergence(student_logp, teacher_logp, cfg, taid_t)
+    if cfg.token_clip is not None:
+        per_token = per_token.clamp(max=cfg.token_clip)
+    mask = inputs.mask.bool()
+    agree = student_logp.detach().argmax(-1) == teacher_logp.argmax(-1)
+    metrics = {
+        "agreement": masked_sum_per_row(agree.to(per_token.dtype), mask).sum() / inputs.counts.tokens,
+        "teacher_entropy": masked_sum_per_row(entropy(teacher_logp), mask).sum() / inputs.counts.tokens,
+    }
+    return masked_sum_per_row(per_token, mask).sum() / inputs.counts.tokens, metrics
+
+
+@dataclass
+class TAIDScheduler:
+    """TAID's adaptive schedule for t (SakanaAI/TAID ``update_t``); checkpointable.
+
+    Each ``step(loss)`` moves t by ``alpha * sigmoid(momentum of relative loss
+    improvement) * (1 - t)``, never below the linear schedule from ``t_start`` to
+    ``t_end`` over ``total_steps`` and never above ``t_end``. The first call only records
+    the loss.
+    """
+
+    total_steps: int
+    t_start: float = 0.4
+    t_end: float = 1.0
+    alpha: float = 5e-4
+    beta: float = 0.99
+    t: float | None = None
+    steps_done: int = 0
+    momentum: float = 0.0
+    previous_loss: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"TAID total_steps must be >= 1, got {self.total_steps}")
+        if not 0.0 <= self.t_start <= self.t_end <= 1.0:
+            raise ValueError(f"TAID needs 0 <= t_start <= t_end <= 1, got {self.t_start}, {self.t_end}")
+        if self.alpha < 0 or not 0.0 <= self.beta < 1.0:
+            raise ValueError("TAID needs alpha >= 0 and 0 <= beta < 1")
+        if self.t is None:
+            self.t = self.t_start
+
+    def step(self, loss: float) -> float:
+        self.steps_done += 1
+        if self.previous_loss is not None and math.isfinite(loss):
+            improvement = (self.previous_loss - loss) / (self.previous_loss + 1e-15)
+            self.momentum = self.beta * self.momentum + (1 - self.beta) * improvement
+            linear = self.t_start + (self.t_end - self.t_start) * min(self.steps_done / self.total_steps, 1.0)
+            adaptive = self.t + self.alpha * (1 / (1 + math.exp(-self.momentum))) * (1 - self.t)
+            self.t = min(self.t_end, max(linear, adaptive))
+        if math.isfinite(loss):
+            self.previous_loss = loss
+        return self.t
+
+    def state_dict(self) -> dict[str, float | int | None]:
+        return {"t": self.t, "steps_done": self.steps_done, "momentum": self.momentum, "previous_loss": self.previous_loss}
+
+    def load_state_dict(self, state: dict[str, float | int | None]) -> None:
+        self.t, self.steps_done = state["t"], state["steps_done"]
+        self.momentum, self.previous_loss = state["momentum"], state["previous_loss"]
+
+
+def hinted_inputs(
+    prompts: list[Tensor], hints: list[Tensor], completions: list[Tensor], pad_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded ``prompt ⊕ hint ⊕ completion`` ids, attention mask, and completion positions.
+
+    ``positions[b, t]`` is the index whose logits predict completion token t, so
+    ``logits[arange(B)[:, None], positions]`` aligns any context (empty hints give the student's own)
+    with the student's completion tokens. Completions are right-padded to the longest.
+    """
+    rows = [torch.cat([p, h, c]) for p, h, c in zip(prompts, hints, completions, strict=True)]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)
+    attention = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
+    width = max(len(c) for c in completions)
+    starts = torch.tensor([len(p) + len(h) - 1 for p, h in zip(prompts, hints)])
+    positions = (starts[:, None] + torch.arange(width)).clamp(max=ids.shape[1] - 1)
+    return ids, attention, positions
