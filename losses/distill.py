@@ -126,7 +126,8 @@ def entropy_opd(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig) 
     forward = kl_teacher_student(student_logp, teacher_logp)
     teacher_entropy = entropy(teacher_logp.detach())
     if cfg.eopd_mode == "gate":
-        return reverse + cfg.eopd_lambda * (teacher_entropy > cfg.eopd_entropy) * forward
+        gate = (teacher_entropy > cfg.eopd_entropy).to(forward.dtype)
+        return reverse + cfg.eopd_lambda * gate * forward
     weight = (teacher_entropy / cfg.eopd_entropy).clamp(0.0, 1.0)
     return (1 - weight) * reverse + weight * forward
 

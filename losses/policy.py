@@ -157,7 +157,7 @@ def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tu
     elif cfg.name == "dppo":
         probs_diff = logprobs.exp() - old.exp()
         limited = torch.where(advantages > 0, probs_diff > cfg.dppo_mask_high, probs_diff < -cfg.dppo_mask_low)
-        policy_gradient = (~limited) * cfg.dppo_adv_tau * advantages * ratio
+        policy_gradient = torch.where(limited, torch.zeros_like(ratio), cfg.dppo_adv_tau * advantages * ratio)
         per_token = -policy_gradient + cfg.dppo_kl_tau * log_ratio.square()
     else:
         clipped_ratio = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)

@@ -1,0 +1,32 @@
+"""Shared builders of random loss inputs (float64 by default, for exact comparisons)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from losses import Counts, PolicyInputs
+
+
+def ragged_mask(batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """Right-padded completion mask with rows of different lengths (each at least 1 token)."""
+    lengths = torch.randint(1, length + 1, (batch,), generator=generator)
+    return torch.arange(length)[None, :] < lengths[:, None]
+
+
+def random_policy(
+    batch: int = 4, length: int = 7, *, seed: int = 0, dtype=torch.float64, spread: float = 0.3
+) -> tuple[torch.Tensor, PolicyInputs]:
+    """Trainer logprobs (a leaf with grad) and policy inputs whose ratios differ from 1."""
+    g = torch.Generator().manual_seed(seed)
+    mask = ragged_mask(batch, length, g)
+    logprobs = (-torch.rand(batch, length, generator=g, dtype=dtype) * 3 - 0.05).requires_grad_()
+    old = logprobs.detach() + spread * torch.randn(batch, length, generator=g, dtype=dtype)
+    advantages = torch.randn(batch, generator=g, dtype=dtype)
+    inputs = PolicyInputs(mask=mask, advantages=advantages, counts=Counts.from_mask(mask), old_logprobs=old)
+    return logprobs, inputs
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,171 @@
+"""compose_loss: channel arithmetic, skipping, per-channel normalization, the three heads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from losses import (
+    Counts, DistillConfig, DistillInputs, LinearHead, Logits, LossConfig, LossInputs, PolicyConfig, PolicyInputs,
+    PreferenceConfig, PreferenceInputs, TeacherHidden, TeacherLogits, TeacherTopK, TokenLogprobs, compose_loss,
+    policy_loss, selective_logprobs,
+)
+
+from conftest import ragged_mask
+
+B, T, H, V = 4, 6, 8, 17
+
+
+@pytest.fixture
+def batch(generator):
+    hidden = torch.randn(B, T, H, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (B, T), generator=generator)
+    mask = ragged_mask(B, T, generator)
+    old = selective_logprobs(hidden.detach() @ weight.detach().T, targets) + 0.3 * torch.randn(B, T, generator=generator, dtype=torch.float64)
+    policy = PolicyInputs(mask, torch.randn(B, generator=generator, dtype=torch.float64), Counts.from_mask(mask), old_logprobs=old)
+    distill_mask = mask & (torch.rand(B, T, generator=generator) > 0.4)
+    teacher_hidden = torch.randn(B, T, H, generator=generator, dtype=torch.float64)
+    distill = DistillInputs(TeacherHidden(teacher_hidden, weight), distill_mask, Counts.from_mask(distill_mask))
+    pair_logps = (-torch.rand(2, 3, generator=generator, dtype=torch.float64) * 5).requires_grad_()
+    preference = PreferenceInputs(pair_logps[0], pair_logps[1], torch.tensor([3, 4, 5]), torch.tensor([2, 6, 1]), 3,
+                                  pair_logps[0].detach() - 0.2, pair_logps[1].detach() + 0.1)
+    return dict(hidden=hidden, weight=weight, inputs=LossInputs(targets, policy, distill, preference), pair_logps=pair_logps)
+
+
+def grads(loss, batch):
+    return torch.autograd.grad(loss, (batch["hidden"], batch["weight"], batch["pair_logps"]), allow_unused=True)
+
+
+def test_zero_weights_reproduce_the_policy_loss_bit_exactly(batch):
+    logits = batch["hidden"] @ batch["weight"].T
+    cfg = LossConfig(policy=PolicyConfig(name="grpo"))
+    out = compose_loss(Logits(logits), batch["inputs"], cfg)
+    reference, _ = policy_loss(selective_logprobs(logits, batch["inputs"].targets), batch["inputs"].policy, cfg.policy)
+    assert torch.equal(out.loss, reference)
+    for a, b in zip(torch.autograd.grad(out.loss, batch["hidden"], retain_graph=True), torch.autograd.grad(reference, batch["hidden"])):
+        assert torch.equal(a, b)
+    assert out.metrics["distill/skipped"] == 1 and out.metrics["preference/skipped"] == 1
+    assert out.metrics["policy/skipped"] == 0
+
+
+def test_absent_channels_contribute_exactly_zero_and_are_reported_skipped(batch):
+    logits = batch["hidden"] @ batch["weight"].T
+    cfg = LossConfig(alpha_sdpo=1.0, beta_replay=1.0)
+    policy_only = dataclasses.replace(batch["inputs"], distill=None, preference=None)
+    out = compose_loss(Logits(logits), policy_only, cfg)
+    assert torch.equal(out.loss, compose_loss(Logits(logits), policy_only, LossConfig()).loss)
+    assert out.metrics["distill/skipped"] == 1 and out.metrics["preference/skipped"] == 1
+    empty_pairs = PreferenceInputs(*(torch.empty(0),) * 4, 0)
+    out = compose_loss(Logits(logits), dataclasses.replace(policy_only, preference=empty_pairs), cfg)
+    assert out.metrics["preference/skipped"] == 1
+
+
+def test_total_is_linear_in_alpha_and_beta(batch):
+    logits = batch["hidden"] @ batch["weight"].T
+    parts = compose_loss(Logits(logits), batch["inputs"], LossConfig(alpha_sdpo=1.0, beta_replay=1.0)).metrics
+    for alpha, beta in [(0.5, 0.0), (0.0, 2.0), (0.3, 0.7)]:
+        logits = batch["hidden"] @ batch["weight"].T
+        out = compose_loss(Logits(logits), batch["inputs"], LossConfig(alpha_sdpo=alpha, beta_replay=beta))
+        expected = parts["policy/loss"] + alpha * parts["distill/loss"] + beta * parts["preference/loss"]
+        assert out.loss.item() == pytest.approx(expected, rel=1e-12)
+        assert all(torch.isfinite(g).all() for g in grads(out.loss, batch) if g is not None)
+
+
+def test_channels_are_normalized_by_their_own_counts(batch):
+    """Distilling more tokens changes the distill term's denominator, never the policy term."""
+    logits = batch["hidden"] @ batch["weight"].T
+    cfg = LossConfig(alpha_sdpo=1.0)
+    narrow = compose_loss(Logits(logits), batch["inputs"], cfg).metrics
+    wide_mask = batch["inputs"].policy.mask
+    wide = dataclasses.replace(batch["inputs"].distill, mask=wide_mask, counts=Counts.from_mask(wide_mask))
+    widened = compose_loss(Logits(logits), dataclasses.replace(batch["inputs"], distill=wide), cfg).metrics
+    assert widened["policy/loss"] == narrow["policy/loss"]
+    assert widened["distill/loss"] != narrow["distill/loss"]
+
+
+def test_linear_head_equals_full_logits_for_all_channels(batch):
+    cfg = LossConfig(policy=PolicyConfig(name="gspo"), alpha_sdpo=0.4, beta_replay=0.2, chunk_tokens=T)  # one row per chunk
+    full = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), batch["inputs"], cfg)
+    lean = compose_loss(LinearHead(batch["hidden"], batch["weight"]), batch["inputs"], cfg)
+    assert_close(lean.loss, full.loss, atol=1e-12, rtol=0)
+    assert full.metrics.keys() == lean.metrics.keys()
+    for key in full.metrics:
+        assert lean.metrics[key] == pytest.approx(full.metrics[key], abs=1e-12)
+    for a, b in zip(grads(lean.loss, batch), grads(full.loss, batch)):
+        assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_linear_head_with_a_top_k_teacher(batch, generator):
+    top = torch.log_softmax(torch.randn(B, T, V, generator=generator, dtype=torch.float64), -1).topk(4, dim=-1)
+    distill = dataclasses.replace(batch["inputs"].distill, teacher=TeacherTopK(top.indices, top.values))
+    inputs = dataclasses.replace(batch["inputs"], distill=distill)
+    cfg = LossConfig(alpha_sdpo=1.0, distill=DistillConfig(divergence="kl_teacher_student"), chunk_tokens=2 * T)
+    full = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), inputs, cfg)
+    lean = compose_loss(LinearHead(batch["hidden"], batch["weight"]), inputs, cfg)
+    assert_close(lean.loss, full.loss, atol=1e-12, rtol=0)
+
+
+def test_token_logprobs_head_serves_the_policy_channel(batch):
+    logits = batch["hidden"] @ batch["weight"].T
+    logprobs = selective_logprobs(logits, batch["inputs"].targets)
+    inputs = dataclasses.replace(batch["inputs"], targets=None, distill=None)
+    cfg = LossConfig(beta_replay=0.5)
+    out = compose_loss(TokenLogprobs(logprobs), inputs, cfg)
+    expected = compose_loss(Logits(logits), dataclasses.replace(batch["inputs"], distill=None), cfg)
+    assert torch.equal(out.loss, expected.loss)
+
+
+def test_distillation_from_token_logprobs_is_refused(batch):
+    logprobs = selective_logprobs(batch["hidden"] @ batch["weight"].T, batch["inputs"].targets)
+    with pytest.raises(ValueError, match="Logits or LinearHead"):
+        compose_loss(TokenLogprobs(logprobs), batch["inputs"], LossConfig(alpha_sdpo=0.1))
+
+
+def test_missing_targets_and_empty_inputs_are_clear_errors(batch):
+    logits = batch["hidden"] @ batch["weight"].T
+    with pytest.raises(ValueError, match="targets"):
+        compose_loss(Logits(logits), dataclasses.replace(batch["inputs"], targets=None), LossConfig())
+    with pytest.raises(ValueError, match="no loss inputs"):
+        compose_loss(Logits(logits), LossInputs(), LossConfig())
+
+
+def test_taid_t_reaches_the_distill_channel(batch):
+    logits = batch["hidden"] @ batch["weight"].T
+    cfg = LossConfig(alpha_sdpo=1.0, distill=DistillConfig(divergence="taid"))
+    inputs = dataclasses.replace(batch["inputs"], policy=None, preference=None)
+    zero = compose_loss(Logits(logits), inputs, cfg, taid_t=0.0)
+    assert torch.autograd.grad(zero.loss, batch["hidden"])[0].abs().max() < 1e-12
+    assert compose_loss(Logits(logits), inputs, cfg, taid_t=1.0).loss > 0
+
+
+def test_empty_batch_is_finite(generator):
+    hidden = torch.zeros(0, T, H, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(0, T, dtype=torch.bool)
+    inputs = LossInputs(
+        torch.zeros(0, T, dtype=torch.long),
+        PolicyInputs(mask, torch.zeros(0, dtype=torch.float64), Counts.from_mask(mask)),
+        DistillInputs(TeacherLogits(torch.zeros(0, T, V, dtype=torch.float64)), mask, Counts.from_mask(mask)),
+    )
+    for head in (Logits(hidden @ weight.T), LinearHead(hidden, weight)):
+        out = compose_loss(head, inputs, LossConfig(alpha_sdpo=1.0))
+        assert out.loss.item() == 0 and all(torch.isfinite(torch.tensor(v)) for v in out.metrics.values())
+        out.loss.backward()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(alpha_sdpo=-0.1), ValueError, "channel weights"),
+        (dict(chunk_tokens=0), ValueError, "chunk_tokens"),
+        (dict(policy="dapo"), TypeError, "PolicyConfig"),
+        (dict(preference=PreferenceConfig, beta_replay=0.1), TypeError, "PreferenceConfig"),
+    ],
+)
+def test_invalid_loss_configs_fail_at_build_time(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        LossConfig(**kwargs)

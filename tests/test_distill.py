@@ -1,0 +1,281 @@
+"""Channel 2 invariants (reference/losses.md §2-5): divergences, top-k support, TAID, EOPD, SDPO."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from losses import Counts, DistillConfig, DistillInputs, TAIDScheduler, TeacherHidden, TeacherLogits, TeacherTopK, distill_loss, hinted_inputs
+from losses.distill import entropy, generalized_jsd, kl_student_teacher, kl_teacher_student, supports
+
+DIVERGENCES = [
+    DistillConfig(divergence="kl_teacher_student"),
+    DistillConfig(divergence="kl_student_teacher"),
+    DistillConfig(divergence="jsd", jsd_beta=0.3),
+    DistillConfig(divergence="taid"),
+    DistillConfig(divergence="entropy_opd", eopd_entropy=1.0),
+    DistillConfig(divergence="entropy_opd", eopd_mode="soft", eopd_entropy=1.0),
+]
+
+
+def logits_pair(generator, shape=(3, 5, 11)):
+    student = torch.randn(shape, generator=generator, dtype=torch.float64, requires_grad=True)
+    teacher = 2 * torch.randn(shape, generator=generator, dtype=torch.float64)
+    return student, teacher
+
+
+def run(student, teacher, cfg, mask=None, taid_t=0.5):
+    mask = torch.ones(student.shape[:-1], dtype=torch.bool) if mask is None else mask
+    inputs = DistillInputs(teacher=teacher, mask=mask, counts=Counts.from_mask(mask))
+    return distill_loss(student, inputs, cfg, taid_t=taid_t)
+
+
+def grad_of(loss, leaf):
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return grad
+
+
+@pytest.mark.parametrize("cfg", DIVERGENCES, ids=lambda c: f"{c.divergence}-{c.eopd_mode}")
+def test_every_divergence_is_zero_with_zero_gradient_when_student_equals_teacher(cfg, generator):
+    student, _ = logits_pair(generator)
+    loss, _ = run(student, TeacherLogits(student.detach().clone()), cfg)
+    assert abs(loss.item()) < 1e-12
+    assert grad_of(loss, student).abs().max() < 1e-12
+
+
+def test_jsd_endpoints_are_the_kls_and_midpoint_is_symmetric(generator):
+    student, teacher = logits_pair(generator)
+    s, t = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
+    assert_close(generalized_jsd(s, t, 0.0), kl_teacher_student(s, t))
+    assert_close(generalized_jsd(s, t, 1.0), kl_student_teacher(s, t))
+    assert_close(generalized_jsd(s, t, 0.5), generalized_jsd(t, s, 0.5))
+    assert (generalized_jsd(s, t, 0.5) <= math.log(2) + 1e-12).all()
+    # near the endpoints JSD/beta -> KL(T||S): the value jumps at beta = 0 by 1/beta
+    assert_close(generalized_jsd(s, t, 1e-6) / 1e-6, kl_teacher_student(s, t), rtol=1e-4, atol=1e-6)
+
+
+def test_kls_are_named_by_argument_order(generator):
+    student, teacher = logits_pair(generator, (1, 1, 4))
+    s, t = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)
+    forward = (t.exp() * (t - s)).sum(-1)
+    assert_close(kl_teacher_student(s, t), forward)
+    assert_close(kl_student_teacher(s, t), (s.exp() * (s - t)).sum(-1))
+
+
+def test_taid_t0_gives_zero_gradient_and_t1_the_forward_kl_gradient(generator):
+    student, teacher = logits_pair(generator)
+    cfg = DistillConfig(divergence="taid")
+    zero, _ = run(student, TeacherLogits(teacher), cfg, taid_t=0.0)
+    assert grad_of(zero, student).abs().max() < 1e-12
+    one, _ = run(student, TeacherLogits(teacher), cfg, taid_t=1.0)
+    forward, _ = run(student, TeacherLogits(teacher), DistillConfig(divergence="kl_teacher_student"))
+    assert_close(grad_of(one, student), grad_of(forward, student), atol=1e-12, rtol=0)
+
+
+def test_taid_without_t_is_a_clear_error(generator):
+    student, teacher = logits_pair(generator)
+    with pytest.raises(ValueError, match="TAIDScheduler"):
+        run(student, TeacherLogits(teacher), DistillConfig(divergence="taid"), taid_t=None)
+
+
+def test_entropy_opd_limits(generator):
+    student, teacher = logits_pair(generator)
+    teacher_ = TeacherLogits(teacher)
+    reverse, _ = run(student, teacher_, DistillConfig(divergence="kl_student_teacher"))
+    forward, _ = run(student, teacher_, DistillConfig(divergence="kl_teacher_student"))
+    never, _ = run(student, teacher_, DistillConfig(divergence="entropy_opd", eopd_entropy=math.inf))
+    assert_close(never, reverse, atol=1e-12, rtol=0)  # tau = inf: plain reverse-KL OPD
+    always, _ = run(student, teacher_, DistillConfig(divergence="entropy_opd", eopd_entropy=-1.0, eopd_lambda=0.7))
+    assert_close(always, reverse + 0.7 * forward, atol=1e-12, rtol=0)
+    # soft gate: H_T >= h_max is pure forward KL; a near-one-hot teacher (H_T ~ 0) is pure reverse KL
+    soft_high, _ = run(student, teacher_, DistillConfig(divergence="entropy_opd", eopd_mode="soft", eopd_entropy=1e-9))
+    assert_close(soft_high, forward, atol=1e-12, rtol=0)
+    sharp = TeacherLogits(torch.nn.functional.one_hot(teacher.argmax(-1), 11).double() * 60)
+    soft_low, _ = run(student, sharp, DistillConfig(divergence="entropy_opd", eopd_mode="soft", eopd_entropy=1e6))
+    reverse_sharp, _ = run(student, sharp, DistillConfig(divergence="kl_student_teacher"))
+    assert_close(soft_low, reverse_sharp, atol=1e-6, rtol=0)
+
+
+def test_entropy_gate_depends_on_the_teacher_only(generator):
+    student, teacher = logits_pair(generator)
+    s, t = supports(student, TeacherLogits(teacher))
+    threshold = entropy(t).median().item()
+    cfg = DistillConfig(divergence="entropy_opd", eopd_entropy=threshold)
+    gated = entropy(t) > threshold
+    loss, _ = run(student, TeacherLogits(teacher), cfg)
+    expected = (kl_student_teacher(s, t) + gated * kl_teacher_student(s, t)).mean()
+    assert_close(loss, expected, atol=1e-12, rtol=0)
+
+
+def test_top_k_support_sums_to_one_and_k_equal_v_is_the_full_divergence(generator):
+    student, teacher = logits_pair(generator)
+    teacher_logp = torch.log_softmax(teacher, -1)
+    top = teacher_logp.topk(4, dim=-1)
+    s, t = supports(student, TeacherTopK(top.indices, top.values))
+    assert s.shape[-1] == 5
+    assert_close(s.exp().sum(-1), torch.ones(3, 5, dtype=torch.float64))
+    assert_close(t.exp().sum(-1), torch.ones(3, 5, dtype=torch.float64))
+    everything = teacher_logp.topk(11, dim=-1)
+    for cfg in DIVERGENCES:
+        full, _ = run(student, TeacherLogits(teacher), cfg)
+        topk, _ = run(student, TeacherTopK(everything.indices, everything.values), cfg)
+        assert_close(topk, full, atol=1e-9, rtol=0)
+        assert_close(grad_of(topk, student), grad_of(full, student), atol=1e-9, rtol=0)
+
+
+def test_top_k_divergence_has_a_gradient_and_is_finite_for_k_one(generator):
+    student, teacher = logits_pair(generator)
+    top = torch.log_softmax(teacher, -1).topk(1, dim=-1)
+    loss, _ = run(student, TeacherTopK(top.indices, top.values), DistillConfig(divergence="jsd"))
+    grad = grad_of(loss, student)
+    assert loss > 0 and torch.isfinite(grad).all() and grad.abs().max() > 0
+
+
+def test_hidden_teacher_equals_logits_teacher_and_sends_no_gradient_to_shared_weights(generator):
+    hidden = torch.randn(2, 3, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    teacher_hidden = torch.randn(2, 3, 6, generator=generator, dtype=torch.float64)
+    cfg = DistillConfig(divergence="jsd")
+    shared, _ = run(hidden @ weight.T, TeacherHidden(teacher_hidden, weight), cfg)
+    frozen, _ = run(hidden @ weight.T, TeacherLogits(teacher_hidden @ weight.detach().T), cfg)
+    assert_close(shared, frozen, atol=1e-12, rtol=0)
+    assert_close(grad_of(shared, weight), grad_of(frozen, weight), atol=1e-12, rtol=0)
+
+
+def test_token_clip_caps_each_token(generator):
+    student, teacher = logits_pair(generator)
+    cfg = DistillConfig(divergence="kl_teacher_student", token_clip=0.5)
+    clipped, _ = run(student, TeacherLogits(teacher), cfg)
+    s, t = supports(student, TeacherLogits(teacher))
+    assert_close(clipped, kl_teacher_student(s, t).clamp(max=0.5).mean())
+
+
+def test_masked_tokens_do_not_count(generator):
+    student, teacher = logits_pair(generator)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[0, :2] = True
+    loss, metrics = run(student, TeacherLogits(teacher), DistillConfig(), mask=mask)
+    alone, _ = run(student[:1, :2], TeacherLogits(teacher[:1, :2]), DistillConfig())
+    assert_close(loss, alone)
+    assert grad_of(loss, student)[~mask].abs().max() == 0
+    assert 0 <= metrics["agreement"] <= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(divergence="mse"), "unknown divergence"),
+        (dict(jsd_beta=1.5), "jsd_beta"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(token_clip=0.0), "token_clip"),
+        (dict(divergence="entropy_opd"), "eopd_entropy"),
+        (dict(eopd_mode="hard"), "eopd_mode"),
+    ],
+)
+def test_invalid_distill_configs_fail_at_build_time(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DistillConfig(**kwargs)
+
+
+def test_top_k_teacher_refuses_temperature(generator):
+    student, teacher = logits_pair(generator)
+    top = torch.log_softmax(teacher, -1).topk(3, dim=-1)
+    with pytest.raises(ValueError, match="re-tempered"):
+        run(student, TeacherTopK(top.indices, top.values), DistillConfig(temperature=2.0))
+
+
+# -- TAID schedule ----------------------------------------------------------------------
+
+
+def test_taid_schedule_is_monotone_above_linear_and_capped():
+    scheduler = TAIDScheduler(total_steps=50, t_start=0.2, t_end=0.9, alpha=0.05)
+    history = [scheduler.t]
+    losses = [5.0 * 0.97**n + 0.1 * math.sin(n) for n in range(60)]
+    for n, loss in enumerate(losses):
+        history.append(scheduler.step(loss))
+        linear = 0.2 + 0.7 * min((n + 1) / 50, 1.0)
+        if n > 0:
+            assert scheduler.t >= linear - 1e-12
+    assert history[1] == history[0]  # the first call only records the loss
+    assert all(b >= a for a, b in zip(history, history[1:]))
+    assert max(history) <= 0.9 and history[-1] == pytest.approx(0.9)
+
+
+def test_taid_schedule_resumes_from_its_state_dict():
+    losses = [3.0, 2.5, 2.7, 2.0, 1.9, 1.5, 1.6, 1.2]
+    straight = TAIDScheduler(total_steps=20, alpha=0.1)
+    for loss in losses:
+        straight.step(loss)
+    first = TAIDScheduler(total_steps=20, alpha=0.1)
+    for loss in losses[:4]:
+        first.step(loss)
+    resumed = TAIDScheduler(total_steps=20, alpha=0.1)
+    resumed.load_state_dict(first.state_dict())
+    for loss in losses[4:]:
+        resumed.step(loss)
+    assert resumed.state_dict() == straight.state_dict()
+
+
+def test_taid_schedule_validates():
+    with pytest.raises(ValueError, match="t_start <= t_end"):
+        TAIDScheduler(total_steps=10, t_start=0.9, t_end=0.5)
+    with pytest.raises(ValueError, match="total_steps"):
+        TAIDScheduler(total_steps=0)
+
+
+# -- SDPO: the policy itself, with a hint in context, is the teacher ----------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).double().eval()
+
+
+def completion_logits(model, prompts, hints, completions):
+    ids, attention, positions = hinted_inputs(prompts, hints, completions, pad_id=0)
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    return logits[torch.arange(len(prompts))[:, None], positions]
+
+
+def test_sdpo_with_an_empty_hint_is_zero_and_a_hint_changes_the_teacher(tiny_lm):
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    completions = [torch.tensor([6, 7, 8, 9]), torch.tensor([10, 11, 12, 13])]
+    empty = [torch.tensor([], dtype=torch.long)] * 2
+    hints = [torch.tensor([20, 21]), torch.tensor([22, 23, 24])]
+    student = completion_logits(tiny_lm, prompts, empty, completions)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    cfg = DistillConfig(divergence="kl_student_teacher")
+    with torch.no_grad():
+        self_teacher = completion_logits(tiny_lm, prompts, empty, completions)
+        hinted_teacher = completion_logits(tiny_lm, prompts, hints, completions)
+    same, _ = run(student, TeacherLogits(self_teacher), cfg, mask=mask)
+    assert abs(same.item()) < 1e-12
+    params = [p for p in tiny_lm.parameters()]
+    assert max(g.abs().max() for g in torch.autograd.grad(same, params, allow_unused=True) if g is not None) < 1e-10
+    student = completion_logits(tiny_lm, prompts, empty, completions)
+    hinted, _ = run(student, TeacherLogits(hinted_teacher), cfg, mask=mask)
+    assert hinted > 1e-6
+
+
+def test_hinted_positions_align_the_completion_tokens(tiny_lm):
+    """The teacher's logits at ``positions`` predict exactly the completion tokens, whatever the hint length."""
+    prompt, completion = torch.tensor([1, 2, 3]), torch.tensor([6, 7, 8])
+    for hint in (torch.tensor([], dtype=torch.long), torch.tensor([20]), torch.tensor([20, 21, 22, 23])):
+        ids, _, positions = hinted_inputs([prompt], [hint], [completion], pad_id=0)
+        assert torch.equal(ids[0, positions[0] + 1], completion)
+    # a one-token prompt and ragged completions still align
+    ids, attention, positions = hinted_inputs(
+        [torch.tensor([5]), torch.tensor([1, 2])], [torch.tensor([9]), torch.tensor([], dtype=torch.long)],
+        [torch.tensor([3, 4, 6]), torch.tensor([7])], pad_id=0,
+    )
+    assert torch.equal(ids[0, positions[0] + 1], torch.tensor([3, 4, 6]))
+    assert ids[1, positions[1, 0] + 1] == 7 and attention.sum(1).tolist() == [5, 3]

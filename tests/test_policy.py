@@ -1,0 +1,320 @@
+"""Channel 1 invariants (reference/losses.md §1) and advantage estimators."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from losses import Counts, PolicyConfig, PolicyInputs, group_advantages, informative_groups, overlong_penalty, policy_loss
+from losses.policy import DEFAULTS, aggregate, importance_weights
+
+from conftest import random_policy
+
+ALL = sorted(DEFAULTS)
+
+
+def grad_of(loss: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return grad
+
+
+def aggregation_weights(inputs: PolicyInputs, how: str) -> torch.Tensor:
+    """d loss / d per_token_loss for each aggregation."""
+    mask = inputs.mask.to(torch.float64)
+    if how == "token_mean":
+        return mask / inputs.counts.tokens
+    if how == "seq_mean_token_mean":
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1) / inputs.counts.sequences
+    return mask / (inputs.counts.sequences * inputs.counts.max_len)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_on_policy_gradient_is_reinforce(name):
+    logprobs, inputs = random_policy()
+    inputs = dataclasses.replace(inputs, old_logprobs=None)  # ratio exactly 1
+    cfg = PolicyConfig(name=name)
+    loss, _ = policy_loss(logprobs, inputs, cfg)
+    expected = -inputs.advantages[:, None] * aggregation_weights(inputs, cfg.aggregation)
+    assert_close(grad_of(loss, logprobs), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo"])
+def test_clipped_tokens_get_zero_gradient(name):
+    cfg = PolicyConfig(name=name)
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    logprobs = torch.full((4, 1), -1.0, dtype=torch.float64, requires_grad=True)
+    up, down = 1 + cfg.clip_high + 0.1, 1 - cfg.clip_low - 0.1
+    ratios = torch.tensor([[up], [down], [up], [down]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    inputs = PolicyInputs(mask, advantages, Counts.from_mask(mask), old_logprobs=logprobs.detach() - ratios.log())
+    loss, metrics = policy_loss(logprobs, inputs, cfg)
+    grad = grad_of(loss, logprobs).squeeze(1)
+    assert grad[0] == 0 and grad[1] == 0  # A>0 above the range, A<0 below it: clipped
+    assert grad[2] != 0 and grad[3] != 0  # the pessimistic side is never clipped
+    assert metrics["clipped_fraction"] == pytest.approx(0.5)
+
+
+def test_k3_is_nonnegative_and_zero_only_at_the_reference(generator):
+    logprobs, inputs = random_policy()
+    ref = logprobs.detach() + torch.randn(logprobs.shape, generator=generator, dtype=torch.float64)
+    with_kl = PolicyConfig(name="grpo", kl_coef=0.5)
+    _, metrics = policy_loss(logprobs, dataclasses.replace(inputs, ref_logprobs=ref), with_kl)
+    assert metrics["kl"] > 0
+    _, metrics = policy_loss(logprobs, dataclasses.replace(inputs, ref_logprobs=logprobs.detach()), with_kl)
+    assert metrics["kl"] == 0
+    # the penalty adds exactly kl_coef * k3, which is >= 0 token by token
+    kl_only = dataclasses.replace(inputs, advantages=torch.zeros(4, dtype=torch.float64), ref_logprobs=ref)
+    loss, _ = policy_loss(logprobs, kl_only, dataclasses.replace(with_kl, aggregation="token_mean"))
+    diff = ref - logprobs.detach()
+    k3 = diff.exp() - diff - 1
+    assert (k3 >= 0).all()
+    assert_close(loss, 0.5 * k3[inputs.mask].sum() / inputs.counts.tokens)
+
+
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_k3_gradient_direction(unbiased):
+    """Plain k3 estimates grad KL(ref || pi); ratio-corrected k3 estimates grad KL(pi || ref)."""
+    torch.manual_seed(0)
+    theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(5, dtype=torch.float64), -1)
+    samples = torch.multinomial(torch.softmax(theta.detach(), -1), 400_000, replacement=True)
+    logprobs = torch.log_softmax(theta, -1)[samples][None]
+    mask = torch.ones_like(logprobs, dtype=torch.bool)
+    inputs = PolicyInputs(mask, torch.zeros(1, dtype=torch.float64), Counts.from_mask(mask), ref_logprobs=ref[samples][None])
+    loss, _ = policy_loss(logprobs, inputs, PolicyConfig(name="grpo", kl_coef=1.0, kl_unbiased=unbiased))
+    estimate = grad_of(loss, theta)
+    def pi():
+        return torch.log_softmax(theta, -1)
+
+    exact_pi_ref = grad_of((pi().exp() * (pi() - ref)).sum(), theta)
+    exact_ref_pi = grad_of((ref.exp() * (ref - pi())).sum(), theta)
+    target, other = (exact_pi_ref, exact_ref_pi) if unbiased else (exact_ref_pi, exact_pi_ref)
+    assert (estimate - target).norm() / target.norm() < 0.03
+    assert (estimate - other).norm() / other.norm() > 0.2
+
+
+def test_gspo_sequence_ratio_is_length_normalized():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    logprobs = torch.full((2, 4), -1.0, dtype=torch.float64)
+    inputs = PolicyInputs(mask, torch.ones(2, dtype=torch.float64), Counts.from_mask(mask), old_logprobs=logprobs - 0.3)
+    _, metrics = policy_loss(logprobs, inputs, PolicyConfig(name="gspo"))
+    assert metrics["ratio"].item() == pytest.approx(torch.tensor(0.3).exp().item())  # e^d for both lengths
+    # appending tokens with log-ratio 0 pulls the sequence ratio towards 1
+    old = (logprobs - 0.3).masked_fill(torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.bool), -1.0)
+    _, diluted = policy_loss(logprobs, dataclasses.replace(inputs, old_logprobs=old), PolicyConfig(name="gspo"))
+    assert 1 < diluted["ratio"] < metrics["ratio"]
+
+
+def test_gspo_token_gradient_equals_gspo_without_clipping():
+    logprobs, inputs = random_policy(spread=0.01)
+    wide = dict(clip_low=0.9, clip_high=10.0)
+    gspo = grad_of(policy_loss(logprobs, inputs, PolicyConfig(name="gspo", **wide))[0], logprobs)
+    token = grad_of(policy_loss(logprobs, inputs, PolicyConfig(name="gspo_token", **wide))[0], logprobs)
+    assert_close(gspo, token, atol=1e-12, rtol=0)
+
+
+def test_cispo_gradient_formula_and_no_dead_tokens():
+    logprobs, inputs = random_policy(spread=1.0)
+    cap = 1.5
+    loss, metrics = policy_loss(logprobs, inputs, PolicyConfig(name="cispo", cispo_max_ratio=cap))
+    ratio = (logprobs.detach() - inputs.old_logprobs).exp()
+    expected = -ratio.clamp(max=cap) * inputs.advantages[:, None] * inputs.mask / inputs.counts.tokens
+    grad = grad_of(loss, logprobs)
+    assert_close(grad, expected, atol=1e-12, rtol=0)
+    beyond = inputs.mask & (ratio > cap)
+    assert beyond.any() and (grad[beyond] != 0).all()  # unlike PPO-clip, capped tokens still learn
+    assert metrics["clipped_fraction"] == pytest.approx(beyond.sum().item() / inputs.counts.tokens)
+
+
+def test_cispo_weight_is_detached_and_linear_in_the_ratio():
+    logprobs, inputs = random_policy(spread=0.0)
+    base = grad_of(policy_loss(logprobs, inputs, PolicyConfig(name="cispo"))[0], logprobs)
+    shifted = dataclasses.replace(inputs, old_logprobs=inputs.old_logprobs - math.log(1.2))
+    scaled = grad_of(policy_loss(logprobs, shifted, PolicyConfig(name="cispo"))[0], logprobs)
+    assert_close(scaled, 1.2 * base, atol=1e-12, rtol=0)
+
+
+def test_dppo_mask_follows_the_advantage_sign():
+    """PRIME-RL's default: a probability move beyond 0.2 in the advantage's direction is masked."""
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    old_probs = torch.tensor([[0.3], [0.7], [0.3], [0.7]], dtype=torch.float64)
+    new_probs = torch.tensor([[0.6], [0.4], [0.6], [0.4]], dtype=torch.float64)  # rise, fall, rise, fall
+    logprobs = new_probs.log().requires_grad_()
+    advantages = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+    inputs = PolicyInputs(mask, advantages, Counts.from_mask(mask), old_logprobs=old_probs.log())
+    cfg = PolicyConfig(name="dppo")
+    grad = grad_of(policy_loss(logprobs, inputs, cfg)[0], logprobs).squeeze(1)
+    log_ratio = (new_probs / old_probs).log().squeeze(1)
+    kl_grad = 2 * cfg.dppo_kl_tau * log_ratio / 4
+    keep = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    expected = -keep * advantages * (new_probs / old_probs).squeeze(1) / 4 + kl_grad
+    assert_close(grad, expected, atol=1e-12, rtol=0)
+
+
+def test_dppo_on_policy_loss_is_minus_the_advantage_sum():
+    logprobs, inputs = random_policy()
+    inputs = dataclasses.replace(inputs, old_logprobs=logprobs.detach())
+    loss, _ = policy_loss(logprobs, inputs, PolicyConfig(name="dppo"))
+    expected = -(inputs.advantages[:, None] * inputs.mask).sum() / inputs.counts.tokens
+    assert_close(loss, expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_weights_are_one_when_sampler_matches(mode):
+    logprobs, inputs = random_policy()
+    plain = policy_loss(logprobs, inputs, PolicyConfig(name="dapo"))[0]
+    matched = dataclasses.replace(inputs, inference_logprobs=inputs.old_logprobs.clone())
+    corrected, metrics = policy_loss(logprobs, matched, PolicyConfig(name="dapo", is_mode=mode))
+    assert torch.equal(plain, corrected)
+    assert metrics["is_weight"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_weights_are_bounded_and_detached(mode, generator):
+    logprobs, inputs = random_policy()
+    inference = inputs.old_logprobs + torch.randn(logprobs.shape, generator=generator, dtype=torch.float64)
+    cfg = PolicyConfig(name="dapo", is_mode=mode, is_min=0.5, is_max=2.0)
+    weight = importance_weights(inputs.old_logprobs, inference, inputs.mask, cfg)
+    assert not weight.requires_grad
+    if mode.endswith("truncate"):
+        assert (weight <= 2.0).all() and (weight > 0).all()
+    else:
+        assert ((weight == 0) | ((weight >= 0.5) & (weight <= 2.0))).all() and (weight == 0).any()
+    # the weight multiplies the loss, so gradients scale by it token by token
+    with_is = dataclasses.replace(inputs, inference_logprobs=inference)
+    grad = grad_of(policy_loss(logprobs, with_is, cfg)[0], logprobs)
+    plain = grad_of(policy_loss(logprobs, inputs, PolicyConfig(name="dapo"))[0], logprobs)
+    assert_close(grad, plain * weight.expand_as(plain), atol=1e-12, rtol=0)
+
+
+def test_sequence_importance_weight_is_a_product_not_a_mean():
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    inference = torch.full((1, 3), -0.1, dtype=torch.float64)
+    cfg = PolicyConfig(is_mode="sequence_truncate", is_max=100.0)
+    assert importance_weights(old, inference, mask, cfg).item() == pytest.approx(torch.tensor(0.3).exp().item())
+
+
+def test_importance_correction_without_inference_logprobs_is_a_clear_error():
+    logprobs, inputs = random_policy()
+    with pytest.raises(ValueError, match="inference_logprobs"):
+        policy_loss(logprobs, inputs, PolicyConfig(is_mode="token_truncate"))
+
+
+def test_token_mean_and_sequence_mean_differ_only_with_unequal_lengths():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+    equal = torch.ones(2, 3, dtype=torch.bool)
+    counts = Counts.from_mask(equal)
+    assert aggregate(per_token, equal, "token_mean", counts) == aggregate(per_token, equal, "seq_mean_token_mean", counts)
+    ragged = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    counts = Counts.from_mask(ragged)
+    assert aggregate(per_token, ragged, "token_mean", counts) != aggregate(per_token, ragged, "seq_mean_token_mean", counts)
+
+
+def test_token_mean_is_unchanged_by_duplicating_the_batch():
+    logprobs, inputs = random_policy()
+    loss = policy_loss(logprobs, inputs, PolicyConfig(name="dapo"))[0]
+    doubled = PolicyInputs(
+        mask=inputs.mask.repeat(2, 1),
+        advantages=inputs.advantages.repeat(2),
+        counts=Counts.from_mask(inputs.mask.repeat(2, 1)),
+        old_logprobs=inputs.old_logprobs.repeat(2, 1),
+    )
+    assert_close(policy_loss(logprobs.repeat(2, 1), doubled, PolicyConfig(name="dapo"))[0], loss)
+
+
+def test_dr_grpo_has_no_length_weighting():
+    """Moving a token between sequences of the batch leaves the constant-normalized loss unchanged."""
+    a = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, 2.0, 0.0, 0.0], [4.0, 3.0, 0.0, 0.0]], dtype=torch.float64)  # token "3" moved
+    mask_a, mask_b = a != 0, b != 0
+    counts = Counts(tokens=4, sequences=2, max_len=4)
+    assert aggregate(a, mask_a, "constant", counts) == aggregate(b, mask_b, "constant", counts)
+    assert aggregate(a, mask_a, "seq_mean_token_mean", counts) != aggregate(b, mask_b, "seq_mean_token_mean", counts)
+
+
+def test_loss_of_row_slices_adds_up_to_the_batch():
+    """Global counts make every method row-separable (what the memory-lean path relies on)."""
+    logprobs, inputs = random_policy(batch=5)
+    for name in ALL:
+        cfg = PolicyConfig(name=name)
+        whole, whole_metrics = policy_loss(logprobs, inputs, cfg)
+        parts = [policy_loss(logprobs[s], inputs.rows(s), cfg) for s in (slice(0, 2), slice(2, 5))]
+        assert_close(parts[0][0] + parts[1][0], whole)
+        for key in whole_metrics:
+            assert_close(parts[0][1][key] + parts[1][1][key], whole_metrics[key])
+
+
+# -- advantages -------------------------------------------------------------------------
+
+
+def test_group_advantages_are_centred_per_group():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.9])
+    for scale in (True, False):
+        advantages = group_advantages(rewards, 3, scale=scale).reshape(2, 3)
+        assert_close(advantages.sum(1), torch.zeros(2), atol=1e-6, rtol=0)
+
+
+def test_degenerate_groups_get_zero_advantage():
+    assert torch.equal(group_advantages(torch.full((8,), 0.7), 4), torch.zeros(8))
+    assert torch.equal(group_advantages(torch.tensor([0.3, 0.9]), 1), torch.zeros(2))  # groups of one
+    assert torch.equal(group_advantages(torch.tensor([0.3, 0.9]), 1, scale=False), torch.zeros(2))
+
+
+def test_std_scaling_is_scale_invariant_and_mean_centring_is_not():
+    rewards = torch.tensor([1.0, 0.0, 0.25, 0.5])
+    assert_close(group_advantages(rewards * 10, 4, eps=0), group_advantages(rewards, 4, eps=0))
+    assert_close(group_advantages(rewards * 10, 4, scale=False), 10 * group_advantages(rewards, 4, scale=False))
+
+
+def test_rewards_that_do_not_fill_groups_are_refused():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_advantages(torch.zeros(6), 4)
+
+
+def test_dynamic_sampling_keeps_only_informative_groups():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.5])
+    assert informative_groups(rewards, 2).tolist() == [False, False, False, False, True, True, False, False]
+    assert not informative_groups(torch.ones(4), 2).any()
+
+
+def test_overlong_penalty_shape():
+    lengths = torch.arange(0, 25)
+    penalty = overlong_penalty(lengths, max_len=20, cache_len=4)
+    assert penalty[16] == 0 and penalty[20] == -1 and penalty[24] == -1 and (penalty[:17] == 0).all()
+    assert (penalty[1:] <= penalty[:-1]).all()  # monotone non-increasing
+    assert penalty[18] == pytest.approx(-0.5)
+
+
+# -- config -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(name="ppo"), "unknown policy loss"),
+        (dict(name="cispo", clip_high=0.3), "cispo_max_ratio"),
+        (dict(name="dppo", clip_low=0.1), "dppo_mask"),
+        (dict(clip_low=1.5), "clip_low"),
+        (dict(kl_coef=-1.0), "kl_coef"),
+        (dict(name="dppo", kl_coef=0.1), "dppo_kl_tau"),
+        (dict(kl_unbiased=True), "kl_coef > 0"),
+        (dict(is_mode="token_truncate", is_min=3.0, is_max=2.0), "is_min < is_max"),
+        (dict(aggregation="sum"), "aggregation"),
+    ],
+)
+def test_invalid_policy_configs_fail_at_build_time(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**kwargs)
+
+
+def test_method_defaults_are_the_published_ones():
+    assert (PolicyConfig(name="dapo").clip_low, PolicyConfig(name="dapo").clip_high) == (0.2, 0.28)
+    assert PolicyConfig(name="dapo").aggregation == "token_mean"
+    assert PolicyConfig(name="dr_grpo").aggregation == "constant"
+    assert (PolicyConfig(name="gspo").clip_low, PolicyConfig(name="gspo").clip_high) == (3e-4, 4e-4)
+    assert PolicyConfig(name="grpo", clip_high=0.3).clip_high == 0.3
