@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from losses import Counts, PolicyInputs
+from losses import Counts, DistillConfig, PolicyInputs
+
+# One of each channel-2 divergence (and both entropy-aware OPD gates).
+DIVERGENCES = [
+    DistillConfig(divergence="kl_teacher_student"),
+    DistillConfig(divergence="kl_student_teacher"),
+    DistillConfig(divergence="jsd", jsd_beta=0.3),
+    DistillConfig(divergence="taid"),
+    DistillConfig(divergence="entropy_opd", eopd_entropy=1.0),
+    DistillConfig(divergence="entropy_opd", eopd_mode="soft", eopd_entropy=1.0, token_clip=2.0),
+]
 
 
 def ragged_mask(batch: int, length: int, generator: torch.Generator) -> torch.Tensor:

@@ -9,16 +9,9 @@ import torch
 from torch.testing import assert_close
 
 from losses import Counts, DistillConfig, DistillInputs, TAIDScheduler, TeacherHidden, TeacherLogits, TeacherTopK, distill_loss, hinted_inputs
+from conftest import DIVERGENCES
 from losses.distill import entropy, generalized_jsd, kl_student_teacher, kl_teacher_student, supports
 
-DIVERGENCES = [
-    DistillConfig(divergence="kl_teacher_student"),
-    DistillConfig(divergence="kl_student_teacher"),
-    DistillConfig(divergence="jsd", jsd_beta=0.3),
-    DistillConfig(divergence="taid"),
-    DistillConfig(divergence="entropy_opd", eopd_entropy=1.0),
-    DistillConfig(divergence="entropy_opd", eopd_mode="soft", eopd_entropy=1.0),
-]
 
 
 def logits_pair(generator, shape=(3, 5, 11)):

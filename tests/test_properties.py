@@ -11,16 +11,9 @@ from losses import (
     Counts, DistillConfig, DistillInputs, LinearHead, Logits, LossConfig, LossInputs, PolicyConfig, PolicyInputs,
     PreferenceInputs, TeacherLogits, TeacherTopK, compose_loss,
 )
+from conftest import DIVERGENCES
 from losses.policy import DEFAULTS
 
-DIVERGENCES = [
-    DistillConfig(divergence="kl_teacher_student"),
-    DistillConfig(divergence="kl_student_teacher"),
-    DistillConfig(divergence="jsd", jsd_beta=0.5),
-    DistillConfig(divergence="taid"),
-    DistillConfig(divergence="entropy_opd", eopd_entropy=0.5),
-    DistillConfig(divergence="entropy_opd", eopd_mode="soft", eopd_entropy=0.5, token_clip=2.0),
-]
 
 
 @st.composite
