@@ -44,7 +44,7 @@ class LossConfig:
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     alpha_sdpo: float = 0.0
     beta_replay: float = 0.0
-    chunk_tokens: int = 1024
+    chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
         for name, kind in (("policy", PolicyConfig), ("distill", DistillConfig), ("preference", PreferenceConfig)):

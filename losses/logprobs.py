@@ -20,14 +20,37 @@ import torch
 from torch import Tensor
 
 
-def selective_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """``log_softmax(logits)[targets]`` in at least fp32 (the naive, full-logits form)."""
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def _logprob_grad(logits: Tensor, targets: Tensor, log_norm: Tensor, grad_out: Tensor) -> Tensor:
+    """``grad_out * (onehot(targets) - softmax(logits))``: the one ``[N, V]`` tensor a backward needs."""
+    g = grad_out.unsqueeze(-1).to(log_norm.dtype)
+    grad = (logits.to(log_norm.dtype) - log_norm.unsqueeze(-1)).exp_().mul_(-g)
+    return grad.scatter_add_(-1, targets.unsqueeze(-1), g)
+
+
+class _SelectiveLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
+        log_norm = torch.logsumexp(logits.to(_accumulation_dtype(logits.dtype)), dim=-1)
+        ctx.save_for_backward(logits, targets, log_norm)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).to(log_norm.dtype) - log_norm
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, targets, log_norm = ctx.saved_tensors
+        return _logprob_grad(logits, targets, log_norm, grad_out).to(logits.dtype), None
+
+
+def selective_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log_softmax(logits)[targets]`` in at least fp32.
+
+    Saves only the log-normalizer beside the logits, so backward forms one logits-sized
+    tensor where ``log_softmax`` + ``gather`` keep three.
+    """
+    return _SelectiveLogprobs.apply(logits, targets)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -53,11 +76,8 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            g = grad_out[rows, None].to(acc)
-            # d logp[y] / d z = onehot(y) - softmax(z)
-            grad_logits = (hidden[rows] @ weight.T).to(acc).sub_(log_norm[rows, None]).exp_().mul_(-g)
-            grad_logits.scatter_add_(1, targets[rows, None], g)
-            grad_logits = grad_logits.to(hidden.dtype)
+            logits = hidden[rows] @ weight.T
+            grad_logits = _logprob_grad(logits, targets[rows], log_norm[rows], grad_out[rows]).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
@@ -65,7 +85,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 
 
-def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 1024) -> Tensor:
+def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 512) -> Tensor:
     """``log_softmax(hidden @ weight.T)[targets]`` with ``[chunk_tokens x V]`` peak temporaries.
 
     ``hidden`` is ``[..., H]``, ``weight`` the LM head ``[V, H]``, ``targets`` ``[...]``;
@@ -86,8 +106,10 @@ class _PrecomputedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight = ctx.saved_tensors
-        scale = grad_out.to(grad_hidden.dtype)
-        return None, grad_hidden * scale, (grad_weight * scale.to(grad_weight.dtype)), None, None
+        if grad_out.item() != 1.0:  # the usual loss.backward() needs no [V, H]-sized copy
+            grad_hidden = grad_hidden * grad_out.to(grad_hidden.dtype)
+            grad_weight = grad_weight * grad_out.to(grad_weight.dtype)
+        return None, grad_hidden, grad_weight, None, None
 
 
 RowLoss = Callable[[Tensor, slice], tuple[Tensor, dict[str, Tensor]]]
