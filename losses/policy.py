@@ -137,6 +137,22 @@ def _log_ratio(logprobs: Tensor, old: Tensor, mask: Tensor, name: str) -> Tensor
     return sequence.detach() + logprobs - logprobs.detach()
 
 
+def _surrogate(logprobs: Tensor, old: Tensor, advantages: Tensor, log_ratio: Tensor, ratio: Tensor, cfg: PolicyConfig):
+    """Per-token loss of the method, and which tokens its trust region limited."""
+    if cfg.name == "cispo":
+        per_token = -ratio.clamp(max=cfg.cispo_max_ratio).detach() * advantages * logprobs
+        return per_token, ratio > cfg.cispo_max_ratio
+    if cfg.name == "dppo":
+        probs_diff = logprobs.exp() - old.exp()
+        limited = torch.where(advantages > 0, probs_diff > cfg.dppo_mask_high, probs_diff < -cfg.dppo_mask_low)
+        policy_gradient = torch.where(limited, torch.zeros_like(ratio), cfg.dppo_adv_tau * advantages * ratio)
+        return -policy_gradient + cfg.dppo_kl_tau * log_ratio.square(), limited
+    clipped_ratio = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    limited = ((ratio < 1 - cfg.clip_low) & (advantages < 0)) | ((ratio > 1 + cfg.clip_high) & (advantages > 0))
+    return per_token, limited
+
+
 def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Channel-1 loss of the trainer's token logprobs ``[B, T]`` (carrying the gradient).
 
@@ -149,20 +165,7 @@ def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tu
     advantages = advantages.to(logprobs.dtype).expand_as(logprobs)
     log_ratio = _log_ratio(logprobs, old, mask, cfg.name)
     ratio = log_ratio.exp()
-
-    if cfg.name == "cispo":
-        capped = ratio.clamp(max=cfg.cispo_max_ratio).detach()
-        per_token = -capped * advantages * logprobs
-        limited = ratio > cfg.cispo_max_ratio
-    elif cfg.name == "dppo":
-        probs_diff = logprobs.exp() - old.exp()
-        limited = torch.where(advantages > 0, probs_diff > cfg.dppo_mask_high, probs_diff < -cfg.dppo_mask_low)
-        policy_gradient = torch.where(limited, torch.zeros_like(ratio), cfg.dppo_adv_tau * advantages * ratio)
-        per_token = -policy_gradient + cfg.dppo_kl_tau * log_ratio.square()
-    else:
-        clipped_ratio = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
-        per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
-        limited = ((ratio < 1 - cfg.clip_low) & (advantages < 0)) | ((ratio > 1 + cfg.clip_high) & (advantages > 0))
+    per_token, limited = _surrogate(logprobs, old, advantages, log_ratio, ratio, cfg)
 
     metrics = {
         "ratio": masked_sum_per_row(ratio.detach(), mask).sum() / inputs.counts.tokens,
