@@ -617,10 +617,49 @@ def main(args) -> int:
     return 1 if failures else 0
 
 
+def interleave(point: str, channel: str, rounds: int, threads: int) -> int:
+    """Timing cross-check robust to a drifting machine: every variant of ``channel`` in one
+    process on shared inputs, one warm-up each, then ``rounds`` rounds in alternating order."""
+    import torch
+
+    torch.set_num_threads(threads)
+    B, T, H, V, _ = POINTS[point]
+    d = build_inputs(channel, B, T, H, V)
+    steps = {variant: make_step(channel, variant, d) for variant in VARIANTS[channel]}
+    times: dict[str, list[float]] = {variant: [] for variant in steps}
+
+    def run(variant: str) -> float:
+        gc.collect()
+        t0 = time.perf_counter()
+        steps[variant]()
+        elapsed = time.perf_counter() - t0
+        d["hidden"].grad = d["weight"].grad = None
+        return elapsed
+
+    order = list(steps)
+    for variant in order:
+        print(f"warm-up {variant}: {run(variant):.2f}s", flush=True)
+    for r in range(rounds):
+        for variant in order if r % 2 == 0 else order[::-1]:
+            times[variant].append(run(variant))
+            print(f"round {r} {variant}: {times[variant][-1]:.2f}s", flush=True)
+    naive = statistics.median(times["naive"])
+    for variant, ts in times.items():
+        print(f"{point} {channel} {variant}: median {statistics.median(ts):.2f}s, {statistics.median(ts) / naive:.2f}x naive")
+    return 0
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small point only (a fast smoke check)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: the usable cores)")
+    p.add_argument(
+        "--interleave",
+        nargs=2,
+        metavar=("POINT", "CHANNEL"),
+        help="timing cross-check only: the channel's variants interleaved in one process (e.g. large policy)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="rounds for --interleave")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--channel", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -641,4 +680,6 @@ if __name__ == "__main__":
     if _args.child:
         child(_args)
         sys.exit(0)
+    if _args.interleave:
+        sys.exit(interleave(*_args.interleave, _args.rounds, _args.threads or len(os.sched_getaffinity(0))))
     sys.exit(main(_args))
