@@ -1,0 +1,1 @@
+"""Monarch actors, each a thin shell over a pluggable backend (see actors/registry.py)."""

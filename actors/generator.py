@@ -1,0 +1,87 @@
+"""The Generator actor: samples G completions per prompt with exactly the weights it was told to use.
+
+Weights arrive as a ``WeightVersion`` (a few bytes) naming a slot of the trainer's
+shared-memory store; the tensors themselves never travel as endpoint arguments. A
+request for a version the store no longer (or not yet) holds raises instead of
+sampling with whatever is loaded, and the slot is checked again after sampling, so a
+batch sampled while its weights were overwritten is refused too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from monarch.actor import Actor, context, endpoint
+
+from actors import registry
+from actors.rollout import Rollout
+from actors.tasks import Problem
+from actors.weights import WeightSubscriber, WeightVersion
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    mesh: str
+    engine: str = "hf"
+    max_new_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        registry.load("engine", self.engine)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Generation:
+    rollouts: list[Rollout]
+    seconds: float  # sampling compute
+    load_seconds: float  # adopting a new weight version (0 when already held)
+
+
+class Generator(Actor):
+    def __init__(self, model_path: str, cfg: GeneratorConfig, seed: int, threads: int):
+        torch.set_num_threads(threads)
+        rank = context().actor_instance.rank.rank  # absolute flat rank: each replica samples its own stream
+        self.engine = registry.load("engine", cfg.engine)(model_path, cfg.max_new_tokens, seed + 1000 * rank)
+        self.subscriber: WeightSubscriber | None = None
+        self.held: WeightVersion | None = None
+
+    @endpoint
+    def generate(self, problems: list[Problem], group_size: int, first_group: int, weights: WeightVersion) -> Generation:
+        load_seconds = self._hold(weights)
+        start = time.perf_counter()
+        groups = self.engine.generate([p.prompt for p in problems], group_size)
+        self.subscriber.check_intact(weights)
+        rollouts = [
+            Rollout(problem, first_group + i, s.prompt_ids, s.completion_ids, s.logprobs, s.text, weights.version)
+            for i, (problem, samples) in enumerate(zip(problems, groups))
+            for s in samples
+        ]
+        return Generation(rollouts, time.perf_counter() - start, load_seconds)
+
+    @endpoint
+    def score(self, problems: list[Problem], texts: list[str], groups: list[int], weights: WeightVersion) -> list[Rollout]:
+        """Completions this policy did not sample (teacher traces) as rollouts, with this version's logprobs."""
+        self._hold(weights)
+        samples = self.engine.score([p.prompt for p in problems], texts)
+        self.subscriber.check_intact(weights)
+        return [
+            Rollout(problem, group, s.prompt_ids, s.completion_ids, s.logprobs, s.text, weights.version)
+            for problem, group, s in zip(problems, groups, samples)
+        ]
+
+    @endpoint
+    def held_version(self) -> int | None:
+        return None if self.held is None else self.held.version
+
+    def _hold(self, weights: WeightVersion) -> float:
+        if self.held == weights:
+            return 0.0
+        start = time.perf_counter()
+        if self.subscriber is None or self.subscriber.store != weights.store:
+            self.subscriber = WeightSubscriber(weights.store)
+        self.engine.load_weights(self.subscriber.load(weights))
+        self.held = weights
+        return time.perf_counter() - start

@@ -1,0 +1,58 @@
+"""Trainer inner loops: one optimizer step over a ``TrainBatch``, around ``losses.compose_loss``.
+
+Every inner loop (native, and later TRL, PRIME-RL, TorchTitan) implements ``InnerLoop``
+and reads the same ``TrainerConfig``; the loss math is never theirs, it is ``losses/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from torch import Tensor
+
+from actors import registry
+from actors.rollout import TrainBatch
+from losses import LossConfig
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    mesh: str
+    inner_loop: str = "native"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    micro_batch_size: int = 64  # rows per forward/backward on one rank
+
+    def __post_init__(self) -> None:
+        registry.load("inner_loop", self.inner_loop)
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+
+class InnerLoop(Protocol):
+    """Built inside a trainer process after ``torch.distributed`` is initialized."""
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int) -> None: ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's share of ``batch`` (the whole step's rows);
+        metrics are global (already reduced over ranks)."""
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The policy's full weights under the names the generator engines load (HF naming)."""
+
+    def save(self, directory: Path, state: dict) -> None:
+        """Policy, optimizer and the caller's ``state`` (rank 0 writes; every rank must call)."""
+
+    def load(self, directory: Path) -> dict:
+        """Restore policy and optimizer; return the ``state`` saved with them."""

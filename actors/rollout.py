@@ -1,0 +1,105 @@
+"""The data contract between actors: ``Rollout`` (one sampled completion) and
+``TrainBatch`` (the padded tensors one optimizer step consumes).
+
+Both are plain dataclasses of lists and small tensors: they travel as endpoint
+arguments, which is fine at kilobytes to megabytes (weights never do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from actors.tasks import Problem
+
+
+@dataclass
+class Rollout:
+    problem: Problem
+    group: int  # rollouts of one prompt share a group; advantages are relative within it
+    prompt_ids: list[int]
+    completion_ids: list[int]  # ends with EOS unless the length limit cut it
+    logprobs: list[float]  # the sampler's per-token logprobs of completion_ids
+    text: str  # the decoded completion, without special tokens
+    version: int  # the policy version that sampled (or, for a teacher trace, scored) it
+    teacher: str | None = None  # the teacher binding that wrote it; None for the policy's own samples
+    reward: float = 0.0
+    reward_parts: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's samples: prompts left-padded to a common length ``prompt_len``,
+    completions right-padded after it, so every row's completion starts at the same column.
+
+    ``position_ids`` count real tokens only, as the sampler saw them under left padding.
+    """
+
+    input_ids: Tensor  # [B, P + T] long
+    attention_mask: Tensor  # [B, P + T] long
+    position_ids: Tensor  # [B, P + T] long
+    prompt_len: int  # P
+    completion_mask: Tensor  # [B, T] bool, the tokens that carry loss
+    advantages: Tensor  # [B] float
+    inference_logprobs: Tensor  # [B, T] float
+    versions: Tensor  # [B] long, the policy version that sampled each row
+    max_completion_len: int  # the generator's limit (Dr. GRPO's normalizer)
+
+    @property
+    def targets(self) -> Tensor:
+        return self.input_ids[:, self.prompt_len :]
+
+    def rows(self, rows: slice) -> TrainBatch:
+        """A row slice (a rank's share, a micro-batch); the caller keeps the global counts."""
+        return TrainBatch(
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            position_ids=self.position_ids[rows],
+            prompt_len=self.prompt_len,
+            completion_mask=self.completion_mask[rows],
+            advantages=self.advantages[rows],
+            inference_logprobs=self.inference_logprobs[rows],
+            versions=self.versions[rows],
+            max_completion_len=self.max_completion_len,
+        )
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_train_batch(rollouts: list[Rollout], advantages: Tensor, pad_id: int, max_completion_len: int) -> TrainBatch:
+    prompt_len = max(len(r.prompt_ids) for r in rollouts)
+    completion_len = max(max(len(r.completion_ids) for r in rollouts), 1)
+    rows = len(rollouts)
+    input_ids = torch.full((rows, prompt_len + completion_len), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    logprobs = torch.zeros(rows, completion_len)
+    for i, rollout in enumerate(rollouts):
+        prompt, completion = rollout.prompt_ids, rollout.completion_ids
+        input_ids[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
+        input_ids[i, prompt_len : prompt_len + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        attention[i, prompt_len - len(prompt) : prompt_len + len(completion)] = 1
+        logprobs[i, : len(completion)] = torch.tensor(rollout.logprobs)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+        prompt_len=prompt_len,
+        completion_mask=attention[:, prompt_len:].bool(),
+        advantages=advantages.float(),
+        inference_logprobs=logprobs,
+        versions=torch.tensor([r.version for r in rollouts], dtype=torch.long),
+        max_completion_len=max_completion_len,
+    )
+
+
+def split_rows(rows: int, parts: int) -> list[slice]:
+    """Contiguous near-equal shares of ``rows`` (a rank's rows, a generator's prompts);
+    the first ``rows % parts`` shares are one larger."""
+    base, extra = divmod(rows, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]

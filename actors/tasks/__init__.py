@@ -1,0 +1,46 @@
+"""Tasks: where prompts come from and how a completion is scored.
+
+A task is deterministic from ``(seed, step)``, so two runs with the same topology see
+the same prompts, and it knows the correct answer, which both the verifier and the
+``task_oracle`` teacher use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class Task(Protocol):
+    @property
+    def alphabet(self) -> str:
+        """Every character a prompt or a correct answer can contain (the tiny tokenizer's vocabulary)."""
+
+    def problems(self, seed: int, step: int, count: int) -> list[Problem]: ...
+
+    def score(self, problem: Problem, completion: str) -> float:
+        """Reward in [0, 1]; 1 only for an exactly correct completion."""
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """``name`` is a registered task or an import path; ``params`` go to its constructor."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    from actors import registry
+
+    task_class = registry.load("task", cfg.name)
+    try:
+        return task_class(**cfg.params)
+    except TypeError as error:
+        raise ValueError(f"task {cfg.name!r} does not take these parameters: {error}") from None

@@ -1,0 +1,67 @@
+"""The Trainer actor: one process of an SPMD mesh running an inner loop.
+
+Each trainer mesh is its own ``torch.distributed`` world (``monarch.spmd`` sets the env;
+gloo on CPU, nccl on GPU). Every rank receives the whole ``TrainBatch`` and trains on
+its share; rank 0 reports the metrics and publishes the new weights to the
+shared-memory store, returning only the small ``WeightVersion``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from monarch.actor import Actor, endpoint
+
+from actors import registry
+from actors.inner_loops import TrainerConfig
+from actors.rollout import TrainBatch
+from actors.weights import WeightPublisher, WeightVersion
+
+
+@dataclass
+class StepReport:
+    metrics: dict[str, float]
+    weights: WeightVersion
+    seconds: float  # forward, backward and optimizer step
+    publish_seconds: float  # writing the new version to the store
+
+
+class Trainer(Actor):
+    def __init__(self, model_path: str, cfg: TrainerConfig, seed: int, store: str, slots: int, threads: int):
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.loop = registry.load("inner_loop", cfg.inner_loop)(model_path, cfg, self.rank, self.world)
+        self.version = 0
+        self.publisher = WeightPublisher(store, self.loop.state_dict(), slots) if self.rank == 0 else None
+
+    @endpoint
+    def publish(self) -> WeightVersion | None:
+        """Publish the current weights as the current version (the run's version 0, or after a resume)."""
+        return self.publisher.publish(self.loop.state_dict(), self.version) if self.publisher else None
+
+    @endpoint
+    def train_step(self, batch: TrainBatch) -> StepReport | None:
+        start = time.perf_counter()
+        metrics = self.loop.train_step(batch)
+        self.version += 1
+        seconds = time.perf_counter() - start
+        if self.publisher is None:
+            return None
+        weights = self.publisher.publish(self.loop.state_dict(), self.version)
+        return StepReport(metrics, weights, seconds, time.perf_counter() - start - seconds)
+
+    @endpoint
+    def save(self, directory: str, step: int) -> None:
+        self.loop.save(Path(directory), {"step": step, "version": self.version})
+
+    def __cleanup__(self, exc: Exception | None) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

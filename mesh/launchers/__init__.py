@@ -1,0 +1,55 @@
+"""Launchers turn a topology's meshes into Monarch ProcMeshes, one ``monarch.job`` each.
+
+A launcher is one file implementing ``Launcher`` plus one registry line; the
+controller never knows where its processes run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Protocol
+
+from monarch.actor import ProcMesh, default_bootstrap_cmd
+
+if TYPE_CHECKING:
+    from mesh.topology import Topology
+
+# Every proc starts with these: quiet HF progress bars, and no tokenizer thread pools
+# fighting the trainer's threads on a small machine.
+PROC_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+class Launcher(Protocol):
+    @classmethod
+    def check(cls, topology: Topology) -> None:
+        """Raise ``ValueError`` (naming the key and the fix) if this launcher cannot place the topology."""
+
+    def start(self, topology: Topology) -> dict[str, ProcMesh]:
+        """One ProcMesh per topology mesh, keyed by mesh name."""
+
+    async def stop(self) -> None:
+        """Stop every process the launcher started (safe to call after a partial start)."""
+
+
+def spawn_procs(host_mesh, procs: int) -> ProcMesh:
+    """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK from it)."""
+    return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap_command=default_bootstrap_cmd().with_env(PROC_ENV))
+
+
+def check_capacity(topology: Topology, launcher: str) -> None:
+    """Refuse more processes or GPUs than this machine can hold."""
+    import torch
+
+    procs = sum(m.procs * m.hosts for m in topology.meshes.values())
+    limit = 4 * (os.cpu_count() or 1)
+    if procs > limit:
+        raise ValueError(
+            f"meshes ask for {procs} processes in all, more than the {limit} this {os.cpu_count()}-core machine can "
+            f"hold with launcher {launcher!r} (4 per core); lower meshes.*.procs or place the job on a cluster"
+        )
+    gpus = sum(m.gpus * m.procs * m.hosts for m in topology.meshes.values())
+    if gpus > torch.cuda.device_count():
+        raise ValueError(
+            f"meshes ask for {gpus} GPUs but this machine has {torch.cuda.device_count()}; "
+            "set meshes.*.gpus to 0 to run on CPU, or place the job on a cluster"
+        )

@@ -1,0 +1,25 @@
+"""The progress bar: step, reward and samples/s, and whether the warm start is on."""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+
+class Progress:
+    def __init__(self, topology, enabled: bool):
+        self.warm_steps = topology.loop.warm_start.steps
+        self.bar = tqdm(total=topology.loop.steps, desc=topology.name, unit="step", disable=not enabled,
+                        file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, step: int, metrics: dict) -> None:
+        phase = "warm start (oracle traces in each group)" if step < self.warm_steps else "rl"
+        self.bar.set_postfix_str(
+            f"reward {metrics['reward/mean']:.3f}  samples/s {metrics['samples_per_s']:.0f}  "
+            f"age {metrics['policy_age/mean']:.1f}  {phase}"
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

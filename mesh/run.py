@@ -1,0 +1,46 @@
+"""``python -m mesh.run TOPOLOGY [--set key.path=value ...] [--dry-run]``
+
+Exit codes: 0 done, 1 the run failed (the message says where its results are), 2 the
+topology or the command line is wrong (nothing was spawned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from mesh.topology import TopologyError, describe, load_topology
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mesh.run", description="Run a post-training topology.")
+    parser.add_argument("topology", help="a topology YAML file, e.g. topologies/tiny.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override any field, e.g. --set loop.steps=20 (repeatable)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved topology, placement and actor graph; spawn nothing")
+    parser.add_argument("--run-root", help="where run directories go (default: the topology's logging.root)")
+    args = parser.parse_args(argv)
+    try:
+        topology = load_topology(args.topology, args.set)
+    except TopologyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(describe(topology))
+        return 0
+
+    from mesh.runtime import RunFailed, run
+
+    try:
+        run_dir = asyncio.run(run(topology, args.run_root))
+    except RunFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"run directory: {run_dir.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

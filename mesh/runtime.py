@@ -1,0 +1,103 @@
+"""Placing a topology and running it: run directory, model, meshes, actors, controller.
+
+Faults end the run with one paragraph naming the actor that failed and where its
+metrics and last checkpoint are; nothing already written is lost.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import os
+import shutil
+from pathlib import Path
+
+import monarch.actor
+from monarch.spmd import setup_torch_elastic_env_async
+
+from actors import registry
+from actors.generator import Generator
+from actors.model import build_tiny_model
+from actors.rewarder import Rewarder
+from actors.tasks import build_task
+from actors.teachers import TeacherPool
+from actors.trainer import Trainer
+from mesh.controller import Actors, Controller
+from mesh.progress import Progress
+from mesh.rundir import RunDir
+from mesh.topology import Topology
+
+if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
+    from monarch._src.actor.actor_mesh import ActorMesh
+
+SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+class RunFailed(RuntimeError):
+    """The run stopped on a fault; the message says which actor and where the results are."""
+
+
+async def run(topology: Topology, run_root: str | None = None, progress: bool = True) -> RunDir:
+    """Run ``topology`` to the end; returns its run directory."""
+    run_dir = RunDir.create(run_root or topology.logging.root, topology.name, topology.model_dump(mode="json"),
+                            topology.logging.tensorboard)
+    task = build_task(topology.task.config)
+    model_path = _prepare_model(topology, task.alphabet, run_dir)
+    store = str(Path(SHM_ROOT or run_dir.path) / f"composer-mesh-{os.getpid()}-{run_dir.path.name}")
+    launcher = registry.load("launcher", topology.launcher.kind)()
+    monarch.actor.unhandled_fault_hook = lambda failure: None  # faults surface as errors on the awaiting call
+    bar = Progress(topology, enabled=progress)
+    try:
+        meshes = launcher.start(topology)
+        actors = await _spawn(topology, meshes, model_path, store)
+        weights = next(w for w in (await actors.trainer.publish.call()).values() if w is not None)
+        controller = Controller(topology, actors, task, run_dir, weights, bar)
+        await controller.train()
+    except Exception as error:
+        raise RunFailed(
+            f"run {run_dir.path} stopped: {' '.join(str(error).split())[:2000]}. Metrics up to the failure are in "
+            f"{run_dir.metrics_file}, checkpoints in {run_dir.path / 'checkpoints'}; fix the cause and rerun."
+        ) from error
+    finally:
+        bar.close()
+        await launcher.stop()
+        shutil.rmtree(store, ignore_errors=True)
+        run_dir.close()
+    return run_dir
+
+
+def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
+    if topology.model.path is not None:
+        return str(Path(topology.model.path).expanduser().resolve())
+    return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))
+
+
+async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) -> Actors:
+    cfg, seed = topology.actors, topology.seed
+    threads = _threads_per_proc(topology)
+    trainer_procs = meshes[cfg.trainer.mesh]
+    await setup_torch_elastic_env_async(trainer_procs)
+    slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights.py)
+    trainer = trainer_procs.spawn("trainer", Trainer, model_path, cfg.trainer, seed, store, slots, threads)
+    generator = meshes[cfg.generator.mesh].spawn("generator", Generator, model_path, cfg.generator, seed, threads)
+    rewarder = meshes[cfg.rewarder.mesh].spawn("rewarder", Rewarder, topology.task.config, cfg.rewarder)
+    teachers = None
+    if cfg.teachers is not None:
+        teachers = meshes[cfg.teachers.mesh].spawn("teachers", TeacherPool, cfg.teachers)
+    return Actors(trainer, _each_proc(generator), _one_proc(rewarder), teachers and _one_proc(teachers))
+
+
+def _each_proc(actors: ActorMesh) -> list[ActorMesh]:
+    flat = actors.flatten("rank")
+    return [flat.slice(rank=i) for i in range(len(flat))]
+
+
+def _one_proc(actors: ActorMesh) -> ActorMesh:
+    return _each_proc(actors)[0]
+
+
+def _threads_per_proc(topology: Topology) -> int:
+    """Share the cores among the processes that compute (trainer and generator), at least one each."""
+    compute = {topology.actors.trainer.mesh, topology.actors.generator.mesh}
+    procs = sum(topology.meshes[m].procs * topology.meshes[m].hosts for m in compute)
+    return max(1, (os.cpu_count() or 1) // procs)

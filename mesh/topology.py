@@ -1,0 +1,293 @@
+"""The topology file: one YAML mapping that describes a whole post-training job.
+
+The schema is pydantic over the actors' own config dataclasses, so a knob is declared
+once, where it is used. Loading is all-or-nothing: any mistake (an unknown key, a wrong
+type, an unknown backend, an actor on an undefined mesh, a missing model directory,
+more processes than the launcher can place) raises ``TopologyError`` with one paragraph
+naming the file, the key path and the fix, before any process is spawned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from actors import registry
+from actors.generator import GeneratorConfig
+from actors.inner_loops import TrainerConfig
+from actors.model import TinyModelSpec
+from actors.rewarder import RewarderConfig
+from actors.tasks import TaskConfig, build_task
+from actors.teachers import TeachersConfig
+
+
+class TopologyError(Exception):
+    """A topology the user must fix; ``str()`` is the whole message."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(Section):
+    """Exactly one of: ``init`` (a random-init tiny model with a character tokenizer built
+    from the task's alphabet) or ``path`` (a local Hugging Face model directory)."""
+
+    init: TinyModelSpec | None = None
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.init is None) == (self.path is None):
+            raise ValueError("give exactly one of model.init (a tiny random model) or model.path (a local HF directory)")
+        if self.path is not None and not (Path(self.path).expanduser() / "config.json").is_file():
+            raise ValueError(
+                f"model.path {self.path!r} is not a Hugging Face model directory (no config.json there); "
+                "point it at a directory written by save_pretrained, or use model.init for a tiny random model"
+            )
+        return self
+
+
+class TaskSection(Section):
+    """``name`` (registered or ``package.module:Class``); every other key is a task parameter."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str
+
+    @property
+    def config(self) -> TaskConfig:
+        return TaskConfig(self.name, dict(self.model_extra or {}))
+
+    @model_validator(mode="after")
+    def _builds(self) -> TaskSection:
+        build_task(self.config)
+        return self
+
+
+class MeshSpec(Section):
+    procs: int = Field(1, ge=1, description="processes per host")
+    hosts: int = Field(1, ge=1)
+    gpus: int = Field(0, ge=0, description="GPUs per process")
+
+
+class ActorsSection(Section):
+    trainer: TrainerConfig
+    generator: GeneratorConfig
+    rewarder: RewarderConfig
+    teachers: TeachersConfig | None = None
+
+
+class WarmStart(Section):
+    """For the first ``steps`` steps each prompt's group also holds the ``teacher``'s trace
+    (an off-policy sample with its verified reward); the run says so while it lasts."""
+
+    steps: int = Field(0, ge=0)
+    teacher: str = "oracle"
+
+
+class Evaluation(Section):
+    every: int = Field(0, ge=0, description="steps between evaluations; 0 = never")
+    prompts: int = Field(64, ge=1)
+
+
+class LoopSection(Section):
+    steps: int = Field(ge=1)
+    prompts_per_step: int = Field(ge=1)
+    group_size: int = Field(ge=2)
+    max_policy_lag: int = Field(0, ge=0, description="0 = synchronous")
+    warm_start: WarmStart = WarmStart()
+    evaluation: Evaluation = Evaluation()
+
+
+class Checkpointing(Section):
+    every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+
+
+class Logging(Section):
+    root: str = "runs"
+    tensorboard: bool = True
+
+
+class LauncherSection(Section):
+    kind: str = "local"
+
+
+class Topology(Section):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
+    seed: int = 0
+    model: ModelSection
+    task: TaskSection
+    meshes: dict[str, MeshSpec]
+    actors: ActorsSection
+    loop: LoopSection
+    checkpointing: Checkpointing = Checkpointing()
+    logging: Logging = Logging()
+    launcher: LauncherSection = LauncherSection()
+
+    def placed_actors(self) -> dict[str, str]:
+        """Actor name -> mesh name, for every actor the topology runs."""
+        return {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name))}
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Topology:
+        for actor, mesh in self.placed_actors().items():
+            if mesh not in self.meshes:
+                raise ValueError(
+                    f"actors.{actor}.mesh is {mesh!r}, but meshes defines only {sorted(self.meshes)}; "
+                    f"add a mesh named {mesh!r} or place the actor on one of those"
+                )
+        warm = self.loop.warm_start
+        if warm.steps:
+            bound = self.actors.teachers.bindings if self.actors.teachers else {}
+            if warm.teacher not in bound:
+                raise ValueError(
+                    f"loop.warm_start.teacher is {warm.teacher!r}, but actors.teachers binds {sorted(bound)}; "
+                    f"bind it (e.g. actors.teachers.bindings.{warm.teacher}.kind: task_oracle) or set warm_start.steps: 0"
+                )
+        rows = self.loop.prompts_per_step * self.loop.group_size
+        trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
+        if rows < trainer_procs:
+            raise ValueError(
+                f"a step has {rows} samples (prompts_per_step x group_size) but the trainer mesh has "
+                f"{trainer_procs} processes; every trainer rank needs at least one sample"
+            )
+        registry.load("launcher", self.launcher.kind).check(self)
+        return self
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_topology(path: str | Path, overrides: list[str] = ()) -> Topology:
+    """Read, override (``key.path=value``) and validate a topology file."""
+    path = Path(path)
+    raw = _read_mapping(path)
+    for override in overrides:
+        _apply_override(raw, override, path)
+    try:
+        return Topology.model_validate(raw)
+    except ValidationError as error:
+        raise TopologyError(_explain(path, error)) from None
+    except (ValueError, TypeError, registry.BackendError) as error:  # raised outside a field validator
+        raise TopologyError(f"{path}: {error}") from None
+
+
+def _read_mapping(path: Path) -> dict:
+    if not path.is_file():
+        raise TopologyError(f"{path}: no such topology file; pass the path of a YAML file such as topologies/tiny.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise TopologyError(
+            f"{path}: not valid YAML ({' '.join(str(error).split())}); only plain YAML is read "
+            "(no !!python tags), so fix the syntax at the line shown"
+        ) from None
+    if not isinstance(raw, dict):
+        raise TopologyError(
+            f"{path}: the file holds a {type(raw).__name__}, not a mapping; a topology is a YAML mapping with keys "
+            "name, model, task, meshes, actors, loop (see topologies/tiny.yaml)"
+        )
+    return raw
+
+
+def _apply_override(raw: dict, override: str, path: Path) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise TopologyError(f"{path}: --set {override!r}: expected key.path=value, e.g. --set loop.steps=10")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise TopologyError(f"{path}: --set {override!r}: the file has a value, not a mapping, at {where}")
+        node = child
+    node[parts[-1]] = value
+
+
+def _explain(path: Path, error: ValidationError) -> str:
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    where = ".".join(loc) or "(top level)"
+    kind = first["type"]
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        parent, key = loc[:-1], loc[-1]
+        allowed = _allowed_keys(parent)
+        hint = f"; keys allowed at {'.'.join(parent) or 'the top level'} are: {', '.join(allowed)}" if allowed else ""
+        message = f"{path}: unknown key {key!r} at {where}{hint}. Fix the spelling or remove the key."
+    elif kind in ("missing", "missing_argument", "missing_keyword_only_argument"):
+        message = f"{path}: missing required key {where}. Add it (see topologies/tiny.yaml for an example)."
+    elif kind == "value_error":  # our own validators: the reason already names the key and the fix
+        reason = first["msg"].removeprefix("Value error, ")
+        message = f"{path}: {reason}" if not loc else f"{path}: {where}: {reason}"
+    else:
+        got = first.get("input")
+        shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+        message = f"{path}: {where}: {first['msg']}{shown}. Fix the value at {where}."
+    more = len(error.errors()) - 1
+    return message + (f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else "")
+
+
+def _allowed_keys(loc: list[str]) -> list[str]:
+    """Field names of the schema node at ``loc`` (models and dataclasses), or [] when unknown."""
+    node: Any = Topology
+    for part in loc:
+        node = _strip_optional(node)
+        if typing.get_origin(node) is dict:
+            node = typing.get_args(node)[1]
+            continue
+        fields = _fields(node)
+        if part not in fields:
+            return []
+        node = fields[part]
+    return sorted(_fields(_strip_optional(node)))
+
+
+def _fields(node: Any) -> dict[str, Any]:
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        return {name: info.annotation for name, info in node.model_fields.items()}
+    if dataclasses.is_dataclass(node):
+        return typing.get_type_hints(node)
+    return {}
+
+
+def _strip_optional(node: Any) -> Any:
+    if typing.get_origin(node) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(node) if a is not type(None)]
+        return args[0] if len(args) == 1 else node
+    return node
+
+
+# ----------------------------------------------------------------------------- describing
+
+
+def describe(topology: Topology) -> str:
+    """The resolved topology, its placement and its actor graph, as ``--dry-run`` prints them."""
+    resolved = yaml.safe_dump(topology.model_dump(mode="json"), sort_keys=False).rstrip()
+    placement = [f"launcher: {topology.launcher.kind}"]
+    for name, mesh in topology.meshes.items():
+        actors = [a for a, m in topology.placed_actors().items() if m == name] or ["(unused)"]
+        gpus = f", {mesh.gpus} gpu/proc" if mesh.gpus else ""
+        placement.append(f"  mesh {name}: {mesh.hosts} host x {mesh.procs} proc{gpus} <- {', '.join(actors)}")
+    lag = topology.loop.max_policy_lag
+    graph = [
+        "controller -> generator: prompts x group_size, weight version",
+        "generator -> rewarder: completions + inference logprobs",
+        "rewarder -> controller: rewards -> group advantages -> TrainBatch",
+        f"controller -> trainer ({topology.actors.trainer.inner_loop}): TrainBatch; "
+        + ("synchronous" if lag == 0 else f"bounded-async, max_policy_lag {lag}"),
+        "trainer -> generator: weights over shared memory (versioned, checksummed)",
+    ]
+    if topology.loop.warm_start.steps:
+        graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")
+    return "\n".join(["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph])
