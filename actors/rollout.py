@@ -24,9 +24,9 @@ class Rollout:
     logprobs: list[float]  # the sampler's per-token logprobs of completion_ids
     text: str  # the decoded completion, without special tokens
     version: int  # the policy version that sampled (or, for a teacher trace, scored) it
-    teacher: str | None = None  # the teacher binding that wrote it; None for the policy's own samples
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)
+    teacher: str | None = None  # the teacher binding that wrote it; None for the policy's own samples
 
 
 @dataclass

@@ -68,20 +68,25 @@ class Controller:
         inflight: deque[asyncio.Task[Collected]] = deque()
         scheduled, history = 0, []
         last_end = time.perf_counter()
-        for step in range(loop.steps):
-            while scheduled < loop.steps and len(inflight) <= loop.max_policy_lag:
-                inflight.append(asyncio.create_task(self._collect(scheduled, self.weights)))
-                scheduled += 1
-            wait_start = time.perf_counter()
-            collected = await inflight.popleft()
-            wait = time.perf_counter() - wait_start
-            metrics = await self._train(step, collected)
-            now = time.perf_counter()
-            metrics |= {"time/step": now - last_end, "time/wait_for_batch": wait}
-            metrics["samples_per_s"] = len(collected.rollouts) / metrics["time/step"]
-            last_end = now
-            await self._after_step(step, metrics)
-            history.append(metrics)
+        try:
+            for step in range(loop.steps):
+                while scheduled < loop.steps and len(inflight) <= loop.max_policy_lag:
+                    inflight.append(asyncio.create_task(self._collect(scheduled, self.weights)))
+                    scheduled += 1
+                wait_start = time.perf_counter()
+                collected = await inflight.popleft()
+                wait = time.perf_counter() - wait_start
+                metrics = await self._train(step, collected)
+                now = time.perf_counter()
+                metrics |= {"time/step": now - last_end, "time/wait_for_batch": wait}
+                metrics["samples_per_s"] = len(collected.rollouts) / metrics["time/step"]
+                last_end = now
+                await self._after_step(step, metrics)
+                history.append(metrics)
+        finally:
+            for task in inflight:  # a failed step leaves collections behind: stop them, quietly
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
         return history
 
     async def _collect(self, step: int, weights: WeightVersion) -> Collected:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hypothesis  # noqa: F401  imported before any Monarch thread: CPython 3.11's parser trips otherwise
 import pytest
 import torch
 

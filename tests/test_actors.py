@@ -1,0 +1,109 @@
+"""Trainer and Generator actors on real Monarch process meshes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from monarch.actor import this_host
+from monarch.spmd import setup_torch_elastic_env_async
+
+from actors.generator import Generator, GeneratorConfig
+from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.model import TinyModelSpec, build_tiny_model, load_policy
+from actors.rollout import Rollout, build_train_batch
+from actors.tasks.strings import Reverse
+from actors.trainer import Trainer
+from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
+from losses import group_advantages
+
+TASK = Reverse(min_len=3, max_len=5)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), TASK.alphabet, seed=0))
+
+
+def a_batch(model_dir: str, rows_per_group: int = 4, prompts: int = 5):
+    """A fixed batch: random completions with made-up logprobs and rewards, 20 rows of ragged lengths."""
+    _, tokenizer = load_policy(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    rollouts = []
+    for group, problem in enumerate(TASK.problems(0, 0, prompts)):
+        prompt = tokenizer(problem.prompt, add_special_tokens=False).input_ids
+        for _ in range(rows_per_group):
+            length = int(torch.randint(1, 7, (1,), generator=gen))
+            completion = torch.randint(3, len(tokenizer), (length,), generator=gen).tolist() + [1]
+            logprobs = (-torch.rand(len(completion), generator=gen) * 2).tolist()
+            rollouts.append(Rollout(problem, group, prompt, completion, logprobs, "", 0, reward=float(torch.rand(1, generator=gen))))
+    rewards = torch.tensor([r.reward for r in rollouts])
+    return build_train_batch(rollouts, group_advantages(rewards, rows_per_group), pad_id=0, max_completion_len=8)
+
+
+async def train_once(model_dir: str, procs: int, store: Path, batch):
+    mesh = this_host().spawn_procs(per_host={"procs": procs})
+    await setup_torch_elastic_env_async(mesh)
+    cfg = TrainerConfig(mesh="trainer", optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=3)
+    trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, 1)
+    try:
+        await trainer.publish.call()
+        reports = (await trainer.train_step.call(batch)).values()
+        (report,) = [r for r in reports if r is not None]  # rank 0 alone reports and publishes
+        weights = {k: v.clone() for k, v in WeightSubscriber(store).load(report.weights).items()}
+        return report, weights
+    finally:
+        await mesh.stop()
+
+
+async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, tmp_path):
+    batch = a_batch(model_dir)
+    one, weights_one = await train_once(model_dir, 1, tmp_path / "one", batch)
+    two, weights_two = await train_once(model_dir, 2, tmp_path / "two", batch)
+    initial, _ = load_policy(model_dir)
+    moved = max((weights_one[k] - v).abs().max().item() for k, v in initial.state_dict().items())
+    assert moved > 1e-3  # the step really changed the weights
+    for name, value in weights_one.items():  # Adam steps are lr = 1e-2; summation order differs by ~1e-6 of that
+        torch.testing.assert_close(weights_two[name], value, atol=1e-5, rtol=0)
+    assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-6)
+    assert two.metrics["grad_norm"] == pytest.approx(one.metrics["grad_norm"], rel=1e-5)
+    assert one.weights.version == two.weights.version == 1
+
+
+async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_stale_or_torn(model_dir, tmp_path):
+    model, _ = load_policy(model_dir)
+    publisher = WeightPublisher(tmp_path / "store", model.state_dict(), slots=2)
+    v0 = publisher.publish(model.state_dict(), 0)
+    mesh = this_host().spawn_procs(per_host={"procs": 1})
+    generator = mesh.spawn("generator", Generator, model_dir, GeneratorConfig(mesh="g", max_new_tokens=6), 0, 1)
+    problems = TASK.problems(0, 0, 2)
+    try:
+        out = await generator.generate.call_one(problems, 3, 0, v0)
+        assert len(out.rollouts) == 6 and {r.version for r in out.rollouts} == {0}
+        assert all(len(r.logprobs) == len(r.completion_ids) for r in out.rollouts)
+
+        with torch.no_grad():  # a real update: version 1 samples differently
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        v1 = publisher.publish(model.state_dict(), 1)
+        assert v1.checksum != v0.checksum
+        await generator.generate.call_one(problems, 3, 0, v1)
+        assert await generator.held_version.call_one() == 1
+
+        v2 = publisher.publish(model.state_dict(), 2)  # reuses v0's slot
+        with pytest.raises(Exception, match="StaleWeightsError|not hold|holds"):
+            await generator.generate.call_one(problems, 3, 0, v0)
+        with pytest.raises(Exception, match="Stale"):
+            await generator.generate.call_one(problems, 3, 0, type(v2)(7, v2.checksum, v2.nbytes, v2.store))
+
+        with slot_file(tmp_path / "store", 2 % 2).open("r+b") as slot:  # flip one data byte of version 2
+            slot.seek(HEADER_BYTES)
+            byte = slot.read(1)[0]
+            slot.seek(HEADER_BYTES)
+            slot.write(bytes([byte ^ 0xFF]))
+        with pytest.raises(Exception, match="Torn"):
+            await generator.generate.call_one(problems, 3, 0, v2)
+    finally:
+        await mesh.stop()
+        publisher.close()

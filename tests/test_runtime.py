@@ -1,0 +1,81 @@
+"""The whole loop on real Monarch meshes (local processes, gloo, shared-memory weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.weights import WeightSubscriber
+from mesh.runtime import RunFailed, run
+from mesh.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "topologies" / "tiny.yaml"
+
+
+def small(tmp_path: Path, *overrides: str):
+    base = [
+        "loop.steps=4", "loop.prompts_per_step=4", "loop.group_size=4", "loop.warm_start.steps=1",
+        "loop.evaluation.every=2", "loop.evaluation.prompts=8", "checkpointing.every=2", f"logging.root={tmp_path}",
+    ]
+    return load_topology(TINY, [*base, *overrides])
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in run_dir.metrics_file.read_text().splitlines()]
+
+
+async def test_synchronous_run_fills_the_run_directory(tmp_path):
+    run_dir = await run(small(tmp_path, "loop.max_policy_lag=0"), progress=False)
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert [r["warm_start"] for r in rows] == [1, 0, 0, 0]
+    assert all(r["policy_age/counts"] == {"0": 16 + 4 * r["warm_start"]} for r in rows)  # every sample, age 0
+    assert [("eval/reward" in r) for r in rows] == [False, True, False, True]
+    for r in rows:
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["samples_per_s"] > 0 and r["time/weight_sync"] > 0
+        assert r["train/policy/skipped"] == 0.0 and "train/policy/loss" in r
+
+    path = run_dir.path
+    assert (path / "topology.yaml").read_text().startswith("name: tiny")
+    assert (path / "model" / "config.json").is_file()
+    assert (path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any((path / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert json.loads((path / "checkpoints" / "step_000004" / "state.json").read_text())["version"] == 4
+
+
+async def test_bounded_async_run_never_trains_on_samples_older_than_the_lag(tmp_path):
+    run_dir = await run(small(tmp_path, "loop.max_policy_lag=1", "loop.steps=5"), progress=False)
+    rows = records(run_dir)
+    ages = {int(age) for r in rows for age in r["policy_age/counts"]}
+    assert ages == {0, 1}  # step 0 is fresh; later batches were sampled while the previous step trained
+    assert all(r["policy_age/max"] <= 1 for r in rows)
+    assert rows[-1]["version"] == 5
+
+
+async def test_process_launcher_places_a_trainer_across_two_hosts(tmp_path):
+    topology = small(tmp_path, "launcher.kind=process", "meshes.trainer.hosts=2", "loop.steps=2")
+    rows = records(await run(topology, progress=False))
+    assert [r["version"] for r in rows] == [1, 2]
+
+
+def explode(problem, completion) -> float:
+    raise ValueError("the reward service is down")
+
+
+async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    topology = small(tmp_path, "actors.rewarder.functions=[test_runtime:explode]")
+    with pytest.raises(RunFailed) as info:
+        await run(topology, progress=False)
+    message = str(info.value)
+    assert "the reward service is down" in message and "metrics.jsonl" in message and "rerun" in message
+    (run_path,) = tmp_path.iterdir()
+    assert (run_path / "topology.yaml").is_file()
