@@ -36,8 +36,8 @@ class GeneratorConfig:
 @dataclass
 class Generation:
     rollouts: list[Rollout]
-    seconds: float  # sampling compute
-    load_seconds: float  # adopting a new weight version (0 when already held)
+    seconds: float  # the whole endpoint, weight load included
+    load_seconds: float  # of which adopting a new weight version (0 when already held)
 
 
 class Generator(Actor):
@@ -50,8 +50,8 @@ class Generator(Actor):
 
     @endpoint
     def generate(self, problems: list[Problem], group_size: int, first_group: int, weights: WeightVersion) -> Generation:
-        load_seconds = self._hold(weights)
         start = time.perf_counter()
+        load_seconds = self._hold(weights)
         groups = self.engine.generate([p.prompt for p in problems], group_size)
         self.subscriber.check_intact(weights)
         rollouts = [

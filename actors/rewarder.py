@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from monarch.actor import Actor, endpoint
 
 from actors import registry
-from actors.rollout import Rollout
-from actors.tasks import TaskConfig, build_task
+from actors.tasks import Problem, TaskConfig, build_task
 
 
 @dataclass(frozen=True)
@@ -30,8 +29,11 @@ class RewarderConfig:
 
 
 @dataclass
-class Scored:
-    rollouts: list[Rollout]
+class Scores:
+    """Per-completion rewards (the sum of the parts) and each part, in the order given."""
+
+    rewards: list[float]
+    parts: dict[str, list[float]]
     seconds: float
 
 
@@ -41,10 +43,11 @@ class Rewarder(Actor):
         self.functions = {path.rpartition(":")[2]: registry.load("reward", path) for path in cfg.functions}
 
     @endpoint
-    def score(self, rollouts: list[Rollout]) -> Scored:
+    def score(self, problems: list[Problem], completions: list[str]) -> Scores:
+        """Only problems and texts travel (not whole rollouts): the call sits on every step's critical path."""
         start = time.perf_counter()
-        for rollout in rollouts:
-            parts = {"task": self.task.score(rollout.problem, rollout.text)}
-            parts |= {name: float(fn(rollout.problem, rollout.text)) for name, fn in self.functions.items()}
-            rollout.reward, rollout.reward_parts = sum(parts.values()), parts
-        return Scored(rollouts, time.perf_counter() - start)
+        parts = {"task": [self.task.score(p, c) for p, c in zip(problems, completions)]}
+        for name, fn in self.functions.items():
+            parts[name] = [float(fn(p, c)) for p, c in zip(problems, completions)]
+        rewards = [sum(values) for values in zip(*parts.values())]
+        return Scores(rewards, parts, time.perf_counter() - start)

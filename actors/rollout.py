@@ -72,25 +72,23 @@ class TrainBatch:
 def build_train_batch(rollouts: list[Rollout], advantages: Tensor, pad_id: int, max_completion_len: int) -> TrainBatch:
     prompt_len = max(len(r.prompt_ids) for r in rollouts)
     completion_len = max(max(len(r.completion_ids) for r in rollouts), 1)
-    rows = len(rollouts)
-    input_ids = torch.full((rows, prompt_len + completion_len), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    logprobs = torch.zeros(rows, completion_len)
-    for i, rollout in enumerate(rollouts):
-        prompt, completion = rollout.prompt_ids, rollout.completion_ids
-        input_ids[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
-        input_ids[i, prompt_len : prompt_len + len(completion)] = torch.tensor(completion, dtype=torch.long)
-        attention[i, prompt_len - len(prompt) : prompt_len + len(completion)] = 1
-        logprobs[i, : len(completion)] = torch.tensor(rollout.logprobs)
+    # padded Python rows, then one tensor per field: a per-row tensor copy costs more than the rest of a step
+    ids, attention, logprobs = [], [], []
+    for r in rollouts:
+        left, right = prompt_len - len(r.prompt_ids), completion_len - len(r.completion_ids)
+        ids.append([pad_id] * left + r.prompt_ids + r.completion_ids + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(r.prompt_ids) + len(r.completion_ids)) + [0] * right)
+        logprobs.append(r.logprobs + [0.0] * right)
+    attention_mask = torch.tensor(attention)
     return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+        input_ids=torch.tensor(ids),
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
         prompt_len=prompt_len,
-        completion_mask=attention[:, prompt_len:].bool(),
+        completion_mask=attention_mask[:, prompt_len:].bool(),
         advantages=advantages.float(),
-        inference_logprobs=logprobs,
-        versions=torch.tensor([r.version for r in rollouts], dtype=torch.long),
+        inference_logprobs=torch.tensor(logprobs),
+        versions=torch.tensor([r.version for r in rollouts]),
         max_completion_len=max_completion_len,
     )
 

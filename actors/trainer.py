@@ -27,7 +27,7 @@ class StepReport:
     metrics: dict[str, float]
     weights: WeightVersion
     seconds: float  # forward, backward and optimizer step
-    publish_seconds: float  # writing the new version to the store
+    publish_seconds: float  # then writing the new version to the store
 
 
 class Trainer(Actor):

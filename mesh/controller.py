@@ -98,13 +98,16 @@ class Controller:
         if step < loop.warm_start.steps:
             rollouts = await self._with_teacher_traces(problems, rollouts, weights)
             group_size += 1
-        scored = await self.actors.rewarder.score.call_one(rollouts)
+        scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
+        for i, rollout in enumerate(rollouts):
+            rollout.reward = scores.rewards[i]
+            rollout.reward_parts = {name: values[i] for name, values in scores.parts.items()}
         return Collected(
-            rollouts=scored.rollouts,
+            rollouts=rollouts,
             group_size=group_size,
             generate_seconds=max(g.seconds for g in generated),
             load_seconds=max(g.load_seconds for g in generated),
-            reward_seconds=scored.seconds,
+            reward_seconds=scores.seconds,
         )
 
     async def _generate(self, problems, group_size: int, weights: WeightVersion):
@@ -148,7 +151,7 @@ class Controller:
             "policy_age/max": max(ages),
             "policy_age/counts": {str(age): n for age, n in sorted(Counter(ages).items())},
             "completion_len/mean": float(batch.completion_mask.sum(-1).float().mean()),
-            "time/generate": collected.generate_seconds,
+            "time/generate": collected.generate_seconds - collected.load_seconds,
             "time/reward": collected.reward_seconds,
             "time/train": report.seconds,
             "time/weight_sync": report.publish_seconds + collected.load_seconds,
@@ -172,6 +175,7 @@ class Controller:
         """Mean reward of one sample per prompt on a fixed held-out prompt set (the task's step -1)."""
         problems = self.task.problems(self.topology.seed, -1, self.topology.loop.evaluation.prompts)
         generated = await self._generate(problems, 1, self.weights)
-        scored = await self.actors.rewarder.score.call_one([r for g in generated for r in g.rollouts])
-        return sum(r.reward for r in scored.rollouts) / len(scored.rollouts)
+        rollouts = [r for g in generated for r in g.rollouts]
+        scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
+        return sum(scores.rewards) / len(scores.rewards)
 

@@ -1,7 +1,7 @@
 """Benchmark of the loss kernels: memory-lean (chunked) vs naive full-logits paths, fp32 on CPU.
 
-    python bench/losses.py            # small and large point (about half an hour on 2 cores)
-    python bench/losses.py --quick    # small point only (a smoke check, under a minute)
+    python bench/kernels.py            # small and large point (about half an hour on 2 cores)
+    python bench/kernels.py --quick    # small point only (a smoke check, under a minute)
 
 What is measured: forward + backward (gradients w.r.t. the last hidden states and the
 LM-head weight) of
@@ -36,7 +36,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import re
 import resource
 import statistics
@@ -44,6 +43,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import machine  # bench/ is on sys.path when this runs as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench" / "out"  # git-ignored scratch (results JSON, gradients for the cross-check)
@@ -532,18 +533,6 @@ def losses_fingerprint() -> str:
     except OSError:
         version = "unknown commit"
     return f"{version}, losses/*.py sha256 {digest.hexdigest()[:12]}"
-
-
-def machine() -> str:
-    import torch
-
-    model = platform.processor() or "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = re.search(r"Model name:\s+(.+)", out).group(1).strip()
-    except (OSError, AttributeError):
-        pass
-    return f"{os.cpu_count()}-core CPU ({model}), torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def main(args) -> int:

@@ -1,0 +1,181 @@
+"""Benchmark of the runtime on tiny.yaml-sized work (CPU, real Monarch meshes).
+
+    python bench/loop.py            # 3 runs per mode, 40 steps each, plus weight sync (~5 min on 2 cores)
+    python bench/loop.py --quick    # 1 run per mode, 12 steps (~1.5 min)
+
+Three figures, each a ratio against a baseline measured in the same run:
+
+1. Orchestration overhead (synchronous loop): per step, the share of wall time spent
+   outside actor compute, ``1 - (generate + reward + train + weight publish/load) / step``;
+   everything else (Monarch messages, batch building, advantages, logging, progress)
+   is overhead. Target <= 5 %.
+2. Bounded-async (``max_policy_lag: 1``) vs synchronous samples/s at equal resources
+   (the same meshes and threads), modes interleaved run by run.
+3. Weight sync of a 100 MB fp32 state dict between two processes through the
+   shared-memory store (publish in one Monarch actor, verified load in another) vs
+   ``memcpy`` (``Tensor.copy_``) of the same bytes in the same process; endpoint
+   arguments (the bytes as an actor-call argument) shown for reference. Target >= 0.5x.
+
+Steps 0-1 (process start, first weight load) and the last step (final checkpoint) are
+left out of per-step medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from monarch.actor import Actor, endpoint, this_host
+
+from common import machine  # bench/ is on sys.path when this runs as a script
+from actors.weights import WeightPublisher, WeightSubscriber, WeightVersion
+from mesh.rundir import read_metrics
+from mesh.runtime import run
+from mesh.topology import load_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+COMPUTE = ("time/generate", "time/reward", "time/train", "time/weight_sync")
+SYNC_MB, TENSORS = 100, 25
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+async def loop_run(lag: int, steps: int, root: Path) -> list[dict]:
+    overrides = [
+        f"loop.steps={steps}", f"loop.max_policy_lag={lag}", "loop.warm_start.steps=0", "loop.evaluation.every=0",
+        "checkpointing.every=0", "logging.tensorboard=false", f"logging.root={root}",
+    ]
+    run_dir = await run(load_topology(ROOT / "topologies" / "tiny.yaml", overrides), progress=False)
+    return read_metrics(run_dir.metrics_file)[2:-1]
+
+
+def overhead_shares(rows: list[dict]) -> list[float]:
+    return [1 - sum(r[k] for k in COMPUTE) / r["time/step"] for r in rows]
+
+
+class Publisher(Actor):
+    def __init__(self, store: str):
+        self.state = {f"w{i}": torch.randn(SYNC_MB * 2**20 // 4 // TENSORS) for i in range(TENSORS)}
+        self.publisher = WeightPublisher(store, self.state, slots=2)
+        self.version = 0
+
+    @endpoint
+    def publish(self) -> tuple[WeightVersion, float]:
+        for tensor in self.state.values():  # new weights each version, as after an optimizer step
+            tensor.add_(1.0)
+        start = time.perf_counter()
+        weights = self.publisher.publish(self.state, self.version)
+        self.version += 1
+        return weights, time.perf_counter() - start
+
+    @endpoint
+    def memcpy(self) -> float:
+        src = torch.cat([t.view(-1) for t in self.state.values()])
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # first touch of dst's pages outside the timed copy
+        start = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - start
+
+    @endpoint
+    def as_argument(self, loader) -> float:
+        payload = torch.cat([t.view(-1) for t in self.state.values()])
+        start = time.perf_counter()
+        loader.receive.call_one(payload).get()
+        return time.perf_counter() - start
+
+
+class Loader(Actor):
+    def __init__(self):
+        self.subscriber: WeightSubscriber | None = None
+
+    @endpoint
+    def load(self, weights: WeightVersion) -> float:
+        start = time.perf_counter()
+        self.subscriber = self.subscriber or WeightSubscriber(weights.store)
+        views = self.subscriber.load(weights)
+        assert len(views) == TENSORS
+        return time.perf_counter() - start
+
+    @endpoint
+    def receive(self, payload: torch.Tensor) -> int:
+        return payload.numel()
+
+
+async def weight_sync(reps: int) -> dict:
+    store = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)) / "store"
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    publisher = procs.slice(procs=0).spawn("publisher", Publisher, str(store))
+    loader = procs.slice(procs=1).spawn("loader", Loader)
+    try:
+        sync, memcpy, argument = [], [], []
+        for rep in range(reps + 1):  # rep 0 warms up both sides (page faults, thread pools)
+            weights, publish_s = await publisher.publish.call_one()
+            load_s = await loader.load.call_one(weights)
+            copy_s = await publisher.memcpy.call_one()
+            if rep:
+                sync.append(publish_s + load_s)
+                memcpy.append(copy_s)
+        for _ in range(min(reps, 3)):
+            argument.append(await publisher.as_argument.call_one(loader))
+    finally:
+        await procs.stop()
+        shutil.rmtree(store.parent, ignore_errors=True)
+    gb = SYNC_MB * 2**20 / 1e9
+    return {
+        "sync_s": median(sync), "memcpy_s": median(memcpy), "argument_s": median(argument),
+        "sync_GBps": gb / median(sync), "memcpy_GBps": gb / median(memcpy), "argument_GBps": gb / median(argument),
+        "ratio_vs_memcpy": median(memcpy) / median(sync),
+    }
+
+
+async def main(args) -> None:
+    runs, steps = (1, 12) if args.quick else (3, 40)
+    print(f"# {machine()}; {datetime.date.today()}")
+    root = Path(tempfile.mkdtemp(prefix="bench-loop-"))
+    samples = {0: [], 1: []}
+    overhead: list[float] = []
+    try:
+        for i in range(runs):
+            for lag in (0, 1):
+                rows = await loop_run(lag, steps, root)
+                samples[lag].append(median([r["samples_per_s"] for r in rows]))
+                if lag == 0:
+                    overhead += overhead_shares(rows)
+                print(f"run {i} lag {lag}: median {samples[lag][-1]:.0f} samples/s", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    sync = await weight_sync(reps=3 if args.quick else 7)
+
+    result = {
+        "date": str(datetime.date.today()), "machine": machine(), "runs": runs, "steps": steps,
+        "overhead_share_median": median(overhead), "overhead_share_p90": statistics.quantiles(overhead, n=10)[-1],
+        "sync_samples_per_s": median(samples[0]), "async_samples_per_s": median(samples[1]),
+        "async_over_sync": median(samples[1]) / median(samples[0]), "weight_sync": sync,
+    }
+    print(f"orchestration overhead, synchronous: median {100 * result['overhead_share_median']:.1f}% of step time "
+          f"(p90 {100 * result['overhead_share_p90']:.1f}%; target <= 5%)")
+    print(f"samples/s: sync {result['sync_samples_per_s']:.0f}, async (lag 1) {result['async_samples_per_s']:.0f}, "
+          f"ratio {result['async_over_sync']:.2f}x")
+    print(f"weight sync {SYNC_MB} MB: store {sync['sync_s'] * 1e3:.0f} ms ({sync['sync_GBps']:.1f} GB/s), memcpy "
+          f"{sync['memcpy_s'] * 1e3:.0f} ms ({sync['memcpy_GBps']:.1f} GB/s): {sync['ratio_vs_memcpy']:.2f}x memcpy "
+          f"(target >= 0.5x); endpoint argument {sync['argument_s'] * 1e3:.0f} ms ({sync['argument_GBps']:.2f} GB/s)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "loop.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 run per mode, 12 steps")
+    asyncio.run(main(parser.parse_args()))
