@@ -81,6 +81,8 @@ class Generator(Actor):
             return 0.0
         start = time.perf_counter()
         if self.subscriber is None or self.subscriber.store != weights.store:
+            if self.subscriber is not None:
+                self.subscriber.close()
             self.subscriber = WeightSubscriber(weights.store)
         self.engine.load_weights(self.subscriber.load(weights))
         self.held = weights

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hypothesis  # noqa: F401  imported before any Monarch thread: CPython 3.11's parser trips otherwise
+import hypothesis  # noqa: F401  import before Monarch starts threads; a late import in pytest's summary hook hit a CPython 3.11 parser SystemError
 import pytest
 import torch
 

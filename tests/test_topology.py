@@ -39,15 +39,15 @@ def test_tiny_topology_loads_with_its_actors_on_its_meshes():
     assert topology.placed_actors() == {
         "trainer": "trainer", "generator": "generator", "rewarder": "service", "teachers": "service"
     }
-    assert topology.actors.trainer.loss.policy.name == "grpo"
+    assert topology.actors.trainer.loss.policy.name == "dapo"
 
 
 def test_set_overrides_any_field_with_yaml_typed_values():
-    topology = load_topology(TINY, ["loop.steps=7", "actors.trainer.optimizer.lr=1e-2", "actors.trainer.loss.policy.name=dapo"])
+    topology = load_topology(TINY, ["loop.steps=7", "actors.trainer.optimizer.lr=1e-2", "actors.trainer.loss.policy.name=gspo"])
     assert topology.loop.steps == 7
     assert topology.actors.trainer.optimizer.lr == pytest.approx(1e-2)
-    assert topology.actors.trainer.loss.policy.name == "dapo"
-    assert topology.actors.trainer.loss.policy.clip_high == 0.28  # the method's published default follows the name
+    assert topology.actors.trainer.loss.policy.name == "gspo"
+    assert topology.actors.trainer.loss.policy.clip_high == 4e-4  # the method's published default follows the name
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,281 @@
+"""Weight sync over shared memory: exact round trips, zero-copy views, and loud failures."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import actors.weights as weights
+from actors.weights import (
+    HEADER_BYTES,
+    StaleWeightsError,
+    TornWeightsError,
+    WeightPublisher,
+    WeightSubscriber,
+    WeightSyncError,
+    WeightVersion,
+    slot_file,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32, bf16 and int64 tensors; sizes that are not multiples of the 64-byte alignment."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(7, 5, generator=g),
+        "layer.weight": torch.randn(3, 11, generator=g).to(torch.bfloat16),
+        "layer.bias": torch.randn(3, generator=g).to(torch.bfloat16),
+        "step": torch.randint(-(2**40), 2**40, (2,), generator=g),
+        "head.weight": torch.randn(4, 6, generator=g).t(),  # non-contiguous source
+    }
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "weights"
+
+
+@pytest.fixture
+def pair(store: Path):
+    pub = WeightPublisher(store, state_dict(), slots=2)
+    sub = WeightSubscriber(store)
+    yield pub, sub
+    sub.close()
+    pub.close()
+
+
+def test_roundtrip_in_another_process_under_dev_shm(tmp_path: Path) -> None:
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this host")
+    store = Path("/dev/shm") / f"composer-mesh-test-{uuid.uuid4().hex}"
+    pub = WeightPublisher(store, state_dict(0), slots=3)
+    try:
+        pub.publish(state_dict(1), 4)
+        sd = state_dict(2)
+        record = tmp_path / "version.pkl"
+        record.write_bytes(pickle.dumps(pub.publish(sd, 5)))
+        out = tmp_path / "loaded.pt"
+        child = (
+            "import pickle, sys, torch\n"
+            "from actors.weights import WeightSubscriber\n"
+            "want = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+            "sub = WeightSubscriber(want.store)\n"
+            "views = sub.load(want)\n"
+            "sub.check_intact(want)\n"
+            "torch.save({k: v.clone() for k, v in views.items()}, sys.argv[2])\n"
+        )
+        path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        subprocess.run([sys.executable, "-c", child, str(record), str(out)], check=True, env=env, timeout=60)
+        assert_same(torch.load(out), sd)
+    finally:
+        pub.close()
+        shutil.rmtree(store)
+    assert not store.exists()
+
+
+def test_load_returns_zero_copy_views_of_the_slot(pair) -> None:
+    pub, sub = pair
+    views = sub.load(pub.publish(state_dict(1), 0))
+    assert_same(views, state_dict(1))
+    mapping = sub._slots[0].mm
+    start = torch.frombuffer(memoryview(mapping), dtype=torch.uint8).data_ptr()
+    for v in views.values():
+        assert start + HEADER_BYTES <= v.data_ptr() < start + len(mapping)
+    pub.publish(state_dict(2), 2)  # same slot: the old views now show the new bytes
+    assert_same(views, state_dict(2))
+
+
+def test_model_adopts_the_views_with_load_state_dict_assign(store: Path) -> None:
+    trained = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    pub = WeightPublisher(store, trained.state_dict(), slots=2)
+    sub = WeightSubscriber(store)
+    want = pub.publish(trained.state_dict(), 0)
+    assert sub.store == want.store  # what a generator compares to decide whether to re-attach
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3)).to(torch.bfloat16)
+    fresh.load_state_dict(sub.load(want), assign=True, strict=True)
+    x = torch.randn(5, 4, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), trained(x))
+    pub.publish({k: v + 1 for k, v in trained.state_dict().items()}, 2)  # same slot: the model sees it
+    assert torch.equal(fresh[0].bias, trained[0].bias.detach() + 1)
+    with pytest.raises(TornWeightsError):
+        sub.check_intact(want)
+    sub.close()
+    pub.close()
+
+
+def test_lazy_conj_and_neg_views_are_copied_resolved(store: Path) -> None:
+    # Contiguous, yet their raw bytes are not their values: a raw memcpy would be wrong.
+    z, x = torch.randn(5, dtype=torch.complex64), torch.randn(6)
+    sd = {"conj": z.conj(), "neg": torch._neg_view(x), "param": torch.nn.Parameter(x.clone())}
+    assert sd["conj"].is_conj() and sd["neg"].is_neg() and sd["neg"].is_contiguous()
+    pub = WeightPublisher(store, sd, slots=1)
+    sub = WeightSubscriber(store)
+    views = sub.load(pub.publish(sd, 0))
+    assert torch.equal(views["conj"], z.conj().resolve_conj())
+    assert torch.equal(views["neg"], -x)
+    assert torch.equal(views["param"], x) and not views["param"].requires_grad
+    sub.close()
+    pub.close()
+
+
+def test_stale_after_the_slot_is_overwritten(pair) -> None:
+    pub, sub = pair
+    old = pub.publish(state_dict(0), 0)
+    pub.publish(state_dict(1), 1)
+    new = pub.publish(state_dict(2), 2)
+    with pytest.raises(StaleWeightsError, match=r"holds version 2 \(READY\), not version 0.*must not sample"):
+        sub.load(old)
+    assert_same(sub.load(new), state_dict(2))
+
+
+def test_stale_when_never_published(pair) -> None:
+    pub, sub = pair
+    done = pub.publish(state_dict(0), 0)
+    with pytest.raises(StaleWeightsError, match="holds no version"):
+        sub.load(dataclasses.replace(done, version=1))  # slot 1 is still empty
+    with pytest.raises(StaleWeightsError, match=r"holds version 0 \(READY\), not version 2"):
+        sub.load(dataclasses.replace(done, version=2))  # newer than anything published
+
+
+@pytest.mark.parametrize("where", ["first", "last", "middle"])
+def test_corrupt_data_byte_is_torn(store: Path, where: str) -> None:
+    # Small chunks, so the store is hashed in several chunks and every one must count.
+    pub = WeightPublisher(store, state_dict(), slots=2, chunk_bytes=128)
+    sub = WeightSubscriber(store)
+    want = pub.publish(state_dict(3), 1)
+    sub.load(want)
+    offset = HEADER_BYTES + {"first": 0, "middle": want.nbytes // 2, "last": want.nbytes - 1}[where]
+    with open(slot_file(store, 1), "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+    with pytest.raises(TornWeightsError, match="corrupt"):
+        sub.load(want)
+    sub.close()
+    pub.close()
+
+
+def test_failed_publish_leaves_the_slot_writing_not_ready(pair) -> None:
+    pub, sub = pair
+    old = pub.publish(state_dict(0), 0)
+    broken = {k: v.to("meta") if k == "step" else v for k, v in state_dict(1).items()}
+    with pytest.raises((NotImplementedError, RuntimeError)):  # meta tensors have no bytes to copy
+        pub.publish(broken, 2)
+    for version in (old, dataclasses.replace(old, version=2)):
+        with pytest.raises(StaleWeightsError, match=r"holds version 2 \(WRITING\)"):
+            sub.load(version)
+
+
+def test_wrong_checksum_in_the_record_is_torn(pair) -> None:
+    pub, sub = pair
+    want = pub.publish(state_dict(0), 0)
+    with pytest.raises(TornWeightsError, match="expected"):
+        sub.load(dataclasses.replace(want, checksum=want.checksum ^ 1))
+
+
+@pytest.mark.parametrize(
+    ("word", "load_error"), [(1, StaleWeightsError), (2, TornWeightsError)], ids=["stamp", "checksum"]
+)
+def test_overwritten_header_fails_check_intact_and_load(pair, store: Path, word: int, load_error: type) -> None:
+    pub, sub = pair
+    want = pub.publish(state_dict(0), 1)
+    sub.load(want)
+    sub.check_intact(want)
+    with open(slot_file(store, 1), "r+b") as f:  # scribble over one int64 header word; the data stay intact
+        f.seek(8 * word)
+        f.write(b"\x7f" * 8)
+    with pytest.raises(TornWeightsError, match="overwritten while in use"):
+        sub.check_intact(want)
+    with pytest.raises(load_error):
+        sub.load(want)
+
+
+def test_check_intact_detects_republish_of_the_slot(pair) -> None:
+    pub, sub = pair
+    want = pub.publish(state_dict(0), 0)
+    sub.load(want)
+    pub.publish(state_dict(1), 2)
+    with pytest.raises(TornWeightsError, match=r"now holds version 2 \(READY\)"):
+        sub.check_intact(want)
+
+
+def test_slot_rewritten_while_hashing_is_torn(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    pub, sub = pair
+    want = pub.publish(state_dict(0), 0)
+    real = weights._checksum
+
+    def hash_then_overwrite(*args):
+        digest = real(*args)
+        monkeypatch.setattr(weights, "_checksum", real)
+        pub.publish(state_dict(1), 2)  # the writer laps the reader mid-verify
+        return digest
+
+    monkeypatch.setattr(weights, "_checksum", hash_then_overwrite)
+    with pytest.raises(TornWeightsError, match="rewritten .* while version 0 was being verified"):
+        sub.load(want)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (lambda sd: sd.update({"layer.bias": sd["layer.bias"].float()}), "layer.bias"),
+        (lambda sd: sd.update({"embed.weight": sd["embed.weight"][:6]}), "embed.weight"),
+        (lambda sd: sd.pop("step"), "step"),
+        (lambda sd: sd.update({"extra": torch.zeros(1)}), "extra"),
+    ],
+    ids=["dtype", "shape", "missing", "extra"],
+)
+def test_publish_rejects_a_different_state_dict(pair, change, key: str) -> None:
+    pub, sub = pair
+    sd = state_dict(0)
+    change(sd)
+    with pytest.raises(WeightSyncError, match=f"key '{key}'"):
+        pub.publish(sd, 0)
+    with pytest.raises(StaleWeightsError):  # nothing was stamped READY
+        sub.load(WeightVersion(0, 0, sub.nbytes, str(sub.store)))
+
+
+def test_record_from_another_store_is_rejected(pair, tmp_path: Path) -> None:
+    pub, sub = pair
+    want = pub.publish(state_dict(0), 0)
+    with pytest.raises(WeightSyncError, match="not from this store"):
+        sub.load(dataclasses.replace(want, store=str(tmp_path / "elsewhere")))
+
+
+def test_a_deleted_store_is_refused(store: Path) -> None:
+    pub = WeightPublisher(store, state_dict(), slots=2)
+    assert sorted(p.name for p in store.iterdir()) == ["manifest.json", "slot-0.bin", "slot-1.bin"]
+    pub.close()
+    shutil.rmtree(store)  # what the runtime does at the end of a run
+    with pytest.raises(WeightSyncError, match="no weight store"):
+        WeightSubscriber(store)
+
+
+def test_tensors_are_64_byte_aligned_in_manifest_order(pair) -> None:
+    pub, _ = pair
+    entries = pub.manifest["tensors"]
+    assert [e["name"] for e in entries] == list(state_dict())
+    assert all(e["offset"] % 64 == 0 for e in entries)
+    assert all(a["offset"] + a["nbytes"] <= b["offset"] for a, b in zip(entries, entries[1:]))
+
