@@ -16,6 +16,7 @@ import torch
 from monarch.actor import Actor, context, endpoint
 
 from actors import registry
+from actors.engines import Sample
 from actors.rollout import Rollout
 from actors.tasks import Problem
 from actors.weights import WeightSubscriber, WeightVersion
@@ -35,9 +36,33 @@ class GeneratorConfig:
 
 @dataclass
 class Generation:
-    rollouts: list[Rollout]
+    """Samples in prompt order, ``per_prompt`` of each, as columns.
+
+    A few large lists pickle several times faster than one object per sample, and this
+    reply sits on every step's critical path; ``rollouts`` rebuilds the objects on arrival.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    texts: list[str]
+    per_prompt: int
+    version: int
     seconds: float  # the whole endpoint, weight load included
     load_seconds: float  # of which adopting a new weight version (0 when already held)
+
+    @classmethod
+    def of(cls, samples: list[Sample], per_prompt: int, version: int, seconds: float, load_seconds: float):
+        columns = ([s.prompt_ids for s in samples], [s.completion_ids for s in samples], [s.logprobs for s in samples])
+        return cls(*columns, [s.text for s in samples], per_prompt, version, seconds, load_seconds)
+
+    def rollouts(self, problems: list[Problem], first_group: int) -> list[Rollout]:
+        """Row i answers ``problems[i // per_prompt]`` and joins group ``first_group + i // per_prompt``."""
+        rows = zip(self.prompt_ids, self.completion_ids, self.logprobs, self.texts)
+        return [
+            Rollout(problems[i // self.per_prompt], first_group + i // self.per_prompt, p, c, lp, text, self.version)
+            for i, (p, c, lp, text) in enumerate(rows)
+        ]
 
 
 class Generator(Actor):
@@ -49,28 +74,22 @@ class Generator(Actor):
         self.held: WeightVersion | None = None
 
     @endpoint
-    def generate(self, problems: list[Problem], group_size: int, first_group: int, weights: WeightVersion) -> Generation:
+    def generate(self, problems: list[Problem], group_size: int, weights: WeightVersion) -> Generation:
         start = time.perf_counter()
         load_seconds = self._hold(weights)
         groups = self.engine.generate([p.prompt for p in problems], group_size)
         self.subscriber.check_intact(weights)
-        rollouts = [
-            Rollout(problem, first_group + i, s.prompt_ids, s.completion_ids, s.logprobs, s.text, weights.version)
-            for i, (problem, samples) in enumerate(zip(problems, groups))
-            for s in samples
-        ]
-        return Generation(rollouts, time.perf_counter() - start, load_seconds)
+        samples = [s for group in groups for s in group]
+        return Generation.of(samples, group_size, weights.version, time.perf_counter() - start, load_seconds)
 
     @endpoint
-    def score(self, problems: list[Problem], texts: list[str], groups: list[int], weights: WeightVersion) -> list[Rollout]:
-        """Completions this policy did not sample (teacher traces) as rollouts, with this version's logprobs."""
-        self._hold(weights)
+    def score(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:
+        """Completions this policy did not sample (teacher traces), with this version's logprobs."""
+        start = time.perf_counter()
+        load_seconds = self._hold(weights)
         samples = self.engine.score([p.prompt for p in problems], texts)
         self.subscriber.check_intact(weights)
-        return [
-            Rollout(problem, group, s.prompt_ids, s.completion_ids, s.logprobs, s.text, weights.version)
-            for problem, group, s in zip(problems, groups, samples)
-        ]
+        return Generation.of(samples, 1, weights.version, time.perf_counter() - start, load_seconds)
 
     @endpoint
     def held_version(self) -> int | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.generator import Generation
 from actors.rollout import Rollout, build_train_batch, split_rows
 from actors.tasks import Task
 from actors.weights import WeightVersion
@@ -93,7 +94,7 @@ class Controller:
         loop = self.topology.loop
         problems = self.task.problems(self.topology.seed, step, loop.prompts_per_step)
         generated = await self._generate(problems, loop.group_size, weights)
-        rollouts = [r for g in generated for r in g.rollouts]
+        rollouts = [r for _, g in generated for r in g]
         group_size = loop.group_size
         if step < loop.warm_start.steps:
             rollouts = await self._with_teacher_traces(problems, rollouts, weights)
@@ -105,26 +106,23 @@ class Controller:
         return Collected(
             rollouts=rollouts,
             group_size=group_size,
-            generate_seconds=max(g.seconds for g in generated),
-            load_seconds=max(g.load_seconds for g in generated),
+            generate_seconds=max(g.seconds for g, _ in generated),
+            load_seconds=max(g.load_seconds for g, _ in generated),
             reward_seconds=scores.seconds,
         )
 
-    async def _generate(self, problems, group_size: int, weights: WeightVersion):
+    async def _generate(self, problems, group_size: int, weights: WeightVersion) -> list[tuple[Generation, list[Rollout]]]:
         """Split the prompts across generator processes; groups keep their global index."""
-        shards = split_rows(len(problems), len(self.actors.generators))
-        calls = [
-            gen.generate.call_one(problems[s], group_size, s.start, weights)
-            for gen, s in zip(self.actors.generators, shards)
-            if s.stop > s.start
-        ]
-        return await asyncio.gather(*calls)
+        shards = [s for s in split_rows(len(problems), len(self.actors.generators)) if s.stop > s.start]
+        calls = [gen.generate.call_one(problems[s], group_size, weights) for gen, s in zip(self.actors.generators, shards)]
+        generated = await asyncio.gather(*calls)
+        return [(g, g.rollouts(problems[s], s.start)) for g, s in zip(generated, shards)]
 
     async def _with_teacher_traces(self, problems, rollouts: list[Rollout], weights: WeightVersion) -> list[Rollout]:
         """Append the warm-start teacher's trace to each prompt's group (scored by this policy version)."""
         teacher = self.topology.loop.warm_start.teacher
         texts = await self.actors.teachers.trace.call_one(teacher, problems)
-        traces = await self.actors.generators[0].score.call_one(problems, texts, list(range(len(problems))), weights)
+        traces = (await self.actors.generators[0].score.call_one(problems, texts, weights)).rollouts(problems, 0)
         for trace in traces:
             trace.teacher = teacher
         g = self.topology.loop.group_size
@@ -175,7 +173,7 @@ class Controller:
         """Mean reward of one sample per prompt on a fixed held-out prompt set (the task's step -1)."""
         problems = self.task.problems(self.topology.seed, -1, self.topology.loop.evaluation.prompts)
         generated = await self._generate(problems, 1, self.weights)
-        rollouts = [r for g in generated for r in g.rollouts]
+        rollouts = [r for _, g in generated for r in g]
         scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
         return sum(scores.rewards) / len(scores.rewards)
 

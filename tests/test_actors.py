@@ -79,23 +79,24 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
     generator = mesh.spawn("generator", Generator, model_dir, GeneratorConfig(mesh="g", max_new_tokens=6), 0, 1)
     problems = TASK.problems(0, 0, 2)
     try:
-        out = await generator.generate.call_one(problems, 3, 0, v0)
-        assert len(out.rollouts) == 6 and {r.version for r in out.rollouts} == {0}
-        assert all(len(r.logprobs) == len(r.completion_ids) for r in out.rollouts)
+        rollouts = (await generator.generate.call_one(problems, 3, v0)).rollouts(problems, first_group=5)
+        assert len(rollouts) == 6 and {r.version for r in rollouts} == {0}
+        assert [r.group for r in rollouts] == [5, 5, 5, 6, 6, 6] and rollouts[3].problem == problems[1]
+        assert all(len(r.logprobs) == len(r.completion_ids) for r in rollouts)
 
         with torch.no_grad():  # a real update: version 1 samples differently
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
         v1 = publisher.publish(model.state_dict(), 1)
         assert v1.checksum != v0.checksum
-        await generator.generate.call_one(problems, 3, 0, v1)
+        await generator.generate.call_one(problems, 3, v1)
         assert await generator.held_version.call_one() == 1
 
         v2 = publisher.publish(model.state_dict(), 2)  # reuses v0's slot
         with pytest.raises(Exception, match="StaleWeightsError|not hold|holds"):
-            await generator.generate.call_one(problems, 3, 0, v0)
+            await generator.generate.call_one(problems, 3, v0)
         with pytest.raises(Exception, match="Stale"):
-            await generator.generate.call_one(problems, 3, 0, type(v2)(7, v2.checksum, v2.nbytes, v2.store))
+            await generator.generate.call_one(problems, 3, type(v2)(7, v2.checksum, v2.nbytes, v2.store))
 
         with slot_file(tmp_path / "store", 2 % 2).open("r+b") as slot:  # flip one data byte of version 2
             slot.seek(HEADER_BYTES)
@@ -103,7 +104,7 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
             slot.seek(HEADER_BYTES)
             slot.write(bytes([byte ^ 0xFF]))
         with pytest.raises(Exception, match="Torn"):
-            await generator.generate.call_one(problems, 3, 0, v2)
+            await generator.generate.call_one(problems, 3, v2)
     finally:
         await mesh.stop()
         publisher.close()
