@@ -17,6 +17,7 @@ from monarch.actor import Actor, context, endpoint
 
 from actors import registry
 from actors.engines import Sample
+from actors.model import Placement, proc_device
 from actors.rollout import Rollout
 from actors.tasks import Problem
 from actors.weights import WeightSubscriber, WeightVersion
@@ -66,10 +67,11 @@ class Generation:
 
 
 class Generator(Actor):
-    def __init__(self, model_path: str, cfg: GeneratorConfig, seed: int, threads: int):
-        torch.set_num_threads(threads)
+    def __init__(self, model_path: str, cfg: GeneratorConfig, seed: int, place: Placement):
+        torch.set_num_threads(place.threads)
         rank = context().actor_instance.rank.rank  # absolute flat rank: each replica samples its own stream
-        self.engine = registry.load("engine", cfg.engine)(model_path, cfg.max_new_tokens, seed + 1000 * rank)
+        device = proc_device(place.first_gpu, place.gpus_per_proc, rank)
+        self.engine = registry.load("engine", cfg.engine)(model_path, cfg.max_new_tokens, seed + 1000 * rank, device)
         self.subscriber: WeightSubscriber | None = None
         self.held: WeightVersion | None = None
 

@@ -83,6 +83,25 @@ def _causal_lm(spec: TinyModelSpec, vocab_size: int):
     return model_class(config)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one actor's processes compute: CPU threads each, and their GPUs on this host."""
+
+    threads: int
+    first_gpu: int | None = None  # None: CPU
+    gpus_per_proc: int = 0
+
+
+def proc_device(first_gpu: int | None, gpus_per_proc: int, rank: int) -> torch.device:
+    """The device of flat rank ``rank`` of a mesh whose GPUs start at index ``first_gpu``
+    on this host (``None``: a CPU mesh); made the current CUDA device."""
+    if first_gpu is None:
+        return torch.device("cpu")
+    device = torch.device("cuda", first_gpu + rank * gpus_per_proc)
+    torch.cuda.set_device(device)
+    return device
+
+
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) from a local HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

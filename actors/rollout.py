@@ -7,6 +7,7 @@ arguments, which is fine at kilobytes to megabytes (weights never do).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -53,17 +54,15 @@ class TrainBatch:
 
     def rows(self, rows: slice) -> TrainBatch:
         """A row slice (a rank's share, a micro-batch); the caller keeps the global counts."""
-        return TrainBatch(
-            input_ids=self.input_ids[rows],
-            attention_mask=self.attention_mask[rows],
-            position_ids=self.position_ids[rows],
-            prompt_len=self.prompt_len,
-            completion_mask=self.completion_mask[rows],
-            advantages=self.advantages[rows],
-            inference_logprobs=self.inference_logprobs[rows],
-            versions=self.versions[rows],
-            max_completion_len=self.max_completion_len,
-        )
+        return self._map(lambda t: t[rows])
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn) -> TrainBatch:
+        return dataclasses.replace(self, **{
+            f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)
+        })
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -8,6 +8,7 @@ shared-memory store, returning only the small ``WeightVersion``.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from monarch.actor import Actor, endpoint
 
 from actors import registry
 from actors.inner_loops import TrainerConfig
+from actors.model import Placement, proc_device
 from actors.rollout import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion
 
@@ -31,12 +33,13 @@ class StepReport:
 
 
 class Trainer(Actor):
-    def __init__(self, model_path: str, cfg: TrainerConfig, seed: int, store: str, slots: int, threads: int):
-        torch.set_num_threads(threads)
+    def __init__(self, model_path: str, cfg: TrainerConfig, seed: int, store: str, slots: int, place: Placement):
+        torch.set_num_threads(place.threads)
         torch.manual_seed(seed)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        device = proc_device(place.first_gpu, place.gpus_per_proc, int(os.environ["RANK"]))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.loop = registry.load("inner_loop", cfg.inner_loop)(model_path, cfg, self.rank, self.world)
+        self.loop = registry.load("inner_loop", cfg.inner_loop)(model_path, cfg, self.rank, self.world, device)
         self.version = 0
         self.publisher = WeightPublisher(store, self.loop.state_dict(), slots) if self.rank == 0 else None
 

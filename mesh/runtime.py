@@ -17,7 +17,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from actors import registry
 from actors.generator import Generator
-from actors.model import build_tiny_model
+from actors.model import Placement, build_tiny_model
 from actors.rewarder import Rewarder
 from actors.tasks import build_task
 from actors.teachers import TeacherPool
@@ -74,12 +74,14 @@ def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
 
 async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) -> Actors:
     cfg, seed = topology.actors, topology.seed
-    threads = _threads_per_proc(topology)
+    place = _placements(topology)
     trainer_procs = meshes[cfg.trainer.mesh]
     await setup_torch_elastic_env_async(trainer_procs)
     slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights.py)
-    trainer = trainer_procs.spawn("trainer", Trainer, model_path, cfg.trainer, seed, store, slots, threads)
-    generator = meshes[cfg.generator.mesh].spawn("generator", Generator, model_path, cfg.generator, seed, threads)
+    trainer = trainer_procs.spawn("trainer", Trainer, model_path, cfg.trainer, seed, store, slots, place[cfg.trainer.mesh])
+    generator = meshes[cfg.generator.mesh].spawn(
+        "generator", Generator, model_path, cfg.generator, seed, place[cfg.generator.mesh]
+    )
     rewarder = meshes[cfg.rewarder.mesh].spawn("rewarder", Rewarder, topology.task.config, cfg.rewarder)
     teachers = None
     if cfg.teachers is not None:
@@ -96,8 +98,14 @@ def _one_proc(actors: ActorMesh) -> ActorMesh:
     return _each_proc(actors)[0]
 
 
-def _threads_per_proc(topology: Topology) -> int:
-    """Share the cores among the processes that compute (trainer and generator), at least one each."""
+def _placements(topology: Topology) -> dict[str, Placement]:
+    """Per mesh: CPU threads (the cores shared among the processes that compute, the trainer's
+    and the generator's, at least one each) and its GPUs, numbered mesh after mesh on this host."""
     compute = {topology.actors.trainer.mesh, topology.actors.generator.mesh}
     procs = sum(topology.meshes[m].procs * topology.meshes[m].hosts for m in compute)
-    return max(1, (os.cpu_count() or 1) // procs)
+    threads = max(1, (os.cpu_count() or 1) // procs)
+    places, next_gpu = {}, 0
+    for name, mesh in topology.meshes.items():
+        places[name] = Placement(threads, next_gpu if mesh.gpus else None, mesh.gpus)
+        next_gpu += mesh.gpus * mesh.procs * mesh.hosts
+    return places

@@ -11,7 +11,7 @@ from monarch.spmd import setup_torch_elastic_env_async
 
 from actors.generator import Generator, GeneratorConfig
 from actors.inner_loops import OptimizerConfig, TrainerConfig
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
+from actors.model import Placement, TinyModelSpec, build_tiny_model, load_policy
 from actors.rollout import Rollout, build_train_batch
 from actors.tasks.strings import Reverse
 from actors.trainer import Trainer
@@ -46,7 +46,7 @@ async def train_once(model_dir: str, procs: int, store: Path, batch):
     mesh = this_host().spawn_procs(per_host={"procs": procs})
     await setup_torch_elastic_env_async(mesh)
     cfg = TrainerConfig(mesh="trainer", optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=3)
-    trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, 1)
+    trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, Placement(threads=1))
     try:
         await trainer.publish.call()
         reports = (await trainer.train_step.call(batch)).values()
@@ -76,7 +76,7 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
     publisher = WeightPublisher(tmp_path / "store", model.state_dict(), slots=2)
     v0 = publisher.publish(model.state_dict(), 0)
     mesh = this_host().spawn_procs(per_host={"procs": 1})
-    generator = mesh.spawn("generator", Generator, model_dir, GeneratorConfig(mesh="g", max_new_tokens=6), 0, 1)
+    generator = mesh.spawn("generator", Generator, model_dir, GeneratorConfig(mesh="g", max_new_tokens=6), 0, Placement(1))
     problems = TASK.problems(0, 0, 2)
     try:
         rollouts = (await generator.generate.call_one(problems, 3, v0)).rollouts(problems, first_group=5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from pathlib import Path
@@ -9,7 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.weights import WeightSubscriber
+from actors.model import TinyModelSpec, build_tiny_model
+from actors.rollout import Rollout
+from actors.tasks.strings import Reverse
+from mesh.controller import Collected, Controller, StalenessError
 from mesh.runtime import RunFailed, run
 from mesh.topology import load_topology
 
@@ -59,10 +63,29 @@ async def test_bounded_async_run_never_trains_on_samples_older_than_the_lag(tmp_
     assert rows[-1]["version"] == 5
 
 
-async def test_process_launcher_places_a_trainer_across_two_hosts(tmp_path):
-    topology = small(tmp_path, "launcher.kind=process", "meshes.trainer.hosts=2", "loop.steps=2")
-    rows = records(await run(topology, progress=False))
-    assert [r["version"] for r in rows] == [1, 2]
+async def test_process_launcher_places_a_trainer_across_two_hosts_from_a_model_directory(tmp_path):
+    model = build_tiny_model(tmp_path / "my-model", TinyModelSpec(hidden_size=32), Reverse().alphabet, seed=3)
+    topology = small(tmp_path / "runs", "launcher.kind=process", "meshes.trainer.hosts=2", "loop.steps=2",
+                     f"model={{path: {model}}}")
+    run_dir = await run(topology, progress=False)
+    assert [r["version"] for r in records(run_dir)] == [1, 2]
+    assert not (run_dir.path / "model").exists()  # the given directory was used, not a built one
+
+
+def test_a_batch_older_than_the_lag_is_never_trained_on(tmp_path):
+    topology = small(tmp_path, "loop.max_policy_lag=1")
+    controller = Controller(topology, actors=None, task=Reverse(), run=None, weights=None, progress=None)
+    problem = Reverse().problems(0, 0, 1)[0]
+    stale = [Rollout(problem, 0, [3], [4, 1], [-1.0, -1.0], "a", version=2) for _ in range(4)]
+    with pytest.raises(StalenessError, match="policy age 2 > max_policy_lag"):
+        asyncio.run(controller._train(4, Collected(stale, 4, 0.0, 0.0, 0.0)))  # fails before any actor is called
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_trainer_on_a_gpu(tmp_path):
+    rows = records(await run(small(tmp_path, "meshes.trainer.gpus=1", "loop.steps=3"), progress=False))
+    assert [r["version"] for r in rows] == [1, 2, 3] and all(r["train/grad_norm"] >= 0 for r in rows)
 
 
 def explode(problem, completion) -> float:

@@ -21,6 +21,8 @@ class Sample:
 
 
 class Engine(Protocol):
+    """Built as ``Engine(model_path, max_new_tokens, seed, device)`` inside a generator process."""
+
     def load_weights(self, state_dict: dict[str, Tensor]) -> None: ...
 
     def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:

@@ -15,21 +15,22 @@ from actors.model import load_policy
 
 
 class HFEngine:
-    def __init__(self, model_path: str, max_new_tokens: int, seed: int):
+    def __init__(self, model_path: str, max_new_tokens: int, seed: int, device: torch.device = torch.device("cpu")):
         self.model, self.tokenizer = load_policy(model_path)
-        self.model.eval()
+        self.model.to(device).eval()
+        self.device = device
         self.tokenizer.padding_side = "left"
         self.max_new_tokens = max_new_tokens
         self.generator = torch.Generator().manual_seed(seed)
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
-        # assign=True: the model adopts the given tensors (shared-memory views) without a copy
-        self.model.load_state_dict(state_dict, assign=True, strict=True)
+        # on CPU the model adopts the given tensors (shared-memory views) without a copy; a GPU copies them in
+        self.model.load_state_dict(state_dict, assign=self.device.type == "cpu", strict=True)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
         repeated = [p for p in prompts for _ in range(samples_per_prompt)]
-        encoded = self.tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False)
+        encoded = self.tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         # transformers samples from the global RNG: seed it from our own stream so runs repeat
         torch.manual_seed(int(torch.randint(2**62, (1,), generator=self.generator)))
         out = self.model.generate(
@@ -47,6 +48,7 @@ class HFEngine:
         prompt_len = encoded.input_ids.shape[1]
         tokens = out.sequences[:, prompt_len:]
         logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        encoded, tokens, logprobs = encoded.to("cpu"), tokens.cpu(), logprobs.cpu()
         samples = [self._sample(encoded, i, tokens[i], logprobs[i]) for i in range(len(repeated))]
         return [samples[i : i + samples_per_prompt] for i in range(0, len(samples), samples_per_prompt)]
 
@@ -60,7 +62,8 @@ class HFEngine:
         for row, (prompt, completion) in enumerate(pairs):
             ids[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
             attention[row, : len(prompt) + len(completion)] = 1
-        logprobs = self.model(input_ids=ids, attention_mask=attention).logits.float().log_softmax(-1)
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device)).logits
+        logprobs = logits.float().log_softmax(-1).cpu()
         return [
             Sample(p, c, logprobs[row, len(p) - 1 : len(p) + len(c) - 1].gather(-1, torch.tensor(c)[:, None]).squeeze(-1).tolist(), text)
             for row, ((p, c), text) in enumerate(zip(pairs, completions))

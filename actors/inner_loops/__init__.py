@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from actors import registry
@@ -42,7 +43,7 @@ class TrainerConfig:
 class InnerLoop(Protocol):
     """Built inside a trainer process after ``torch.distributed`` is initialized."""
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int) -> None: ...
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device) -> None: ...
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of ``batch`` (the whole step's rows);

@@ -38,18 +38,21 @@ class HiddenStates(nn.Module):
 
 
 class NativeLoop:
-    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int):
-        self.cfg, self.rank, self.world = cfg, rank, world
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.model, _ = load_policy(model_path)
-        self.model.train()
+        self.model.to(device).train()
         hidden = HiddenStates(self.model)
-        self.hidden = DistributedDataParallel(hidden) if world > 1 else hidden
+        if world > 1:
+            hidden = DistributedDataParallel(hidden, device_ids=[device] if device.type == "cuda" else None)
+        self.hidden = hidden
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
         )
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        batch = batch.to(self.device)
         counts = Counts.from_mask(batch.completion_mask, batch.max_completion_len)
         share = split_rows(len(batch), self.world)[self.rank]
         micro = self.cfg.micro_batch_size
@@ -91,7 +94,7 @@ class NativeLoop:
         if self.world == 1:
             return totals
         names = sorted(totals)
-        values = torch.tensor([totals[n] for n in names], dtype=torch.float64)
+        values = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=self.device)
         dist.all_reduce(values)
         return {n: (v / self.world if n.endswith("/skipped") else v) for n, v in zip(names, values.tolist())}
 
