@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+
+import cloudpickle
 import torch
 
 from actors.rollout import Rollout, build_train_batch, split_rows
@@ -26,6 +30,10 @@ def test_prompts_are_left_padded_and_completions_start_in_one_column():
     assert batch.inference_logprobs[0].tolist() == [-0.5, -0.5, 0.0, 0.0]
     assert batch.versions.tolist() == [2, 3]
     assert batch.rows(slice(1, 2)).input_ids.tolist() == [[0, 0, 9, 10, 11, 12, 1]]
+    copy = pickle.loads(cloudpickle.dumps(batch))  # travels as numpy arrays, arrives as the same tensors
+    for field in dataclasses.fields(batch):
+        mine, theirs = getattr(batch, field.name), getattr(copy, field.name)
+        assert torch.equal(mine, theirs) and mine.dtype == theirs.dtype if torch.is_tensor(mine) else mine == theirs
 
 
 def test_split_rows_covers_everything_once_in_near_equal_shares():
