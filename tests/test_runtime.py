@@ -33,16 +33,30 @@ def records(run_dir) -> list[dict]:
     return [json.loads(line) for line in run_dir.metrics_file.read_text().splitlines()]
 
 
-async def test_synchronous_run_fills_the_run_directory(tmp_path):
-    run_dir = await run(small(tmp_path, "loop.max_policy_lag=0"), progress=False)
+def let_workers_import_this_file(monkeypatch) -> None:
+    """Actor processes inherit PYTHONPATH: let them import reward functions defined in this file."""
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(here)
+
+
+def half(problem, completion) -> float:
+    return 0.5
+
+
+async def test_synchronous_run_fills_the_run_directory(tmp_path, monkeypatch):
+    let_workers_import_this_file(monkeypatch)
+    run_dir = await run(small(tmp_path, "loop.max_policy_lag=0", "actors.rewarder.functions=[test_runtime:half]"),
+                        progress=False)
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     assert [r["warm_start"] for r in rows] == [1, 0, 0, 0]
     assert all(r["policy_age/counts"] == {"0": 16 + 4 * r["warm_start"]} for r in rows)  # every sample, age 0
     assert [("eval/reward" in r) for r in rows] == [False, True, False, True]
-    for r in rows:
-        assert 0.0 <= r["reward/mean"] <= 1.0 and r["samples_per_s"] > 0 and r["time/weight_sync"] > 0
+    for r in rows:  # the user's reward function is added to the task's score and logged as its own part
+        assert r["reward/half"] == 0.5 and r["reward/mean"] == pytest.approx(r["reward/task"] + 0.5)
+        assert r["samples_per_s"] > 0 and r["time/weight_sync"] > 0
         assert r["train/policy/skipped"] == 0.0 and "train/policy/loss" in r
 
     path = run_dir.path
@@ -93,8 +107,7 @@ def explode(problem, completion) -> float:
 
 
 async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_results(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    let_workers_import_this_file(monkeypatch)
     topology = small(tmp_path, "actors.rewarder.functions=[test_runtime:explode]")
     with pytest.raises(RunFailed) as info:
         await run(topology, progress=False)
