@@ -54,8 +54,7 @@ def import_path(kind: str, name: str) -> str:
     except KeyError:
         known = ", ".join(sorted(BACKENDS[kind]))
         raise BackendError(
-            f"unknown {kind} {name!r}: registered {kind}s are {known}; "
-            f"or give your own as 'package.module:attr'"
+            f"unknown {kind} {name!r}: registered {kind}s are {known}; or give your own as 'package.module:attr'"
         ) from None
 
 

@@ -68,9 +68,14 @@ class TrainBatch:
         return _train_batch_from_arrays, (arrays,)
 
     def _map(self, fn) -> TrainBatch:
-        return dataclasses.replace(self, **{
-            f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)
-        })
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), Tensor)
+            },
+        )
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -46,7 +46,6 @@ import ctypes
 import json
 import mmap
 import os
-import shutil
 import struct
 import warnings
 from collections.abc import Iterable
@@ -71,7 +70,9 @@ __all__ = [
 MANIFEST = "manifest.json"
 FORMAT = 1
 HEADER_BYTES = 64  # also the alignment of every tensor in the data region
-CHUNK_BYTES = 4 << 20  # unit of parallel copy+hash: fits in L2 (hashed while hot), few enough tasks to amortize the pool
+CHUNK_BYTES = (
+    4 << 20
+)  # unit of parallel copy+hash: fits in L2 (hashed while hot), few enough tasks to amortize the pool
 MAGIC = int.from_bytes(b"CMWSLOT1", "little")
 
 # Header: eight int64 words. The stamp packs state (low 2 bits) and version.

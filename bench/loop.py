@@ -55,8 +55,13 @@ def median(values: list[float]) -> float:
 
 async def loop_run(lag: int, steps: int, root: Path) -> list[dict]:
     overrides = [
-        f"loop.steps={steps}", f"loop.max_policy_lag={lag}", "loop.warm_start.steps=0", "loop.evaluation.every=0",
-        "checkpointing.every=0", "logging.tensorboard=false", f"logging.root={root}",
+        f"loop.steps={steps}",
+        f"loop.max_policy_lag={lag}",
+        "loop.warm_start.steps=0",
+        "loop.evaluation.every=0",
+        "checkpointing.every=0",
+        "logging.tensorboard=false",
+        f"logging.root={root}",
     ]
     run_dir = await run(load_topology(ROOT / "topologies" / "tiny.yaml", overrides), progress=False)
     return read_metrics(run_dir.metrics_file)[2:-1]
@@ -162,9 +167,14 @@ async def weight_sync(reps: int) -> dict:
         shutil.rmtree(store.parent, ignore_errors=True)
     gb = SYNC_MB * 2**20 / 1e9
     return {
-        "sync_s": median(sync), "verified_s": median(verified), "memcpy_s": median(memcpy),
-        "argument_s": median(argument), "sync_GBps": gb / median(sync), "memcpy_GBps": gb / median(memcpy),
-        "argument_GBps": gb / median(argument), "ratio_vs_memcpy": median(memcpy) / median(sync),
+        "sync_s": median(sync),
+        "verified_s": median(verified),
+        "memcpy_s": median(memcpy),
+        "argument_s": median(argument),
+        "sync_GBps": gb / median(sync),
+        "memcpy_GBps": gb / median(memcpy),
+        "argument_GBps": gb / median(argument),
+        "ratio_vs_memcpy": median(memcpy) / median(sync),
         "verified_ratio_vs_memcpy": median(memcpy) / median(verified),
     }
 
@@ -194,23 +204,38 @@ async def main(args) -> None:
     round_trip_s = await idle_round_trip(gap_s)
 
     result = {
-        "date": str(datetime.date.today()), "machine": machine(), "runs": runs, "steps": steps,
-        "overhead_share_median": median(overhead), "overhead_share_p90": statistics.quantiles(overhead, n=10)[-1],
-        "sync_step_s": step_s, "overhead_s": overhead_s, "idle_gap_s": gap_s, "idle_round_trip_s": round_trip_s,
-        "sync_samples_per_s": median(samples[0]), "async_samples_per_s": median(samples[1]),
-        "async_over_sync": median(samples[1]) / median(samples[0]), "weight_sync": sync,
+        "date": str(datetime.date.today()),
+        "machine": machine(),
+        "runs": runs,
+        "steps": steps,
+        "overhead_share_median": median(overhead),
+        "overhead_share_p90": statistics.quantiles(overhead, n=10)[-1],
+        "sync_step_s": step_s,
+        "overhead_s": overhead_s,
+        "idle_gap_s": gap_s,
+        "idle_round_trip_s": round_trip_s,
+        "sync_samples_per_s": median(samples[0]),
+        "async_samples_per_s": median(samples[1]),
+        "async_over_sync": median(samples[1]) / median(samples[0]),
+        "weight_sync": sync,
     }
-    print(f"orchestration overhead, synchronous: median {100 * result['overhead_share_median']:.1f}% of step time "
-          f"(p90 {100 * result['overhead_share_p90']:.1f}%; target <= 5%): {overhead_s * 1e3:.1f} ms of a "
-          f"{step_s * 1e3:.0f} ms step; a no-op actor call after {gap_s * 1e3:.0f} ms idle takes "
-          f"{round_trip_s * 1e3:.1f} ms here, and a synchronous step makes 3 calls in sequence")
-    print(f"samples/s: sync {result['sync_samples_per_s']:.0f}, async (lag 1) {result['async_samples_per_s']:.0f}, "
-          f"ratio {result['async_over_sync']:.2f}x")
-    print(f"weight sync {SYNC_MB} MB: store {sync['sync_s'] * 1e3:.0f} ms ({sync['sync_GBps']:.1f} GB/s), memcpy "
-          f"{sync['memcpy_s'] * 1e3:.0f} ms ({sync['memcpy_GBps']:.1f} GB/s): {sync['ratio_vs_memcpy']:.2f}x memcpy "
-          f"(target >= 0.5x); publish + load + waiting for the background verification "
-          f"{sync['verified_s'] * 1e3:.0f} ms ({sync['verified_ratio_vs_memcpy']:.2f}x); endpoint argument "
-          f"{sync['argument_s'] * 1e3:.0f} ms ({sync['argument_GBps']:.2f} GB/s)")
+    print(
+        f"orchestration overhead, synchronous: median {100 * result['overhead_share_median']:.1f}% of step time "
+        f"(p90 {100 * result['overhead_share_p90']:.1f}%; target <= 5%): {overhead_s * 1e3:.1f} ms of a "
+        f"{step_s * 1e3:.0f} ms step; a no-op actor call after {gap_s * 1e3:.0f} ms idle takes "
+        f"{round_trip_s * 1e3:.1f} ms here, and a synchronous step makes 3 calls in sequence"
+    )
+    print(
+        f"samples/s: sync {result['sync_samples_per_s']:.0f}, async (lag 1) {result['async_samples_per_s']:.0f}, "
+        f"ratio {result['async_over_sync']:.2f}x"
+    )
+    print(
+        f"weight sync {SYNC_MB} MB: store {sync['sync_s'] * 1e3:.0f} ms ({sync['sync_GBps']:.1f} GB/s), memcpy "
+        f"{sync['memcpy_s'] * 1e3:.0f} ms ({sync['memcpy_GBps']:.1f} GB/s): {sync['ratio_vs_memcpy']:.2f}x memcpy "
+        f"(target >= 0.5x); publish + load + waiting for the background verification "
+        f"{sync['verified_s'] * 1e3:.0f} ms ({sync['verified_ratio_vs_memcpy']:.2f}x); endpoint argument "
+        f"{sync['argument_s'] * 1e3:.0f} ms ({sync['argument_GBps']:.2f} GB/s)"
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "loop.json").write_text(json.dumps(result, indent=1))
 

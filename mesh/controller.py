@@ -13,18 +13,18 @@ trained on.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import asyncio
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from actors.generator import Generation
-from actors.rollout import Rollout, build_train_batch, split_rows
+from actors.rollout import Rollout, TrainBatch, build_train_batch, split_rows
 from actors.tasks import Task
+from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from losses import group_advantages
 from mesh.rundir import RunDir
@@ -111,10 +111,14 @@ class Controller:
             reward_seconds=scores.seconds,
         )
 
-    async def _generate(self, problems, group_size: int, weights: WeightVersion) -> list[tuple[Generation, list[Rollout]]]:
+    async def _generate(
+        self, problems, group_size: int, weights: WeightVersion
+    ) -> list[tuple[Generation, list[Rollout]]]:
         """Split the prompts across generator processes; groups keep their global index."""
         shards = [s for s in split_rows(len(problems), len(self.actors.generators)) if s.stop > s.start]
-        calls = [gen.generate.call_one(problems[s], group_size, weights) for gen, s in zip(self.actors.generators, shards)]
+        calls = [
+            gen.generate.call_one(problems[s], group_size, weights) for gen, s in zip(self.actors.generators, shards)
+        ]
         generated = await asyncio.gather(*calls)
         return [(g, g.rollouts(problems[s], s.start)) for g, s in zip(generated, shards)]
 
@@ -134,10 +138,16 @@ class Controller:
             raise StalenessError(f"step {step}: samples of policy age {max(ages)} > max_policy_lag")
         rewards = torch.tensor([r.reward for r in collected.rollouts])
         advantages = group_advantages(rewards, collected.group_size)
+        # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention and loss
         batch = build_train_batch(collected.rollouts, advantages, pad_id=0, max_completion_len=self.max_new_tokens)
         reports = await self.actors.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)
         self.weights = report.weights
+        return self._step_metrics(step, collected, batch, report, ages)
+
+    def _step_metrics(
+        self, step: int, collected: Collected, batch: TrainBatch, report: StepReport, ages: list[int]
+    ) -> dict:
         policy_rewards = torch.tensor([r.reward for r in collected.rollouts if r.teacher is None])  # never a teacher's
         metrics = {
             "version": report.weights.version,
@@ -176,4 +186,3 @@ class Controller:
         rollouts = [r for _, g in generated for r in g]
         scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
         return sum(scores.rewards) / len(scores.rewards)
-

@@ -10,8 +10,15 @@ from tqdm import tqdm
 class Progress:
     def __init__(self, topology, enabled: bool):
         self.warm_steps = topology.loop.warm_start.steps
-        self.bar = tqdm(total=topology.loop.steps, desc=topology.name, unit="step", disable=not enabled,
-                        file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        self.bar = tqdm(
+            total=topology.loop.steps,
+            desc=topology.name,
+            unit="step",
+            disable=not enabled,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )
 
     def update(self, step: int, metrics: dict) -> None:
         phase = "warm start (oracle traces in each group)" if step < self.warm_steps else "rl"

@@ -16,10 +16,16 @@ from mesh.topology import TopologyError, describe, load_topology
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mesh.run", description="Run a post-training topology.")
     parser.add_argument("topology", help="a topology YAML file, e.g. topologies/tiny.yaml")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
-                        help="override any field, e.g. --set loop.steps=20 (repeatable)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the resolved topology, placement and actor graph; spawn nothing")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override any field, e.g. --set loop.steps=20 (repeatable)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the resolved topology, placement and actor graph; spawn nothing"
+    )
     parser.add_argument("--run-root", help="where run directories go (default: the topology's logging.root)")
     args = parser.parse_args(argv)
     try:

@@ -6,11 +6,10 @@ metrics and last checkpoint are; nothing already written is lost.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import monarch.actor
 from monarch.spmd import setup_torch_elastic_env_async
@@ -39,8 +38,9 @@ class RunFailed(RuntimeError):
 
 async def run(topology: Topology, run_root: str | None = None, progress: bool = True) -> RunDir:
     """Run ``topology`` to the end; returns its run directory."""
-    run_dir = RunDir.create(run_root or topology.logging.root, topology.name, topology.model_dump(mode="json"),
-                            topology.logging.tensorboard)
+    run_dir = RunDir.create(
+        run_root or topology.logging.root, topology.name, topology.model_dump(mode="json"), topology.logging.tensorboard
+    )
     task = build_task(topology.task.config)
     model_path = _prepare_model(topology, task.alphabet, run_dir)
     store = str(Path(SHM_ROOT or run_dir.path) / f"composer-mesh-{os.getpid()}-{run_dir.path.name}")
@@ -78,7 +78,9 @@ async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) 
     trainer_procs = meshes[cfg.trainer.mesh]
     await setup_torch_elastic_env_async(trainer_procs)
     slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights.py)
-    trainer = trainer_procs.spawn("trainer", Trainer, model_path, cfg.trainer, seed, store, slots, place[cfg.trainer.mesh])
+    trainer = trainer_procs.spawn(
+        "trainer", Trainer, model_path, cfg.trainer, seed, store, slots, place[cfg.trainer.mesh]
+    )
     generator = meshes[cfg.generator.mesh].spawn(
         "generator", Generator, model_path, cfg.generator, seed, place[cfg.generator.mesh]
     )

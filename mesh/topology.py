@@ -45,7 +45,9 @@ class ModelSection(Section):
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if (self.init is None) == (self.path is None):
-            raise ValueError("give exactly one of model.init (a tiny random model) or model.path (a local HF directory)")
+            raise ValueError(
+                "give exactly one of model.init (a tiny random model) or model.path (a local HF directory)"
+            )
         if self.path is not None and not (Path(self.path).expanduser() / "config.json").is_file():
             raise ValueError(
                 f"model.path {self.path!r} is not a Hugging Face model directory (no config.json there); "
@@ -148,7 +150,8 @@ class Topology(Section):
             if warm.teacher not in bound:
                 raise ValueError(
                     f"loop.warm_start.teacher is {warm.teacher!r}, but actors.teachers binds {sorted(bound)}; "
-                    f"bind it (e.g. actors.teachers.bindings.{warm.teacher}.kind: task_oracle) or set warm_start.steps: 0"
+                    f"bind it (e.g. actors.teachers.bindings.{warm.teacher}.kind: task_oracle) "
+                    "or set warm_start.steps: 0"
                 )
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts

@@ -37,7 +37,9 @@ def a_batch(model_dir: str, rows_per_group: int = 4, prompts: int = 5):
             length = int(torch.randint(1, 7, (1,), generator=gen))
             completion = torch.randint(3, len(tokenizer), (length,), generator=gen).tolist() + [1]
             logprobs = (-torch.rand(len(completion), generator=gen) * 2).tolist()
-            rollouts.append(Rollout(problem, group, prompt, completion, logprobs, "", 0, reward=float(torch.rand(1, generator=gen))))
+            rollouts.append(
+                Rollout(problem, group, prompt, completion, logprobs, "", 0, reward=float(torch.rand(1, generator=gen)))
+            )
     rewards = torch.tensor([r.reward for r in rollouts])
     return build_train_batch(rollouts, group_advantages(rewards, rows_per_group), pad_id=0, max_completion_len=8)
 
@@ -76,7 +78,9 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
     publisher = WeightPublisher(tmp_path / "store", model.state_dict(), slots=2)
     v0 = publisher.publish(model.state_dict(), 0)
     mesh = this_host().spawn_procs(per_host={"procs": 1})
-    generator = mesh.spawn("generator", Generator, model_dir, GeneratorConfig(mesh="g", max_new_tokens=6), 0, Placement(1))
+    generator = mesh.spawn(
+        "generator", Generator, model_dir, GeneratorConfig(mesh="g", max_new_tokens=6), 0, Placement(1)
+    )
     problems = TASK.problems(0, 0, 2)
     try:
         rollouts = (await generator.generate.call_one(problems, 3, v0)).rollouts(problems, first_group=5)

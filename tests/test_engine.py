@@ -49,7 +49,9 @@ def test_same_seed_same_samples_and_new_weights_change_them(tmp_path):
     model, _ = load_policy(path)
     state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
     b.load_weights(state)
-    assert b.model.state_dict()["lm_head.weight"].data_ptr() == state["lm_head.weight"].data_ptr()  # adopted, not copied
+    assert (
+        b.model.state_dict()["lm_head.weight"].data_ptr() == state["lm_head.weight"].data_ptr()
+    )  # adopted, not copied
     assert [s.completion_ids for g in a.generate(["abc="], 8) for s in g] != [
         s.completion_ids for g in b.generate(["abc="], 8) for s in g
     ]

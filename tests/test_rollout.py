@@ -19,7 +19,9 @@ def rollout(prompt, completion, version=0):
 def test_prompts_are_left_padded_and_completions_start_in_one_column():
     batch = build_train_batch(
         [rollout([5, 6, 7], [8, 1], version=2), rollout([9], [10, 11, 12, 1], version=3)],
-        torch.tensor([1.0, -1.0]), pad_id=0, max_completion_len=8,
+        torch.tensor([1.0, -1.0]),
+        pad_id=0,
+        max_completion_len=8,
     )
     assert batch.prompt_len == 3
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 1, 0, 0], [0, 0, 9, 10, 11, 12, 1]]

@@ -23,8 +23,14 @@ TINY = ROOT / "topologies" / "tiny.yaml"
 
 def small(tmp_path: Path, *overrides: str):
     base = [
-        "loop.steps=4", "loop.prompts_per_step=4", "loop.group_size=4", "loop.warm_start.steps=1",
-        "loop.evaluation.every=2", "loop.evaluation.prompts=8", "checkpointing.every=2", f"logging.root={tmp_path}",
+        "loop.steps=4",
+        "loop.prompts_per_step=4",
+        "loop.group_size=4",
+        "loop.warm_start.steps=1",
+        "loop.evaluation.every=2",
+        "loop.evaluation.prompts=8",
+        "checkpointing.every=2",
+        f"logging.root={tmp_path}",
     ]
     return load_topology(TINY, [*base, *overrides])
 
@@ -46,8 +52,9 @@ def half(problem, completion) -> float:
 
 async def test_synchronous_run_fills_the_run_directory(tmp_path, monkeypatch):
     let_workers_import_this_file(monkeypatch)
-    run_dir = await run(small(tmp_path, "loop.max_policy_lag=0", "actors.rewarder.functions=[test_runtime:half]"),
-                        progress=False)
+    run_dir = await run(
+        small(tmp_path, "loop.max_policy_lag=0", "actors.rewarder.functions=[test_runtime:half]"), progress=False
+    )
     rows = records(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
@@ -79,8 +86,9 @@ async def test_bounded_async_run_never_trains_on_samples_older_than_the_lag(tmp_
 
 async def test_process_launcher_places_a_trainer_across_two_hosts_from_a_model_directory(tmp_path):
     model = build_tiny_model(tmp_path / "my-model", TinyModelSpec(hidden_size=32), Reverse().alphabet, seed=3)
-    topology = small(tmp_path / "runs", "launcher.kind=process", "meshes.trainer.hosts=2", "loop.steps=2",
-                     f"model={{path: {model}}}")
+    topology = small(
+        tmp_path / "runs", "launcher.kind=process", "meshes.trainer.hosts=2", "loop.steps=2", f"model={{path: {model}}}"
+    )
     run_dir = await run(topology, progress=False)
     assert [r["version"] for r in records(run_dir)] == [1, 2]
     assert not (run_dir.path / "model").exists()  # the given directory was used, not a built one

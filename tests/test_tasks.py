@@ -27,8 +27,15 @@ def test_answers_and_lengths_follow_the_task():
 
 @pytest.mark.parametrize(
     "answer, completion, reward",
-    [("abc", "abc", 1.0), ("abc", "abd", 2 / 3), ("abc", "ab", 2 / 3), ("abc", "abcd", 3 / 4), ("abc", "", 0.0),
-     ("abc", "cba", 1 / 3), ("", "", 1.0)],
+    [
+        ("abc", "abc", 1.0),
+        ("abc", "abd", 2 / 3),
+        ("abc", "ab", 2 / 3),
+        ("abc", "abcd", 3 / 4),
+        ("abc", "", 0.0),
+        ("abc", "cba", 1 / 3),
+        ("", "", 1.0),
+    ],
 )
 def test_partial_credit_rewards_each_right_position_over_the_longer_string(answer, completion, reward):
     assert position_match(answer, completion) == pytest.approx(reward)

@@ -37,13 +37,18 @@ def error_of(path: Path, overrides: list[str] = ()) -> str:
 def test_tiny_topology_loads_with_its_actors_on_its_meshes():
     topology = load_topology(TINY)
     assert topology.placed_actors() == {
-        "trainer": "trainer", "generator": "generator", "rewarder": "service", "teachers": "service"
+        "trainer": "trainer",
+        "generator": "generator",
+        "rewarder": "service",
+        "teachers": "service",
     }
     assert topology.actors.trainer.loss.policy.name == "dapo"
 
 
 def test_set_overrides_any_field_with_yaml_typed_values():
-    topology = load_topology(TINY, ["loop.steps=7", "actors.trainer.optimizer.lr=1e-2", "actors.trainer.loss.policy.name=gspo"])
+    topology = load_topology(
+        TINY, ["loop.steps=7", "actors.trainer.optimizer.lr=1e-2", "actors.trainer.loss.policy.name=gspo"]
+    )
     assert topology.loop.steps == 7
     assert topology.actors.trainer.optimizer.lr == pytest.approx(1e-2)
     assert topology.actors.trainer.loss.policy.name == "gspo"
@@ -54,7 +59,10 @@ def test_set_overrides_any_field_with_yaml_typed_values():
     "change, expected",
     [
         (lambda t: t.update(bogus=1), ["unknown key 'bogus'", "keys allowed at the top level are", "meshes"]),
-        (lambda t: t["actors"]["trainer"]["optimizer"].update(lrr=1), ["actors.trainer.optimizer.lrr", "grad_clip, lr"]),
+        (
+            lambda t: t["actors"]["trainer"]["optimizer"].update(lrr=1),
+            ["actors.trainer.optimizer.lrr", "grad_clip, lr"],
+        ),
         (lambda t: t["loop"].update(steps="many"), ["loop.steps", "valid integer", "'many'"]),
         (lambda t: t["actors"]["trainer"].update(inner_loop="bogus"), ["unknown inner_loop 'bogus'", "native"]),
         (lambda t: t["actors"]["generator"].update(engine="nope:Engine"), ["engine 'nope:Engine'", "cannot import"]),
@@ -108,7 +116,9 @@ def test_missing_file_and_bad_set_are_clear(tmp_path):
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "mesh.run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mesh.run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_exits_2_with_one_message_and_no_traceback(tmp_path):

@@ -281,4 +281,3 @@ def test_tensors_are_64_byte_aligned_in_manifest_order(pair) -> None:
     assert [e["name"] for e in entries] == list(state_dict())
     assert all(e["offset"] % 64 == 0 for e in entries)
     assert all(a["offset"] + a["nbytes"] <= b["offset"] for a, b in zip(entries, entries[1:]))
-

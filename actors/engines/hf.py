@@ -65,7 +65,15 @@ class HFEngine:
         logits = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device)).logits
         logprobs = logits.float().log_softmax(-1).cpu()
         return [
-            Sample(p, c, logprobs[row, len(p) - 1 : len(p) + len(c) - 1].gather(-1, torch.tensor(c)[:, None]).squeeze(-1).tolist(), text)
+            Sample(
+                p,
+                c,
+                logprobs[row, len(p) - 1 : len(p) + len(c) - 1]
+                .gather(-1, torch.tensor(c)[:, None])
+                .squeeze(-1)
+                .tolist(),
+                text,
+            )
             for row, ((p, c), text) in enumerate(zip(pairs, completions))
         ]
 

@@ -110,4 +110,3 @@ class NativeLoop:
         self.model.load_state_dict(model)
         self.optimizer.load_state_dict(optimizer)
         return state
-

@@ -33,7 +33,9 @@ class Launcher(Protocol):
 
 def spawn_procs(host_mesh, procs: int) -> ProcMesh:
     """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK from it)."""
-    return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap_command=default_bootstrap_cmd().with_env(PROC_ENV))
+    return host_mesh.spawn_procs(
+        per_host={"procs": procs}, bootstrap_command=default_bootstrap_cmd().with_env(PROC_ENV)
+    )
 
 
 def check_capacity(topology: Topology, launcher: str) -> None:
