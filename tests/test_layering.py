@@ -1,25 +1,28 @@
-"""``losses`` is pure tensor math: importing it pulls in no model, trainer or actor library."""
+"""The layers import downward only: ``mesh`` -> ``actors`` -> ``losses`` -> torch."""
 
+import ast
 import subprocess
 import sys
 
 
-def test_losses_imports_only_torch():
+def loaded_after(statement: str, banned: tuple[str, ...]) -> list[str]:
+    """Which of ``banned`` (packages and their submodules) a fresh interpreter holds after ``statement``."""
     code = (
-        "import sys, losses, losses.prime_rl;"
-        "banned = [m for m in ('transformers', 'trl', 'monarch', 'mesh', 'actors', 'torchtitan', 'prime_rl')"
-        " if m in sys.modules]; print(banned)"
+        f"{statement}\nimport sys\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({banned!r})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_losses_imports_only_torch():
+    banned = ("transformers", "trl", "monarch", "mesh", "actors", "torchtitan", "prime_rl")
+    assert loaded_after("import losses, losses.prime_rl", banned) == []
 
 
 def test_actors_never_import_the_orchestrator():
-    """``mesh`` imports ``actors``, never the reverse: every actor module loads without ``mesh``."""
-    code = (
-        "import sys, pkgutil, importlib, actors;"
-        "[importlib.import_module(m.name) for m in pkgutil.walk_packages(actors.__path__, 'actors.')];"
-        "print([m for m in sys.modules if m == 'mesh' or m.startswith('mesh.')])"
+    every_actor_module = (
+        "import importlib, pkgutil, actors\n"
+        "for m in pkgutil.walk_packages(actors.__path__, 'actors.'): importlib.import_module(m.name)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert loaded_after(every_actor_module, ("mesh",)) == []
