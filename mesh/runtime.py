@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ async def run(topology: Topology, run_root: str | None = None, progress: bool = 
     model_path = _prepare_model(topology, task.alphabet, run_dir)
     store = str(Path(SHM_ROOT or run_dir.path) / f"composer-mesh-{os.getpid()}-{run_dir.path.name}")
     launcher = registry.load("launcher", topology.launcher.kind)()
-    monarch.actor.unhandled_fault_hook = lambda failure: None  # faults surface as errors on the awaiting call
+    monarch.actor.unhandled_fault_hook = _report_fault
     bar = Progress(topology, enabled=progress)
     try:
         meshes = launcher.start(topology)
@@ -55,7 +56,7 @@ async def run(topology: Topology, run_root: str | None = None, progress: bool = 
         await controller.train()
     except Exception as error:
         raise RunFailed(
-            f"run {run_dir.path} stopped: {' '.join(str(error).split())[:2000]}. Metrics up to the failure are in "
+            f"run {run_dir.path} stopped: {_cause(error)}. Metrics up to the failure are in "
             f"{run_dir.metrics_file}, checkpoints in {run_dir.path / 'checkpoints'}; fix the cause and rerun."
         ) from error
     finally:
@@ -64,6 +65,20 @@ async def run(topology: Topology, run_root: str | None = None, progress: bool = 
         shutil.rmtree(store, ignore_errors=True)
         run_dir.close()
     return run_dir
+
+
+def _cause(error: Exception) -> str:
+    """One line: which call failed and the original exception, without the remote traceback."""
+    headline = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    original = getattr(error, "exception", None)  # monarch's ActorError carries the actor's own exception
+    if isinstance(original, BaseException):
+        return f"{headline} {type(original).__name__}: {original}"
+    return headline
+
+
+def _report_fault(failure) -> None:
+    """A process or actor died: say so now; the call waiting on it fails next and ends the run."""
+    print(f"fault: {' '.join(failure.report().split())[:500]}", file=sys.stderr)
 
 
 def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
