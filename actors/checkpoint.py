@@ -49,6 +49,24 @@ def load_checkpoint(directory: Path) -> tuple[dict[str, Tensor], dict, dict]:
     return model, _unflatten_optimizer(tensors, groups), meta
 
 
+def checkpoint_state(directory: Path) -> dict:
+    """The state saved beside the tensors (step, version, loss state), without reading the tensors."""
+    missing = [name for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE) if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{directory} is not a checkpoint (no {', '.join(missing)}); point to a directory such as "
+            "runs/<run>/checkpoints/step_000125"
+        )
+    try:
+        state = json.loads((directory / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"checkpoint {directory} has an unreadable {STATE_FILE} ({error}); use another checkpoint"
+        ) from None
+    state.pop("param_groups", None)
+    return state
+
+
 def _flatten_optimizer(optimizer: dict) -> tuple[dict[str, Tensor], list[dict]]:
     tensors = {
         f"{param}/{name}": value.detach().contiguous() if isinstance(value, Tensor) else torch.tensor(value)

@@ -20,7 +20,7 @@ from actors.engines import Sample
 from actors.model import Placement, proc_device
 from actors.rollout import Rollout
 from actors.tasks import Problem
-from actors.weights import WeightSubscriber, WeightVersion
+from actors.weights import WeightFollower, WeightVersion
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,14 @@ class Generator(Actor):
         rank = context().actor_instance.rank.rank  # absolute flat rank: each replica samples its own stream
         device = proc_device(place.first_gpu, place.gpus_per_proc, rank)
         self.engine = registry.load("engine", cfg.engine)(model_path, cfg.max_new_tokens, seed + 1000 * rank, device)
-        self.subscriber: WeightSubscriber | None = None
-        self.held: WeightVersion | None = None
+        self.weights = WeightFollower()
 
     @endpoint
     def generate(self, problems: list[Problem], group_size: int, weights: WeightVersion) -> Generation:
         start = time.perf_counter()
-        load_seconds = self._hold(weights)
+        load_seconds = self.weights.hold(weights, self.engine.load_weights)
         groups = self.engine.generate([p.prompt for p in problems], group_size)
-        self.subscriber.check_intact(weights)
+        self.weights.check_intact(weights)
         samples = [s for group in groups for s in group]
         return Generation.of(samples, group_size, weights.version, time.perf_counter() - start, load_seconds)
 
@@ -88,23 +87,11 @@ class Generator(Actor):
     def score(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:
         """Completions this policy did not sample (teacher traces), with this version's logprobs."""
         start = time.perf_counter()
-        load_seconds = self._hold(weights)
+        load_seconds = self.weights.hold(weights, self.engine.load_weights)
         samples = self.engine.score([p.prompt for p in problems], texts)
-        self.subscriber.check_intact(weights)
+        self.weights.check_intact(weights)
         return Generation.of(samples, 1, weights.version, time.perf_counter() - start, load_seconds)
 
     @endpoint
     def held_version(self) -> int | None:
-        return None if self.held is None else self.held.version
-
-    def _hold(self, weights: WeightVersion) -> float:
-        if self.held == weights:
-            return 0.0
-        start = time.perf_counter()
-        if self.subscriber is None or self.subscriber.store != weights.store:
-            if self.subscriber is not None:
-                self.subscriber.close()
-            self.subscriber = WeightSubscriber(weights.store)
-        self.engine.load_weights(self.subscriber.load(weights))
-        self.held = weights
-        return time.perf_counter() - start
+        return None if self.weights.held is None else self.weights.held.version

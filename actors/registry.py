@@ -22,6 +22,10 @@ BACKENDS: dict[str, dict[str, str]] = {
     },
     "teacher": {
         "task_oracle": "actors.bindings.task_oracle:TaskOracle",
+        "replay": "actors.bindings.replay:ReplayTeacher",
+        "hf": "actors.bindings.hf:HFTeacher",
+        "self_hint": "actors.bindings.self_hint:SelfHintTeacher",
+        "openai": "actors.bindings.openai:OpenAITeacher",
     },
     "reward": {},  # user reward functions, by import path only
     "task": {

@@ -2,6 +2,10 @@
 
 A user function is ``fn(problem: Problem, completion: str) -> float``; its value is added
 to the task's score and reported as its own reward part, so a curve shows which part moved.
+
+Besides a reward, each completion the verifier does not accept gets a *hint*, the
+context a self-hinting teacher (SDPO) reads: the task's ``feedback`` when it has one,
+else the reference answer. A fully correct completion gets none and is not distilled.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ class RewarderConfig:
 
 @dataclass
 class Scores:
-    """Per-completion rewards (the sum of the parts) and each part, in the order given."""
+    """Per-completion rewards (the sum of the parts), each part and hints, in the order given."""
 
     rewards: list[float]
     parts: dict[str, list[float]]
+    hints: list[str | None]
     seconds: float
 
 
@@ -50,4 +55,11 @@ class Rewarder(Actor):
         for name, fn in self.functions.items():
             parts[name] = [float(fn(p, c)) for p, c in zip(problems, completions)]
         rewards = [sum(values) for values in zip(*parts.values())]
-        return Scores(rewards, parts, time.perf_counter() - start)
+        hints = [self._hint(p, c, s) for p, c, s in zip(problems, completions, parts["task"])]
+        return Scores(rewards, parts, hints, time.perf_counter() - start)
+
+    def _hint(self, problem: Problem, completion: str, task_score: float) -> str | None:
+        if task_score >= 1.0:
+            return None
+        feedback = getattr(self.task, "feedback", None)
+        return feedback(problem, completion) if feedback else (problem.answer or None)

@@ -1,25 +1,25 @@
-"""The TeacherPool actor: named teacher bindings behind one endpoint.
+"""The TeacherPool actor: named teacher bindings that can change while a run goes on.
 
-Bindings are looked up by name in the registry and built when the pool starts; the
-controller asks a binding by the name the topology gave it.
+Each binding the pool builds gets a fresh id (``name#n``). The controller calls by id,
+so a collection that started before a rebind keeps its teacher to the end, and the
+controller drops an old id once nothing in flight uses it. ``bind`` builds the new
+binding completely (model loaded, tokenizer checked, endpoint probed) before it answers,
+so a bad spec is refused and the old binding stays.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
+import torch
 from monarch.actor import Actor, endpoint
 
 from actors import registry
+from actors.bindings import Binding, BindingConfig, ScoreRequest, Student, TokenScores
+from actors.model import Placement
 from actors.tasks import Problem
-
-
-@dataclass(frozen=True)
-class BindingConfig:
-    kind: str
-
-    def __post_init__(self) -> None:
-        registry.load("teacher", self.kind)
+from actors.weights import WeightFollower, WeightVersion
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,105 @@ class TeachersConfig:
     mesh: str
     bindings: dict[str, BindingConfig] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_one_distill(self.bindings)
+
+
+def check_one_distill(bindings: dict[str, BindingConfig]) -> None:
+    distill = sorted(name for name, b in bindings.items() if "distill" in b.use)
+    if len(distill) > 1:
+        raise ValueError(
+            f"teachers {distill} are all used for distill, but channel 2 distils from one teacher at a time; "
+            "keep 'distill' in one binding's use"
+        )
+
+
+def check_weighted(name: str, cfg: BindingConfig, weights: dict[str, float]) -> None:
+    knob = {"distill": "alpha_sdpo", "replay": "beta_replay"}
+    for use in cfg.use:
+        if weights[use] <= 0:
+            raise ValueError(
+                f"teacher {name!r} is for {use}, but this run's loss.{knob[use]} is 0, so it would change nothing; "
+                f"set actors.trainer.loss.{knob[use]} > 0 or drop {use!r} from its use"
+            )
+
+
+@dataclass
+class Bound:
+    """The answer to ``bind``: the new binding's id, or why it was refused."""
+
+    binding_id: str | None
+    error: str | None = None
+
+
+@dataclass
+class TraceReply:
+    texts: dict[str, list[str | None]]  # binding id -> a trace (or None) per problem
+    seconds: dict[str, float]
+
+
+@dataclass
+class ScoreReply:
+    scores: list[TokenScores]
+    seconds: float  # scoring, without adopting new policy weights
+    load_seconds: float
+
 
 class TeacherPool(Actor):
-    def __init__(self, cfg: TeachersConfig):
-        self.bindings = {name: registry.load("teacher", b.kind)() for name, b in cfg.bindings.items()}
+    def __init__(self, cfg: TeachersConfig, student: Student, place: Placement):
+        torch.set_num_threads(place.threads)
+        self.student = student
+        self.bindings: dict[str, Binding] = {}
+        self.built = 0
+        self.followers: dict[str, WeightFollower] = {}  # per binding that follows the policy: each holds a model
+        self.initial = {name: self._build(name, binding) for name, binding in cfg.bindings.items()}
 
     @endpoint
-    def trace(self, teacher: str, problems: list[Problem]) -> list[str]:
-        if teacher not in self.bindings:
-            raise KeyError(f"no teacher bound as {teacher!r}; bound: {sorted(self.bindings)}")
-        return self.bindings[teacher].trace(problems)
+    def initial_ids(self) -> dict[str, str]:
+        """The ids of the topology's own bindings."""
+        return self.initial
+
+    @endpoint
+    def bind(self, name: str, cfg: BindingConfig) -> Bound:
+        try:
+            return Bound(self._build(name, cfg))
+        except Exception as error:  # a user's spec: any failure to build it is an answer, not a crash
+            return Bound(None, f"{type(error).__name__}: {error}")
+
+    @endpoint
+    def drop(self, binding_id: str) -> None:
+        self.bindings.pop(binding_id, None)
+        if (follower := self.followers.pop(binding_id, None)) is not None:
+            follower.close()
+
+    @endpoint
+    def trace(self, binding_ids: list[str], problems: list[Problem]) -> TraceReply:
+        texts, seconds = {}, {}
+        for binding_id in binding_ids:
+            start = time.perf_counter()
+            texts[binding_id] = self.bindings[binding_id].trace(problems)
+            seconds[binding_id] = time.perf_counter() - start
+        return TraceReply(texts, seconds)
+
+    @endpoint
+    def score(self, binding_id: str, requests: list[ScoreRequest], weights: WeightVersion) -> ScoreReply:
+        binding, follower = self.bindings[binding_id], self.followers.get(binding_id)
+        load_seconds = follower.hold(weights, binding.load_weights) if follower else 0.0
+        start = time.perf_counter()
+        scores = binding.score(requests)
+        if follower:
+            follower.check_intact(weights)
+        return ScoreReply(scores, time.perf_counter() - start, load_seconds)
+
+    def _build(self, name: str, cfg: BindingConfig) -> str:
+        binding = registry.load("teacher", cfg.kind)(cfg, self.student)
+        self.built += 1
+        binding_id = f"{name}#{self.built}"
+        self.bindings[binding_id] = binding
+        if binding.follows_policy:
+            self.followers[binding_id] = WeightFollower()
+        return binding_id
+
+    def __cleanup__(self, exc: Exception | None) -> None:
+        for follower in self.followers.values():
+            follower.close()

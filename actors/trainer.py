@@ -4,6 +4,9 @@ Each trainer mesh is its own ``torch.distributed`` world (``monarch.spmd`` sets 
 gloo on CPU, nccl on GPU). Every rank receives the whole ``TrainBatch`` and trains on
 its share; rank 0 reports the metrics and publishes the new weights to the
 shared-memory store, returning only the small ``WeightVersion``.
+
+The trainer also owns the loss's own state: TAID's schedule for t advances once per
+step on the distillation loss and is saved in (and restored from) checkpoints.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from actors.inner_loops import TrainerConfig
 from actors.model import Placement, proc_device
 from actors.rollout import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion
+from losses import TAIDScheduler
 
 
 @dataclass
@@ -33,7 +37,9 @@ class StepReport:
 
 
 class Trainer(Actor):
-    def __init__(self, model_path: str, cfg: TrainerConfig, seed: int, store: str, slots: int, place: Placement):
+    def __init__(
+        self, model_path: str, cfg: TrainerConfig, seed: int, store: str, slots: int, place: Placement, total_steps: int
+    ):
         torch.set_num_threads(place.threads)
         torch.manual_seed(seed)
         device = proc_device(place.first_gpu, place.gpus_per_proc, int(os.environ["RANK"]))
@@ -41,6 +47,8 @@ class Trainer(Actor):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.loop = registry.load("inner_loop", cfg.inner_loop)(model_path, cfg, self.rank, self.world, device)
         self.version = 0
+        taid = cfg.loss.distill.divergence == "taid" and cfg.loss.alpha_sdpo > 0
+        self.taid = TAIDScheduler(total_steps) if taid else None
         self.publisher = WeightPublisher(store, self.loop.state_dict(), slots) if self.rank == 0 else None
 
     @endpoint
@@ -51,7 +59,11 @@ class Trainer(Actor):
     @endpoint
     def train_step(self, batch: TrainBatch) -> StepReport | None:
         start = time.perf_counter()
-        metrics = self.loop.train_step(batch)
+        metrics = self.loop.train_step(batch, self.taid.t if self.taid else None)
+        if self.taid is not None:
+            metrics["distill/taid_t"] = self.taid.t
+            if not metrics.get("distill/skipped", 1.0):
+                self.taid.step(metrics["distill/loss"])
         self.version += 1
         seconds = time.perf_counter() - start
         if self.publisher is None:
@@ -61,7 +73,19 @@ class Trainer(Actor):
 
     @endpoint
     def save(self, directory: str, step: int) -> None:
-        self.loop.save(Path(directory), {"step": step, "version": self.version})
+        state = {"step": step, "version": self.version}
+        if self.taid is not None:
+            state["taid"] = self.taid.state_dict()
+        self.loop.save(Path(directory), state)
+
+    @endpoint
+    def load(self, directory: str) -> int:
+        """Resume from a checkpoint: policy, optimizer, version and TAID's schedule; returns its step."""
+        state = self.loop.load(Path(directory))
+        self.version = state["version"]
+        if self.taid is not None and "taid" in state:
+            self.taid.load_state_dict(state["taid"])
+        return state["step"]
 
     def __cleanup__(self, exc: Exception | None) -> None:
         if self.publisher is not None:

@@ -47,8 +47,9 @@ import json
 import mmap
 import os
 import struct
+import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -488,3 +489,35 @@ class WeightSubscriber:
             self._verifier.shutdown()
             self._pool.shutdown()
         self._pool, self._slots, self._verdicts = None, [], {}
+
+
+class WeightFollower:
+    """Keeps a model on the trainer's published versions (a generator engine, a self-hinting teacher).
+
+    ``hold`` adopts a version unless it is already held; ``check_intact`` must follow
+    the work done with it, so that nothing computed with overwritten weights leaves.
+    """
+
+    def __init__(self) -> None:
+        self.subscriber: WeightSubscriber | None = None
+        self.held: WeightVersion | None = None
+
+    def hold(self, weights: WeightVersion, load: Callable[[dict[str, Tensor]], None]) -> float:
+        """Adopt ``weights`` through ``load``; the seconds it took (0 when already held)."""
+        if self.held == weights:
+            return 0.0
+        start = time.perf_counter()
+        if self.subscriber is None or self.subscriber.store != weights.store:
+            self.close()
+            self.subscriber = WeightSubscriber(weights.store)
+        load(self.subscriber.load(weights))
+        self.held = weights
+        return time.perf_counter() - start
+
+    def check_intact(self, weights: WeightVersion) -> None:
+        self.subscriber.check_intact(weights)
+
+    def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+            self.subscriber = None

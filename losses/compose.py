@@ -49,9 +49,13 @@ class LossConfig:
     def __post_init__(self) -> None:
         for name, kind in (("policy", PolicyConfig), ("distill", DistillConfig), ("preference", PreferenceConfig)):
             if not isinstance(getattr(self, name), kind):
-                raise TypeError(f"LossConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+                raise TypeError(
+                    f"LossConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"
+                )
         if self.alpha_sdpo < 0 or self.beta_replay < 0:
-            raise ValueError(f"channel weights must be >= 0, got alpha_sdpo={self.alpha_sdpo}, beta_replay={self.beta_replay}")
+            raise ValueError(
+                f"channel weights must be >= 0, got alpha_sdpo={self.alpha_sdpo}, beta_replay={self.beta_replay}"
+            )
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
 
@@ -123,13 +127,17 @@ def _active_channels(head: Head, inputs: LossInputs, cfg: LossConfig) -> set[str
         active.add("distill")
     if inputs.preference is not None and cfg.beta_replay > 0 and inputs.preference.chosen_logps.numel():
         active.add("preference")
+    if active - {"preference"} and head is None:
+        raise ValueError("channels 1 and 2 read the policy's distribution: pass a head (only pairs need none)")
     if active - {"preference"} and not isinstance(head, TokenLogprobs) and inputs.targets is None:
         raise ValueError("LossInputs.targets (the completion token ids) are needed to score the policy's tokens")
     return active
 
 
-def compose_loss(head: Head, inputs: LossInputs, cfg: LossConfig, *, taid_t: float | None = None) -> LossOutput:
+def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid_t: float | None = None) -> LossOutput:
     """The three-channel loss of one micro-batch and its per-channel metrics.
+
+    ``head`` may be None when the inputs hold only preference pairs (their logprobs come summed).
 
     ``taid_t`` is the TAID schedule's current t (only for ``divergence='taid'``).
     With ``alpha_sdpo = beta_replay = 0`` the result is bit-identical to ``policy_loss``.

@@ -3,6 +3,10 @@
     prompts -> Generator (G completions each) -> Rewarder -> group advantages
             -> TrainBatch -> Trainer (one optimizer step, publishes version v+1) -> ...
 
+with the TeacherPool alongside: traces of replay teachers (channel 3's pairs, and the
+warm start's extra group member) and a distill teacher's scores of the policy's own
+tokens (channel 2). Teachers change only at step boundaries (``mesh.ctl``).
+
 With ``max_policy_lag: 0`` each step samples with the weights the previous step just
 published (synchronous). With lag L > 0 up to L+1 batches are collected ahead, each
 with the newest weights published when its collection starts, so generation of step
@@ -14,6 +18,8 @@ trained on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -22,12 +28,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.generator import Generation
-from actors.rollout import Rollout, TrainBatch, build_train_batch, split_rows
+from actors.bindings import ScoreRequest
+from actors.rollout import Rollout, TrainBatch, build_train_batch, preference_pairs, split_rows
 from actors.tasks import Task
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from losses import group_advantages
+from mesh.control import ControlChannel
 from mesh.rundir import RunDir
+from mesh.teachers import Snapshot, TeacherBinding, TeacherBoard
 from mesh.topology import Topology
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
@@ -44,13 +53,16 @@ class Actors:
 
 @dataclass
 class Collected:
-    """One step's scored samples, grouped: ``group_size`` rows per prompt (one more in warm start)."""
+    """One step's scored samples: ``grouped`` rows, ``group_size`` per prompt (the policy's
+    samples, plus a warm-start trace), then the replayed teacher traces of channel 3."""
 
     rollouts: list[Rollout]
+    grouped: int
     group_size: int
-    generate_seconds: float
-    load_seconds: float
-    reward_seconds: float
+    pairs: list[tuple[int, int]]
+    distill_teacher: str | None
+    seconds: dict[str, float]  # generate, load, reward, teachers
+    teachers: dict[str, dict[str, float]]  # per-teacher metrics
 
 
 class StalenessError(RuntimeError):
@@ -58,21 +70,37 @@ class StalenessError(RuntimeError):
 
 
 class Controller:
-    def __init__(self, topology: Topology, actors: Actors, task: Task, run: RunDir, weights: WeightVersion, progress):
+    def __init__(
+        self,
+        topology: Topology,
+        actors: Actors,
+        task: Task,
+        run: RunDir,
+        weights: WeightVersion,
+        progress,
+        teachers: TeacherBoard,
+        control: ControlChannel | None = None,
+    ):
         self.topology, self.actors, self.task, self.run = topology, actors, task, run
         self.weights = weights
         self.progress = progress
+        self.teachers, self.control = teachers, control
         self.max_new_tokens = topology.actors.generator.max_new_tokens
+        self.loss = topology.actors.trainer.loss
 
-    async def train(self) -> list[dict]:
+    async def train(self, start_step: int = 0) -> list[dict]:
         loop = self.topology.loop
         inflight: deque[asyncio.Task[Collected]] = deque()
-        scheduled, history = 0, []
+        scheduled, history = start_step, []
         last_end = time.perf_counter()
+        self._publish_teachers()
         try:
-            for step in range(loop.steps):
+            for step in range(start_step, loop.steps):
+                await self.teachers.drop_retired(step)
+                await self._apply_commands(scheduled)
                 while scheduled < loop.steps and len(inflight) <= loop.max_policy_lag:
-                    inflight.append(asyncio.create_task(self._collect(scheduled, self.weights)))
+                    snapshot = self.teachers.snapshot()
+                    inflight.append(asyncio.create_task(self._collect(scheduled, self.weights, snapshot)))
                     scheduled += 1
                 wait_start = time.perf_counter()
                 collected = await inflight.popleft()
@@ -80,7 +108,7 @@ class Controller:
                 metrics = await self._train(step, collected)
                 now = time.perf_counter()
                 metrics |= {"time/step": now - last_end, "time/wait_for_batch": wait}
-                metrics["samples_per_s"] = len(collected.rollouts) / metrics["time/step"]
+                metrics["samples_per_s"] = collected.grouped / metrics["time/step"]
                 last_end = now
                 await self._after_step(step, metrics)
                 history.append(metrics)
@@ -90,25 +118,59 @@ class Controller:
             await asyncio.gather(*inflight, return_exceptions=True)
         return history
 
-    async def _collect(self, step: int, weights: WeightVersion) -> Collected:
+    async def _apply_commands(self, step: int) -> None:
+        """``mesh.ctl`` commands sent since the last boundary; they apply to collections from ``step`` on."""
+        if self.control is None:
+            return
+        changed = False
+        for command in self.control.pending():
+            applied, message = await self.teachers.apply(command, step)
+            self.control.answer(command, applied, message, step)
+            changed |= applied
+        if changed:
+            self._publish_teachers()
+
+    def _publish_teachers(self) -> None:
+        if self.control is not None:
+            self.control.publish_teachers(self.teachers.view())
+
+    async def _collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
         loop = self.topology.loop
         problems = self.task.problems(self.topology.seed, step, loop.prompts_per_step)
-        generated = await self._generate(problems, loop.group_size, weights)
-        rollouts = [r for _, g in generated for r in g]
-        group_size = loop.group_size
-        if step < loop.warm_start.steps:
-            rollouts = await self._with_teacher_traces(problems, rollouts, weights)
-            group_size += 1
+        warm = teachers.get(loop.warm_start.teacher) if step < loop.warm_start.steps else None
+        replay = [t for t in teachers.values() if "replay" in t.config.use] if self.loss.beta_replay > 0 else []
+        tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
+        generated, traced = await asyncio.gather(
+            self._generate(problems, loop.group_size, weights), self._trace(tracers, problems)
+        )
+        policy = [r for _, g in generated for r in g]
+        warm_rows, replay_rows = await self._trace_rollouts(problems, traced, weights, warm, replay)
+        group_size = loop.group_size + (1 if warm_rows else 0)
+        rollouts = _grouped(policy, warm_rows, loop.group_size) + replay_rows
         scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
         for i, rollout in enumerate(rollouts):
-            rollout.reward = scores.rewards[i]
+            rollout.reward, rollout.hint = scores.rewards[i], scores.hints[i]
             rollout.reward_parts = {name: values[i] for name, values in scores.parts.items()}
+        distiller = next((t for t in teachers.values() if "distill" in t.config.use), None)
+        distill_seconds = 0.0
+        if distiller is not None and self.loss.alpha_sdpo > 0:
+            distill_seconds = await self._distill(distiller, rollouts, weights)
+        pairs = preference_pairs(rollouts) if replay_rows else []
+        trace_seconds = traced[1] if traced else {}
         return Collected(
             rollouts=rollouts,
+            grouped=len(rollouts) - len(replay_rows),
             group_size=group_size,
-            generate_seconds=max(g.seconds for g, _ in generated),
-            load_seconds=max(g.load_seconds for g, _ in generated),
-            reward_seconds=scores.seconds,
+            pairs=pairs,
+            distill_teacher=distiller.name if distill_seconds else None,
+            seconds={
+                "generate": max(g.seconds for g, _ in generated),
+                "load": max(g.load_seconds for g, _ in generated),
+                "reward": scores.seconds,
+                "teachers": sum(trace_seconds.values()) + distill_seconds,
+            },
+            teachers=_teacher_metrics(rollouts, pairs, tracers, trace_seconds)
+            | ({distiller.name: {"latency_s": distill_seconds}} if distill_seconds else {}),
         )
 
     async def _generate(
@@ -122,24 +184,66 @@ class Controller:
         generated = await asyncio.gather(*calls)
         return [(g, g.rollouts(problems[s], s.start)) for g, s in zip(generated, shards)]
 
-    async def _with_teacher_traces(self, problems, rollouts: list[Rollout], weights: WeightVersion) -> list[Rollout]:
-        """Append the warm-start teacher's trace to each prompt's group (scored by this policy version)."""
-        teacher = self.topology.loop.warm_start.teacher
-        texts = await self.actors.teachers.trace.call_one(teacher, problems)
-        traces = (await self.actors.generators[0].score.call_one(problems, texts, weights)).rollouts(problems, 0)
-        for trace in traces:
-            trace.teacher = teacher
-        g = self.topology.loop.group_size
-        return [r for i, trace in enumerate(traces) for r in (*rollouts[i * g : (i + 1) * g], trace)]
+    async def _trace(self, tracers: list[TeacherBinding], problems) -> tuple[dict, dict] | None:
+        """Each tracing teacher's completion of each prompt: ({name: texts}, {name: seconds})."""
+        if not tracers:
+            return None
+        reply = await self.actors.teachers.trace.call_one([t.binding_id for t in tracers], problems)
+        return (
+            {t.name: reply.texts[t.binding_id] for t in tracers},
+            {t.name: reply.seconds[t.binding_id] for t in tracers},
+        )
+
+    async def _trace_rollouts(self, problems, traced, weights: WeightVersion, warm, replay) -> tuple[list, list]:
+        """Teacher traces as rollouts scored by this policy version: (warm-start rows, replay rows).
+
+        A warm-start trace joins its prompt's group (channel 1); a replayed one enters only
+        channel 3's pairs. The warm start is skipped for a step whose teacher lacks a prompt.
+        """
+        if traced is None:
+            return [], []
+        texts = traced[0]
+        wanted = [(name, i) for name in texts for i, text in enumerate(texts[name]) if text is not None]
+        if not wanted:
+            return [], []
+        scored = await self.actors.generators[0].score.call_one(
+            [problems[i] for _, i in wanted], [texts[name][i] for name, i in wanted], weights
+        )
+        by_source = {}
+        for (name, i), rollout in zip(wanted, scored.rollouts([problems[i] for _, i in wanted], 0)):
+            by_source[name, i] = dataclasses.replace(rollout, group=i, teacher=name)
+        warm_rows = []
+        if warm is not None and all((warm.name, i) in by_source for i in range(len(problems))):
+            warm_rows = [by_source[warm.name, i] for i in range(len(problems))]
+        replay_rows = [
+            dataclasses.replace(rollout, trains_policy=False)
+            for (name, _), rollout in by_source.items()
+            if name in {t.name for t in replay}
+        ]
+        return warm_rows, replay_rows
+
+    async def _distill(self, teacher: TeacherBinding, rollouts: list[Rollout], weights: WeightVersion) -> float:
+        """The distill teacher's top-k at the policy's own tokens (with the hint where it reads one)."""
+        targets = [r for r in rollouts if r.teacher is None and (r.hint is not None or not teacher.needs_hint)]
+        if not targets:
+            return 0.0
+        requests = [ScoreRequest(r.problem.prompt, r.completion_ids, r.hint) for r in targets]
+        reply = await self.actors.teachers.score.call_one(teacher.binding_id, requests, weights)
+        for rollout, scores in zip(targets, reply.scores):
+            rollout.distill = scores
+        return reply.seconds + reply.load_seconds
 
     async def _train(self, step: int, collected: Collected) -> dict:
         ages = [step - r.version for r in collected.rollouts]
         if max(ages) > self.topology.loop.max_policy_lag:
             raise StalenessError(f"step {step}: samples of policy age {max(ages)} > max_policy_lag")
-        rewards = torch.tensor([r.reward for r in collected.rollouts])
-        advantages = group_advantages(rewards, collected.group_size)
+        grouped = collected.rollouts[: collected.grouped]
+        advantages = group_advantages(torch.tensor([r.reward for r in grouped]), collected.group_size)
+        advantages = torch.cat([advantages, torch.zeros(len(collected.rollouts) - collected.grouped)])
         # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention and loss
-        batch = build_train_batch(collected.rollouts, advantages, pad_id=0, max_completion_len=self.max_new_tokens)
+        batch = build_train_batch(
+            collected.rollouts, advantages, 0, max_completion_len=self.max_new_tokens, pairs=collected.pairs
+        )
         reports = await self.actors.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)
         self.weights = report.weights
@@ -148,25 +252,32 @@ class Controller:
     def _step_metrics(
         self, step: int, collected: Collected, batch: TrainBatch, report: StepReport, ages: list[int]
     ) -> dict:
-        policy_rewards = torch.tensor([r.reward for r in collected.rollouts if r.teacher is None])  # never a teacher's
+        own = [r for r in collected.rollouts if r.teacher is None]  # a teacher's reward is never the policy's
+        policy_rewards = torch.tensor([r.reward for r in own])
+        seconds = collected.seconds
         metrics = {
             "version": report.weights.version,
-            "warm_start": int(step < self.topology.loop.warm_start.steps),
+            "warm_start": int(collected.group_size > self.topology.loop.group_size),
             "reward/mean": float(policy_rewards.mean()),
             "reward/std": float(policy_rewards.std()) if len(policy_rewards) > 1 else 0.0,
             "reward/exact": float((policy_rewards >= 1.0).float().mean()),
             "policy_age/mean": sum(ages) / len(ages),
             "policy_age/max": max(ages),
             "policy_age/counts": {str(age): n for age, n in sorted(Counter(ages).items())},
-            "completion_len/mean": float(batch.completion_mask.sum(-1).float().mean()),
-            "time/generate": collected.generate_seconds - collected.load_seconds,
-            "time/reward": collected.reward_seconds,
+            "completion_len/mean": float(batch.completion_mask[: collected.grouped].sum(-1).float().mean()),
+            "time/generate": seconds["generate"] - seconds["load"],
+            "time/reward": seconds["reward"],
+            "time/teachers": seconds["teachers"],
             "time/train": report.seconds,
-            "time/weight_sync": report.publish_seconds + collected.load_seconds,
+            "time/weight_sync": report.publish_seconds + seconds["load"],
         }
-        own = [r for r in collected.rollouts if r.teacher is None]
         for name in sorted({name for r in own for name in r.reward_parts}):
             metrics[f"reward/{name}"] = sum(r.reward_parts.get(name, 0.0) for r in own) / len(own)
+        teachers = {name: dict(values) for name, values in collected.teachers.items()}
+        if collected.distill_teacher is not None and "distill/agreement" in report.metrics:
+            teachers[collected.distill_teacher]["agreement"] = report.metrics["distill/agreement"]
+        for name, values in sorted(teachers.items()):
+            metrics |= {f"teachers/{name}/{key}": value for key, value in values.items()}
         return metrics | {f"train/{k}": v for k, v in report.metrics.items()}
 
     async def _after_step(self, step: int, metrics: dict) -> None:
@@ -186,3 +297,31 @@ class Controller:
         rollouts = [r for _, g in generated for r in g]
         scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
         return sum(scores.rewards) / len(scores.rewards)
+
+
+def _grouped(policy: list[Rollout], warm: list[Rollout], group_size: int) -> list[Rollout]:
+    """The policy's samples group by group, each group followed by its warm-start trace (if any)."""
+    if not warm:
+        return policy
+    return [r for i, trace in enumerate(warm) for r in (*policy[i * group_size : (i + 1) * group_size], trace)]
+
+
+def _teacher_metrics(rollouts: list[Rollout], pairs, tracers: list[TeacherBinding], seconds: dict) -> dict:
+    """Per tracing teacher: latency, its traces' reward, how often the student agrees with its
+    tokens (the per-token geometric-mean probability of the trace under the sampling policy),
+    and for replay teachers the pairs it is in and the share of them its trace won."""
+    metrics = {}
+    for teacher in tracers:
+        rows = [i for i, r in enumerate(rollouts) if r.teacher == teacher.name]
+        values = {"latency_s": seconds[teacher.name]}
+        if rows:
+            tokens = [lp for i in rows for lp in rollouts[i].logprobs]
+            values["reward"] = sum(rollouts[i].reward for i in rows) / len(rows)
+            values["agreement"] = math.exp(sum(tokens) / max(len(tokens), 1))
+        if "replay" in teacher.config.use:
+            mine = set(rows)
+            involved = [(c, r) for c, r in pairs if c in mine or r in mine]
+            values["pairs"] = len(involved)
+            values["won"] = sum(c in mine for c, _ in involved) / len(involved) if involved else 0.0
+        metrics[teacher.name] = values
+    return metrics

@@ -28,5 +28,9 @@ class Progress:
         )
         self.bar.update(1)
 
+    def skip(self, steps: int) -> None:
+        """A resumed run starts at ``steps``."""
+        self.bar.update(steps)
+
     def close(self) -> None:
         self.bar.close()

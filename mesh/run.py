@@ -1,4 +1,4 @@
-"""``python -m mesh.run TOPOLOGY [--set key.path=value ...] [--dry-run]``
+"""``python -m mesh.run TOPOLOGY [--set key.path=value ...] [--dry-run] [--resume CHECKPOINT]``
 
 Exit codes: 0 done, 1 the run failed (the message says where its results are), 2 the
 topology or the command line is wrong (nothing was spawned).
@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
-from mesh.topology import TopologyError, describe, load_topology
+from actors.checkpoint import CheckpointError, checkpoint_state
+from mesh.topology import Topology, TopologyError, describe, load_topology
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,10 +29,17 @@ def main(argv: list[str] | None = None) -> int:
         "--dry-run", action="store_true", help="print the resolved topology, placement and actor graph; spawn nothing"
     )
     parser.add_argument("--run-root", help="where run directories go (default: the topology's logging.root)")
+    parser.add_argument(
+        "--resume",
+        metavar="CHECKPOINT",
+        help="go on from a checkpoint of an earlier run of this topology, e.g. runs/<run>/checkpoints/step_000125",
+    )
     args = parser.parse_args(argv)
     try:
         topology = load_topology(args.topology, args.set)
-    except TopologyError as error:
+        if args.resume:
+            check_resume(topology, Path(args.resume))
+    except (TopologyError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.dry_run:
@@ -40,12 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     from mesh.runtime import RunFailed, run
 
     try:
-        run_dir = asyncio.run(run(topology, args.run_root))
+        run_dir = asyncio.run(run(topology, args.run_root, resume=args.resume))
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"run directory: {run_dir.path}")
     return 0
+
+
+def check_resume(topology: Topology, checkpoint: Path) -> None:
+    step = checkpoint_state(checkpoint)["step"]
+    if step >= topology.loop.steps:
+        raise CheckpointError(
+            f"{checkpoint} is at step {step} and the topology runs {topology.loop.steps} steps, so nothing is "
+            f"left to train; raise loop.steps (e.g. --set loop.steps={step + 100})"
+        )
 
 
 if __name__ == "__main__":

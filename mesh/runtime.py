@@ -16,15 +16,18 @@ import monarch.actor
 from monarch.spmd import setup_torch_elastic_env_async
 
 from actors import registry
+from actors.bindings import Student
 from actors.generator import Generator
 from actors.model import Placement, build_tiny_model
 from actors.rewarder import Rewarder
 from actors.tasks import build_task
 from actors.teachers import TeacherPool
 from actors.trainer import Trainer
+from mesh.control import ControlChannel
 from mesh.controller import Actors, Controller
 from mesh.progress import Progress
 from mesh.rundir import RunDir
+from mesh.teachers import TeacherBoard
 from mesh.topology import Topology
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
@@ -37,8 +40,14 @@ class RunFailed(RuntimeError):
     """The run stopped on a fault; the message says which actor and where the results are."""
 
 
-async def run(topology: Topology, run_root: str | None = None, progress: bool = True) -> RunDir:
-    """Run ``topology`` to the end; returns its run directory."""
+async def run(
+    topology: Topology, run_root: str | None = None, progress: bool = True, resume: str | None = None
+) -> RunDir:
+    """Run ``topology`` to the end; returns its run directory.
+
+    ``resume``: a checkpoint directory of an earlier run of this topology; training goes
+    on from its step with its policy, optimizer and loss state (TAID's schedule).
+    """
     run_dir = RunDir.create(
         run_root or topology.logging.root, topology.name, topology.model_dump(mode="json"), topology.logging.tensorboard
     )
@@ -48,18 +57,28 @@ async def run(topology: Topology, run_root: str | None = None, progress: bool = 
     launcher = registry.load("launcher", topology.launcher.kind)()
     monarch.actor.unhandled_fault_hook = _report_fault
     bar = Progress(topology, enabled=progress)
+    control = ControlChannel.create(run_dir.path)
+    if progress:
+        print(f"run directory: {run_dir.path} (change its teachers: python -m mesh.ctl {run_dir.path} teachers)")
     try:
         meshes = launcher.start(topology)
         actors = await _spawn(topology, meshes, model_path, store)
+        start_step = 0
+        if resume is not None:
+            start_step = next(iter((await actors.trainer.load.call(resume)).values()))
+            bar.skip(start_step)
         weights = next(w for w in (await actors.trainer.publish.call()).values() if w is not None)
-        controller = Controller(topology, actors, task, run_dir, weights, bar)
-        await controller.train()
+        bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
+        teachers = await TeacherBoard.start(actors.teachers, bindings, start_step, topology.actors.trainer.loss)
+        controller = Controller(topology, actors, task, run_dir, weights, bar, teachers, control)
+        await controller.train(start_step)
     except Exception as error:
         raise RunFailed(
             f"run {run_dir.path} stopped: {_cause(error)}. Metrics up to the failure are in "
             f"{run_dir.metrics_file}, checkpoints in {run_dir.path / 'checkpoints'}; fix the cause and rerun."
         ) from error
     finally:
+        control.close()
         bar.close()
         await launcher.stop()
         shutil.rmtree(store, ignore_errors=True)
@@ -94,7 +113,7 @@ async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) 
     await setup_torch_elastic_env_async(trainer_procs)
     slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights.py)
     trainer = trainer_procs.spawn(
-        "trainer", Trainer, model_path, cfg.trainer, seed, store, slots, place[cfg.trainer.mesh]
+        "trainer", Trainer, model_path, cfg.trainer, seed, store, slots, place[cfg.trainer.mesh], topology.loop.steps
     )
     generator = meshes[cfg.generator.mesh].spawn(
         "generator", Generator, model_path, cfg.generator, seed, place[cfg.generator.mesh]
@@ -102,7 +121,10 @@ async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) 
     rewarder = meshes[cfg.rewarder.mesh].spawn("rewarder", Rewarder, topology.task.config, cfg.rewarder)
     teachers = None
     if cfg.teachers is not None:
-        teachers = meshes[cfg.teachers.mesh].spawn("teachers", TeacherPool, cfg.teachers)
+        student = Student(model_path, cfg.generator.max_new_tokens, seed)
+        teachers = meshes[cfg.teachers.mesh].spawn(
+            "teachers", TeacherPool, cfg.teachers, student, place[cfg.teachers.mesh]
+        )
     return Actors(trainer, _each_proc(generator), _one_proc(rewarder), teachers and _one_proc(teachers))
 
 

@@ -24,7 +24,7 @@ from actors.inner_loops import TrainerConfig
 from actors.model import TinyModelSpec
 from actors.rewarder import RewarderConfig
 from actors.tasks import TaskConfig, build_task
-from actors.teachers import TeachersConfig
+from actors.teachers import TeachersConfig, check_weighted
 
 
 class TopologyError(Exception):
@@ -153,6 +153,10 @@ class Topology(Section):
                     f"bind it (e.g. actors.teachers.bindings.{warm.teacher}.kind: task_oracle) "
                     "or set warm_start.steps: 0"
                 )
+        if self.actors.teachers is not None:
+            loss = self.actors.trainer.loss
+            for name, binding in self.actors.teachers.bindings.items():
+                check_weighted(name, binding, {"distill": loss.alpha_sdpo, "replay": loss.beta_replay})
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
         if rows < trainer_procs:
@@ -293,4 +297,14 @@ def describe(topology: Topology) -> str:
     ]
     if topology.loop.warm_start.steps:
         graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")
+    bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
+    for name, binding in bindings.items():
+        if "distill" in binding.use:
+            graph.append(
+                f"teachers.{name} ({binding.kind}) -> trainer: top-{binding.top_k} scores of the policy's tokens (channel 2)"
+            )
+        if "replay" in binding.use:
+            graph.append(
+                f"teachers.{name} ({binding.kind}) -> trainer: traces vs the policy's samples as pairs (channel 3)"
+            )
     return "\n".join(["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph])

@@ -12,11 +12,14 @@ from monarch.spmd import setup_torch_elastic_env_async
 from actors.generator import Generator, GeneratorConfig
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.model import Placement, TinyModelSpec, build_tiny_model, load_policy
+from actors.bindings import top_k_scores
+from actors.inner_loops.native import NativeLoop
 from actors.rollout import Rollout, build_train_batch
 from actors.tasks.strings import Reverse
 from actors.trainer import Trainer
 from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
-from losses import group_advantages
+from losses import DistillConfig, LossConfig, PreferenceConfig, compose_loss, group_advantages, preference_loss
+from losses.batch import PreferenceInputs
 
 TASK = Reverse(min_len=3, max_len=5)
 
@@ -26,29 +29,51 @@ def model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), TASK.alphabet, seed=0))
 
 
-def a_batch(model_dir: str, rows_per_group: int = 4, prompts: int = 5):
-    """A fixed batch: random completions with made-up logprobs and rewards, 20 rows of ragged lengths."""
+def a_batch(model_dir: str, rows_per_group: int = 4, prompts: int = 5, channels: bool = False):
+    """A fixed batch: random completions with made-up logprobs and rewards, 20 rows of ragged lengths.
+
+    ``channels``: also a made-up teacher's top-4 on every other policy row (channel 2)
+    and a replayed trace per prompt, paired against each of its group's rows (channel 3).
+    """
     _, tokenizer = load_policy(model_dir)
     gen = torch.Generator().manual_seed(0)
-    rollouts = []
-    for group, problem in enumerate(TASK.problems(0, 0, prompts)):
+
+    def rollout(problem, group, **fields) -> Rollout:
         prompt = tokenizer(problem.prompt, add_special_tokens=False).input_ids
-        for _ in range(rows_per_group):
-            length = int(torch.randint(1, 7, (1,), generator=gen))
-            completion = torch.randint(3, len(tokenizer), (length,), generator=gen).tolist() + [1]
-            logprobs = (-torch.rand(len(completion), generator=gen) * 2).tolist()
-            rollouts.append(
-                Rollout(problem, group, prompt, completion, logprobs, "", 0, reward=float(torch.rand(1, generator=gen)))
-            )
+        length = int(torch.randint(1, 7, (1,), generator=gen))
+        completion = torch.randint(3, len(tokenizer), (length,), generator=gen).tolist() + [1]
+        logprobs = (-torch.rand(len(completion), generator=gen) * 2).tolist()
+        reward = float(torch.rand(1, generator=gen))
+        return Rollout(problem, group, prompt, completion, logprobs, "", 0, reward=reward, **fields)
+
+    problems = TASK.problems(0, 0, prompts)
+    rollouts = [rollout(problem, group) for group, problem in enumerate(problems) for _ in range(rows_per_group)]
     rewards = torch.tensor([r.reward for r in rollouts])
-    return build_train_batch(rollouts, group_advantages(rewards, rows_per_group), pad_id=0, max_completion_len=8)
+    advantages = group_advantages(rewards, rows_per_group)
+    if not channels:
+        return build_train_batch(rollouts, advantages, pad_id=0, max_completion_len=8)
+    for row in rollouts[::2]:
+        logits = torch.randn(len(row.completion_ids), len(tokenizer), generator=gen).log_softmax(-1)
+        row.distill = top_k_scores(logits, 4, len(tokenizer), None)
+    traces = [rollout(problem, group, teacher="t", trains_policy=False) for group, problem in enumerate(problems)]
+    pairs = [(len(rollouts) + g, g * rows_per_group + i) for g in range(prompts) for i in range(rows_per_group)]
+    advantages = torch.cat([advantages, torch.zeros(len(traces))])
+    return build_train_batch(rollouts + traces, advantages, pad_id=0, max_completion_len=8, pairs=pairs)
 
 
-async def train_once(model_dir: str, procs: int, store: Path, batch):
+ALL_CHANNELS = LossConfig(
+    distill=DistillConfig(divergence="taid"),
+    preference=PreferenceConfig(kind="dpo"),
+    alpha_sdpo=0.5,
+    beta_replay=0.5,
+)
+
+
+async def train_once(model_dir: str, procs: int, store: Path, batch, loss: LossConfig = LossConfig()):
     mesh = this_host().spawn_procs(per_host={"procs": procs})
     await setup_torch_elastic_env_async(mesh)
-    cfg = TrainerConfig(mesh="trainer", optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=3)
-    trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, Placement(threads=1))
+    cfg = TrainerConfig(mesh="trainer", optimizer=OptimizerConfig(lr=1e-2), loss=loss, micro_batch_size=3)
+    trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, Placement(threads=1), 10)
     try:
         await trainer.publish.call()
         reports = (await trainer.train_step.call(batch)).values()
@@ -59,18 +84,58 @@ async def train_once(model_dir: str, procs: int, store: Path, batch):
         await mesh.stop()
 
 
-async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, tmp_path):
-    batch = a_batch(model_dir)
-    one, weights_one = await train_once(model_dir, 1, tmp_path / "one", batch)
-    two, weights_two = await train_once(model_dir, 2, tmp_path / "two", batch)
+@pytest.mark.parametrize("loss", [LossConfig(), ALL_CHANNELS], ids=["policy", "all_channels"])
+async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, tmp_path, loss):
+    batch = a_batch(model_dir, channels=loss is ALL_CHANNELS)
+    one, weights_one = await train_once(model_dir, 1, tmp_path / "one", batch, loss)
+    two, weights_two = await train_once(model_dir, 2, tmp_path / "two", batch, loss)
     initial, _ = load_policy(model_dir)
     moved = max((weights_one[k] - v).abs().max().item() for k, v in initial.state_dict().items())
     assert moved > 1e-3  # the step really changed the weights
-    for name, value in weights_one.items():  # Adam steps are lr = 1e-2; summation order differs by ~1e-6 of that
-        torch.testing.assert_close(weights_two[name], value, atol=1e-5, rtol=0)
+    # Adam's first step is lr * g / (|g| + eps) with lr = 1e-2: summation-order noise moves it by ~1e-6,
+    # and up to ~1e-5 where a gradient is near 0 (the three-channel loss has more such entries)
+    for name, value in weights_one.items():
+        torch.testing.assert_close(weights_two[name], value, atol=3e-5, rtol=0)
     assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-6)
     assert two.metrics["grad_norm"] == pytest.approx(one.metrics["grad_norm"], rel=1e-5)
     assert one.weights.version == two.weights.version == 1
+    if loss is ALL_CHANNELS:
+        assert one.metrics["policy/skipped"] == one.metrics["distill/skipped"] == one.metrics["preference/skipped"] == 0
+        for name in ("policy/loss", "distill/loss", "preference/loss", "preference/accuracy"):
+            assert two.metrics[name] == pytest.approx(one.metrics[name], abs=1e-6)
+
+
+def test_pair_loss_by_gradient_caching_equals_the_whole_graph(model_dir):
+    """The native loop's channel 3 (summed logprobs without a graph, then coefficient x logprob
+    per micro-batch) gives the gradient of the whole loss taken in one graph."""
+    batch = a_batch(model_dir, channels=True)
+    cfg = TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=ALL_CHANNELS, micro_batch_size=3)
+    loop = NativeLoop(model_dir, cfg, rank=0, world=1)
+    loop.optimizer.step = lambda: None  # keep the weights: compare gradients
+    metrics = loop.train_step(batch, taid_t=0.6)
+    cached = {name: p.grad.clone() for name, p in loop.model.named_parameters()}
+
+    loop.optimizer.zero_grad()
+    everything = slice(None)
+    out = compose_loss(loop._head(batch), loop._loss_inputs(batch)(everything), cfg.loss, taid_t=0.6)
+    logps = loop._sequence_logprobs(batch)
+    reference = (batch.inference_logprobs * batch.completion_mask).sum(-1)
+    chosen, rejected = batch.pairs[:, 0], batch.pairs[:, 1]
+    lengths = batch.completion_mask.sum(-1)
+    pairs = PreferenceInputs(
+        logps[chosen],
+        logps[rejected],
+        lengths[chosen],
+        lengths[rejected],
+        len(batch.pairs),
+        reference[chosen],
+        reference[rejected],
+    )
+    total = out.loss + cfg.loss.beta_replay * preference_loss(pairs, cfg.loss.preference)[0]
+    total.backward()
+    assert metrics["loss"] == pytest.approx(total.item(), abs=1e-5)
+    for name, p in loop.model.named_parameters():
+        torch.testing.assert_close(cached[name], p.grad, atol=1e-6, rtol=1e-5)
 
 
 async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_stale_or_torn(model_dir, tmp_path):

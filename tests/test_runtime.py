@@ -96,11 +96,12 @@ async def test_process_launcher_places_a_trainer_across_two_hosts_from_a_model_d
 
 def test_a_batch_older_than_the_lag_is_never_trained_on(tmp_path):
     topology = small(tmp_path, "loop.max_policy_lag=1")
-    controller = Controller(topology, actors=None, task=Reverse(), run=None, weights=None, progress=None)
+    controller = Controller(topology, actors=None, task=Reverse(), run=None, weights=None, progress=None, teachers=None)
     problem = Reverse().problems(0, 0, 1)[0]
     stale = [Rollout(problem, 0, [3], [4, 1], [-1.0, -1.0], "a", version=2) for _ in range(4)]
     with pytest.raises(StalenessError, match="policy age 2 > max_policy_lag"):
-        asyncio.run(controller._train(4, Collected(stale, 4, 0.0, 0.0, 0.0)))  # fails before any actor is called
+        collected = Collected(stale, grouped=4, group_size=4, pairs=[], distill_teacher=None, seconds={}, teachers={})
+        asyncio.run(controller._train(4, collected))  # fails before any actor is called
 
 
 @pytest.mark.gpu

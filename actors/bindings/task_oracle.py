@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from actors.bindings import BindingConfig, Student
 from actors.tasks import Problem
 
 
 class TaskOracle:
-    def trace(self, problems: list[Problem]) -> list[str]:
+    needs_hint = False
+    follows_policy = False
+
+    @classmethod
+    def check(cls, cfg: BindingConfig) -> None:
+        pass
+
+    def __init__(self, cfg: BindingConfig, student: Student):
+        pass
+
+    def trace(self, problems: list[Problem]) -> list[str | None]:
         return [problem.answer for problem in problems]

@@ -45,9 +45,9 @@ class InnerLoop(Protocol):
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device) -> None: ...
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
         """One optimizer step on this rank's share of ``batch`` (the whole step's rows);
-        metrics are global (already reduced over ranks)."""
+        metrics are global (already reduced over ranks). ``taid_t``: the TAID schedule's t."""
 
     def state_dict(self) -> dict[str, Tensor]:
         """The policy's full weights under the names the generator engines load (HF naming)."""

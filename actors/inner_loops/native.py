@@ -10,6 +10,7 @@ hence the ``world`` factor on each rank's loss.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +22,17 @@ from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
 from actors.model import load_policy
 from actors.rollout import TrainBatch, split_rows
-from losses import Counts, LinearHead, LossInputs, PolicyInputs, compose_loss
+from losses import (
+    Counts,
+    DistillInputs,
+    LinearHead,
+    LossInputs,
+    PolicyInputs,
+    PreferenceInputs,
+    TeacherTopK,
+    compose_loss,
+    token_logprobs,
+)
 
 
 class HiddenStates(nn.Module):
@@ -37,53 +48,143 @@ class HiddenStates(nn.Module):
         return out.last_hidden_state[:, batch.prompt_len - 1 : -1]  # the states that predict the completion
 
 
+@dataclass
+class PairGradients:
+    """d(pair loss)/d(summed logprob) for each row in a pair (``rows``: batch row indices)."""
+
+    rows: Tensor
+    grads: Tensor
+
+    def index(self, batch_rows: Tensor) -> Tensor:
+        return torch.searchsorted(self.rows, batch_rows)
+
+
+def _accumulate(totals: dict[str, float], metrics: dict[str, float]) -> None:
+    """Sum row-additive metrics; a channel counts as skipped only if every pass skipped it."""
+    for name, value in metrics.items():
+        if name.endswith("/skipped"):
+            totals[name] = min(totals.get(name, 1.0), value)
+        else:
+            totals[name] = totals.get(name, 0.0) + value
+
+
 class NativeLoop:
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.model, _ = load_policy(model_path)
         self.model.to(device).train()
-        hidden = HiddenStates(self.model)
-        if world > 1:
-            hidden = DistributedDataParallel(hidden, device_ids=[device] if device.type == "cuda" else None)
-        self.hidden = hidden
+        self.decoder = HiddenStates(self.model)
+        self.hidden = self.decoder
+        if world > 1:  # buffers are constants (rotary tables): ranks may run different numbers of forwards
+            device_ids = [device] if device.type == "cuda" else None
+            self.hidden = DistributedDataParallel(self.decoder, device_ids=device_ids, forward_sync_buffers=False)
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
         )
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
         batch = batch.to(self.device)
-        counts = Counts.from_mask(batch.completion_mask, batch.max_completion_len)
+        inputs = self._loss_inputs(batch)
         share = split_rows(len(batch), self.world)[self.rank]
         micro = self.cfg.micro_batch_size
-        starts = range(share.start, share.stop, micro)
-        totals: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for i, start in enumerate(starts):
-            rows = slice(start, min(start + micro, share.stop))
-            last = i == len(starts) - 1
-            sync = nullcontext() if last or self.world == 1 else self.hidden.no_sync()
+        totals: dict[str, float] = {}
+        pairs = self._pair_coefficients(batch, totals) if self._has_pairs(batch) else None
+        passes = [
+            ("rows", slice(start, min(start + micro, share.stop))) for start in range(share.start, share.stop, micro)
+        ]
+        if pairs is not None:
+            mine = pairs.rows[split_rows(len(pairs.rows), self.world)[self.rank]]
+            passes += [("pairs", mine[start : start + micro]) for start in range(0, len(mine), micro)]
+        for i, (kind, rows) in enumerate(passes):
+            sync = nullcontext() if i == len(passes) - 1 or self.world == 1 else self.hidden.no_sync()
             with sync:
-                out = self._loss(batch.rows(rows), counts)
-                (out.loss * self.world).backward()
-            for name, value in out.metrics.items():
-                totals[name] = value if name.endswith("/skipped") else totals.get(name, 0.0) + value
+                if kind == "rows":
+                    out = compose_loss(self._head(batch.rows(rows)), inputs(rows), self.cfg.loss, taid_t=taid_t)
+                    (out.loss * self.world).backward()
+                    _accumulate(totals, out.metrics)
+                else:
+                    logps = self._sequence_logprobs(batch.rows(rows))
+                    ((logps * pairs.grads[pairs.index(rows)]).sum() * self.world).backward()
         grad_norm = self._clip()
         self.optimizer.step()
         metrics = self._reduce(totals)
         metrics["grad_norm"] = grad_norm
         return metrics
 
-    def _loss(self, batch: TrainBatch, counts: Counts):
-        head = LinearHead(self.hidden(batch), self.model.get_output_embeddings().weight)
-        policy = PolicyInputs(
-            mask=batch.completion_mask,
-            advantages=batch.advantages,
-            counts=counts,
-            old_logprobs=batch.inference_logprobs,
-            inference_logprobs=batch.inference_logprobs,
+    def _head(self, batch: TrainBatch) -> LinearHead:
+        return LinearHead(self.hidden(batch), self.model.get_output_embeddings().weight)
+
+    def _loss_inputs(self, batch: TrainBatch):
+        """Channels 1 and 2's inputs for any rows of ``batch``, normalized by the whole step's counts."""
+        policy_mask = batch.completion_mask & batch.policy_rows[:, None]
+        counts = Counts.from_mask(policy_mask, batch.max_completion_len)
+        distill = batch.distill_mask is not None and self.cfg.loss.alpha_sdpo > 0
+        distill_counts = Counts.from_mask(batch.distill_mask) if distill else None
+
+        def rows(sl: slice) -> LossInputs:
+            part = batch.rows(sl)
+            policy = PolicyInputs(
+                mask=policy_mask[sl],
+                advantages=part.advantages,
+                counts=counts,
+                old_logprobs=part.inference_logprobs,
+                inference_logprobs=part.inference_logprobs,
+            )
+            teacher = (
+                DistillInputs(TeacherTopK(part.distill_ids, part.distill_logprobs), part.distill_mask, distill_counts)
+                if distill
+                else None
+            )
+            return LossInputs(targets=part.targets, policy=policy, distill=teacher)
+
+        return rows
+
+    def _has_pairs(self, batch: TrainBatch) -> bool:
+        return batch.pairs is not None and len(batch.pairs) > 0 and self.cfg.loss.beta_replay > 0
+
+    def _pair_coefficients(self, batch: TrainBatch, totals: dict[str, float]) -> PairGradients:
+        """Channel 3 by gradient caching: the pair loss is a function of each row's summed
+        logprob, so take those without a graph, get d(loss)/d(logprob) per row, and let
+        each rank backpropagate ``coefficient * logprob`` over its own rows, micro-batch by
+        micro-batch. Exact, and no pair ever needs both rows in one micro-batch."""
+        rows = batch.pairs.unique()
+        mine = split_rows(len(rows), self.world)[self.rank]
+        logps = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for start in range(mine.start, mine.stop, self.cfg.micro_batch_size):
+                part = slice(start, min(start + self.cfg.micro_batch_size, mine.stop))
+                logps[part] = self._sequence_logprobs(batch.rows(rows[part]), self.decoder).double()
+        if self.world > 1:
+            dist.all_reduce(logps)
+        logps = logps.float().requires_grad_()
+        at = {int(row): i for i, row in enumerate(rows)}
+        chosen = torch.tensor([at[int(r)] for r in batch.pairs[:, 0]], device=self.device)
+        rejected = torch.tensor([at[int(r)] for r in batch.pairs[:, 1]], device=self.device)
+        lengths = batch.completion_mask[rows].sum(-1)
+        reference = (batch.inference_logprobs[rows] * batch.completion_mask[rows]).sum(-1)
+        pairs = PreferenceInputs(
+            chosen_logps=logps[chosen],
+            rejected_logps=logps[rejected],
+            chosen_lengths=lengths[chosen],
+            rejected_lengths=lengths[rejected],
+            num_pairs=len(batch.pairs),
+            ref_chosen_logps=reference[chosen],
+            ref_rejected_logps=reference[rejected],
         )
-        return compose_loss(head, LossInputs(targets=batch.targets, policy=policy), self.cfg.loss)
+        out = compose_loss(None, LossInputs(preference=pairs), self.cfg.loss)
+        out.loss.backward()
+        # every rank computed the same pair loss: count it once (but report the same names everywhere)
+        _accumulate(totals, {k: v if self.rank == 0 or k.endswith("/skipped") else 0.0 for k, v in out.metrics.items()})
+        return PairGradients(rows, logps.grad)
+
+    def _sequence_logprobs(self, batch: TrainBatch, decoder: nn.Module | None = None) -> Tensor:
+        """Each row's completion logprob under the current policy, summed over its tokens."""
+        hidden = (decoder or self.hidden)(batch)
+        weight = self.model.get_output_embeddings().weight
+        logprobs = token_logprobs(hidden, weight, batch.targets, self.cfg.loss.chunk_tokens)
+        return torch.where(batch.completion_mask, logprobs, 0.0).sum(-1)
 
     def _clip(self) -> float:
         max_norm = self.cfg.optimizer.grad_clip or float("inf")

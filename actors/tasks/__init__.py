@@ -27,6 +27,9 @@ class Task(Protocol):
     def score(self, problem: Problem, completion: str) -> float:
         """Reward in [0, 1]; 1 only for an exactly correct completion."""
 
+    # Optional: ``feedback(problem, completion) -> str``, the hint a self-hinting teacher
+    # reads for a wrong completion (the Rewarder falls back to the reference answer).
+
 
 @dataclass(frozen=True)
 class TaskConfig:

@@ -45,6 +45,10 @@ class StringTask(ABC):
     def score(self, problem: Problem, completion: str) -> float:
         return position_match(problem.answer, completion)
 
+    def feedback(self, problem: Problem, completion: str) -> str:
+        """The answer, closed by the separator, so a hinted teacher reads it as a finished demonstration."""
+        return problem.answer + SEPARATOR
+
 
 def position_match(answer: str, completion: str) -> float:
     longest = max(len(answer), len(completion))

@@ -1,0 +1,105 @@
+"""``hf``: a frozen local Hugging Face model as a teacher; it scores and writes traces.
+
+``CausalLMScorer`` is the scoring both this and ``self_hint`` do: one prefill of
+``prompt ⊕ hint ⊕ completion`` (the hint only when the binding reads hints) and the
+teacher's top-k at each position that predicts a completion token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from actors.bindings import (
+    BindingConfig,
+    BindingError,
+    ScoreRequest,
+    Student,
+    TokenScores,
+    require,
+    top_k_scores,
+    vocab_map,
+)
+from actors.model import load_policy
+from actors.tasks import Problem
+from losses import hinted_inputs
+
+
+class CausalLMScorer:
+    needs_hint = False
+    follows_policy = False
+
+    def __init__(self, model_path: str, cfg: BindingConfig, student: Student):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.student = cfg, student
+        self.model, self.tokenizer = load_policy(model_path)
+        self.model.eval()
+        student_vocab = AutoTokenizer.from_pretrained(student.model_path).get_vocab()
+        self.student_vocab_size = max(student_vocab.values()) + 1
+        self.to_student = vocab_map(self.tokenizer.get_vocab(), student_vocab, cfg)
+        self.to_teacher = None if self.to_student is None else _student_to_teacher(self.to_student, student_vocab, cfg)
+
+    @torch.no_grad()
+    def score(self, requests: list[ScoreRequest]) -> list[TokenScores]:
+        encode = lambda text: torch.tensor(self.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)  # noqa: E731
+        prompts = [encode(r.prompt) for r in requests]
+        hints = [encode(r.hint) if self.needs_hint and r.hint else torch.empty(0, dtype=torch.long) for r in requests]
+        completions = [self._teacher_ids(r.completion_ids) for r in requests]
+        ids, attention, positions = hinted_inputs(prompts, hints, completions, self.tokenizer.pad_token_id)
+        logits = self.model(input_ids=ids, attention_mask=attention).logits
+        logprobs = logits[torch.arange(len(requests))[:, None], positions].float().log_softmax(-1)
+        return [
+            top_k_scores(logprobs[row, : len(completion)], self.cfg.top_k, self.student_vocab_size, self.to_student)
+            for row, completion in enumerate(completions)
+        ]
+
+    def _teacher_ids(self, completion_ids: list[int]) -> Tensor:
+        ids = torch.tensor(completion_ids, dtype=torch.long)
+        return ids if self.to_teacher is None else self.to_teacher[ids]
+
+
+def _student_to_teacher(to_student: Tensor, student_vocab: dict[str, int], cfg: BindingConfig) -> Tensor:
+    """The inverse map, for reading the student's tokens; every student token must exist in the teacher."""
+    to_teacher = torch.full((max(student_vocab.values()) + 1,), -1, dtype=torch.long)
+    known = (to_student >= 0).nonzero().squeeze(-1)
+    to_teacher[to_student[known]] = known
+    missing = sorted(token for token, i in student_vocab.items() if to_teacher[i] < 0)
+    if missing:
+        raise BindingError(
+            f"the {cfg.kind} teacher's vocabulary lacks student tokens {missing[:5]}, so it cannot score the "
+            "student's completions even with token_map: by_string; use a teacher whose vocabulary covers the student's"
+        )
+    return to_teacher
+
+
+class HFTeacher(CausalLMScorer):
+    @classmethod
+    def check(cls, cfg: BindingConfig) -> None:
+        require(cfg, "path")
+        if not (Path(cfg.path).expanduser() / "config.json").is_file():
+            raise ValueError(
+                f"hf teacher path {cfg.path!r} is not a Hugging Face model directory (no config.json there); "
+                "point it at a directory written by save_pretrained"
+            )
+
+    def __init__(self, cfg: BindingConfig, student: Student):
+        super().__init__(str(Path(cfg.path).expanduser()), cfg, student)
+        self.tokenizer.padding_side = "left"
+
+    @torch.no_grad()
+    def trace(self, problems: list[Problem]) -> list[str | None]:
+        """The teacher's greedy completion of each prompt, cut at the student's length limit."""
+        encoded = self.tokenizer(
+            [p.prompt for p in problems], return_tensors="pt", padding=True, add_special_tokens=False
+        )
+        out = self.model.generate(
+            **encoded,
+            do_sample=False,
+            max_new_tokens=self.student.max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        return self.tokenizer.batch_decode(out[:, encoded.input_ids.shape[1] :], skip_special_tokens=True)

@@ -1,0 +1,30 @@
+"""``self_hint``: the live policy, with a hint in its context, as the teacher (SDPO / OPSD).
+
+The teacher re-scores the student's own completion after ``prompt ⊕ hint`` (one
+prefill, no generation), with the weights of the version that sampled the batch, so the
+distillation target moves with the policy. The hint is the Rewarder's: the verifier's
+feedback, or the reference answer; a completion without a hint is not distilled.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from actors.bindings import BindingConfig, Student
+from actors.bindings.hf import CausalLMScorer
+
+
+class SelfHintTeacher(CausalLMScorer):
+    needs_hint = True
+    follows_policy = True
+
+    @classmethod
+    def check(cls, cfg: BindingConfig) -> None:
+        if cfg.path is not None:
+            raise ValueError("a self_hint teacher is the policy itself, so it takes no path; use kind: hf for a model")
+
+    def __init__(self, cfg: BindingConfig, student: Student):
+        super().__init__(student.model_path, cfg, student)
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        self.model.load_state_dict(state_dict, assign=True, strict=True)

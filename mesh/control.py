@@ -1,0 +1,312 @@
+"""The owner-only control channel between a live run and ``python -m mesh.ctl``.
+
+The channel is plain files in the run directory, so it needs no port, no server and no
+network setup, and it works wherever the run directory is visible:
+
+```
+<run>/control/                   mode 0700: only the run's owner can enter it
+  token                          mode 0600: a random secret every request must carry
+  pid                            the run's process and host; removed when the run ends
+  requests/<time_ns>-<id>.json   a command, written by the client (temp file + rename)
+  replies/<id>.json              the run's answer to it
+<run>/events.jsonl               one line per applied or rejected change, with the step it applies from
+<run>/teachers.json              the bound teachers, published at start and after each change
+```
+
+**Who can send commands.** File permissions are the gate: ``control/`` is 0700 and its
+token 0600, so only the user who started the run (and root) can read the token or drop
+a request. The run also refuses any request whose token does not match, so a request
+the current run did not authorize (one left from an earlier start of the run, or one
+written after someone loosened the directory's mode without reading the token) is never
+applied.
+
+**Protocol.** The run calls ``pending()`` at step boundaries, applies each command, and
+answers it with ``answer()``. A request is claimed by deleting it: the run deletes it
+when it takes the command, the client when it gives up waiting (timeout, Ctrl-C), and
+whichever deletes it first wins, so a command the client gave up on is never applied
+later and a command the run took is never silently dropped.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import re
+import secrets
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTROL = "control"
+EVENTS = "events.jsonl"
+TEACHERS = "teachers.json"
+VERBS = ("bind", "unbind")
+NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_-]*$")
+POLL_S = 0.05
+# A process that started this long after the pid file was written is not the run but a later process that got its
+# number (e.g. a restarted container); the slack covers the kernel's coarse boot-time clock.
+PID_REUSE_SLACK_S = 2.0
+
+
+class ControlError(Exception):
+    """The command could not be delivered or answered; ``str()`` says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command for the run: ``bind`` (args ``{"name", "spec"}``) or ``unbind`` (args ``{"name"}``)."""
+
+    id: str
+    verb: str
+    args: dict
+
+
+class _Refused(ValueError):
+    """A request the run answers at once with ok=False instead of applying it."""
+
+
+@dataclass(frozen=True)
+class ControlChannel:
+    """The run's side of the channel."""
+
+    run_path: Path
+    token: str
+
+    @classmethod
+    def create(cls, run_path: Path) -> ControlChannel:
+        """Open the channel for a starting run; requests and replies of an earlier start of the run are dropped."""
+        control = run_path / CONTROL
+        for folder in (control, control / "requests", control / "replies"):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.chmod(0o700)  # mkdir's mode is cut by the umask and ignored for a folder that exists
+        for stale in [*(control / "requests").iterdir(), *(control / "replies").iterdir()]:
+            stale.unlink(missing_ok=True)
+        channel = cls(run_path, secrets.token_hex(16))
+        _write_atomic(control / "token", channel.token + "\n", 0o600)
+        _write_atomic(control / "pid", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n", 0o644)
+        return channel
+
+    @property
+    def control(self) -> Path:
+        return self.run_path / CONTROL
+
+    def pending(self) -> list[Command]:
+        """The commands sent since the last call, oldest first; malformed or unauthorized ones are refused here."""
+        commands = []
+        for path in sorted((self.control / "requests").glob("*.json")):
+            text = _claim(path)
+            if text is None:
+                continue  # its client withdrew it
+            command_id = path.stem.partition("-")[2]
+            try:
+                commands.append(self._parse(command_id, text))
+            except _Refused as refusal:
+                self._reply(command_id, False, f"refused: {refusal}; nothing changed", None)
+        return commands
+
+    def answer(self, command: Command, ok: bool, message: str, step: int) -> None:
+        """Record the outcome: ``step`` is the first step whose data the change affects (for ``ok=False``, the
+        step it would have applied from). The event is written before the reply, so a client that has its reply
+        finds the event already in ``events.jsonl``."""
+        event = {"step": step, "time": time.time(), "verb": command.verb, "name": command.args["name"]}
+        if command.verb == "bind":
+            event["spec"] = command.args["spec"]
+        event |= {"status": "applied" if ok else "rejected", "message": message}
+        with (self.run_path / EVENTS).open("a") as f:
+            f.write(json.dumps(event) + "\n")
+        self._reply(command.id, ok, message, step)
+
+    def publish_teachers(self, view: dict[str, dict]) -> None:
+        """Write the bound teachers (name -> {"spec", "bound_at_step", ...}) for ``mesh.ctl teachers list``, which
+        reads them from the file so it works during and after the run, without a round trip to it."""
+        _write_atomic(self.run_path / TEACHERS, json.dumps(view, indent=2) + "\n", 0o644)
+
+    def close(self) -> None:
+        """The run has ended: clients are told so at once instead of waiting for a reply that will not come."""
+        (self.control / "pid").unlink(missing_ok=True)
+
+    def _parse(self, command_id: str, text: str) -> Command:
+        try:
+            request = json.loads(text)
+        except ValueError as error:
+            raise _Refused(f"the request is not JSON ({error}); send commands with python -m mesh.ctl") from None
+        if not isinstance(request, dict):
+            raise _Refused("the request is not a JSON object; send commands with python -m mesh.ctl")
+        token = str(request.get("token", "")).encode()
+        if not hmac.compare_digest(token, self.token.encode()):
+            raise _Refused(
+                "the request's token does not match this run's control/token (was it written for an earlier start "
+                "of the run?)"
+            )
+        verb, args = request.get("verb"), request.get("args")
+        _check_command(verb, args)
+        return Command(command_id, verb, args)
+
+    def _reply(self, command_id: str, ok: bool, message: str, step: int | None) -> None:
+        reply = {"id": command_id, "ok": ok, "message": message, "step": step}
+        _write_atomic(self.control / "replies" / f"{command_id}.json", json.dumps(reply) + "\n", 0o600)
+
+
+def _check_command(verb: object, args: object) -> None:
+    if verb not in VERBS:
+        raise _Refused(f"unknown verb {verb!r}; the run accepts {list(VERBS)}")
+    if not isinstance(args, dict) or not isinstance(args.get("name"), str) or not NAME_PATTERN.match(args["name"]):
+        raise _Refused(f"a {verb} command needs args.name matching {NAME_PATTERN.pattern}, got {args!r}")
+    if verb == "bind" and not isinstance(args.get("spec"), dict):
+        raise _Refused(f"a bind command needs args.spec as a mapping, got {args.get('spec')!r}")
+
+
+def send(run_path: str | Path, verb: str, args: dict, timeout: float = 120.0) -> dict:
+    """Send a command to the live run in ``run_path`` and wait for its reply ``{"id", "ok", "message", "step"}``.
+
+    Raises ``ControlError`` if the command cannot be delivered or is not answered within ``timeout`` seconds; a
+    command that is not delivered (timeout, Ctrl-C, the run ended) is withdrawn, so it is never applied later.
+    """
+    run_path = Path(run_path)
+    token = _read_token(run_path)
+    _check_live(run_path)
+    command_id = uuid.uuid4().hex
+    request = run_path / CONTROL / "requests" / f"{time.time_ns():020d}-{command_id}.json"
+    _write_atomic(request, json.dumps({"id": command_id, "verb": verb, "args": args, "token": token}), 0o600)
+    try:
+        return _await_reply(run_path, request, command_id, timeout)
+    finally:
+        request.unlink(missing_ok=True)  # already claimed by the run, unless we are giving up
+
+
+def read_teachers(run_path: str | Path) -> dict[str, dict]:
+    """The teachers the run last published (name -> {"spec", "bound_at_step", ...}); works after the run ended."""
+    run_path = Path(run_path)
+    _check_run_dir(run_path)
+    try:
+        return json.loads((run_path / TEACHERS).read_text())
+    except FileNotFoundError:
+        raise ControlError(
+            f"{run_path} has no {TEACHERS}: the run has not started its teachers yet, or it was started before "
+            "mesh.ctl existed. Wait for the run to start, or look up its teachers in its topology.yaml "
+            "(actors.teachers.bindings)."
+        ) from None
+
+
+def _await_reply(run_path: Path, request: Path, command_id: str, timeout: float) -> dict:
+    reply_path = run_path / CONTROL / "replies" / f"{command_id}.json"
+    deadline = time.monotonic() + timeout
+    while True:
+        ended = _ended(run_path)  # looked at before the reply: a run that answers and then ends is not called dead
+        reply = _claim(reply_path)
+        if reply is not None:
+            return json.loads(reply)
+        if ended:
+            raise ControlError(ended)
+        if time.monotonic() > deadline:
+            raise ControlError(_unanswered(run_path, request, timeout))
+        time.sleep(POLL_S)
+
+
+def _unanswered(run_path: Path, request: Path, timeout: float) -> str:
+    if _claim(request) is not None:
+        return (
+            f"the run did not pick up the command within {timeout:g} s, so it was withdrawn and nothing changed. "
+            "The run applies commands at step boundaries: is a step very long? (see time/step in "
+            f"{run_path / 'metrics.jsonl'}). Retry with a larger --timeout."
+        )
+    return (
+        f"the run took the command but did not answer within {timeout:g} s (building a binding loads its model, "
+        "which can take a while). It will still be applied or rejected: see "
+        f"{run_path / EVENTS} or python -m mesh.ctl {run_path} teachers list."
+    )
+
+
+def _check_run_dir(run_path: Path) -> None:
+    if not run_path.is_dir():
+        raise ControlError(
+            f"{run_path} is not a run directory (no such directory). Give the directory python -m mesh.run printed "
+            "as 'run directory: ...', e.g. runs/tiny-20261121-101500."
+        )
+
+
+def _read_token(run_path: Path) -> str:
+    try:
+        _check_run_dir(run_path)
+        return (run_path / CONTROL / "token").read_text().strip()
+    except PermissionError:
+        raise ControlError(
+            f"permission denied reading {run_path / CONTROL / 'token'}: only the run's owner can send commands "
+            "(control/ is mode 0700 and its token 0600). Run mesh.ctl as the user who started the run."
+        ) from None
+    except FileNotFoundError:
+        raise ControlError(
+            f"{run_path} has no {CONTROL}/ channel: the run was started before mesh.ctl existed, or this is not a "
+            "run directory. Only a run started by a current python -m mesh.run can change its teachers while it "
+            "trains; restart it from its last checkpoint to get one."
+        ) from None
+
+
+def _check_live(run_path: Path) -> None:
+    ended = _ended(run_path)
+    if ended:
+        raise ControlError(ended)
+
+
+def _ended(run_path: Path) -> str | None:
+    """Why the run in ``run_path`` is no longer running, or None if it is (or may be: another host's run)."""
+    pid_file = run_path / CONTROL / "pid"
+    try:
+        owner = json.loads(pid_file.read_text())
+        written = pid_file.stat().st_mtime
+    except FileNotFoundError:
+        return (
+            f"the run in {run_path} has ended ({CONTROL}/pid is gone), so there is nothing to change. Start it again "
+            "(its teachers are in actors.teachers.bindings of the topology) to train with other teachers."
+        )
+    if owner["host"] != socket.gethostname() or _alive_since(owner["pid"], written):
+        return None  # another host's processes are not ours to see: the reply, or the timeout, will tell
+    return (
+        f"the run in {run_path} has ended: its process {owner['pid']} is gone (it stopped without closing the "
+        "channel, e.g. it was killed or crashed), so there is nothing to change. Start it again to train with "
+        "other teachers."
+    )
+
+
+def _alive_since(pid: int, written: float) -> bool:
+    """Whether ``pid`` is alive and still the process that wrote the pid file at ``written``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, and another user's
+    started = _start_time(pid)
+    return started is None or started <= written + PID_REUSE_SLACK_S
+
+
+def _start_time(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch) per /proc; None where there is no /proc to ask."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return None
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime; the ")" ends the command name
+    return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _claim(path: Path) -> str | None:
+    """Read and delete ``path``; None if it is gone (another party claimed it first). Deleting is the claim."""
+    try:
+        text = path.read_text()
+        path.unlink()
+    except FileNotFoundError:
+        return None
+    return text
+
+
+def _write_atomic(path: Path, text: str, mode: int) -> None:
+    """Readers see the whole old file or the whole new one, never part of one; ``mode`` holds from the first byte."""
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with os.fdopen(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as f:
+        f.write(text)
+    os.replace(temp, path)

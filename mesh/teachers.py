@@ -1,0 +1,112 @@
+"""The controller's view of the TeacherPool: which binding serves which channel, now.
+
+The view changes only at step boundaries, when ``mesh.ctl`` commands are applied. A
+collection takes a snapshot when it starts and uses those bindings to its end, so a
+rebind never changes a batch half-way; the pool drops an old binding once no
+collection in flight can still use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from actors import registry
+from actors.bindings import BindingConfig
+from actors.teachers import check_one_distill, check_weighted
+from losses import LossConfig
+
+if TYPE_CHECKING:
+    from monarch._src.actor.actor_mesh import ActorMesh
+
+    from mesh.control import Command
+
+
+@dataclass(frozen=True)
+class TeacherBinding:
+    name: str
+    binding_id: str  # the pool's id of this build of it
+    config: BindingConfig
+    bound_at_step: int
+
+    @property
+    def needs_hint(self) -> bool:
+        return registry.load("teacher", self.config.kind).needs_hint
+
+
+Snapshot = dict[str, TeacherBinding]
+
+
+class TeacherBoard:
+    def __init__(self, pool: ActorMesh | None, bound: Snapshot, weights: dict[str, float]):
+        self.pool = pool
+        self.bound = bound
+        self.weights = weights  # the loss weight of each use: a teacher for a channel weighted 0 does nothing
+        self.retiring: list[tuple[str, int]] = []  # (binding id, the first step that no longer uses it)
+
+    @classmethod
+    async def start(
+        cls, pool: ActorMesh | None, configs: dict[str, BindingConfig], step: int, loss: LossConfig
+    ) -> TeacherBoard:
+        ids = await pool.initial_ids.call_one() if pool is not None else {}
+        bound = {name: TeacherBinding(name, ids[name], cfg, step) for name, cfg in configs.items()}
+        return cls(pool, bound, {"distill": loss.alpha_sdpo, "replay": loss.beta_replay})
+
+    def snapshot(self) -> Snapshot:
+        return dict(self.bound)
+
+    def view(self) -> dict[str, dict]:
+        """What ``mesh.ctl teachers list`` shows (``teachers.json``)."""
+        return {
+            name: {"spec": _spec(b.config), "bound_at_step": b.bound_at_step, "binding_id": b.binding_id}
+            for name, b in self.bound.items()
+        }
+
+    async def apply(self, command: Command, step: int) -> tuple[bool, str]:
+        """Apply one ``bind``/``unbind`` from ``step`` on; (applied, message). A refused command changes nothing."""
+        if self.pool is None:
+            return False, (
+                "this run has no TeacherPool (its topology has no actors.teachers section), so there is nothing "
+                "to bind into; add an actors.teachers section and start the run again"
+            )
+        name = command.args.get("name")
+        if command.verb == "unbind":
+            if name not in self.bound:
+                return False, f"no teacher is bound as {name!r}; bound: {sorted(self.bound)}"
+            self._retire(self.bound.pop(name), step)
+            return True, f"unbound teacher {name!r}; it is not used from step {step}"
+        if command.verb != "bind":
+            return False, f"unknown command {command.verb!r}; use bind or unbind"
+        try:
+            cfg = BindingConfig(**command.args["spec"])
+            check_one_distill({n: b.config for n, b in self.bound.items() if n != name} | {name: cfg})
+            check_weighted(name, cfg, self.weights)
+        except (TypeError, ValueError) as error:
+            return False, f"{error}; teacher {name!r} is unchanged"
+        bound = await self.pool.bind.call_one(name, cfg)
+        if bound.error is not None:
+            return False, f"the pool could not build teacher {name!r}: {bound.error}; the old binding stays"
+        if name in self.bound:
+            self._retire(self.bound[name], step)
+        self.bound[name] = TeacherBinding(name, bound.binding_id, cfg, step)
+        uses = ", ".join(cfg.use) or "no channel"
+        return True, f"bound teacher {name!r} ({cfg.kind}, for {uses}); it applies from step {step}"
+
+    async def drop_retired(self, step: int) -> None:
+        """Drop the bindings that no collection from ``step`` on can use."""
+        keep = []
+        for binding_id, until in self.retiring:
+            if until <= step:
+                await self.pool.drop.call_one(binding_id)
+            else:
+                keep.append((binding_id, until))
+        self.retiring = keep
+
+    def _retire(self, binding: TeacherBinding, step: int) -> None:
+        self.retiring.append((binding.binding_id, step))
+
+
+def _spec(cfg: BindingConfig) -> dict:
+    defaults = asdict(BindingConfig(kind="task_oracle"))
+    spec = {k: v for k, v in asdict(cfg).items() if k == "kind" or v != defaults[k]}
+    return spec | ({"use": list(cfg.use)} if cfg.use else {})

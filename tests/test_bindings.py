@@ -1,0 +1,176 @@
+"""Teacher bindings against their real backends: tiny HF models saved to disk, JSONL files.
+
+(The ``openai`` binding has its own file, against a real HTTP server.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from actors.bindings import BindingConfig, BindingError, ScoreRequest, Student, scores_from_entries
+from actors.bindings.hf import HFTeacher
+from actors.bindings.replay import ReplayTeacher
+from actors.bindings.self_hint import SelfHintTeacher
+from actors.bindings.task_oracle import TaskOracle
+from actors.model import TinyModelSpec, build_tiny_model, load_policy
+from actors.tasks import Problem
+
+ALPHABET = "abc="
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory) -> Student:
+    path = build_tiny_model(tmp_path_factory.mktemp("student"), TinyModelSpec(), ALPHABET, seed=0)
+    return Student(str(path), max_new_tokens=4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> str:
+    spec = TinyModelSpec(hidden_size=96, layers=3)  # "a larger tiny model"
+    return str(build_tiny_model(tmp_path_factory.mktemp("teacher"), spec, ALPHABET, seed=7))
+
+
+def encode(model_dir: str, text: str) -> list[int]:
+    return load_policy(model_dir)[1](text, add_special_tokens=False).input_ids
+
+
+def distribution(model_dir: str, context: list[int], completion: list[int]) -> torch.Tensor:
+    """The model's log-distribution at each position that predicts a completion token."""
+    model, _ = load_policy(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([context + completion])).logits[0]
+    return logits[len(context) - 1 : len(context) + len(completion) - 1].log_softmax(-1)
+
+
+def assert_scores_are(scores, expected: torch.Tensor, k: int) -> None:
+    values, ids = expected.topk(k, dim=-1)
+    np.testing.assert_array_equal(scores.ids, ids.numpy())
+    np.testing.assert_allclose(scores.logprobs, values.numpy(), atol=1e-5)
+
+
+def test_hf_teacher_scores_the_students_tokens_with_its_own_distribution(student, teacher_dir):
+    teacher = HFTeacher(BindingConfig("hf", use=("distill",), path=teacher_dir, top_k=3), student)
+    completions = [[4, 5, 1], [6, 1]]
+    scores = teacher.score([ScoreRequest("abc=", completions[0]), ScoreRequest("ab=", completions[1], hint="ba=")])
+    assert_scores_are(scores[0], distribution(teacher_dir, encode(teacher_dir, "abc="), completions[0]), 3)
+    # an hf teacher reads no hint: the second request is scored after its prompt alone
+    assert_scores_are(scores[1], distribution(teacher_dir, encode(teacher_dir, "ab="), completions[1]), 3)
+
+
+def test_a_top_k_beyond_the_vocabulary_is_the_whole_distribution(student, teacher_dir):
+    teacher = HFTeacher(BindingConfig("hf", path=teacher_dir, top_k=100), student)
+    (scores,) = teacher.score([ScoreRequest("ab=", [5, 4, 1])])
+    assert scores.ids.shape == (3, 7)  # 4 characters + 3 special tokens
+    np.testing.assert_allclose(np.exp(scores.logprobs).sum(-1), 1.0, atol=1e-5)
+
+
+def test_hf_teacher_traces_are_its_greedy_completions(student, teacher_dir):
+    teacher = HFTeacher(BindingConfig("hf", use=("replay",), path=teacher_dir), student)
+    problems = [Problem("abc=", "cba"), Problem("b=", "b")]
+    model, tokenizer = load_policy(teacher_dir)
+    expected = []
+    for problem in problems:
+        ids = torch.tensor([encode(teacher_dir, problem.prompt)])
+        out = model.generate(ids, do_sample=False, max_new_tokens=4, pad_token_id=0, eos_token_id=1)
+        expected.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    assert teacher.trace(problems) == expected
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(student, tmp_path):
+    other = build_tiny_model(tmp_path / "other", TinyModelSpec(), "xyz=", seed=0)
+    with pytest.raises(BindingError, match="tokenizer differs from the student's.*token_map: by_string"):
+        HFTeacher(BindingConfig("hf", use=("distill",), path=str(other)), student)
+
+
+def test_token_map_by_string_reads_a_permuted_vocabulary(student, tmp_path):
+    """The same characters under other ids (``=cba`` builds them in another order)."""
+    permuted = str(build_tiny_model(tmp_path / "permuted", TinyModelSpec(), "=cab", seed=3))
+    student_vocab = load_policy(student.model_path)[1].get_vocab()
+    teacher_vocab = load_policy(permuted)[1].get_vocab()
+    assert teacher_vocab != student_vocab and set(teacher_vocab) == set(student_vocab)
+    teacher = HFTeacher(BindingConfig("hf", path=permuted, top_k=7, token_map="by_string"), student)
+    completion = [student_vocab[c] for c in "cba"] + [1]
+    (scores,) = teacher.score([ScoreRequest("abc=", completion)])
+    in_teacher_ids = distribution(permuted, encode(permuted, "abc="), [teacher_vocab[c] for c in "cba"] + [1])
+    to_student = {teacher_vocab[token]: student_vocab[token] for token in teacher_vocab}
+    for t in range(len(completion)):
+        for sid, logprob in zip(scores.ids[t], scores.logprobs[t]):
+            tid = next(tid for tid, s in to_student.items() if s == sid)
+            assert logprob == pytest.approx(float(in_teacher_ids[t, tid]), abs=1e-5)
+
+
+def test_self_hint_teacher_is_the_policy_reading_the_hint(student):
+    teacher = SelfHintTeacher(BindingConfig("self_hint", use=("distill",), top_k=7), student)
+    completion = [6, 5, 4, 1]
+    plain, hinted = teacher.score([ScoreRequest("abc=", completion), ScoreRequest("abc=", completion, hint="cba=")])
+    prompt = encode(student.model_path, "abc=")
+    assert_scores_are(plain, distribution(student.model_path, prompt, completion), 7)  # no hint: the student itself
+    assert_scores_are(
+        hinted, distribution(student.model_path, prompt + encode(student.model_path, "cba="), completion), 7
+    )
+    assert not np.allclose(plain.logprobs, hinted.logprobs)
+
+
+def test_self_hint_teacher_follows_the_weights_it_is_given(student):
+    teacher = SelfHintTeacher(BindingConfig("self_hint", top_k=7), student)
+    request = [ScoreRequest("ab=", [5, 4, 1], hint="ba=")]
+    before = teacher.score(request)[0].logprobs
+    model, _ = load_policy(student.model_path)
+    teacher.load_weights({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    assert not np.allclose(teacher.score(request)[0].logprobs, before)
+
+
+def test_replay_teacher_replays_recorded_traces(student, tmp_path):
+    path = tmp_path / "traces.jsonl"
+    lines = [
+        {"prompt": "abc=", "completion": "cba"},
+        {"prompt": "abc=", "completion": "ccc"},
+        {"prompt": "b=", "completion": "b"},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    teacher = ReplayTeacher(BindingConfig("replay", use=("replay",), path=str(path)), student)
+    problems = [Problem("abc=", "cba"), Problem("ca=", "ac"), Problem("b=", "b")]
+    assert teacher.trace(problems) == ["cba", None, "b"]  # the first recorded trace; none for an unrecorded prompt
+
+
+def test_a_corrupt_replay_file_names_its_line(student, tmp_path):
+    path = tmp_path / "traces.jsonl"
+    path.write_text('{"prompt": "a=", "completion": "a"}\n{"prompt": "b="}\n')
+    with pytest.raises(BindingError, match=r"traces.jsonl:2 .*\"prompt\" and \"completion\""):
+        ReplayTeacher(BindingConfig("replay", path=str(path)), student)
+    with pytest.raises(ValueError, match="is not a file"):
+        BindingConfig("replay", path=str(tmp_path / "missing.jsonl"))
+
+
+def test_task_oracle_traces_the_answer(student):
+    oracle = TaskOracle(BindingConfig("task_oracle"), student)
+    assert oracle.trace([Problem("ab=", "ba")]) == ["ba"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"kind": "task_oracle", "use": ["distill"]}, "cannot score the student's tokens"),
+        ({"kind": "self_hint", "use": ["replay"]}, "writes no traces"),
+        ({"kind": "task_oracle", "use": ["teach"]}, "unknown use 'teach'"),
+        ({"kind": "hf"}, "needs path"),
+        ({"kind": "hf", "path": "/nonexistent"}, "not a Hugging Face model directory"),
+        ({"kind": "self_hint", "top_k": 0}, "top_k must be >= 1"),
+        ({"kind": "self_hint", "path": "/x"}, "takes no path"),
+        ({"kind": "nope"}, "unknown teacher 'nope'"),
+    ],
+)
+def test_a_bad_binding_config_says_what_to_change(spec, message):
+    with pytest.raises(ValueError, match=message):
+        BindingConfig(**spec)
+
+
+def test_entries_become_exactly_k_distinct_ids_with_zero_probability_fill():
+    scores = scores_from_entries([{3: -0.1, 5: -2.5, 0: -4.0}, {2: -0.01}], k=3, student_vocab_size=6)
+    np.testing.assert_array_equal(scores.ids[0], [3, 5, 0])
+    assert scores.ids[1][0] == 2 and len(set(scores.ids[1])) == 3
+    assert np.isneginf(scores.logprobs[1][1:]).all()
