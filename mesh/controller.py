@@ -147,10 +147,7 @@ class Controller:
         warm_rows, replay_rows = await self._trace_rollouts(problems, traced, weights, warm, replay)
         group_size = loop.group_size + (1 if warm_rows else 0)
         rollouts = _grouped(policy, warm_rows, loop.group_size) + replay_rows
-        scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
-        for i, rollout in enumerate(rollouts):
-            rollout.reward, rollout.hint = scores.rewards[i], scores.hints[i]
-            rollout.reward_parts = {name: values[i] for name, values in scores.parts.items()}
+        reward_seconds = await self._reward(rollouts)
         distiller = next((t for t in teachers.values() if "distill" in t.config.use), None)
         distill_seconds = 0.0
         if distiller is not None and self.loss.alpha_sdpo > 0:
@@ -166,12 +163,20 @@ class Controller:
             seconds={
                 "generate": max(g.seconds for g, _ in generated),
                 "load": max(g.load_seconds for g, _ in generated),
-                "reward": scores.seconds,
+                "reward": reward_seconds,
                 "teachers": sum(trace_seconds.values()) + distill_seconds,
             },
             teachers=_teacher_metrics(rollouts, pairs, tracers, trace_seconds)
             | ({distiller.name: {"latency_s": distill_seconds}} if distill_seconds else {}),
         )
+
+    async def _reward(self, rollouts: list[Rollout]) -> float:
+        """Verify every completion (the policy's and the teachers'); wrong ones also get a hint."""
+        scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
+        for i, rollout in enumerate(rollouts):
+            rollout.reward, rollout.hint = scores.rewards[i], scores.hints[i]
+            rollout.reward_parts = {name: values[i] for name, values in scores.parts.items()}
+        return scores.seconds
 
     async def _generate(
         self, problems, group_size: int, weights: WeightVersion
@@ -295,8 +300,8 @@ class Controller:
         problems = self.task.problems(self.topology.seed, -1, self.topology.loop.evaluation.prompts)
         generated = await self._generate(problems, 1, self.weights)
         rollouts = [r for _, g in generated for r in g]
-        scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
-        return sum(scores.rewards) / len(scores.rewards)
+        await self._reward(rollouts)
+        return sum(r.reward for r in rollouts) / len(rollouts)
 
 
 def _grouped(policy: list[Rollout], warm: list[Rollout], group_size: int) -> list[Rollout]:

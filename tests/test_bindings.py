@@ -159,7 +159,7 @@ def test_task_oracle_traces_the_answer(student):
         ({"kind": "task_oracle", "use": ["teach"]}, "unknown use 'teach'"),
         ({"kind": "hf"}, "needs path"),
         ({"kind": "hf", "path": "/nonexistent"}, "not a Hugging Face model directory"),
-        ({"kind": "self_hint", "top_k": 0}, "top_k must be >= 1"),
+        ({"kind": "self_hint", "top_k": 0}, "top_k must be an integer >= 1"),
         ({"kind": "self_hint", "path": "/x"}, "takes no path"),
         ({"kind": "nope"}, "unknown teacher 'nope'"),
     ],

@@ -40,8 +40,19 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
-async def test_all_three_channels_train_in_the_loop(tmp_path):
-    rows = records((await run(small(tmp_path), progress=False)).path)
+@pytest.mark.parametrize(
+    "loss",
+    [
+        [],  # tiny_distill.yaml's own: JSD and SimPO
+        [
+            "actors.trainer.loss.distill={divergence: entropy_opd, eopd_entropy: 1.0}",
+            "actors.trainer.loss.preference.kind=dpo",
+        ],
+    ],
+    ids=["jsd_simpo", "entropy_opd_dpo"],
+)
+async def test_all_three_channels_train_in_the_loop(tmp_path, loss):
+    rows = records((await run(small(tmp_path, *loss), progress=False)).path)
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["train/policy/skipped"] == r["train/distill/skipped"] == r["train/preference/skipped"] == 0

@@ -79,6 +79,18 @@ def test_set_overrides_any_field_with_yaml_typed_values():
         (lambda t: t["actors"]["trainer"]["loss"]["policy"].update(name="cispo", clip_low=0.1), ["does not clip"]),
         (lambda t: t["actors"].pop("trainer"), ["missing required key actors.trainer"]),
         (lambda t: t["actors"]["rewarder"].update(functions=["os:getcwd", "no_colon"]), ["import path"]),
+        (
+            lambda t: t["actors"]["teachers"]["bindings"]["oracle"].update(use=["replay"]),
+            ["'oracle' is for replay", "loss.beta_replay is 0", "set actors.trainer.loss.beta_replay > 0"],
+        ),
+        (
+            lambda t: t["actors"]["teachers"]["bindings"].update(hint={"kind": "self_hint", "use": ["distil"]}),
+            ["hint.use.0", "'distill' or 'replay'", "(got 'distil')"],
+        ),
+        (
+            lambda t: t["actors"]["teachers"]["bindings"].update(big={"kind": "hf", "path": "/no/such"}),
+            ["hf teacher path '/no/such'", "save_pretrained"],
+        ),
     ],
 )
 def test_every_mistake_names_the_key_and_the_fix(tmp_path, change, expected):
@@ -138,3 +150,32 @@ def test_dry_run_prints_topology_placement_and_graph_and_spawns_nothing(tmp_path
     assert "mesh service: 1 host x 1 proc <- rewarder, teachers" in out
     assert "controller -> trainer (native): TrainBatch; synchronous" in out
     assert list(tmp_path.iterdir()) == []  # no run directory, no job state: nothing was placed
+
+
+def test_dry_run_shows_which_teacher_feeds_which_channel(tmp_path):
+    result = _cli(str(ROOT / "topologies" / "tiny_distill.yaml"), "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "teachers.hint (self_hint) -> trainer: top-20 scores of the policy's tokens (channel 2)" in result.stdout
+    assert (
+        "teachers.oracle (task_oracle) -> trainer: traces vs the policy's samples as pairs (channel 3)" in result.stdout
+    )
+
+
+def test_two_distill_teachers_are_refused(tmp_path):
+    data = yaml.safe_load((ROOT / "topologies" / "tiny_distill.yaml").read_text())
+    data["actors"]["teachers"]["bindings"]["again"] = {"kind": "self_hint", "use": ["distill"]}
+    message = error_of(write(tmp_path, data))
+    assert "['again', 'hint'] are all used for distill" in message and "one teacher at a time" in message
+
+
+def test_resume_from_a_missing_or_finished_checkpoint_is_refused_before_anything_runs(tmp_path):
+    result = _cli(str(TINY), "--resume", str(tmp_path / "nope"), cwd=tmp_path)
+    assert result.returncode == 2 and "is not a checkpoint" in result.stderr and "Traceback" not in result.stderr
+    checkpoint = tmp_path / "step_000250"
+    checkpoint.mkdir()
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        (checkpoint / name).write_bytes(b"")
+    (checkpoint / "state.json").write_text('{"step": 250, "version": 250}')
+    result = _cli(str(TINY), "--resume", str(checkpoint), cwd=tmp_path)
+    assert result.returncode == 2 and "nothing is left to train" in result.stderr and "loop.steps=350" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000250"]  # no run directory was made

@@ -15,7 +15,7 @@ token the student lacks folds into the tail bucket of the top-k divergence).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
@@ -56,7 +56,7 @@ class BindingConfig:
     token_map: Literal["none", "by_string"] = "none"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "use", tuple(self.use))
+        object.__setattr__(self, "use", (self.use,) if isinstance(self.use, str) else tuple(self.use))
         binding = registry.load("teacher", self.kind)
         for use in self.use:
             if use not in USES:
@@ -67,8 +67,8 @@ class BindingConfig:
             )
         if "replay" in self.use and not hasattr(binding, "trace"):
             raise ValueError(f"a {self.kind} teacher writes no traces, so it cannot be used for replay")
-        if self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
         if self.token_map not in ("none", "by_string"):
             raise ValueError(f"unknown token_map {self.token_map!r}; choose 'none' or 'by_string'")
         binding.check(self)
@@ -105,17 +105,6 @@ class TokenScores:
     logprobs: np.ndarray  # float32
 
 
-@dataclass
-class BindingState:
-    """What the pool reports about a bound teacher (``mesh.ctl teachers list``)."""
-
-    name: str
-    binding_id: str
-    config: BindingConfig
-    bound_at_step: int
-    capabilities: list[str] = field(default_factory=list)
-
-
 class Binding(Protocol):
     """Built as ``Binding(cfg, student)`` in the TeacherPool's process.
 
@@ -136,6 +125,9 @@ class Binding(Protocol):
         """A completion per problem, or None where the teacher has none."""
 
     def score(self, requests: list[ScoreRequest]) -> list[TokenScores]: ...
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Only with ``follows_policy``: the policy version the next ``score`` must use."""
 
 
 def require(cfg: BindingConfig, *fields: str) -> None:
