@@ -20,6 +20,7 @@ from actors.bindings import Binding, BindingConfig, ScoreRequest, Student, Token
 from actors.model import Placement
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
+from losses import LossConfig
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,11 @@ def check_one_distill(bindings: dict[str, BindingConfig]) -> None:
         )
 
 
-def check_weighted(name: str, cfg: BindingConfig, weights: dict[str, float]) -> None:
+def check_weighted(name: str, cfg: BindingConfig, loss: LossConfig) -> None:
+    """A teacher for a channel whose loss weight is 0 would change nothing: a mistake, refused."""
     knob = {"distill": "alpha_sdpo", "replay": "beta_replay"}
     for use in cfg.use:
-        if weights[use] <= 0:
+        if getattr(loss, knob[use]) <= 0:
             raise ValueError(
                 f"teacher {name!r} is for {use}, but this run's loss.{knob[use]} is 0, so it would change nothing; "
                 f"set actors.trainer.loss.{knob[use]} > 0 or drop {use!r} from its use"

@@ -8,7 +8,7 @@ collection in flight can still use it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from actors import registry
@@ -38,10 +38,10 @@ Snapshot = dict[str, TeacherBinding]
 
 
 class TeacherBoard:
-    def __init__(self, pool: ActorMesh | None, bound: Snapshot, weights: dict[str, float]):
+    def __init__(self, pool: ActorMesh | None, bound: Snapshot, loss: LossConfig):
         self.pool = pool
         self.bound = bound
-        self.weights = weights  # the loss weight of each use: a teacher for a channel weighted 0 does nothing
+        self.loss = loss
         self.retiring: list[tuple[str, int]] = []  # (binding id, the first step that no longer uses it)
 
     @classmethod
@@ -50,7 +50,7 @@ class TeacherBoard:
     ) -> TeacherBoard:
         ids = await pool.initial_ids.call_one() if pool is not None else {}
         bound = {name: TeacherBinding(name, ids[name], cfg, step) for name, cfg in configs.items()}
-        return cls(pool, bound, {"distill": loss.alpha_sdpo, "replay": loss.beta_replay})
+        return cls(pool, bound, loss)
 
     def snapshot(self) -> Snapshot:
         return dict(self.bound)
@@ -80,7 +80,7 @@ class TeacherBoard:
         try:
             cfg = BindingConfig(**command.args["spec"])
             check_one_distill({n: b.config for n, b in self.bound.items() if n != name} | {name: cfg})
-            check_weighted(name, cfg, self.weights)
+            check_weighted(name, cfg, self.loss)
         except (TypeError, ValueError) as error:
             return False, f"{error}; teacher {name!r} is unchanged"
         bound = await self.pool.bind.call_one(name, cfg)
@@ -107,6 +107,7 @@ class TeacherBoard:
 
 
 def _spec(cfg: BindingConfig) -> dict:
-    defaults = asdict(BindingConfig(kind="task_oracle"))
-    spec = {k: v for k, v in asdict(cfg).items() if k == "kind" or v != defaults[k]}
+    """The config as a user would write it: the fields that differ from their defaults."""
+    defaults = {f.name: f.default for f in fields(BindingConfig)}
+    spec = {k: v for k, v in asdict(cfg).items() if v != defaults[k]}
     return spec | ({"use": list(cfg.use)} if cfg.use else {})

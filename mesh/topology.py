@@ -154,9 +154,8 @@ class Topology(Section):
                     "or set warm_start.steps: 0"
                 )
         if self.actors.teachers is not None:
-            loss = self.actors.trainer.loss
             for name, binding in self.actors.teachers.bindings.items():
-                check_weighted(name, binding, {"distill": loss.alpha_sdpo, "replay": loss.beta_replay})
+                check_weighted(name, binding, self.actors.trainer.loss)
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
         if rows < trainer_procs:

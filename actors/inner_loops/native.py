@@ -159,9 +159,7 @@ class NativeLoop:
         if self.world > 1:
             dist.all_reduce(logps)
         logps = logps.float().requires_grad_()
-        at = {int(row): i for i, row in enumerate(rows)}
-        chosen = torch.tensor([at[int(r)] for r in batch.pairs[:, 0]], device=self.device)
-        rejected = torch.tensor([at[int(r)] for r in batch.pairs[:, 1]], device=self.device)
+        chosen, rejected = torch.searchsorted(rows, batch.pairs).unbind(-1)  # positions in the sorted ``rows``
         lengths = batch.completion_mask[rows].sum(-1)
         reference = (batch.inference_logprobs[rows] * batch.completion_mask[rows]).sum(-1)
         pairs = PreferenceInputs(
