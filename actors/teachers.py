@@ -37,7 +37,8 @@ def check_one_distill(bindings: dict[str, BindingConfig]) -> None:
     if len(distill) > 1:
         raise ValueError(
             f"teachers {distill} are all used for distill, but channel 2 distils from one teacher at a time; "
-            "keep 'distill' in one binding's use"
+            "keep 'distill' in one binding's use (in a live run: bind the new teacher under the old one's name, "
+            "which replaces it, or unbind the old one first)"
         )
 
 
