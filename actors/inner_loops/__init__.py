@@ -1,7 +1,9 @@
 """Trainer inner loops: one optimizer step over a ``TrainBatch``, around ``losses.compose_loss``.
 
-Every inner loop (native, and later TRL, PRIME-RL, TorchTitan) implements ``InnerLoop``
-and reads the same ``TrainerConfig``; the loss math is never theirs, it is ``losses/``.
+Every inner loop (``native``, ``trl``, ``prime_rl``, ``torchtitan``) implements ``InnerLoop``
+and reads the same ``TrainerConfig``; the model, its parallelism and the optimizer are the
+library's, the loss math is never theirs: it is ``losses/``. ``base.MicroBatchLoop`` holds
+the step they share.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class InnerLoop(Protocol):
     def train_step(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
         """One optimizer step on this rank's share of ``batch`` (the whole step's rows);
         metrics are global (already reduced over ranks). ``taid_t``: the TAID schedule's t."""
+
+    def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
+        """``train_step`` without the optimizer step: the step's gradients, synced over ranks."""
+
+    def gradients(self) -> dict[str, Tensor]:
+        """The gradients ``forward_backward`` left, full (not sharded), named as in ``state_dict``."""
 
     def state_dict(self) -> dict[str, Tensor]:
         """The policy's full weights under the names the generator engines load (HF naming)."""

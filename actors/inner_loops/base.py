@@ -1,0 +1,213 @@
+"""What every inner loop's step shares, whatever library owns the model and optimizer.
+
+A step is: zero the gradients, run micro-batch passes over this rank's rows (channels 1
+and 2) and over its preference rows (channel 3, by gradient caching), then clip and take
+one optimizer step. Each micro-batch's loss is normalized by the *whole step's* token,
+sequence and pair counts, so summing micro-batches and ranks gives exactly the
+full-batch loss whatever the split. That is what makes the four inner loops agree to
+float error: they differ only in the hooks below (how the model computes the policy's
+distribution, how gradients sync, which optimizer steps).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from actors.inner_loops import TrainerConfig
+from actors.rollout import TrainBatch, split_rows
+from losses import (
+    Counts,
+    DistillInputs,
+    Head,
+    LinearHead,
+    Logits,
+    LossInputs,
+    LossOutput,
+    PolicyInputs,
+    PreferenceInputs,
+    TeacherTopK,
+    TokenLogprobs,
+    compose_loss,
+    selective_logprobs,
+    token_logprobs,
+)
+
+
+@dataclass
+class PairGradients:
+    """d(pair loss)/d(summed logprob) for each row in a pair (``rows``: batch row indices)."""
+
+    rows: Tensor
+    grads: Tensor
+
+    def index(self, batch_rows: Tensor) -> Tensor:
+        return torch.searchsorted(self.rows, batch_rows)
+
+
+RowInputs = Callable[[slice], LossInputs]
+
+
+class MicroBatchLoop(ABC):
+    """An ``InnerLoop`` whose backends supply the model's head, gradient sync and optimizer."""
+
+    def __init__(self, cfg: TrainerConfig, rank: int, world: int, device: torch.device):
+        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+
+    # -- backend hooks -------------------------------------------------------------------
+
+    @abstractmethod
+    def head(self, batch: TrainBatch) -> Head:
+        """The policy's distribution at the completion positions of ``batch``'s rows,
+        computed through the gradient-syncing wrapper (DDP, FSDP2, Accelerate)."""
+
+    @abstractmethod
+    def no_sync(self) -> AbstractContextManager:
+        """Backward passes inside accumulate gradients locally, without syncing ranks."""
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip the global gradient norm, step (optimizer and LR schedule); return the norm before clipping."""
+
+    @abstractmethod
+    def gradients(self) -> dict[str, Tensor]:
+        """The accumulated full gradients, under the same names as ``state_dict``."""
+
+    def micro_loss(self, batch: TrainBatch, inputs: LossInputs, taid_t: float | None) -> LossOutput:
+        """One micro-batch's loss over rows ``batch`` (already normalized by the step's counts)."""
+        return compose_loss(self.head(batch), inputs, self.cfg.loss, taid_t=taid_t)
+
+    def backward(self, loss: Tensor) -> None:
+        """DDP and FSDP2 average gradients over ranks; the losses are parts of one global sum."""
+        (loss * self.world).backward()
+
+    # -- the step --------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
+        metrics = self.forward_backward(batch, taid_t)
+        metrics["grad_norm"] = self.optimizer_step()
+        return metrics
+
+    def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
+        """This rank's share of the step's gradients, synced over ranks; the step's metrics."""
+        batch = batch.to(self.device)
+        inputs = self.row_inputs(batch)
+        share = split_rows(len(batch), self.world)[self.rank]
+        micro = self.cfg.micro_batch_size
+        self.zero_grad()
+        totals: dict[str, float] = {}
+        pairs = self._pair_gradients(batch, totals) if self._has_pairs(batch) else None
+        passes = [("rows", slice(i, min(i + micro, share.stop))) for i in range(share.start, share.stop, micro)]
+        if pairs is not None:
+            mine = pairs.rows[split_rows(len(pairs.rows), self.world)[self.rank]]
+            passes += [("pairs", mine[i : i + micro]) for i in range(0, len(mine), micro)]
+        for i, (kind, rows) in enumerate(passes):
+            with nullcontext() if i == len(passes) - 1 or self.world == 1 else self.no_sync():
+                if kind == "rows":
+                    out = self.micro_loss(batch.rows(rows), inputs(rows), taid_t)
+                    self.backward(out.loss)
+                    _accumulate(totals, out.metrics)
+                else:
+                    logps = self.sequence_logprobs(batch.rows(rows))
+                    self.backward((logps * pairs.grads[pairs.index(rows)]).sum())
+        return self._reduce(totals)
+
+    def row_inputs(self, batch: TrainBatch) -> RowInputs:
+        """Channels 1 and 2's inputs for any rows of ``batch``, normalized by the whole step's counts."""
+        policy_mask = batch.completion_mask & batch.policy_rows[:, None]
+        counts = Counts.from_mask(policy_mask, batch.max_completion_len)
+        distill = batch.distill_mask is not None and self.cfg.loss.alpha_sdpo > 0
+        distill_counts = Counts.from_mask(batch.distill_mask) if distill else None
+
+        def rows(sl: slice) -> LossInputs:
+            part = batch.rows(sl)
+            policy = PolicyInputs(
+                mask=policy_mask[sl],
+                advantages=part.advantages,
+                counts=counts,
+                old_logprobs=part.inference_logprobs,
+                inference_logprobs=part.inference_logprobs,
+            )
+            teacher = (
+                DistillInputs(TeacherTopK(part.distill_ids, part.distill_logprobs), part.distill_mask, distill_counts)
+                if distill
+                else None
+            )
+            return LossInputs(targets=part.targets, policy=policy, distill=teacher)
+
+        return rows
+
+    def sequence_logprobs(self, batch: TrainBatch) -> Tensor:
+        """Each row's completion logprob under the current policy, summed over its tokens."""
+        head = self.head(batch)
+        if isinstance(head, LinearHead):
+            logprobs = token_logprobs(head.hidden, head.weight, batch.targets, self.cfg.loss.chunk_tokens)
+        elif isinstance(head, Logits):
+            logprobs = selective_logprobs(head.logits, batch.targets)
+        else:
+            assert isinstance(head, TokenLogprobs)
+            logprobs = head.logprobs
+        return torch.where(batch.completion_mask, logprobs, 0.0).sum(-1)
+
+    def _has_pairs(self, batch: TrainBatch) -> bool:
+        return batch.pairs is not None and len(batch.pairs) > 0 and self.cfg.loss.beta_replay > 0
+
+    def _pair_gradients(self, batch: TrainBatch, totals: dict[str, float]) -> PairGradients:
+        """Channel 3 by gradient caching: the pair loss is a function of each row's summed
+        logprob, so take those without a graph, get d(loss)/d(logprob) per row, and let
+        each rank backpropagate ``coefficient * logprob`` over its own rows, micro-batch by
+        micro-batch. Exact, and no pair ever needs both rows in one micro-batch."""
+        rows = batch.pairs.unique()
+        mine = split_rows(len(rows), self.world)[self.rank]
+        logps = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for start in range(mine.start, mine.stop, self.cfg.micro_batch_size):
+                part = slice(start, min(start + self.cfg.micro_batch_size, mine.stop))
+                logps[part] = self.sequence_logprobs(batch.rows(rows[part])).double()
+        if self.world > 1:
+            dist.all_reduce(logps)
+        logps = logps.float().requires_grad_()
+        chosen, rejected = torch.searchsorted(rows, batch.pairs).unbind(-1)  # positions in the sorted ``rows``
+        lengths = batch.completion_mask[rows].sum(-1)
+        reference = (batch.inference_logprobs[rows] * batch.completion_mask[rows]).sum(-1)
+        pairs = PreferenceInputs(
+            chosen_logps=logps[chosen],
+            rejected_logps=logps[rejected],
+            chosen_lengths=lengths[chosen],
+            rejected_lengths=lengths[rejected],
+            num_pairs=len(batch.pairs),
+            ref_chosen_logps=reference[chosen],
+            ref_rejected_logps=reference[rejected],
+        )
+        out = compose_loss(None, LossInputs(preference=pairs), self.cfg.loss)
+        out.loss.backward()
+        # every rank computed the same pair loss: count it once (but report the same names everywhere)
+        _accumulate(totals, {k: v if self.rank == 0 or k.endswith("/skipped") else 0.0 for k, v in out.metrics.items()})
+        return PairGradients(rows, logps.grad)
+
+    def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
+        """Sum the row-additive metrics over ranks (a rank with no rows contributes zeros)."""
+        if self.world == 1:
+            return totals
+        names = sorted(totals)
+        values = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)
+        return {n: (v / self.world if n.endswith("/skipped") else v) for n, v in zip(names, values.tolist())}
+
+
+def _accumulate(totals: dict[str, float], metrics: dict[str, float]) -> None:
+    """Sum row-additive metrics; a channel counts as skipped only if every pass skipped it."""
+    for name, value in metrics.items():
+        if name.endswith("/skipped"):
+            totals[name] = min(totals.get(name, 1.0), value)
+        else:
+            totals[name] = totals.get(name, 0.0) + value
