@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
-ARCHITECTURES = ("qwen2", "llama")
+ARCHITECTURES = ("qwen3", "qwen2", "llama")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ def _causal_lm(spec: TinyModelSpec, vocab_size: int):
     if spec.arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose one of {ARCHITECTURES}")
     config_class, model_class = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }[spec.arch]
@@ -74,6 +75,7 @@ def _causal_lm(spec: TinyModelSpec, vocab_size: int):
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
+        head_dim=spec.hidden_size // spec.heads,  # Qwen3Config's default is 128
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=False,
         pad_token_id=0,

@@ -16,6 +16,9 @@ from typing import Any
 BACKENDS: dict[str, dict[str, str]] = {
     "inner_loop": {
         "native": "actors.inner_loops.native:NativeLoop",
+        "trl": "actors.inner_loops.trl:TRLLoop",
+        "prime_rl": "actors.inner_loops.prime_rl:PrimeRLLoop",
+        "torchtitan": "actors.inner_loops.torchtitan:TorchTitanLoop",
     },
     "engine": {
         "hf": "actors.engines.hf:HFEngine",

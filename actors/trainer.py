@@ -49,12 +49,14 @@ class Trainer(Actor):
         self.version = 0
         taid = cfg.loss.distill.divergence == "taid" and cfg.loss.alpha_sdpo > 0
         self.taid = TAIDScheduler(total_steps) if taid else None
-        self.publisher = WeightPublisher(store, self.loop.state_dict(), slots) if self.rank == 0 else None
+        state = self.loop.state_dict()
+        self.publisher = WeightPublisher(store, state, slots) if self.rank == 0 else None
 
     @endpoint
     def publish(self) -> WeightVersion | None:
         """Publish the current weights as the current version (the run's version 0, or after a resume)."""
-        return self.publisher.publish(self.loop.state_dict(), self.version) if self.publisher else None
+        state = self.loop.state_dict()
+        return self.publisher.publish(state, self.version) if self.publisher else None
 
     @endpoint
     def train_step(self, batch: TrainBatch) -> StepReport | None:
@@ -66,9 +68,10 @@ class Trainer(Actor):
                 self.taid.step(metrics["distill/loss"])
         self.version += 1
         seconds = time.perf_counter() - start
+        state = self.loop.state_dict()  # every rank: gathering sharded (FSDP2) weights is a collective
         if self.publisher is None:
             return None
-        weights = self.publisher.publish(self.loop.state_dict(), self.version)
+        weights = self.publisher.publish(state, self.version)
         return StepReport(metrics, weights, seconds, time.perf_counter() - start - seconds)
 
     @endpoint
