@@ -1,0 +1,210 @@
+"""The ``trl`` inner loop: TRL's GRPOTrainer machinery around ``losses.compose_loss``.
+
+TRL prepares the model (dtype, its fused LM head, Accelerate and DDP), computes the
+policy's token logprobs with its own ``_get_per_token_logps_and_entropies`` and builds
+the optimizer and LR schedule from its ``GRPOConfig``; the loss is ours, plugged in by
+``ComposerGRPOTrainer``, a ``GRPOTrainer`` subclass overriding ``_compute_loss``. Rollouts
+come from our Generator: TRL's generation and dataloader are never used here.
+
+``ComposerGRPOTrainer`` is also a public API for people who train with TRL directly::
+
+    from actors.inner_loops.trl import ComposerGRPOTrainer
+    from losses import LossConfig, PolicyConfig
+
+    trainer = ComposerGRPOTrainer(model="path/to/model", reward_funcs=..., args=GRPOConfig(..., bf16=False),
+                                  train_dataset=..., loss=LossConfig(policy=PolicyConfig(name="gspo")))
+    trainer.train()
+
+It overrides private methods, so the TRL version is pinned (``TRL_VERSION``) and checked
+on import.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+import trl
+from datasets import Dataset
+from torch import Tensor
+
+from actors.checkpoint import load_checkpoint, save_checkpoint
+from actors.inner_loops import TrainerConfig
+from actors.inner_loops.base import MicroBatchLoop
+from actors.rollout import TrainBatch
+from losses import Counts, Head, LossConfig, LossInputs, LossOutput, Logits, PolicyInputs, TokenLogprobs, compose_loss
+
+TRL_VERSION = "1.16.0"  # the pin in pyproject.toml's ``trl`` extra; tests check both agree
+
+if trl.__version__ != TRL_VERSION:
+    raise ImportError(
+        f"the trl inner loop overrides GRPOTrainer internals (_compute_loss, _get_per_token_logps_and_entropies) "
+        f"as they are in TRL {TRL_VERSION}, but TRL {trl.__version__} is installed. Install the pinned version "
+        f"with `pip install -e '.[trl]'` (trl=={TRL_VERSION}), or choose another inner_loop."
+    )
+
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+LOSS_INPUTS = "composer_loss_inputs"  # the inputs key under which our loop passes the step-normalized LossInputs
+TAID_T = "composer_taid_t"
+
+
+class ComposerGRPOTrainer(GRPOTrainer):
+    """A ``GRPOTrainer`` whose loss is ``compose_loss(loss)``; everything else is TRL's.
+
+    Under ``train()`` the policy channel reads TRL's batch (advantages, ``old_per_token_logps``,
+    ``ref_per_token_logps``) and normalizes like TRL does for this process and accumulation
+    window, so a policy loss that TRL also has gives TRL's loss. Our inner loop instead
+    passes ready ``LossInputs`` (all three channels, normalized by the whole step).
+    """
+
+    def __init__(self, *args, loss: LossConfig, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_config = loss
+
+    def _compute_loss(self, model, inputs: dict) -> Tensor:
+        loss_inputs = inputs.get(LOSS_INPUTS)
+        distribution = loss_inputs is not None and loss_inputs.distill is not None and self.loss_config.alpha_sdpo > 0
+        head = self.policy_head(model, inputs, distribution)
+        if loss_inputs is None:
+            loss_inputs = self._trl_loss_inputs(inputs, head)
+        out = compose_loss(head, loss_inputs, self.loss_config, taid_t=inputs.get(TAID_T))
+        self.last_metrics = out.metrics
+        mode = "train" if self.model.training else "eval"
+        for name, value in out.metrics.items():
+            self._metrics[mode][name].append(value)
+        return out.loss
+
+    def policy_head(self, model, inputs: dict, distribution: bool) -> Head:
+        """TRL's token logprobs (its fused LM head never builds ``[B, T, V]``), or the full
+        logits when a loss channel needs the whole distribution (distillation)."""
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        if distribution:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.get("position_ids"))
+            return Logits(logits.logits[:, prompt_ids.shape[1] - 1 : -1] / self.temperature)
+        logprobs, _, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.shape[1]
+        )
+        return TokenLogprobs(logprobs)
+
+    def _trl_loss_inputs(self, inputs: dict, head: Head) -> LossInputs:
+        """The policy channel from TRL's own batch, with TRL's per-process normalizers."""
+        mask = inputs["completion_mask"].bool()
+        if "tool_mask" in inputs:
+            mask = mask & inputs["tool_mask"].bool()
+        accumulation = self.current_gradient_accumulation_steps if self.model.training else 1
+        tokens = float(inputs["num_items_in_batch"]) / self.accelerator.num_processes
+        if self.model.training:
+            tokens *= accumulation / self.args.steps_per_generation
+        counts = Counts(
+            tokens=max(tokens, 1.0), sequences=mask.shape[0] * accumulation, max_len=self.max_completion_length
+        )
+        old = inputs.get("old_per_token_logps")
+        if old is None:  # TRL skips it when the batch is on-policy: ratio 1
+            old = head.logprobs.detach()
+        policy = PolicyInputs(
+            mask=mask,
+            advantages=inputs["advantages"],
+            counts=counts,
+            old_logprobs=old,
+            ref_logprobs=inputs.get("ref_per_token_logps"),
+        )
+        return LossInputs(targets=inputs["completion_ids"], policy=policy)
+
+
+class TRLLoop(MicroBatchLoop):
+    """Our step (micro-batches, channel 3 by gradient caching) through a ``ComposerGRPOTrainer``."""
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
+        super().__init__(cfg, rank, world, device)
+        opt = cfg.optimizer
+        self._output_dir = tempfile.TemporaryDirectory(prefix="trl-")
+        args = GRPOConfig(
+            output_dir=self._output_dir.name,
+            report_to="none",
+            save_strategy="no",
+            use_cpu=device.type == "cpu",
+            bf16=False,  # TRL's default on CPU too: autocast to bfloat16
+            model_init_kwargs={"dtype": torch.float32},
+            learning_rate=opt.lr,
+            adam_beta1=opt.betas[0],
+            adam_beta2=opt.betas[1],
+            weight_decay=opt.weight_decay,
+            max_grad_norm=opt.grad_clip,
+            lr_scheduler_type="constant",
+            temperature=1.0,  # the logprobs of the policy itself, as the other loops score them
+            beta=0.0,
+            use_bias_correction_kl=False,  # TRL's default is True; the KL, if any, is configured in loss.policy
+            ddp_broadcast_buffers=False,  # rotary tables are constants; ranks may run different numbers of forwards
+            per_device_train_batch_size=2,  # TRL's generation batch must hold a group; it is never used
+            num_generations=2,
+        )
+        self.trainer = ComposerGRPOTrainer(
+            model=model_path,
+            reward_funcs=_no_reward,  # rewards come from our Rewarder
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": [""]}),  # required by TRL; its dataloader is never iterated
+            loss=cfg.loss,
+        )
+        self.model = self.trainer.model
+        self.model.train()
+        self.wrapped = self.trainer.accelerator.prepare_model(self.model) if world > 1 else self.model
+        self.trainer.create_optimizer_and_scheduler(num_training_steps=1)  # constant LR: the length does not matter
+        self.trainer.current_gradient_accumulation_steps = 1  # set by TRL's own training loop otherwise
+
+    def micro_loss(self, batch: TrainBatch, inputs: LossInputs, taid_t: float | None) -> LossOutput:
+        loss = self.trainer.compute_loss(self.wrapped, self._trl_inputs(batch) | {LOSS_INPUTS: inputs, TAID_T: taid_t})
+        return LossOutput(loss, self.trainer.last_metrics)
+
+    def head(self, batch: TrainBatch) -> Head:
+        return self.trainer.policy_head(self.wrapped, self._trl_inputs(batch), distribution=False)
+
+    def _trl_inputs(self, batch: TrainBatch) -> dict:
+        prompt, completion = slice(None, batch.prompt_len), slice(batch.prompt_len, None)
+        return {
+            "prompt_ids": batch.input_ids[:, prompt],
+            "prompt_mask": batch.attention_mask[:, prompt],
+            "completion_ids": batch.input_ids[:, completion],
+            "completion_mask": batch.attention_mask[:, completion],
+            "position_ids": batch.position_ids,
+        }
+
+    def backward(self, loss: Tensor) -> None:
+        self.trainer.accelerator.backward(loss * self.world)  # DDP averages over ranks
+
+    def no_sync(self) -> AbstractContextManager:
+        return self.trainer.accelerator.no_sync(self.wrapped) if self.world > 1 else nullcontext()
+
+    def zero_grad(self) -> None:
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        max_norm = self.cfg.optimizer.grad_clip or float("inf")
+        norm = float(self.trainer.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.trainer.optimizer.step()
+        self.trainer.lr_scheduler.step()
+        return norm
+
+    def gradients(self) -> dict[str, Tensor]:
+        return {name: p.grad.detach() for name, p in self.model.named_parameters() if p.grad is not None}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    def save(self, directory: Path, state: dict) -> None:
+        if self.rank == 0:
+            save_checkpoint(directory, self.state_dict(), self.trainer.optimizer.state_dict(), state)
+
+    def load(self, directory: Path) -> dict:
+        model, optimizer, state = load_checkpoint(directory)
+        self.model.load_state_dict(model)
+        self.trainer.optimizer.load_state_dict(optimizer)
+        return state
+
+
+def _no_reward(completions: list, **kwargs) -> list[float]:
+    raise RuntimeError("the trl inner loop trains on our Generator's rollouts; TRL's reward path never runs")
