@@ -127,9 +127,12 @@ async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_resul
     assert (run_path / "topology.yaml").is_file()
 
 
-async def test_tiny_topology_learns_in_a_short_run(tmp_path):
-    """tiny.yaml as shipped, cut to 60 steps: the policy's own reward climbs well clear of its start."""
-    topology = load_topology(TINY, ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"])
+@pytest.mark.parametrize("inner_loop", ["native", "trl", "prime_rl", "torchtitan"])
+async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop):
+    """tiny.yaml as shipped, cut to 60 steps, with each inner loop: the policy's own reward
+    climbs well clear of its start."""
+    overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
+    topology = load_topology(TINY, [*overrides, f"actors.trainer.inner_loop={inner_loop}"])
     rewards = [r["reward/mean"] for r in records(await run(topology, progress=False))]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)

@@ -66,6 +66,7 @@ class PrimeRLLoop(NativeLoop):
     def micro_loss(self, batch: TrainBatch, inputs: LossInputs, taid_t: float | None) -> LossOutput:
         head = self.head(batch)
         total, metrics = self._policy_loss(head, batch, inputs.policy)
+        metrics |= {"distill/skipped": 1.0, "preference/skipped": 1.0}  # as compose_loss reports them
         if inputs.distill is not None:
             out = compose_loss(head, replace(inputs, policy=None), self.cfg.loss, taid_t=taid_t)
             total = total + out.loss

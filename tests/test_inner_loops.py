@@ -1,0 +1,165 @@
+"""The four inner loops compute one loss: same weights and batch, same loss and gradients.
+
+Each loop is built from the same tiny HF model directory and runs ``forward_backward`` on
+the same ``TrainBatch`` (ragged rows, micro-batches of 3, and with all three channels on:
+teacher top-k on every other row and replayed-trace pairs). ``native`` is the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_actors import ALL_CHANNELS, TASK, a_batch
+
+from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
+from actors.inner_loops.native import NativeLoop
+from actors.model import TinyModelSpec, build_tiny_model
+from actors import registry
+from losses import LossConfig, PolicyConfig, prime_rl
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's config
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY_LOSSES = ["dapo", "grpo", "dr_grpo", "gspo", "cispo", "dppo"]
+LOOPS = ["trl", "prime_rl", "torchtitan"]
+TOLERANCE = 1e-5  # fp32; the loops differ only in summation order (measured: <= 3e-8 for trl and prime_rl)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), TASK.alphabet, seed=0))
+
+
+def config(policy: str, channels: bool, **fields) -> TrainerConfig:
+    loss = replace(ALL_CHANNELS if channels else LossConfig(), policy=PolicyConfig(name=policy))
+    return TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_size=3, **fields)
+
+
+def gradients_of(loop_name: str, model_dir: str, cfg: TrainerConfig, batch) -> tuple[dict, dict]:
+    cfg = replace(cfg, inner_loop=loop_name)
+    loop = registry.load("inner_loop", loop_name)(model_dir, cfg, rank=0, world=1)
+    metrics = loop.forward_backward(batch, taid_t=0.6)
+    return metrics, loop.gradients()
+
+
+@pytest.fixture(scope="module")
+def native(model_dir):
+    """The reference loop's results, computed once per configuration."""
+    cache = {}
+
+    def results(policy: str, channels: bool):
+        if (policy, channels) not in cache:
+            batch = a_batch(model_dir, channels=channels)
+            cache[policy, channels] = batch, gradients_of("native", model_dir, config(policy, channels), batch)
+        return cache[policy, channels]
+
+    return results
+
+
+@pytest.mark.parametrize("channels", [False, True], ids=["policy", "all_channels"])
+@pytest.mark.parametrize("policy", POLICY_LOSSES)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_every_loop_gives_native_loss_and_gradients(loop, policy, channels, model_dir, native):
+    batch, (want_metrics, want) = native(policy, channels)
+    metrics, grads = gradients_of(loop, model_dir, config(policy, channels), batch)
+    assert metrics["loss"] == pytest.approx(want_metrics["loss"], abs=TOLERANCE)
+    for channel in ("policy", "distill", "preference"):
+        assert metrics[f"{channel}/skipped"] == want_metrics[f"{channel}/skipped"]
+        if not want_metrics[f"{channel}/skipped"]:
+            assert metrics[f"{channel}/loss"] == pytest.approx(want_metrics[f"{channel}/loss"], abs=TOLERANCE)
+    assert sorted(grads) == sorted(want)
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, atol=TOLERANCE, rtol=0, msg=lambda m: f"{loop} {name}: {m}")
+    assert max(g.abs().max() for g in want.values()) > 1e-2  # a real gradient, not a vacuous match
+
+
+# ------------------------------------------------------------------------------------ trl
+
+
+def test_trl_version_is_pinned_where_the_loop_checks_it():
+    from actors.inner_loops.trl import TRL_VERSION
+
+    import trl
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
+    assert f"trl=={TRL_VERSION}" in extra
+    assert trl.__version__ == TRL_VERSION
+
+
+def test_composer_grpo_trainer_is_trls_loss_under_trls_own_training(model_dir, tmp_path):
+    """The public subclass inside TRL's ``train()``: TRL generates, rewards and steps; the loss
+    is ``compose_loss``, and on TRL's batch it equals TRL's own ``dapo`` loss."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from actors.inner_loops.trl import ComposerGRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        loss_type="dapo",
+        epsilon_high=0.28,
+    )
+    common = dict(
+        reward_funcs=lambda completions, **kw: [float(c.count("a")) for c in completions],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["abc", "cab", "bca", "acb"]}),
+    )
+    ours = ComposerGRPOTrainer(model=model_dir, loss=LossConfig(policy=PolicyConfig(name="dapo")), **common)
+    theirs = GRPOTrainer(model=model_dir, **common)
+    ours.train()
+    logged = [row for row in ours.state.log_history if "policy/loss" in row]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor(row["policy/loss"])) for row in logged)
+
+    # one of TRL's own batches, scored by both trainers from the same weights
+    theirs.model.load_state_dict(ours.model.state_dict())
+    batch = theirs._generate_and_score_completions([{"prompt": p} for p in ["abc"] * 4])
+    for trainer in (ours, theirs):
+        trainer.current_gradient_accumulation_steps = 1
+    assert float(ours._compute_loss(ours.model, batch)) == pytest.approx(
+        float(theirs._compute_loss(theirs.model, batch)), abs=1e-6
+    )
+
+
+# ------------------------------------------------------------------------------- prime_rl
+
+
+def doubled(inputs: prime_rl.LossInputs, **kwargs) -> prime_rl.LossOutputs:
+    """A PRIME-RL custom loss (imported by path in the test below): twice DAPO."""
+    out = prime_rl.composer_loss(inputs, **kwargs)
+    return prime_rl.LossOutputs(loss=2 * out.loss, metrics={"doubled": out.loss.detach()})
+
+
+def test_prime_rl_custom_loss_by_import_path(model_dir, native):
+    batch, (want_metrics, want) = native("dapo", False)
+    custom = CustomLossConfig(import_path="test_inner_loops.doubled", kwargs={"name": "dapo"})
+    metrics, grads = gradients_of(
+        "prime_rl", model_dir, config("dapo", False, inner_loop="prime_rl", custom_loss=custom), batch
+    )
+    assert metrics["policy/loss"] == pytest.approx(2 * want_metrics["policy/loss"], abs=TOLERANCE)
+    assert metrics["policy/doubled"] != 0  # the function's own metric, averaged over samples
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], 2 * grad, atol=2 * TOLERANCE, rtol=0)
+
+
+def test_custom_loss_errors_say_what_to_change():
+    custom = CustomLossConfig(import_path="losses.prime_rl.composer_loss")
+    with pytest.raises(ValueError, match="set inner_loop: prime_rl"):
+        TrainerConfig(mesh="t", custom_loss=custom)
+    with pytest.raises(ValueError, match="'package.module.function'"):
+        TrainerConfig(mesh="t", inner_loop="prime_rl", custom_loss=CustomLossConfig(import_path="losses.nope"))
