@@ -16,10 +16,9 @@ import pytest
 import torch
 from test_actors import ALL_CHANNELS, TASK, a_batch
 
-from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
-from actors.inner_loops.native import NativeLoop
-from actors.model import TinyModelSpec, build_tiny_model
 from actors import registry
+from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
+from actors.model import TinyModelSpec, build_tiny_model
 from losses import LossConfig, PolicyConfig, prime_rl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -84,9 +83,9 @@ def test_every_loop_gives_native_loss_and_gradients(loop, policy, channels, mode
 
 
 def test_trl_version_is_pinned_where_the_loop_checks_it():
-    from actors.inner_loops.trl import TRL_VERSION
-
     import trl
+
+    from actors.inner_loops.trl import TRL_VERSION
 
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
     assert f"trl=={TRL_VERSION}" in extra

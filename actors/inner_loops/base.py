@@ -12,9 +12,9 @@ distribution, how gradients sync, which optimizer steps).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -22,8 +22,8 @@ Each sample's tensors cover its completion positions (prompt tokens carry no los
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -31,8 +31,16 @@ from torch import Tensor
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.rollout import TrainBatch
-from losses import LinearHead, LossInputs, LossOutput, PolicyConfig, PolicyInputs, compose_loss, token_logprobs
-from losses import prime_rl
+from losses import (
+    LinearHead,
+    LossInputs,
+    LossOutput,
+    PolicyConfig,
+    PolicyInputs,
+    compose_loss,
+    prime_rl,
+    token_logprobs,
+)
 
 LossFn = Callable[..., prime_rl.LossOutputs]
 

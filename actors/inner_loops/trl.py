@@ -34,7 +34,7 @@ from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import MicroBatchLoop
 from actors.rollout import TrainBatch
-from losses import Counts, Head, LossConfig, LossInputs, LossOutput, Logits, PolicyInputs, TokenLogprobs, compose_loss
+from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
 
 TRL_VERSION = "1.16.0"  # the pin in pyproject.toml's ``trl`` extra; tests check both agree
 
@@ -45,7 +45,7 @@ if trl.__version__ != TRL_VERSION:
         f"with `pip install -e '.[trl]'` (trl=={TRL_VERSION}), or choose another inner_loop."
     )
 
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer
 
 LOSS_INPUTS = "composer_loss_inputs"  # the inputs key under which our loop passes the step-normalized LossInputs
 TAID_T = "composer_taid_t"
