@@ -69,10 +69,13 @@ ALL_CHANNELS = LossConfig(
 )
 
 
-async def train_once(model_dir: str, procs: int, store: Path, batch, loss: LossConfig = LossConfig()):
+async def train_once(
+    model_dir: str, procs: int, store: Path, batch, loss: LossConfig = LossConfig(), inner_loop: str = "native"
+):
     mesh = this_host().spawn_procs(per_host={"procs": procs})
     await setup_torch_elastic_env_async(mesh)
-    cfg = TrainerConfig(mesh="trainer", optimizer=OptimizerConfig(lr=1e-2), loss=loss, micro_batch_size=3)
+    optimizer = OptimizerConfig(lr=1e-2)
+    cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3)
     trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, Placement(threads=1), 10)
     try:
         await trainer.publish.call()
@@ -84,11 +87,15 @@ async def train_once(model_dir: str, procs: int, store: Path, batch, loss: LossC
         await mesh.stop()
 
 
-@pytest.mark.parametrize("loss", [LossConfig(), ALL_CHANNELS], ids=["policy", "all_channels"])
-async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, tmp_path, loss):
+@pytest.mark.parametrize(
+    "inner_loop, loss",
+    [("native", LossConfig()), ("native", ALL_CHANNELS), ("trl", ALL_CHANNELS), ("prime_rl", ALL_CHANNELS)],
+    ids=["native-policy", "native-all_channels", "trl-all_channels", "prime_rl-all_channels"],
+)
+async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, tmp_path, inner_loop, loss):
     batch = a_batch(model_dir, channels=loss is ALL_CHANNELS)
-    one, weights_one = await train_once(model_dir, 1, tmp_path / "one", batch, loss)
-    two, weights_two = await train_once(model_dir, 2, tmp_path / "two", batch, loss)
+    one, weights_one = await train_once(model_dir, 1, tmp_path / "one", batch, loss, inner_loop)
+    two, weights_two = await train_once(model_dir, 2, tmp_path / "two", batch, loss, inner_loop)
     initial, _ = load_policy(model_dir)
     moved = max((weights_one[k] - v).abs().max().item() for k, v in initial.state_dict().items())
     assert moved > 1e-3  # the step really changed the weights
