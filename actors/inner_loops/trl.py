@@ -68,12 +68,13 @@ class ComposerGRPOTrainer(GRPOTrainer):
         loss_inputs = inputs.get(LOSS_INPUTS)
         distribution = loss_inputs is not None and loss_inputs.distill is not None and self.loss_config.alpha_sdpo > 0
         head = self.policy_head(model, inputs, distribution)
-        if loss_inputs is None:
-            loss_inputs = self._trl_loss_inputs(inputs, head)
-        out = compose_loss(head, loss_inputs, self.loss_config, taid_t=inputs.get(TAID_T))
-        self.last_metrics = out.metrics
+        if loss_inputs is not None:  # our inner loop: it reduces and reports the metrics
+            out = compose_loss(head, loss_inputs, self.loss_config, taid_t=inputs.get(TAID_T))
+            self.last_metrics = out.metrics
+            return out.loss
+        out = compose_loss(head, self._trl_loss_inputs(inputs, head), self.loss_config)
         mode = "train" if self.model.training else "eval"
-        for name, value in out.metrics.items():
+        for name, value in out.metrics.items():  # TRL averages and logs these with its own
             self._metrics[mode][name].append(value)
         return out.loss
 
