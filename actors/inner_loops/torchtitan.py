@@ -1,0 +1,484 @@
+"""The ``torchtitan`` inner loop: a TorchTitan model definition, FSDP2, TorchTitan's optimizer.
+
+The model is built from a local HF checkpoint the way TorchTitan's RL trainer builds its
+policy: an HF config becomes a TorchTitan model config, the model is built on ``meta``,
+parallelized (FSDP2 over the trainer mesh, by TorchTitan's own ``parallelize_*``),
+materialized, and loaded with the HF weights through TorchTitan's state-dict adapter.
+Weights and gradients leave under HF names (the adapter's ``to_hf``), so the generator
+engines, the weight store and the parity tests see the same names as with ``native``.
+
+Architectures: ``LlamaForCausalLM`` (TorchTitan's llama3), ``Qwen3ForCausalLM`` (qwen3),
+and ``Qwen2ForCausalLM`` (the qwen3 definition without QK-norm and with q/k/v biases,
+which is exactly Qwen2).
+
+Fixes that make it run on CPU and over gloo, and why:
+
+- Device type: ``torchtitan.tools.utils`` fixes its device type at import and falls back
+  to ``"cuda"`` when torch reports no accelerator, so every mesh it builds would be a CUDA
+  mesh. Where CUDA is absent, torch is made to report ``"cpu"`` for the duration of that
+  one import; where CUDA is present (a controller on a GPU host imports this module too)
+  nothing is patched.
+- Attention: FlexAttention (TorchTitan's default) has no CPU backward, and TorchTitan's
+  SDPA backend takes no mask. ``MaskedSDPA`` is SDPA with an explicit boolean mask,
+  causal and key-is-a-real-token, which is also what reproduces HF's logits on the
+  left-padded rows of a ``TrainBatch`` (positions come from its ``position_ids``).
+- gloo has no ``PREMUL_SUM``: FSDP2 modules reduce with a plain sum
+  (``set_force_sum_reduction_for_comms``). TorchTitan also turns off FSDP2's gradient
+  division, so ranks' gradients add up, which is what the shared step's per-rank losses
+  (parts of one global sum) need: ``backward`` does not multiply by the world size.
+
+One change to FSDP2's schedule, on any device: parameters are gathered once per step
+rather than once per micro-batch forward (``TorchTitanLoop.forward_backward`` says why).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def _import_torchtitan_for_this_host() -> None:
+    """Import ``torchtitan.tools.utils`` with torch reporting ``"cpu"`` when there is no CUDA."""
+    if torch.cuda.is_available() or "torchtitan.tools.utils" in sys.modules:
+        return
+    import torch._utils as torch_utils
+
+    report = torch_utils._get_available_device_type
+    torch_utils._get_available_device_type = lambda: "cpu"
+    try:
+        import torchtitan.tools.utils  # noqa: F401
+    finally:
+        torch_utils._get_available_device_type = report
+
+
+_import_torchtitan_for_this_host()
+
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.utils import clip_grad_norm_
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Decoder, Embedding, Linear, RMSNorm, RoPE
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.common.param_init import skip_param_init
+from torchtitan.models.llama3 import Llama3Model, parallelize_llama
+from torchtitan.models.llama3.model import Llama3TransformerBlock
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
+from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.protocols.module import Module
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+from torchtitan.tools.utils import device_type as torchtitan_device_type
+
+from actors.checkpoint import load_checkpoint, save_checkpoint
+from actors.inner_loops import TrainerConfig
+from actors.inner_loops.base import MicroBatchLoop
+from actors.rollout import TrainBatch
+from losses import Logits
+
+
+class TorchTitanModelError(ValueError):
+    """A model directory this loop cannot train; the message says what and what to do."""
+
+
+# -- attention --------------------------------------------------------------------------
+
+
+class MaskedSDPA(Module):
+    """TorchTitan inner attention: SDPA under the boolean mask ``attention_mask`` builds."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__()
+
+    def forward(
+        self,
+        q_BLNH: Tensor,
+        k_BLNH: Tensor,
+        v_BLNH: Tensor,
+        *,
+        attention_masks: Tensor,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        **_: object,
+    ) -> Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def attention_mask(real: Tensor) -> Tensor:
+    """``[B, 1, L, L]`` bool from a ``[B, L]`` real-token mask: causal and key-is-real, as HF
+    masks with ``attention_mask``. A query with no visible key (a left pad) sees itself:
+    kernels need not agree on an all-masked row (this torch's CPU kernel returns 0), and
+    a NaN there would reach real rows through 0 x NaN in the next layer. No real token
+    attends to a pad, so real rows are exactly HF's."""
+    length = real.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()
+    mask = causal & real.bool()[:, None, :]
+    alone = ~mask.any(-1, keepdim=True) & torch.eye(length, dtype=torch.bool, device=real.device)
+    return (mask | alone)[:, None]
+
+
+# -- HF architectures -> TorchTitan model definitions -----------------------------------------
+
+
+class Qwen2StateDictAdapter(Qwen3StateDictAdapter):
+    """Qwen3's adapter plus Qwen2's q/k/v biases (Qwen3 has none; the names map one to one)."""
+
+    def __init__(self, model_config: Qwen3Model.Config, hf_assets_path: str | None):
+        super().__init__(model_config, hf_assets_path)
+        for proj in "qkv":
+            hf = f"model.layers.{{}}.self_attn.{proj}_proj.bias"
+            self.from_hf_map[hf] = f"layers.{{}}.attention.qkv_linear.w{proj}.bias"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one HF architecture maps onto a TorchTitan model definition."""
+
+    model: type[Decoder]
+    block: type[nn.Module]
+    rope: type[RoPE]
+    adapter: type[StateDictAdapter]
+    parallelize: Callable[..., nn.Module]
+    qk_norm: bool = False
+    qkv_bias: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(
+        Llama3Model, Llama3TransformerBlock, ComplexRoPE, Llama3StateDictAdapter, parallelize_llama
+    ),
+    "Qwen3ForCausalLM": Family(
+        Qwen3Model, Qwen3TransformerBlock, CosSinRoPE, Qwen3StateDictAdapter, parallelize_qwen3, qk_norm=True
+    ),
+    "Qwen2ForCausalLM": Family(
+        Qwen3Model, Qwen3TransformerBlock, CosSinRoPE, Qwen2StateDictAdapter, parallelize_qwen3, qkv_bias=True
+    ),
+}
+
+LOADED = {"weight": skip_param_init, "bias": skip_param_init}  # every parameter comes from the checkpoint
+
+
+def read_hf_config(model_path: str) -> tuple[PretrainedConfig, Family]:
+    """The HF config of ``model_path`` and its TorchTitan family, or a ``TorchTitanModelError``."""
+    from transformers import AutoConfig
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise TorchTitanModelError(
+            f"the torchtitan inner loop found no HF model at {model_path!r} (no config.json there); point the "
+            "topology's model.path at a directory saved with save_pretrained, or use model.init for a tiny model"
+        )
+    hf = AutoConfig.from_pretrained(model_path)
+    arch = (getattr(hf, "architectures", None) or ["(none given)"])[0]
+    if arch not in FAMILIES:
+        raise TorchTitanModelError(
+            f"the torchtitan inner loop cannot train {model_path!r}: its architecture is {arch}, and the "
+            f"architectures it maps onto TorchTitan model definitions are {', '.join(FAMILIES)}; use "
+            "inner_loop: native (any HF causal LM) for this model"
+        )
+    unsupported = _unsupported_options(hf)
+    if unsupported:
+        raise TorchTitanModelError(
+            f"the torchtitan inner loop cannot train {model_path!r} ({arch}): {'; '.join(unsupported)}, "
+            "which its TorchTitan definition does not reproduce; use inner_loop: native for this model"
+        )
+    return hf, FAMILIES[arch]
+
+
+def _unsupported_options(hf: PretrainedConfig) -> list[str]:
+    """HF config options whose model the TorchTitan definition would not match."""
+    rope_type = hf.rope_parameters.get("rope_type", "default")
+    allowed_ropes = ("default", "llama3") if hf.architectures[0] == "LlamaForCausalLM" else ("default",)
+    problems = {
+        f"hidden_act is {hf.hidden_act!r} (only 'silu')": hf.hidden_act != "silu",
+        "attention_bias is set": getattr(hf, "attention_bias", False),  # Qwen2's q/k/v biases are implicit
+        "mlp_bias is set": getattr(hf, "mlp_bias", False),
+        "it uses sliding-window attention": getattr(hf, "use_sliding_window", False),
+        f"its rope_type is {rope_type!r} (only {' or '.join(allowed_ropes)})": rope_type not in allowed_ropes,
+    }
+    return [problem for problem, present in problems.items() if present]
+
+
+def model_config(hf: PretrainedConfig, family: Family) -> Decoder.Config:
+    """A TorchTitan model config with the HF config's dimensions, attention by ``MaskedSDPA``."""
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+
+    def norm(size: int = hf.hidden_size) -> RMSNorm.Config:  # one config per module: parallelize annotates each
+        return RMSNorm.Config(normalized_shape=size, eps=hf.rms_norm_eps, param_init=LOADED)
+
+    layers = []
+    for _ in range(hf.num_hidden_layers):
+        attention = make_gqa_config(
+            dim=hf.hidden_size,
+            n_heads=heads,
+            n_kv_heads=hf.num_key_value_heads,
+            head_dim=head_dim,
+            wqkv_param_init=LOADED,
+            wo_param_init=LOADED,
+            inner_attention=MaskedSDPA.Config(),
+            rope=_rope(hf, family, head_dim),
+            qk_norm=norm(head_dim) if family.qk_norm else None,
+        )
+        attention.qkv_linear.wq.bias = attention.qkv_linear.wkv.bias = family.qkv_bias
+        ffn = make_ffn_config(
+            dim=hf.hidden_size, hidden_dim=hf.intermediate_size, w1_param_init=LOADED, w2w3_param_init=LOADED
+        )
+        layers.append(
+            family.block.Config(attention_norm=norm(), ffn_norm=norm(), attention=attention, feed_forward=ffn)
+        )
+    return family.model.Config(
+        dim=hf.hidden_size,
+        vocab_size=hf.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=hf.vocab_size, embedding_dim=hf.hidden_size, param_init=LOADED),
+        norm=norm(),
+        lm_head=Linear.Config(in_features=hf.hidden_size, out_features=hf.vocab_size, param_init=LOADED),
+        layers=layers,
+        enable_weight_tying=bool(hf.tie_word_embeddings),
+    )
+
+
+def _rope(hf: PretrainedConfig, family: Family, head_dim: int) -> RoPE.Config:
+    """Rotary embeddings as the HF config sets them (llama3 frequency scaling included)."""
+    rope = hf.rope_parameters
+    scaling = {}
+    if rope.get("rope_type") == "llama3":
+        scaling = {
+            "scaling": "llama",
+            "scaling_factor": rope["factor"],
+            "low_freq_factor": rope["low_freq_factor"],
+            "high_freq_factor": rope["high_freq_factor"],
+            "original_max_position_embeddings": rope["original_max_position_embeddings"],
+        }
+    return family.rope.Config(dim=head_dim, max_seq_len=hf.max_position_embeddings, theta=rope["rope_theta"], **scaling)
+
+
+def hf_weights(model_path: str) -> dict[str, Tensor]:
+    """Every tensor in the directory's safetensors files, as float32 (the loops train in fp32)."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise TorchTitanModelError(
+            f"the torchtitan inner loop found no *.safetensors weights in {model_path!r}; re-save the model "
+            "with save_pretrained (safetensors is its default)"
+        )
+    return {name: tensor.float() for file in files for name, tensor in load_file(file).items()}
+
+
+# -- parallelism -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    """What ``Decoder.Config.update_from_config`` reads from a job config: the parallelism."""
+
+    parallelism: ParallelismConfig
+
+
+PARALLELISM = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=-1)
+
+
+def fully_shard_over(model: Decoder, family: Family, world: int) -> None:
+    """FSDP2 over the whole trainer mesh, by TorchTitan's own ``parallelize_*`` (fp32, no
+    compile, no activation checkpointing), then the gloo-safe reductions."""
+    if torchtitan_device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "torchtitan was imported before actors.inner_loops.torchtitan on a host without CUDA, so it "
+            "builds CUDA meshes; import actors.inner_loops.torchtitan first"
+        )
+    family.parallelize(
+        model,
+        parallel_dims=ParallelDims.from_config(PARALLELISM, world),
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=PARALLELISM,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
+    )
+    for module in fsdp_modules(model):
+        module.set_force_sum_reduction_for_comms(True)
+        # parameters stay gathered from a step's first forward to its end (see TorchTitanLoop.forward_backward)
+        module.set_reshard_after_forward(False, recurse=False)
+        module.set_reshard_after_backward(False, recurse=False)
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def full(tensor: Tensor) -> Tensor:
+    """The whole tensor behind a (possibly sharded) parameter or gradient; a collective for DTensors."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+FULL = StateDictOptions(full_state_dict=True)
+NO_DECAY = 2**62  # the LR schedule's length: TorchTitan's schedule is constant until its decay starts
+
+
+class TorchTitanLoop(MicroBatchLoop):
+    """``MicroBatchLoop`` over a TorchTitan model, FSDP2 (world > 1), and TorchTitan's AdamW.
+
+    The head is ``Logits`` (the completion positions of the model's own output): the
+    forward must run through the FSDP2 root so that the LM head's parameters are gathered,
+    so ``[rows, tokens, vocab]`` logits exist per micro-batch; size ``micro_batch_size``
+    for that.
+    """
+
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
+        super().__init__(cfg, rank, world, device)
+        hf, family = read_hf_config(model_path)
+        config = model_config(hf, family)
+        config.update_from_config(config=_Job(PARALLELISM))
+        with torch.device("meta"):
+            self.model: Decoder = config.build()
+        if world > 1:
+            fully_shard_over(self.model, family, world)
+        self.model.to_empty(device=device)
+        self.model.init_states(buffer_device=device)
+        self.adapter = family.adapter(config, None)
+        self._load_policy(hf_weights(model_path))
+        self.model.train()
+        self.optimizers = self._optimizers()
+        self.schedulers = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0).build(
+            optimizers=self.optimizers, training_steps=NO_DECAY
+        )
+
+    def _optimizers(self) -> OptimizersContainer:
+        """TorchTitan's AdamW with our hyperparameters (its fused kernel where there is CUDA)."""
+        opt = self.cfg.optimizer
+        group = ParamGroupConfig(
+            pattern=r".*",
+            optimizer_name="AdamW",
+            optimizer_kwargs={"lr": opt.lr, "betas": tuple(opt.betas), "weight_decay": opt.weight_decay},
+        )
+        implementation = "fused" if self.device.type == "cuda" else "for-loop"
+        return OptimizersContainer.Config(param_groups=[group], implementation=implementation).build(
+            model_parts=[self.model]
+        )
+
+    # -- the step's hooks ----------------------------------------------------------------------
+
+    def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
+        """The shared step with the parameters gathered once for all its micro-batches: ranks
+        may run different numbers of micro-batches (rows split unevenly), and FSDP2's
+        per-forward all-gathers would then pair up wrongly across ranks. Gradients still
+        sync once, in each rank's last backward, and optimizer state stays sharded."""
+        with self._gathered():
+            return super().forward_backward(batch, taid_t)
+
+    @contextmanager
+    def _gathered(self) -> Iterator[None]:
+        modules = fsdp_modules(self.model)
+        for module in modules:
+            module.unshard()
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.reshard()
+
+    def head(self, batch: TrainBatch) -> Logits:
+        logits = self.model(
+            batch.input_ids, positions=batch.position_ids, attention_masks=attention_mask(batch.attention_mask)
+        )
+        return Logits(logits[:, batch.prompt_len - 1 : -1])  # the positions that predict the completion
+
+    def backward(self, loss: Tensor) -> None:
+        """TorchTitan's FSDP2 sums gradients over ranks (no division), and each rank's loss is
+        its part of the global sum: no world-size factor."""
+        loss.backward()
+
+    def no_sync(self) -> AbstractContextManager:
+        return self._no_sync() if self.world > 1 else nullcontext()
+
+    @contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def zero_grad(self) -> None:
+        self.optimizers.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        max_norm = self.cfg.optimizer.grad_clip or float("inf")
+        norm = clip_grad_norm_(list(self.model.parameters()), max_norm)
+        self.optimizers.step()
+        self.schedulers.step()
+        return float(norm)
+
+    # -- weights, gradients, checkpoints (collectives: every rank calls) -----------------------
+
+    def gradients(self) -> dict[str, Tensor]:
+        grads = {name: full(p.grad) for name, p in self.model.named_parameters() if p.grad is not None}
+        return self.adapter.to_hf(grads)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        state = self._hf_state()
+        if self.model.enable_weight_tying:  # HF names the tied head too, and the engines load strictly
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
+
+    def _hf_state(self) -> dict[str, Tensor]:
+        """The weights under HF names, a tied head once (as safetensors files hold it)."""
+        return self.adapter.to_hf({name: full(tensor) for name, tensor in self.model.state_dict().items()})
+
+    def save(self, directory: Path, state: dict) -> None:
+        policy = self._hf_state()
+        optimizer = _by_index(get_optimizer_state_dict(self.model, self.optimizers.optimizers, options=FULL))
+        if self.rank == 0:
+            save_checkpoint(directory, policy, optimizer, state)
+
+    def load(self, directory: Path) -> dict:
+        policy, optimizer, state = load_checkpoint(directory)
+        self._load_policy(policy)
+        names = [name for name, _ in self.model.named_parameters()]
+        set_optimizer_state_dict(self.model, self.optimizers.optimizers, _by_name(optimizer, names), options=FULL)
+        return state
+
+    def _load_policy(self, hf_state: dict[str, Tensor]) -> None:
+        """Full HF-named weights into the (possibly sharded) model; every parameter must be there."""
+        set_model_state_dict(self.model, self.adapter.from_hf(hf_state), options=FULL)
+
+
+def _by_index(optimizer: dict) -> dict:
+    """An FQN-keyed optimizer state dict keyed by parameter position instead, as torch's own
+    (and ``actors.checkpoint``) key it."""
+    names = [name for group in optimizer["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    groups = [{**group, "params": [index[name] for name in group["params"]]} for group in optimizer["param_groups"]]
+    return {"state": {index[name]: slots for name, slots in optimizer["state"].items()}, "param_groups": groups}
+
+
+def _by_name(optimizer: dict, names: list[str]) -> dict:
+    """``_by_index`` undone: positions are the model's parameter order, as the optimizer was built."""
+    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer["param_groups"]]
+    return {"state": {names[int(i)]: slots for i, slots in optimizer["state"].items()}, "param_groups": groups}
