@@ -26,12 +26,24 @@ def save_checkpoint(directory: Path, model: dict[str, Tensor], optimizer: dict, 
     partial = directory.with_name(directory.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    save_file({k: v.detach().contiguous() for k, v in model.items()}, partial / MODEL_FILE)
+    save_file(_unaliased(model), partial / MODEL_FILE)
     tensors, groups = _flatten_optimizer(optimizer)
     save_file(tensors, partial / OPTIMIZER_FILE)
     (partial / STATE_FILE).write_text(json.dumps({"param_groups": groups, **state}, indent=1))
     shutil.rmtree(directory, ignore_errors=True)
     partial.rename(directory)
+
+
+def _unaliased(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """safetensors refuses tensors that share memory (a tied LM head and embedding): copy the repeats."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return out
 
 
 def load_checkpoint(directory: Path) -> tuple[dict[str, Tensor], dict, dict]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actors import registry
-from actors.checkpoint import CheckpointError, load_checkpoint
+from actors.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.model import TinyModelSpec, build_tiny_model
 from actors.rollout import Rollout, build_train_batch
@@ -55,3 +55,14 @@ def test_a_corrupt_checkpoint_names_the_directory_and_the_fix(model_dir, tmp_pat
         load_checkpoint(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="missing or corrupt"):
         load_checkpoint(tmp_path / "nothing-here")
+
+
+def test_tied_weights_are_saved_under_both_names(tmp_path):
+    """A tied LM head shares the embedding's memory, which safetensors refuses as is."""
+    embedding = torch.nn.Parameter(torch.randn(5, 3))
+    optimizer = torch.optim.AdamW([embedding])
+    save_checkpoint(
+        tmp_path / "ckpt", {"embed.weight": embedding, "lm_head.weight": embedding}, optimizer.state_dict(), {}
+    )
+    model, _, _ = load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(model["embed.weight"], embedding) and torch.equal(model["lm_head.weight"], embedding)

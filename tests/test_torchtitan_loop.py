@@ -7,16 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from monarch.actor import this_host
-from monarch.spmd import setup_torch_elastic_env_async
 from test_actors import ALL_CHANNELS, TASK, a_batch
 
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.inner_loops.torchtitan import TorchTitanLoop, TorchTitanModelError, attention_mask
-from actors.model import Placement, TinyModelSpec, build_tiny_model, char_tokenizer, load_policy
-from actors.trainer import Trainer
-from actors.weights import WeightSubscriber
+from actors.model import TinyModelSpec, build_tiny_model, char_tokenizer, load_policy
 from losses import LossConfig
 
 ARCHS = ("qwen2", "qwen3", "llama")
@@ -102,12 +98,11 @@ def test_hf_weights_round_trip_exactly(model_dirs, arch):
 
 
 @pytest.mark.parametrize(
-    ("arch", "loss"),
-    [("qwen2", POLICY_ONLY), ("qwen2", ALL_CHANNELS), ("llama", POLICY_ONLY), ("qwen3", ALL_CHANNELS)],
-    ids=["qwen2-policy", "qwen2-all_channels", "llama-policy", "qwen3-all_channels"],
+    ("arch", "loss"), [("llama", POLICY_ONLY), ("qwen3", ALL_CHANNELS)], ids=["llama-policy", "qwen3-all_channels"]
 )
 def test_step_matches_native(model_dirs, arch, loss):
-    """Same loss, gradients (under HF names) and grad norm as the native loop on the same batch."""
+    """Same loss, gradients (under HF names) and grad norm as the native loop on the same batch, for the
+    architectures beside qwen2 (which ``test_inner_loops`` runs through every policy loss)."""
     batch = a_batch(model_dirs[arch], channels=loss is ALL_CHANNELS)
     cfg = config(loss)
     titan, native = TorchTitanLoop(model_dirs[arch], cfg, 0, 1), NativeLoop(model_dirs[arch], cfg, 0, 1)
@@ -132,53 +127,6 @@ def test_tied_embeddings_and_llama3_rope_scaling(tied_llama_dir, tmp_path):
     assert max_diff(titan.gradients(), native.gradients()) <= 1e-5  # the tied weight's gradient, once
     titan.save(tmp_path / "ckpt", {"step": 0})  # safetensors refuses the aliased head: saved once
     assert TorchTitanLoop(tied_llama_dir, config(), 0, 1).load(tmp_path / "ckpt") == {"step": 0}
-
-
-async def train_once(model_dir: str, procs: int, store: Path, batch, loss: LossConfig):
-    """One step of the Trainer actor with the torchtitan loop on ``procs`` processes."""
-    mesh = this_host().spawn_procs(per_host={"procs": procs})
-    await setup_torch_elastic_env_async(mesh)
-    trainer = mesh.spawn(
-        "trainer", Trainer, model_dir, config(loss, lr=1e-2), 0, str(store), 2, Placement(threads=1), 10
-    )
-    try:
-        await trainer.publish.call()
-        reports = (await trainer.train_step.call(batch)).values()
-        (report,) = [r for r in reports if r is not None]
-        weights = {k: v.clone() for k, v in WeightSubscriber(store).load(report.weights).items()}
-        return report, weights
-    finally:
-        await mesh.stop()
-
-
-@pytest.mark.parametrize("loss", [POLICY_ONLY, ALL_CHANNELS], ids=["policy", "all_channels"])
-async def test_fsdp2_on_two_trainer_procs_makes_the_same_update_as_one(model_dirs, tmp_path, loss):
-    """With all channels the 25 rows split 13/12, so the ranks run different numbers of micro-batches."""
-    model_dir = model_dirs["qwen2"]
-    batch = a_batch(model_dir, channels=loss is ALL_CHANNELS)
-    one, weights_one = await train_once(model_dir, 1, tmp_path / "one", batch, loss)
-    two, weights_two = await train_once(model_dir, 2, tmp_path / "two", batch, loss)
-    initial, _ = load_policy(model_dir)
-    assert max_diff(weights_one, initial.state_dict()) > 1e-3  # the step really changed the weights
-    assert max_diff(weights_two, weights_one) <= 3e-5  # Adam's first step amplifies summation-order noise near g = 0
-    assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-6)
-    assert two.metrics["grad_norm"] == pytest.approx(one.metrics["grad_norm"], rel=1e-5)
-
-
-def test_checkpoint_restores_weights_and_optimizer_state(model_dirs, tmp_path):
-    model_dir = model_dirs["llama"]
-    batch = a_batch(model_dir)
-    trained = TorchTitanLoop(model_dir, config(lr=1e-2), 0, 1)
-    trained.train_step(batch)
-    trained.save(tmp_path / "ckpt", {"step": 1, "version": 1})
-
-    resumed = TorchTitanLoop(model_dir, config(lr=1e-2), 0, 1)
-    assert resumed.load(tmp_path / "ckpt") == {"step": 1, "version": 1}
-    assert max_diff(resumed.state_dict(), trained.state_dict()) == 0.0
-    # Adam's moments came back too: the next step is the same step
-    trained.train_step(batch)
-    resumed.train_step(batch)
-    assert max_diff(resumed.state_dict(), trained.state_dict()) == 0.0
 
 
 def test_unsupported_architecture_and_missing_directory_say_what_to_do(model_dirs, tmp_path):
