@@ -15,11 +15,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
+from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
 from actors.rollout import TrainBatch, split_rows
 from losses import (
@@ -202,6 +204,33 @@ class MicroBatchLoop(ABC):
         values = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=self.device)
         dist.all_reduce(values)
         return {n: (v / self.world if n.endswith("/skipped") else v) for n, v in zip(names, values.tolist())}
+
+
+class HFModelLoop(MicroBatchLoop):
+    """A loop over an HF model (``self.model``) and one torch optimizer (``self.optimizer``):
+    weights, gradients and checkpoints under the model's own (HF) names."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def gradients(self) -> dict[str, Tensor]:
+        return {name: p.grad.detach() for name, p in self.model.named_parameters() if p.grad is not None}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
+
+    def save(self, directory: Path, state: dict) -> None:
+        if self.rank == 0:
+            save_checkpoint(directory, self.state_dict(), self.optimizer.state_dict(), state)
+
+    def load(self, directory: Path) -> dict:
+        model, optimizer, state = load_checkpoint(directory)
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optimizer)
+        return state
 
 
 def _accumulate(totals: dict[str, float], metrics: dict[str, float]) -> None:

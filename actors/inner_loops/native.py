@@ -7,15 +7,13 @@ The loss sees the last hidden states and the LM-head weight (``LinearHead``), so
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
-from actors.inner_loops.base import MicroBatchLoop
+from actors.inner_loops.base import HFModelLoop
 from actors.model import load_policy
 from actors.rollout import TrainBatch
 from losses import LinearHead
@@ -34,7 +32,7 @@ class HiddenStates(nn.Module):
         return out.last_hidden_state[:, batch.prompt_len - 1 : -1]  # the states that predict the completion
 
 
-class NativeLoop(MicroBatchLoop):
+class NativeLoop(HFModelLoop):
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
         super().__init__(cfg, rank, world, device)
         self.model, _ = load_policy(model_path)
@@ -54,27 +52,8 @@ class NativeLoop(MicroBatchLoop):
     def no_sync(self) -> AbstractContextManager:
         return self.hidden.no_sync() if self.world > 1 else nullcontext()
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
     def optimizer_step(self) -> float:
         max_norm = self.cfg.optimizer.grad_clip or float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         self.optimizer.step()
         return norm
-
-    def gradients(self) -> dict[str, Tensor]:
-        return {name: p.grad.detach() for name, p in self.model.named_parameters() if p.grad is not None}
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
-
-    def save(self, directory: Path, state: dict) -> None:
-        if self.rank == 0:
-            save_checkpoint(directory, self.state_dict(), self.optimizer.state_dict(), state)
-
-    def load(self, directory: Path) -> dict:
-        model, optimizer, state = load_checkpoint(directory)
-        self.model.load_state_dict(model)
-        self.optimizer.load_state_dict(optimizer)
-        return state

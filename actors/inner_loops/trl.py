@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import tempfile
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 
 import torch
 import trl
 from datasets import Dataset
 from torch import Tensor
 
-from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
-from actors.inner_loops.base import MicroBatchLoop
+from actors.inner_loops.base import HFModelLoop
 from actors.rollout import TrainBatch
 from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
 
@@ -117,7 +115,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
         return LossInputs(targets=inputs["completion_ids"], policy=policy)
 
 
-class TRLLoop(MicroBatchLoop):
+class TRLLoop(HFModelLoop):
     """Our step (micro-batches, channel 3 by gradient caching) through a ``ComposerGRPOTrainer``."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
@@ -155,6 +153,7 @@ class TRLLoop(MicroBatchLoop):
         self.model.train()
         self.wrapped = self.trainer.accelerator.prepare_model(self.model) if world > 1 else self.model
         self.trainer.create_optimizer_and_scheduler(num_training_steps=1)  # constant LR: the length does not matter
+        self.optimizer = self.trainer.optimizer
         self.trainer.current_gradient_accumulation_steps = 1  # set by TRL's own training loop otherwise
 
     def micro_loss(self, batch: TrainBatch, inputs: LossInputs, taid_t: float | None) -> LossOutput:
@@ -180,31 +179,12 @@ class TRLLoop(MicroBatchLoop):
     def no_sync(self) -> AbstractContextManager:
         return self.trainer.accelerator.no_sync(self.wrapped) if self.world > 1 else nullcontext()
 
-    def zero_grad(self) -> None:
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-
     def optimizer_step(self) -> float:
         max_norm = self.cfg.optimizer.grad_clip or float("inf")
         norm = float(self.trainer.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
-        self.trainer.optimizer.step()
+        self.optimizer.step()
         self.trainer.lr_scheduler.step()
         return norm
-
-    def gradients(self) -> dict[str, Tensor]:
-        return {name: p.grad.detach() for name, p in self.model.named_parameters() if p.grad is not None}
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
-
-    def save(self, directory: Path, state: dict) -> None:
-        if self.rank == 0:
-            save_checkpoint(directory, self.state_dict(), self.trainer.optimizer.state_dict(), state)
-
-    def load(self, directory: Path) -> dict:
-        model, optimizer, state = load_checkpoint(directory)
-        self.model.load_state_dict(model)
-        self.trainer.optimizer.load_state_dict(optimizer)
-        return state
 
 
 def _no_reward(completions: list, **kwargs) -> list[float]:
