@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import machine  # bench/ is on sys.path when this runs as a script
 
 from actors import registry
 from actors.bindings import top_k_scores
@@ -30,7 +31,6 @@ from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.rollout import Rollout, TrainBatch, build_train_batch
 from actors.tasks.strings import Reverse
-from common import machine  # bench/ is on sys.path when this runs as a script
 from losses import DistillConfig, LossConfig, PreferenceConfig, group_advantages
 
 ROOT = Path(__file__).resolve().parent.parent

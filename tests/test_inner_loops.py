@@ -75,7 +75,9 @@ def test_every_loop_gives_native_loss_and_gradients(loop, policy, channels, mode
             assert metrics[f"{channel}/loss"] == pytest.approx(want_metrics[f"{channel}/loss"], abs=TOLERANCE)
     assert sorted(grads) == sorted(want)
     for name, grad in want.items():
-        torch.testing.assert_close(grads[name], grad, atol=TOLERANCE, rtol=0, msg=lambda m: f"{loop} {name}: {m}")
+        torch.testing.assert_close(
+            grads[name], grad, atol=TOLERANCE, rtol=0, msg=lambda m, name=name: f"{loop} {name}: {m}"
+        )
     assert max(g.abs().max() for g in want.values()) > 1e-2  # a real gradient, not a vacuous match
 
 
@@ -114,11 +116,11 @@ def test_composer_grpo_trainer_is_trls_loss_under_trls_own_training(model_dir, t
         loss_type="dapo",
         epsilon_high=0.28,
     )
-    common = dict(
-        reward_funcs=lambda completions, **kw: [float(c.count("a")) for c in completions],
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["abc", "cab", "bca", "acb"]}),
-    )
+    common = {
+        "reward_funcs": lambda completions, **kw: [float(c.count("a")) for c in completions],
+        "args": args,
+        "train_dataset": Dataset.from_dict({"prompt": ["abc", "cab", "bca", "acb"]}),
+    }
     ours = ComposerGRPOTrainer(model=model_dir, loss=LossConfig(policy=PolicyConfig(name="dapo")), **common)
     theirs = GRPOTrainer(model=model_dir, **common)
     ours.train()

@@ -20,6 +20,9 @@ from actors.rollout import TrainBatch
 from losses import LossConfig
 
 
+CPU = torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     lr: float = 1e-3

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from actors.inner_loops import TrainerConfig
+from actors.inner_loops import CPU, TrainerConfig
 from actors.inner_loops.base import HFModelLoop
 from actors.model import load_policy
 from actors.rollout import TrainBatch
@@ -33,7 +33,7 @@ class HiddenStates(nn.Module):
 
 
 class NativeLoop(HFModelLoop):
-    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
         super().__init__(cfg, rank, world, device)
         self.model, _ = load_policy(model_path)
         self.model.to(device).train()

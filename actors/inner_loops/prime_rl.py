@@ -28,7 +28,7 @@ from dataclasses import asdict, replace
 import torch
 from torch import Tensor
 
-from actors.inner_loops import TrainerConfig
+from actors.inner_loops import CPU, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.rollout import TrainBatch
 from losses import (
@@ -58,7 +58,7 @@ def import_loss(path: str) -> LossFn:
 
 
 class PrimeRLLoop(NativeLoop):
-    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
         super().__init__(model_path, cfg, rank, world, device)
         if cfg.custom_loss is not None:
             self.loss_fn, self.loss_kwargs = import_loss(cfg.custom_loss.import_path), cfg.custom_loss.kwargs

@@ -91,7 +91,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.utils import device_type as torchtitan_device_type
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
-from actors.inner_loops import TrainerConfig
+from actors.inner_loops import CPU, TrainerConfig
 from actors.inner_loops.base import MicroBatchLoop
 from actors.rollout import TrainBatch
 from losses import Logits
@@ -350,7 +350,7 @@ class TorchTitanLoop(MicroBatchLoop):
     for that.
     """
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
         super().__init__(cfg, rank, world, device)
         hf, family = read_hf_config(model_path)
         config = model_config(hf, family)

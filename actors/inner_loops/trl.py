@@ -29,7 +29,7 @@ import trl
 from datasets import Dataset
 from torch import Tensor
 
-from actors.inner_loops import TrainerConfig
+from actors.inner_loops import CPU, TrainerConfig
 from actors.inner_loops.base import HFModelLoop
 from actors.rollout import TrainBatch
 from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
@@ -118,7 +118,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
 class TRLLoop(HFModelLoop):
     """Our step (micro-batches, channel 3 by gradient caching) through a ``ComposerGRPOTrainer``."""
 
-    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device=torch.device("cpu")):
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
         super().__init__(cfg, rank, world, device)
         opt = cfg.optimizer
         self._output_dir = tempfile.TemporaryDirectory(prefix="trl-")
