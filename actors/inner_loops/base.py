@@ -57,7 +57,14 @@ RowInputs = Callable[[slice], LossInputs]
 
 
 class MicroBatchLoop(ABC):
-    """An ``InnerLoop`` whose backends supply the model's head, gradient sync and optimizer."""
+    """An ``InnerLoop`` whose backends supply the model's head, gradient sync and optimizer.
+
+    ``lockstep``: every forward is a collective (FSDP2 gathers the parameters in it), so
+    every rank must run as many as the busiest one, even when rows split unevenly; the
+    others run idle passes that contribute nothing.
+    """
+
+    lockstep = False
 
     def __init__(self, cfg: TrainerConfig, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -112,16 +119,27 @@ class MicroBatchLoop(ABC):
         if pairs is not None:
             mine = pairs.rows[split_rows(len(pairs.rows), self.world)[self.rank]]
             passes += [("pairs", mine[i : i + micro]) for i in range(0, len(mine), micro)]
+        if self.lockstep:
+            pair_rows = len(pairs.rows) if pairs is not None else 0
+            most = max(map(sum, zip(self._micro_batches(len(batch)), self._micro_batches(pair_rows))))
+            passes += [("idle", slice(0, 1))] * (most - len(passes))
         for i, (kind, rows) in enumerate(passes):
             with nullcontext() if i == len(passes) - 1 or self.world == 1 else self.no_sync():
                 if kind == "rows":
                     out = self.micro_loss(batch.rows(rows), inputs(rows), taid_t)
                     self.backward(out.loss)
                     _accumulate(totals, out.metrics)
-                else:
+                elif kind == "pairs":
                     logps = self.sequence_logprobs(batch.rows(rows))
                     self.backward((logps * pairs.grads[pairs.index(rows)]).sum())
+                else:
+                    self.backward(self.sequence_logprobs(batch.rows(rows)).sum() * 0.0)
         return self._reduce(totals)
+
+    def _micro_batches(self, rows: int) -> list[int]:
+        """How many micro-batches each rank runs over its share of ``rows``."""
+        micro = self.cfg.micro_batch_size
+        return [-(-(part.stop - part.start) // micro) for part in split_rows(rows, self.world)]
 
     def row_inputs(self, batch: TrainBatch) -> RowInputs:
         """Channels 1 and 2's inputs for any rows of ``batch``, normalized by the whole step's counts."""
@@ -175,6 +193,10 @@ class MicroBatchLoop(ABC):
             for start in range(mine.start, mine.stop, self.cfg.micro_batch_size):
                 part = slice(start, min(start + self.cfg.micro_batch_size, mine.stop))
                 logps[part] = self.sequence_logprobs(batch.rows(rows[part])).double()
+            if self.lockstep:
+                counts = self._micro_batches(len(rows))
+                for _ in range(max(counts) - counts[self.rank]):
+                    self.sequence_logprobs(batch.rows(slice(0, 1)))
         if self.world > 1:
             dist.all_reduce(logps)
         logps = logps.float().requires_grad_()

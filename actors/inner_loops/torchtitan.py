@@ -27,8 +27,9 @@ Fixes that make it run on CPU and over gloo, and why:
   division, so ranks' gradients add up, which is what the shared step's per-rank losses
   (parts of one global sum) need: ``backward`` does not multiply by the world size.
 
-One change to FSDP2's schedule, on any device: parameters are gathered once per step
-rather than once per micro-batch forward (``TorchTitanLoop.forward_backward`` says why).
+FSDP2 gathers a layer's parameters in every forward (and again in backward), so the loop
+runs in ``lockstep``: ranks whose share of the rows is smaller run idle passes, and every
+rank joins the same gathers in the same order.
 """
 
 from __future__ import annotations
@@ -321,9 +322,6 @@ def fully_shard_over(model: Decoder, family: Family, world: int) -> None:
     )
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
-        # parameters stay gathered from a step's first forward to its end (see TorchTitanLoop.forward_backward)
-        module.set_reshard_after_forward(False, recurse=False)
-        module.set_reshard_after_backward(False, recurse=False)
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
@@ -349,6 +347,8 @@ class TorchTitanLoop(MicroBatchLoop):
     so ``[rows, tokens, vocab]`` logits exist per micro-batch; size ``micro_batch_size``
     for that.
     """
+
+    lockstep = True
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
         super().__init__(cfg, rank, world, device)
@@ -383,25 +383,6 @@ class TorchTitanLoop(MicroBatchLoop):
         )
 
     # -- the step's hooks ----------------------------------------------------------------------
-
-    def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
-        """The shared step with the parameters gathered once for all its micro-batches: ranks
-        may run different numbers of micro-batches (rows split unevenly), and FSDP2's
-        per-forward all-gathers would then pair up wrongly across ranks. Gradients still
-        sync once, in each rank's last backward, and optimizer state stays sharded."""
-        with self._gathered():
-            return super().forward_backward(batch, taid_t)
-
-    @contextmanager
-    def _gathered(self) -> Iterator[None]:
-        modules = fsdp_modules(self.model)
-        for module in modules:
-            module.unshard()
-        try:
-            yield
-        finally:
-            for module in modules:
-                module.reshard()
 
     def head(self, batch: TrainBatch) -> Logits:
         logits = self.model(
