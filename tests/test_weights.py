@@ -217,6 +217,7 @@ def test_check_intact_detects_republish_of_the_slot(pair) -> None:
     pub, sub = pair
     want = pub.publish(state_dict(0), 0)
     sub.load(want)
+    sub.check_intact(want)  # verified first: otherwise the republish may race the background hash
     pub.publish(state_dict(1), 2)
     with pytest.raises(TornWeightsError, match=r"now holds version 2 \(READY\)"):
         sub.check_intact(want)
