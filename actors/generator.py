@@ -23,16 +23,25 @@ from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
 
 
+ROUTERS = ("round_robin", "least_loaded")
+
+
 @dataclass(frozen=True)
 class GeneratorConfig:
     mesh: str
     engine: str = "hf"
     max_new_tokens: int = 16
+    replicas: int = 1  # generator meshes, each shaped like ``mesh``, behind one router
+    router: str = "round_robin"  # or "least_loaded"
 
     def __post_init__(self) -> None:
         registry.load("engine", self.engine)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
 
 
 @dataclass
