@@ -5,23 +5,29 @@ shared-memory store; the tensors themselves never travel as endpoint arguments. 
 request for a version the store no longer (or not yet) holds raises instead of
 sampling with whatever is loaded, and the slot is checked again after sampling, so a
 batch sampled while its weights were overwritten is refused too.
+
+Endpoints are concurrent, so an engine that batches continuously (``vllm``) sees every
+request in flight at once. Requests naming the held version run together; one naming
+another version waits until they finish, then the weights change (see ``VersionGate``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import torch
-from monarch.actor import Actor, context, endpoint
+from monarch.actor import Actor, concurrent_endpoint, context
 
 from actors import registry
-from actors.engines import Sample
+from actors.engines import Sample, Sampling
 from actors.model import Placement, proc_device
 from actors.rollout import Rollout
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
-
 
 ROUTERS = ("round_robin", "least_loaded")
 
@@ -31,17 +37,23 @@ class GeneratorConfig:
     mesh: str
     engine: str = "hf"
     max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
     replicas: int = 1  # generator meshes, each shaped like ``mesh``, behind one router
     router: str = "round_robin"  # or "least_loaded"
 
     def __post_init__(self) -> None:
         registry.load("engine", self.engine)
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.sampling  # noqa: B018 -- validates the sampling parameters
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
 
 
 @dataclass
@@ -75,32 +87,85 @@ class Generation:
         ]
 
 
+class VersionGate:
+    """Lets requests through in arrival order, changing the weights only between them.
+
+    Requests for the held version run concurrently. A request for another version waits
+    until every running request has finished, then switches; requests that arrive after
+    it queue behind it, so no request ever samples across a weight change and a stream of
+    requests for the old version cannot hold a new one back.
+    """
+
+    def __init__(self) -> None:
+        self._turn = asyncio.Condition()
+        self._queue: list[object] = []
+        self._running = 0
+        self.held: WeightVersion | None = None
+
+    @asynccontextmanager
+    async def use(self, weights: WeightVersion, switch: Callable[[WeightVersion], float]) -> AsyncIterator[float]:
+        """Run the body with ``weights`` held; yields the seconds spent switching to them (0 if held)."""
+        ticket = object()
+        seconds = 0.0
+        async with self._turn:
+            self._queue.append(ticket)
+            try:
+                await self._turn.wait_for(
+                    lambda: self._queue[0] is ticket and (self.held == weights or self._running == 0)
+                )
+                if self.held != weights:
+                    self.held = None  # a failed switch leaves nothing held
+                    seconds = await asyncio.to_thread(switch, weights)
+                    self.held = weights
+            finally:
+                self._queue.remove(ticket)
+                self._turn.notify_all()
+            self._running += 1
+        try:
+            yield seconds
+        finally:
+            async with self._turn:
+                self._running -= 1
+                self._turn.notify_all()
+
+
 class Generator(Actor):
     def __init__(self, model_path: str, cfg: GeneratorConfig, seed: int, place: Placement):
         torch.set_num_threads(place.threads)
         rank = context().actor_instance.rank.rank  # absolute flat rank: each replica samples its own stream
         device = proc_device(place.first_gpu, place.gpus_per_proc, rank)
-        self.engine = registry.load("engine", cfg.engine)(model_path, cfg.max_new_tokens, seed + 1000 * rank, device)
+        self.engine = registry.load("engine", cfg.engine)(model_path, cfg.sampling, seed + 1000 * rank, device)
         self.weights = WeightFollower()
+        self.gate = VersionGate()
 
-    @endpoint
-    def generate(self, problems: list[Problem], group_size: int, weights: WeightVersion) -> Generation:
+    def _switch(self, weights: WeightVersion) -> float:
+        return self.weights.hold(weights, self.engine.load_weights)
+
+    @concurrent_endpoint
+    async def generate(self, problems: list[Problem], group_size: int, weights: WeightVersion) -> Generation:
         start = time.perf_counter()
-        load_seconds = self.weights.hold(weights, self.engine.load_weights)
-        groups = self.engine.generate([p.prompt for p in problems], group_size)
-        self.weights.check_intact(weights)
+        async with self.gate.use(weights, self._switch) as load_seconds:
+            groups = await self.engine.generate([p.prompt for p in problems], group_size)
+            self.weights.check_intact(weights)
         samples = [s for group in groups for s in group]
         return Generation.of(samples, group_size, weights.version, time.perf_counter() - start, load_seconds)
 
-    @endpoint
-    def score(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:
+    @concurrent_endpoint
+    async def score(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:
         """Completions this policy did not sample (teacher traces), with this version's logprobs."""
         start = time.perf_counter()
-        load_seconds = self.weights.hold(weights, self.engine.load_weights)
-        samples = self.engine.score([p.prompt for p in problems], texts)
-        self.weights.check_intact(weights)
+        async with self.gate.use(weights, self._switch) as load_seconds:
+            samples = await self.engine.score([p.prompt for p in problems], texts)
+            self.weights.check_intact(weights)
         return Generation.of(samples, 1, weights.version, time.perf_counter() - start, load_seconds)
 
-    @endpoint
-    def held_version(self) -> int | None:
-        return None if self.weights.held is None else self.weights.held.version
+    @concurrent_endpoint
+    async def hold(self, weights: WeightVersion) -> float:
+        """Adopt ``weights`` once the requests in flight finish (the trainer's push of a new
+        version, so a replica is ready before its next request); the seconds it took."""
+        async with self.gate.use(weights, self._switch) as load_seconds:
+            return load_seconds
+
+    @concurrent_endpoint
+    async def held_version(self) -> int | None:
+        return None if self.gate.held is None else self.gate.held.version

