@@ -22,6 +22,7 @@ BACKENDS: dict[str, dict[str, str]] = {
     },
     "engine": {
         "hf": "actors.engines.hf:HFEngine",
+        "vllm": "actors.engines.vllm:VLLMEngine",
     },
     "teacher": {
         "task_oracle": "actors.bindings.task_oracle:TaskOracle",
