@@ -53,8 +53,8 @@ class PolicyInputs:
     mask: Tensor  # [B, T] bool, completion tokens that carry loss
     advantages: Tensor  # [B] or [B, T]
     counts: Counts
-    old_logprobs: Tensor | None = None  # [B, T] behaviour policy; None = on-policy (ratio 1)
-    inference_logprobs: Tensor | None = None  # [B, T] the sampler's, for TIS/MIS
+    old_logprobs: Tensor | None = None  # [B, T] the old policy, when the batch is trained on more than once
+    inference_logprobs: Tensor | None = None  # [B, T] the sampler's: the old policy or TIS/MIS (see is_mode)
     ref_logprobs: Tensor | None = None  # [B, T] frozen reference, for the KL penalty
     token_weights: Tensor | None = None  # [B, T] per-token loss weights (PRIME-RL's loss_weights)
 

@@ -49,9 +49,14 @@ class PolicyConfig:
       one that fell by more than ``dppo_mask_low``; plus ``dppo_kl_tau * log_ratio**2``.
     - ``kl_coef``: beta of the k3 KL to the reference; ``kl_unbiased`` multiplies k3 by the
       ratio, which makes its gradient the unbiased ``grad KL(pi || ref)`` (DeepSeek-V3.2).
-    - ``is_mode``: inference-vs-trainer correction, a detached weight
+    - ``is_mode``: where the inference/trainer mismatch is corrected. Unset, the sampler's
+      logprobs ``mu`` stand in for the old policy, so the ratio ``pi / mu`` carries the
+      mismatch and the method's trust region bounds it (PRIME-RL's DPPO works this way).
+      Set, the ratio is taken against the trainer's own logprobs before the update
+      (recomputed by the trainer: the ratio starts at 1) and a separate detached weight
       ``pi_old / mu`` per token or per sequence (product over tokens), truncated at
-      ``is_max`` or masked to 0 outside ``[is_min, is_max]``.
+      ``is_max`` (TIS) or masked to 0 outside ``[is_min, is_max]`` (MIS), corrects for
+      the sampler (decoupled PPO).
     """
 
     name: PolicyName = "dapo"
@@ -84,7 +89,9 @@ class PolicyConfig:
         if self.aggregation not in ("seq_mean_token_mean", "token_mean", "constant"):
             raise ValueError(f"unknown aggregation {self.aggregation!r}")
         if self.name in CLIPPED and not (0 < self.clip_low < 1 and self.clip_high > 0):
-            raise ValueError(f"clip range needs 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}")
+            raise ValueError(
+                f"clip range needs 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}"
+            )
         if self.cispo_max_ratio <= 0 or self.dppo_mask_low < 0 or self.dppo_mask_high < 0:
             raise ValueError("cispo_max_ratio must be > 0 and dppo_mask_low/high >= 0")
         if self.kl_coef < 0:
@@ -125,6 +132,33 @@ def importance_weights(old: Tensor, inference: Tensor, mask: Tensor, cfg: Policy
     return weight * ((weight >= cfg.is_min) & (weight <= cfg.is_max))
 
 
+def old_logprobs(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> Tensor:
+    """The policy the ratio is taken against (detached): given explicitly (several updates
+    per batch), else the trainer's own logprobs when ``is_mode`` corrects the sampler
+    separately, else the sampler's (where finite) -- see ``PolicyConfig.is_mode``."""
+    trainer = logprobs.detach()
+    if inputs.old_logprobs is not None:
+        return inputs.old_logprobs.detach()
+    if cfg.is_mode is not None or inputs.inference_logprobs is None:
+        return trainer
+    inference = inputs.inference_logprobs.detach()
+    return torch.where(torch.isfinite(inference), inference, trainer)
+
+
+def mismatch(trainer: Tensor, inference: Tensor, mask: Tensor, counts: Counts) -> dict[str, Tensor]:
+    """How far the sampler's distribution ``mu`` is from the trainer's ``pi`` on the sampled
+    tokens: the k1 and k3 estimates of KL(mu || pi) (samples come from mu), per token.
+    k1 = log mu - log pi is unbiased but noisy and can go negative; k3 = r - 1 - log r with
+    r = pi / mu is never negative and has lower variance."""
+    valid = mask & torch.isfinite(inference)
+    log_r = torch.where(valid, trainer.detach() - inference, torch.zeros_like(trainer))
+    k3 = log_r.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND).exp() - 1 - log_r
+    return {
+        "mismatch_k1": masked_sum_per_row(-log_r, valid).sum() / counts.tokens,
+        "mismatch_k3": masked_sum_per_row(k3, valid).sum() / counts.tokens,
+    }
+
+
 def _log_ratio(logprobs: Tensor, old: Tensor, mask: Tensor, name: str) -> Tensor:
     """Token log-ratios, or GSPO's length-normalized sequence log-ratio."""
     token = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))
@@ -160,7 +194,7 @@ def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tu
     global count, so metrics of row slices add up to the batch's).
     """
     mask = inputs.mask.bool()
-    old = logprobs.detach() if inputs.old_logprobs is None else inputs.old_logprobs.detach()
+    old = old_logprobs(logprobs, inputs, cfg)
     advantages = inputs.advantages if inputs.advantages.dim() == 2 else inputs.advantages.unsqueeze(-1)
     advantages = advantages.to(logprobs.dtype).expand_as(logprobs)
     log_ratio = _log_ratio(logprobs, old, mask, cfg.name)
@@ -171,6 +205,8 @@ def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tu
         "ratio": masked_sum_per_row(ratio.detach(), mask).sum() / inputs.counts.tokens,
         "clipped_fraction": masked_sum_per_row(limited.to(logprobs.dtype), mask).sum() / inputs.counts.tokens,
     }
+    if inputs.inference_logprobs is not None:
+        metrics |= mismatch(logprobs, inputs.inference_logprobs, mask, inputs.counts)
     if cfg.is_mode is not None:
         if inputs.inference_logprobs is None:
             raise ValueError(f"is_mode={cfg.is_mode!r} corrects for the sampler, so the batch needs inference_logprobs")

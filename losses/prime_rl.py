@@ -73,7 +73,7 @@ def composer_loss(inputs: LossInputs, **kwargs) -> LossOutputs:
         mask=mask,
         advantages=inputs.advantages[None],
         counts=Counts(tokens=1.0, sequences=1, max_len=mask.shape[-1]),  # sum, not mean
-        old_logprobs=inputs.inference_logprobs[None],
+        inference_logprobs=inputs.inference_logprobs[None],
         ref_logprobs=None if inputs.ref_logprobs is None else inputs.ref_logprobs[None],
         token_weights=None if inputs.loss_weights is None else inputs.loss_weights[None],
     )

@@ -20,13 +20,18 @@ from actors import registry
 from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
 from actors.model import TinyModelSpec, build_tiny_model
 from losses import LossConfig, PolicyConfig, prime_rl
+from losses.logprobs import token_logprobs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")  # TRL's config
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICY_LOSSES = ["dapo", "grpo", "dr_grpo", "gspo", "cispo", "dppo"]
+POLICIES = {  # beyond the plain methods: the sampler corrected apart from the ratio, truncated (TIS) or masked (MIS)
+    "dapo_tis": PolicyConfig(name="dapo", is_mode="token_truncate", is_max=1.5),
+    "grpo_mis": PolicyConfig(name="grpo", is_mode="token_mask", is_min=0.5, is_max=2.0),
+}
+POLICY_LOSSES = ["dapo", "grpo", "dr_grpo", "gspo", "cispo", "dppo", *POLICIES]
 LOOPS = ["trl", "prime_rl", "torchtitan"]
 TOLERANCE = 1e-5  # fp32; the loops differ only in summation order (measured: <= 3e-8 for trl and prime_rl)
 
@@ -37,7 +42,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def config(policy: str, channels: bool, **fields) -> TrainerConfig:
-    loss = replace(ALL_CHANNELS if channels else LossConfig(), policy=PolicyConfig(name=policy))
+    loss = replace(ALL_CHANNELS if channels else LossConfig(), policy=POLICIES.get(policy) or PolicyConfig(name=policy))
     return TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_size=3, **fields)
 
 
@@ -79,6 +84,35 @@ def test_every_loop_gives_native_loss_and_gradients(loop, policy, channels, mode
             grads[name], grad, atol=TOLERANCE, rtol=0, msg=lambda m, name=name: f"{loop} {name}: {m}"
         )
     assert max(g.abs().max() for g in want.values()) > 1e-2  # a real gradient, not a vacuous match
+
+
+def test_tis_inside_the_loop_weights_each_token_by_trainer_over_sampler(model_dir):
+    """With ``is_mode`` set, the loop recomputes the trainer's logprobs (the ratio starts at 1)
+    and weights each token's policy gradient by min(pi / mu, is_max); the mismatch is logged."""
+    cfg = config("dapo_tis", channels=False)
+    loop, by_hand = (registry.load("inner_loop", "native")(model_dir, cfg, rank=0, world=1) for _ in range(2))
+    batch = a_batch(model_dir)
+    head = by_hand.head(batch)
+    logprobs = token_logprobs(head.hidden, head.weight, batch.targets)
+    noise = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(0)) * 0.5
+    batch = replace(batch, inference_logprobs=(logprobs.detach() + noise) * batch.completion_mask)  # a sampler near pi
+    metrics = loop.forward_backward(batch)
+
+    mask = batch.completion_mask & batch.policy_rows[:, None]
+    log_r = torch.where(mask, logprobs.detach() - batch.inference_logprobs, 0.0)
+    weight = log_r.exp().clamp(max=1.5)
+    ratio = (logprobs - logprobs.detach()).exp()  # 1, with the gradient of the trainer's logprob
+    loss = -(torch.where(mask, weight * batch.advantages[:, None] * ratio, 0.0)).sum() / mask.sum()  # DAPO token mean
+    loss.backward()
+
+    assert metrics["policy/loss"] == pytest.approx(float(loss), abs=TOLERANCE)
+    assert metrics["policy/ratio"] == pytest.approx(1.0, abs=1e-6) and metrics["policy/clipped_fraction"] == 0.0
+    assert metrics["policy/is_weight"] == pytest.approx(float(weight[mask].mean()), abs=1e-6)
+    assert 0.05 < float((weight[mask] == 1.5).float().mean()) < 0.5  # the truncation is actually exercised
+    assert metrics["policy/mismatch_k1"] == pytest.approx(float(-log_r[mask].mean()), abs=1e-6)
+    assert metrics["policy/mismatch_k3"] == pytest.approx(float((log_r.exp() - 1 - log_r)[mask].mean()), abs=1e-6)
+    for name, grad in loop.gradients().items():
+        torch.testing.assert_close(grad, by_hand.gradients()[name], atol=TOLERANCE, rtol=0, msg=name)
 
 
 # ------------------------------------------------------------------------------------ trl

@@ -9,7 +9,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from losses import Counts, PolicyConfig, PolicyInputs, group_advantages, informative_groups, overlong_penalty, policy_loss
+from losses import (
+    Counts,
+    PolicyConfig,
+    PolicyInputs,
+    group_advantages,
+    informative_groups,
+    overlong_penalty,
+    policy_loss,
+)
 from losses.policy import DEFAULTS, aggregate, importance_weights
 
 from conftest import random_policy
@@ -84,9 +92,12 @@ def test_k3_gradient_direction(unbiased):
     samples = torch.multinomial(torch.softmax(theta.detach(), -1), 400_000, replacement=True)
     logprobs = torch.log_softmax(theta, -1)[samples][None]
     mask = torch.ones_like(logprobs, dtype=torch.bool)
-    inputs = PolicyInputs(mask, torch.zeros(1, dtype=torch.float64), Counts.from_mask(mask), ref_logprobs=ref[samples][None])
+    inputs = PolicyInputs(
+        mask, torch.zeros(1, dtype=torch.float64), Counts.from_mask(mask), ref_logprobs=ref[samples][None]
+    )
     loss, _ = policy_loss(logprobs, inputs, PolicyConfig(name="grpo", kl_coef=1.0, kl_unbiased=unbiased))
     estimate = grad_of(loss, theta)
+
     def pi():
         return torch.log_softmax(theta, -1)
 
@@ -209,10 +220,14 @@ def test_token_mean_and_sequence_mean_differ_only_with_unequal_lengths():
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
     equal = torch.ones(2, 3, dtype=torch.bool)
     counts = Counts.from_mask(equal)
-    assert aggregate(per_token, equal, "token_mean", counts) == aggregate(per_token, equal, "seq_mean_token_mean", counts)
+    assert aggregate(per_token, equal, "token_mean", counts) == aggregate(
+        per_token, equal, "seq_mean_token_mean", counts
+    )
     ragged = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
     counts = Counts.from_mask(ragged)
-    assert aggregate(per_token, ragged, "token_mean", counts) != aggregate(per_token, ragged, "seq_mean_token_mean", counts)
+    assert aggregate(per_token, ragged, "token_mean", counts) != aggregate(
+        per_token, ragged, "seq_mean_token_mean", counts
+    )
 
 
 def test_token_mean_is_unchanged_by_duplicating_the_batch():
@@ -318,3 +333,29 @@ def test_method_defaults_are_the_published_ones():
     assert PolicyConfig(name="dr_grpo").aggregation == "constant"
     assert (PolicyConfig(name="gspo").clip_low, PolicyConfig(name="gspo").clip_high) == (3e-4, 4e-4)
     assert PolicyConfig(name="grpo", clip_high=0.3).clip_high == 0.3
+
+
+def test_without_is_mode_the_sampler_is_the_old_policy_and_with_it_the_trainer_is():
+    logprobs, inputs = random_policy()
+    sampler = dataclasses.replace(inputs, old_logprobs=None, inference_logprobs=inputs.old_logprobs)
+    _, as_old = policy_loss(logprobs, sampler, PolicyConfig(name="dapo"))
+    _, explicit = policy_loss(logprobs, inputs, PolicyConfig(name="dapo"))
+    assert as_old["ratio"] == pytest.approx(float(explicit["ratio"])) and float(as_old["ratio"]) != pytest.approx(1.0)
+    _, decoupled = policy_loss(logprobs, sampler, PolicyConfig(name="dapo", is_mode="token_truncate"))
+    assert decoupled["ratio"] == pytest.approx(1.0) and decoupled["clipped_fraction"] == 0.0  # recomputed: ratio 1
+    assert float(decoupled["is_weight"]) != pytest.approx(1.0)  # the sampler is corrected by the weight instead
+
+
+def test_mismatch_estimates_are_zero_on_policy_and_k3_never_negative():
+    logprobs, inputs = random_policy()
+    same = dataclasses.replace(inputs, inference_logprobs=logprobs.detach().clone())
+    _, metrics = policy_loss(logprobs, same, PolicyConfig())
+    assert metrics["mismatch_k1"] == 0.0 and metrics["mismatch_k3"] == 0.0
+    shifted = dataclasses.replace(inputs, inference_logprobs=logprobs.detach() + 0.1)  # the sampler more confident
+    _, metrics = policy_loss(logprobs, shifted, PolicyConfig())
+    share = float(inputs.mask.sum()) / inputs.counts.tokens
+    assert metrics["mismatch_k1"] == pytest.approx(0.1 * share)  # E_mu[log mu - log pi]
+    assert metrics["mismatch_k3"] == pytest.approx((math.exp(-0.1) - 1 + 0.1) * share)
+    for offset in (-2.0, -0.3, 0.5, 3.0):
+        moved = dataclasses.replace(inputs, inference_logprobs=logprobs.detach() + offset)
+        assert policy_loss(logprobs, moved, PolicyConfig())[1]["mismatch_k3"] > 0

@@ -154,8 +154,7 @@ class MicroBatchLoop(ABC):
                 mask=policy_mask[sl],
                 advantages=part.advantages,
                 counts=counts,
-                old_logprobs=part.inference_logprobs,
-                inference_logprobs=part.inference_logprobs,
+                inference_logprobs=part.inference_logprobs,  # the old policy is the loss's choice (is_mode)
             )
             teacher = (
                 DistillInputs(TeacherTopK(part.distill_ids, part.distill_logprobs), part.distill_mask, distill_counts)

@@ -91,7 +91,7 @@ class PrimeRLLoop(NativeLoop):
         for row in torch.nonzero(policy.mask.any(-1)).flatten().tolist():
             sample = prime_rl.LossInputs(
                 trainer_logprobs=logprobs[row],
-                inference_logprobs=policy.old_logprobs[row],
+                inference_logprobs=policy.inference_logprobs[row],
                 ref_logprobs=None,
                 advantages=policy.advantages[row].expand_as(logprobs[row]),
                 loss_mask=policy.mask[row],
