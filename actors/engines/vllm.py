@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -27,6 +28,7 @@ from torch import Tensor
 from actors.engines import Sample, Sampling
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per weight reload under the progress bar
 
 try:
     from vllm import LLM, RequestOutput, SamplingParams, TokensPrompt
@@ -47,6 +49,13 @@ class VLLMEngine:
         on_cpu = device.type == "cpu"
         if on_cpu:
             _check_cpu_head_size(model_path)
+        # Engine steps run on this one thread, with the generator's share of the cores: a fresh
+        # thread would start with OpenMP's default instead, which vLLM's CPU attention rejects
+        # when it differs from the count its metadata was planned for. Made before the engine,
+        # because vLLM's CPU worker then turns ``torch.set_num_threads`` into a no-op.
+        self._stepper = ThreadPoolExecutor(
+            1, thread_name_prefix="vllm-step", initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
+        )
         self.llm = LLM(
             model=model_path,
             dtype=torch.float32 if on_cpu else torch.bfloat16,
@@ -137,7 +146,8 @@ class VLLMEngine:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                for output in await asyncio.to_thread(self.engine.step):
+                loop = asyncio.get_running_loop()
+                for output in await loop.run_in_executor(self._stepper, self.engine.step):
                     if output.finished:
                         self._waiting.pop(output.request_id).set_result(output)
         except BaseException as error:
