@@ -40,7 +40,7 @@ except ImportError as error:
         "machine, or set actors.generator.engine: hf"
     ) from None
 
-CPU_KV_CACHE_SHARE = 0.05  # of host memory for the KV cache on the CPU backend (24 GiB -> 1.2 GiB)
+CPU_KV_CACHE_BYTES = 1 << 30  # explicit on CPU: vLLM's estimate subtracts the whole process's memory from a share
 GPU_MEMORY_SHARE = 0.85  # of the generator's GPU for weights, activations and KV cache
 
 
@@ -61,7 +61,11 @@ class VLLMEngine:
             dtype=torch.float32 if on_cpu else torch.bfloat16,
             seed=seed,
             enforce_eager=on_cpu,  # torch.compile would take minutes on CPU for little gain
-            gpu_memory_utilization=CPU_KV_CACHE_SHARE if on_cpu else GPU_MEMORY_SHARE,
+            **(
+                {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+                if on_cpu
+                else {"gpu_memory_utilization": GPU_MEMORY_SHARE}
+            ),
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,  # the samples of one prompt share its prefill
         )
