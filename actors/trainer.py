@@ -3,7 +3,8 @@
 Each trainer mesh is its own ``torch.distributed`` world (``monarch.spmd`` sets the env;
 gloo on CPU, nccl on GPU). Every rank receives the whole ``TrainBatch`` and trains on
 its share; rank 0 reports the metrics and publishes the new weights to the
-shared-memory store, returning only the small ``WeightVersion``.
+weight store over the transport the runtime chose from placement (shared memory, RDMA
+or CUDA IPC: ``actors/weights``), returning only the small ``WeightVersion``.
 
 The trainer also owns the loss's own state: TAID's schedule for t advances once per
 step on the distillation loss and is saved in (and restored from) checkpoints.
@@ -38,7 +39,15 @@ class StepReport:
 
 class Trainer(Actor):
     def __init__(
-        self, model_path: str, cfg: TrainerConfig, seed: int, store: str, slots: int, place: Placement, total_steps: int
+        self,
+        model_path: str,
+        cfg: TrainerConfig,
+        seed: int,
+        store: str,
+        slots: int,
+        place: Placement,
+        total_steps: int,
+        transport: str = "shm",
     ):
         torch.set_num_threads(place.threads)
         torch.manual_seed(seed)
@@ -50,7 +59,7 @@ class Trainer(Actor):
         taid = cfg.loss.distill.divergence == "taid" and cfg.loss.alpha_sdpo > 0
         self.taid = TAIDScheduler(total_steps) if taid else None
         state = self.loop.state_dict()
-        self.publisher = WeightPublisher(store, state, slots) if self.rank == 0 else None
+        self.publisher = WeightPublisher(store, state, slots, transport=transport) if self.rank == 0 else None
 
     @endpoint
     def publish(self) -> WeightVersion | None:

@@ -23,6 +23,7 @@ from actors.rewarder import Rewarder
 from actors.tasks import build_task
 from actors.teachers import TeacherPool
 from actors.trainer import Trainer
+from actors.weights import choose_transport
 from mesh.control import ControlChannel
 from mesh.controller import Actors, Controller
 from mesh.progress import Progress
@@ -111,9 +112,18 @@ async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) 
     place = _placements(topology)
     trainer_procs = meshes[cfg.trainer.mesh]
     await setup_torch_elastic_env_async(trainer_procs)
-    slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights.py)
+    slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
     trainer = trainer_procs.spawn(
-        "trainer", Trainer, model_path, cfg.trainer, seed, store, slots, place[cfg.trainer.mesh], topology.loop.steps
+        "trainer",
+        Trainer,
+        model_path,
+        cfg.trainer,
+        seed,
+        store,
+        slots,
+        place[cfg.trainer.mesh],
+        topology.loop.steps,
+        _weight_transport(topology),
     )
     generator = meshes[cfg.generator.mesh].spawn(
         "generator", Generator, model_path, cfg.generator, seed, place[cfg.generator.mesh]
@@ -148,3 +158,17 @@ def _placements(topology: Topology) -> dict[str, Placement]:
         places[name] = Placement(threads, next_gpu if mesh.gpus else None, mesh.gpus)
         next_gpu += mesh.gpus * mesh.procs * mesh.hosts
     return places
+
+def _weight_transport(topology: Topology) -> str:
+    """How weights reach the generators and teachers: shm, rdma or cuda_ipc (``actors/weights``).
+
+    Launcher ``local`` puts every mesh on this host. Any other starts each host of each
+    mesh apart (``process``: a worker process of its own, standing in for a machine), so
+    a follower shares the trainer's host only on the trainer's own single-host mesh.
+    """
+    cfg = topology.actors
+    followers = [cfg.generator.mesh] + ([cfg.teachers.mesh] if cfg.teachers else [])
+    together = cfg.generator.replicas == 1 and topology.meshes[cfg.trainer.mesh].hosts == 1
+    together = together and all(mesh == cfg.trainer.mesh for mesh in followers)
+    on_gpu = all(topology.meshes[mesh].gpus > 0 for mesh in [cfg.trainer.mesh, *followers])
+    return choose_transport(topology.launcher.kind == "local" or together, on_gpu)

@@ -1,8 +1,9 @@
-"""Weight sync over shared memory: exact round trips, zero-copy views, and loud failures."""
+"""Weight sync: exact round trips over shm, rdma and cuda_ipc, zero-copy views, and loud failures."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import pickle
 import shutil
@@ -11,34 +12,45 @@ import sys
 import uuid
 from pathlib import Path
 
+import cloudpickle
 import pytest
 import torch
+from monarch.actor import Actor, endpoint, this_host
 
-import actors.weights as weights
+import actors.weights.store as weights
 from actors.weights import (
     HEADER_BYTES,
     StaleWeightsError,
     TornWeightsError,
+    WeightFollower,
     WeightPublisher,
     WeightSubscriber,
     WeightSyncError,
     WeightVersion,
+    choose_transport,
+    device_checksum,
     slot_file,
 )
+from mesh.runtime import _weight_transport
+from mesh.topology import load_topology
 
+cloudpickle.register_pickle_by_value(
+    sys.modules[__name__]
+)  # the actors below run in procs that cannot import this file
 REPO = Path(__file__).resolve().parents[1]
 
 
-def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+def state_dict(seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
     """fp32, bf16 and int64 tensors; sizes that are not multiples of the 64-byte alignment."""
     g = torch.Generator().manual_seed(seed)
-    return {
+    sd = {
         "embed.weight": torch.randn(7, 5, generator=g),
         "layer.weight": torch.randn(3, 11, generator=g).to(torch.bfloat16),
         "layer.bias": torch.randn(3, generator=g).to(torch.bfloat16),
         "step": torch.randint(-(2**40), 2**40, (2,), generator=g),
         "head.weight": torch.randn(4, 6, generator=g).t(),  # non-contiguous source
     }
+    return {name: tensor.to(device) for name, tensor in sd.items()}
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -281,4 +293,194 @@ def test_tensors_are_64_byte_aligned_in_manifest_order(pair) -> None:
     entries = pub.manifest["tensors"]
     assert [e["name"] for e in entries] == list(state_dict())
     assert all(e["offset"] % 64 == 0 for e in entries)
-    assert all(a["offset"] + a["nbytes"] <= b["offset"] for a, b in zip(entries, entries[1:]))
+    assert all(a["offset"] + a["nbytes"] <= b["offset"] for a, b in itertools.pairwise(entries))
+
+
+# ------------------------------------------------------------------- transports, followers
+
+
+@pytest.mark.parametrize(
+    ("same_host", "on_gpu", "transport"),
+    [(True, False, "shm"), (True, True, "cuda_ipc"), (False, False, "rdma"), (False, True, "rdma")],
+)
+def test_choose_transport_by_placement(same_host: bool, on_gpu: bool, transport: str) -> None:
+    assert choose_transport(same_host, on_gpu) == transport
+
+
+def test_unknown_transport_is_refused(store: Path) -> None:
+    with pytest.raises(ValueError, match="weight transport 'nccl' is unknown; use one of shm, rdma, cuda_ipc"):
+        WeightPublisher(store, state_dict(), slots=2, transport="nccl")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_ipc_without_a_gpu_says_how_to_fix_it(store: Path) -> None:
+    with pytest.raises(WeightSyncError, match="needs a CUDA GPU.*meshes.\\*.gpus"):
+        WeightPublisher(store, state_dict(), slots=2, transport="cuda_ipc")
+
+
+def test_device_checksum_sees_every_changed_or_moved_word() -> None:
+    data = torch.randint(0, 256, (3 * weights.DEVICE_CHUNK_WORDS * 4 // 2,), dtype=torch.uint8)  # 1.5 chunks of words
+    base = device_checksum(data)
+    assert device_checksum(data.clone()) == base
+    for index in (0, data.numel() // 2, data.numel() - 1):
+        flipped = data.clone()
+        flipped[index] ^= 0x80
+        assert device_checksum(flipped) != base, index
+    words = data.clone().view(torch.int32)
+    words[[0, 1]] = words[[1, 0]]  # two words swap places: the same sum, another weighted sum
+    assert device_checksum(words.view(torch.uint8)) != base
+
+
+def test_follower_over_shm_keeps_what_it_holds_when_a_version_is_refused(pair) -> None:
+    pub, _ = pair
+    follower, model = WeightFollower(), {}
+    v0 = pub.publish(state_dict(0), 0)
+    assert follower.hold(v0, model.update) > 0 and follower.hold(v0, model.update) == 0.0
+    follower.check_intact(v0)
+    with pytest.raises(StaleWeightsError, match="holds no version"):
+        follower.hold(dataclasses.replace(v0, version=1), model.update)
+    assert follower.held == v0
+    assert_same(model, state_dict(0))
+    follower.close()
+
+
+def test_records_compare_without_their_handles() -> None:
+    record = WeightVersion(3, 7, 64, "/store", "rdma", weights.RemoteSlot("slot", "manifest"))
+    assert record == dataclasses.replace(record, remote=weights.RemoteSlot("other", "handles"))
+    assert len({record, dataclasses.replace(record, remote=None)}) == 1
+    assert record != dataclasses.replace(record, transport="shm")
+
+
+class Publishing(Actor):
+    """The trainer's side of a cross-process test: a publisher of ``state_dict(seed)`` versions."""
+
+    def __init__(self, store: str, transport: str, device: str = "cpu"):
+        self.device = device
+        self.publisher = WeightPublisher(store, state_dict(0, device), slots=2, transport=transport)
+
+    @endpoint
+    def publish(self, seed: int, version: int) -> WeightVersion:
+        return self.publisher.publish(state_dict(seed, self.device), version)
+
+    @endpoint
+    def fail_publish(self, version: int) -> None:
+        """A publish that dies half-way (a tensor without bytes): its slot stays WRITING."""
+        try:
+            self.publisher.publish({**state_dict(0), "step": torch.zeros(2, dtype=torch.int64, device="meta")}, version)
+        except (NotImplementedError, RuntimeError):
+            return
+        raise AssertionError("publishing a meta tensor should fail")
+
+    @endpoint
+    def flip_byte(self, version: int) -> None:
+        """Change one data byte of the version's slot behind the header's back."""
+        data = self.publisher._slots[version % self.publisher.slots].data
+        data[0] = data[0] ^ 1
+
+
+class Following(Actor):
+    """The generator's side: a follower whose 'model' is the dict of adopted tensors."""
+
+    def __init__(self):
+        self.follower = WeightFollower()
+        self.model: dict[str, torch.Tensor] = {}
+
+    @endpoint
+    def hold(self, weights: WeightVersion) -> dict[str, torch.Tensor]:
+        self.follower.hold(weights, self.model.update)
+        self.follower.check_intact(weights)
+        return {name: tensor.cpu().clone() for name, tensor in self.model.items()}
+
+    @endpoint
+    def serving(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """The version held, checked intact, and a copy of the weights the model uses."""
+        self.follower.check_intact(self.follower.held)
+        return self.follower.held.version, {name: tensor.cpu().clone() for name, tensor in self.model.items()}
+
+
+@pytest.fixture(scope="module")
+def two_procs():
+    procs = this_host().spawn_procs(per_host={"procs": 2})
+    yield procs
+    procs.stop().get()
+
+
+def spawn_pair(procs, store: Path, transport: str, device: str = "cpu"):
+    name = uuid.uuid4().hex[:8]
+    publishing = procs.slice(procs=0).spawn(f"pub{name}", Publishing, str(store), transport, device)
+    return publishing, procs.slice(procs=1).spawn(f"fol{name}", Following)
+
+
+def test_rdma_round_trip_between_two_procs(two_procs, store: Path) -> None:
+    publishing, following = spawn_pair(two_procs, store, "rdma")
+    v0 = publishing.publish.call_one(0, 0).get()
+    assert v0.transport == "rdma" and v0.remote is not None
+    assert len(pickle.dumps(v0)) < 2048  # handles, not bytes, travel with the record
+    assert not store.exists()  # rdma slots are the publisher's own memory, not files
+    assert_same(following.hold.call_one(v0).get(), state_dict(0))
+    v1 = publishing.publish.call_one(1, 1).get()
+    assert_same(following.hold.call_one(v1).get(), state_dict(1))
+    v2 = publishing.publish.call_one(2, 2).get()  # over v0's slot: the follower's copy is its own
+    assert following.serving.call_one().get()[0] == 1
+    assert_same(following.hold.call_one(v2).get(), state_dict(2))
+
+
+def test_rdma_follower_keeps_serving_the_old_version_when_a_pull_is_stale_torn_or_corrupt(
+    two_procs, store: Path
+) -> None:
+    publishing, following = spawn_pair(two_procs, store, "rdma")
+    v1 = publishing.publish.call_one(1, 1).get()
+    following.hold.call_one(v1).get()
+
+    def refused(record: WeightVersion, error: str, match: str) -> None:
+        with pytest.raises(Exception, match=f"(?s){error}.*{match}"):
+            following.hold.call_one(record).get()
+        version, served = following.serving.call_one().get()
+        assert version == 1
+        assert_same(served, state_dict(1))
+
+    v2 = publishing.publish.call_one(2, 2).get()
+    v4 = publishing.publish.call_one(4, 4).get()  # laps v2 in slot 0 before the follower pulls it
+    refused(v2, "StaleWeightsError", r"holds version 4 \(READY\), not version 2")
+    publishing.flip_byte.call_one(4).get()  # a rewrite or damage the header does not show
+    refused(v4, "TornWeightsError", "hashes to .* rewrote the slot during the pull .* keeps serving version 1")
+    v5 = publishing.publish.call_one(5, 5).get()  # over the slot of the version being served: no harm
+    refused(dataclasses.replace(v5, checksum=v5.checksum ^ 1), "TornWeightsError", "expected")
+    publishing.fail_publish.call_one(7).get()
+    refused(v5, "StaleWeightsError", r"holds version 7 \(WRITING\)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_round_trip_between_two_procs(two_procs, tmp_path: Path) -> None:
+    store = tmp_path / "weights"
+    publishing, following = spawn_pair(two_procs, store, "cuda_ipc", "cuda")
+    v0 = publishing.publish.call_one(0, 0).get()
+    assert v0.transport == "cuda_ipc" and (store / weights.CUDA_HANDLES).exists()
+    assert_same(following.hold.call_one(v0).get(), state_dict(0))
+    v1 = publishing.publish.call_one(1, 1).get()
+    assert_same(following.hold.call_one(v1).get(), state_dict(1))
+    publishing.publish.call_one(3, 3).get()  # rewrites v1's slot while it is served
+    with pytest.raises(Exception, match="(?s)TornWeightsError.*overwritten while in use"):
+        following.serving.call_one().get()
+    v4 = publishing.publish.call_one(4, 4).get()
+    publishing.flip_byte.call_one(4).get()  # damage the header does not show: the GPU checksum must
+    with pytest.raises(Exception, match="(?s)TornWeightsError.*corrupt"):
+        following.hold.call_one(v4).get()
+
+
+ONE_MESH = ["launcher.kind=process", "actors.generator.mesh=trainer", "actors.teachers.mesh=trainer"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "transport"),
+    [
+        ([], "shm"),  # launcher local: every mesh on this host
+        (["launcher.kind=process"], "rdma"),  # the generator's mesh is another host
+        (ONE_MESH, "shm"),  # the weight followers on the trainer's own single-host mesh
+        ([*ONE_MESH, "meshes.trainer.hosts=2"], "rdma"),
+        ([*ONE_MESH, "actors.generator.replicas=2"], "rdma"),  # a replica is a mesh of its own
+    ],
+)
+def test_the_runtime_picks_the_transport_from_the_placement(overrides: list[str], transport: str) -> None:
+    assert _weight_transport(load_topology(REPO / "topologies" / "tiny.yaml", overrides)) == transport

@@ -1,0 +1,93 @@
+"""Choosing a transport from placement, and the one follower API generators and teachers use."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from torch import Tensor
+
+from actors.weights.rdma import RdmaReceiver
+from actors.weights.store import StaleWeightsError, WeightSubscriber, WeightVersion
+
+
+def choose_transport(same_host: bool, on_gpu: bool) -> str:
+    """How weights should travel from the trainer to its followers.
+
+    ``same_host``: every follower shares the trainer's host (its memory and devices).
+    ``on_gpu``: the trainer and every follower hold their models on GPUs.
+    Same host: CUDA IPC between GPUs (device memory opened in place, no host bounce),
+    shared memory otherwise. Across hosts: RDMA (ibverbs, or TCP without it), pulled
+    into host memory; a GPU follower then copies it to its device when it loads.
+    """
+    if not same_host:
+        return "rdma"
+    return "cuda_ipc" if on_gpu else "shm"
+
+
+class Receiver(Protocol):
+    """What a follower needs from a transport's receiving end."""
+
+    store: str
+    transport: str
+    nbytes: int
+
+    def load(self, want: WeightVersion) -> dict[str, Tensor]: ...
+
+    def check_intact(self, want: WeightVersion) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def attach(weights: WeightVersion) -> Receiver:
+    """The receiving end for ``weights``' store and transport."""
+    if weights.transport == "rdma":
+        return RdmaReceiver(weights)
+    return WeightSubscriber(weights.store, transport=weights.transport)
+
+
+class WeightFollower:
+    """Keeps a model on the trainer's published versions (a generator engine, a self-hinting teacher).
+
+    ``hold`` adopts a version unless it is already held; ``check_intact`` must follow
+    the work done with it, so that nothing computed with overwritten or unverified
+    weights leaves. The record's transport picks the receiving end, so callers never
+    know where the trainer runs.
+    """
+
+    def __init__(self) -> None:
+        self.subscriber: Receiver | None = None
+        self.held: WeightVersion | None = None
+
+    def hold(self, weights: WeightVersion, load: Callable[[dict[str, Tensor]], None]) -> float:
+        """Adopt ``weights`` through ``load``; the seconds it took (0 when already held).
+
+        A version the receiving end refuses is never handed to ``load``: the model keeps
+        the version it held (over ``rdma`` its bytes stay untouched too).
+        """
+        if self.held == weights:
+            return 0.0
+        start = time.perf_counter()
+        if not self._attached(weights):
+            self.close()
+            self.subscriber = attach(weights)
+        load(self.subscriber.load(weights))
+        self.held = weights
+        return time.perf_counter() - start
+
+    def _attached(self, weights: WeightVersion) -> bool:
+        s = self.subscriber
+        return s is not None and (s.store, s.transport, s.nbytes) == (weights.store, weights.transport, weights.nbytes)
+
+    def check_intact(self, weights: WeightVersion) -> None:
+        """Raise unless the work just done used exactly ``weights``, verified (call after each batch)."""
+        if self.subscriber is None:
+            raise StaleWeightsError(f"this follower holds no weights yet, not version {weights.version}")
+        self.subscriber.check_intact(weights)
+
+    def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
+            self.subscriber = None
+        self.held = None
