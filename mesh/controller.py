@@ -1,11 +1,14 @@
 """The controller: one asyncio loop that drives the actor graph step by step.
 
-    prompts -> Generator (G completions each) -> Rewarder -> group advantages
+    prompts -> Router -> Generator replicas (G completions each) -> Rewarder -> group advantages
             -> TrainBatch -> Trainer (one optimizer step, publishes version v+1) -> ...
 
 with the TeacherPool alongside: traces of replay teachers (channel 3's pairs, and the
 warm start's extra group member) and a distill teacher's scores of the policy's own
 tokens (channel 2). Teachers change only at step boundaries (``mesh.ctl``).
+
+The router (``mesh/router.py``) cuts a step's prompts into requests over every generator
+proc of every replica and pushes each published version to all of them.
 
 With ``max_policy_lag: 0`` each step samples with the weights the previous step just
 published (synchronous). With lag L > 0 up to L+1 batches are collected ahead, each
@@ -27,14 +30,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors.generator import Generation
 from actors.bindings import ScoreRequest
-from actors.rollout import Rollout, TrainBatch, build_train_batch, preference_pairs, split_rows
+from actors.rollout import Rollout, TrainBatch, build_train_batch, preference_pairs
 from actors.tasks import Task
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from losses import group_advantages
 from mesh.control import ControlChannel
+from mesh.router import Routed, Router, TargetLoad
 from mesh.rundir import RunDir
 from mesh.teachers import Snapshot, TeacherBinding, TeacherBoard
 from mesh.topology import Topology
@@ -46,7 +49,7 @@ if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
 @dataclass
 class Actors:
     trainer: ActorMesh
-    generators: list[ActorMesh]  # one handle per generator process; prompts are split across them
+    generators: Router  # every proc of every generator replica; requests are routed among them
     rewarder: ActorMesh
     teachers: ActorMesh | None
 
@@ -63,6 +66,7 @@ class Collected:
     distill_teacher: str | None
     seconds: dict[str, float]  # generate, load, reward, teachers
     teachers: dict[str, dict[str, float]]  # per-teacher metrics
+    generators: list[TargetLoad] = dataclasses.field(default_factory=list)  # per generator target
 
 
 class StalenessError(RuntimeError):
@@ -112,10 +116,12 @@ class Controller:
                 last_end = now
                 await self._after_step(step, metrics)
                 history.append(metrics)
+            await self.actors.generators.settle()  # every replica ends holding the final version
         finally:
             for task in inflight:  # a failed step leaves collections behind: stop them, quietly
                 task.cancel()
             await asyncio.gather(*inflight, return_exceptions=True)
+            await self.actors.generators.close()
         return history
 
     async def _apply_commands(self, step: int) -> None:
@@ -141,12 +147,11 @@ class Controller:
         replay = [t for t in teachers.values() if "replay" in t.config.use] if self.loss.beta_replay > 0 else []
         tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
         generated, traced = await asyncio.gather(
-            self._generate(problems, loop.group_size, weights), self._trace(tracers, problems)
+            self.actors.generators.generate(problems, loop.group_size, weights), self._trace(tracers, problems)
         )
-        policy = [r for _, g in generated for r in g]
-        warm_rows, replay_rows = await self._trace_rollouts(problems, traced, weights, warm, replay)
+        warm_rows, replay_rows, scored = await self._trace_rollouts(problems, traced, weights, warm, replay)
         group_size = loop.group_size + (1 if warm_rows else 0)
-        rollouts = _grouped(policy, warm_rows, loop.group_size) + replay_rows
+        rollouts = _grouped(generated.rollouts, warm_rows, loop.group_size) + replay_rows
         reward_seconds = await self._reward(rollouts)
         distiller = next((t for t in teachers.values() if "distill" in t.config.use), None)
         distill_seconds = 0.0
@@ -161,13 +166,14 @@ class Controller:
             pairs=pairs,
             distill_teacher=distiller.name if distill_seconds else None,
             seconds={
-                "generate": max(g.seconds for g, _ in generated),
-                "load": max(g.load_seconds for g, _ in generated),
+                "generate": generated.seconds,
+                "load": generated.load_seconds,
                 "reward": reward_seconds,
                 "teachers": sum(trace_seconds.values()) + distill_seconds,
             },
             teachers=_teacher_metrics(rollouts, pairs, tracers, trace_seconds)
             | ({distiller.name: {"latency_s": distill_seconds}} if distill_seconds else {}),
+            generators=[a + b for a, b in zip(generated.loads, scored.loads)] if scored else generated.loads,
         )
 
     async def _reward(self, rollouts: list[Rollout]) -> float:
@@ -177,17 +183,6 @@ class Controller:
             rollout.reward, rollout.hint = scores.rewards[i], scores.hints[i]
             rollout.reward_parts = {name: values[i] for name, values in scores.parts.items()}
         return scores.seconds
-
-    async def _generate(
-        self, problems, group_size: int, weights: WeightVersion
-    ) -> list[tuple[Generation, list[Rollout]]]:
-        """Split the prompts across generator processes; groups keep their global index."""
-        shards = [s for s in split_rows(len(problems), len(self.actors.generators)) if s.stop > s.start]
-        calls = [
-            gen.generate.call_one(problems[s], group_size, weights) for gen, s in zip(self.actors.generators, shards)
-        ]
-        generated = await asyncio.gather(*calls)
-        return [(g, g.rollouts(problems[s], s.start)) for g, s in zip(generated, shards)]
 
     async def _trace(self, tracers: list[TeacherBinding], problems) -> tuple[dict, dict] | None:
         """Each tracing teacher's completion of each prompt: ({name: texts}, {name: seconds})."""
@@ -199,23 +194,26 @@ class Controller:
             {t.name: reply.seconds[t.binding_id] for t in tracers},
         )
 
-    async def _trace_rollouts(self, problems, traced, weights: WeightVersion, warm, replay) -> tuple[list, list]:
-        """Teacher traces as rollouts scored by this policy version: (warm-start rows, replay rows).
+    async def _trace_rollouts(
+        self, problems, traced, weights: WeightVersion, warm, replay
+    ) -> tuple[list, list, Routed | None]:
+        """Teacher traces as rollouts scored by this policy version: (warm-start rows, replay
+        rows, the routed scoring call).
 
         A warm-start trace joins its prompt's group (channel 1); a replayed one enters only
         channel 3's pairs. The warm start is skipped for a step whose teacher lacks a prompt.
         """
         if traced is None:
-            return [], []
+            return [], [], None
         texts = traced[0]
         wanted = [(name, i) for name in texts for i, text in enumerate(texts[name]) if text is not None]
         if not wanted:
-            return [], []
-        scored = await self.actors.generators[0].score.call_one(
+            return [], [], None
+        scored = await self.actors.generators.score(
             [problems[i] for _, i in wanted], [texts[name][i] for name, i in wanted], weights
         )
         by_source = {}
-        for (name, i), rollout in zip(wanted, scored.rollouts([problems[i] for _, i in wanted], 0)):
+        for (name, i), rollout in zip(wanted, scored.rollouts):
             by_source[name, i] = dataclasses.replace(rollout, group=i, teacher=name)
         warm_rows = []
         if warm is not None and all((warm.name, i) in by_source for i in range(len(problems))):
@@ -225,7 +223,7 @@ class Controller:
             for (name, _), rollout in by_source.items()
             if name in {t.name for t in replay}
         ]
-        return warm_rows, replay_rows
+        return warm_rows, replay_rows, scored
 
     async def _distill(self, teacher: TeacherBinding, rollouts: list[Rollout], weights: WeightVersion) -> float:
         """The distill teacher's top-k at the policy's own tokens (with the hint where it reads one)."""
@@ -252,6 +250,7 @@ class Controller:
         reports = await self.actors.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)
         self.weights = report.weights
+        self.actors.generators.publish(self.weights)  # pushed to every replica, off the critical path
         return self._step_metrics(step, collected, batch, report, ages)
 
     def _step_metrics(
@@ -283,6 +282,12 @@ class Controller:
             teachers[collected.distill_teacher]["agreement"] = report.metrics["distill/agreement"]
         for name, values in sorted(teachers.items()):
             metrics |= {f"teachers/{name}/{key}": value for key, value in values.items()}
+        for i, load in enumerate(collected.generators):
+            metrics |= {
+                f"generator/{i}/requests": load.requests,
+                f"generator/{i}/rows": load.rows,
+                f"generator/{i}/busy_s": load.busy_seconds,
+            }
         return metrics | {f"train/{k}": v for k, v in report.metrics.items()}
 
     async def _after_step(self, step: int, metrics: dict) -> None:
@@ -298,8 +303,7 @@ class Controller:
     async def evaluate(self) -> float:
         """Mean reward of one sample per prompt on a fixed held-out prompt set (the task's step -1)."""
         problems = self.task.problems(self.topology.seed, -1, self.topology.loop.evaluation.prompts)
-        generated = await self._generate(problems, 1, self.weights)
-        rollouts = [r for _, g in generated for r in g]
+        rollouts = (await self.actors.generators.generate(problems, 1, self.weights)).rollouts
         await self._reward(rollouts)
         return sum(r.reward for r in rollouts) / len(rollouts)
 

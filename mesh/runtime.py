@@ -27,6 +27,7 @@ from actors.weights import choose_transport
 from mesh.control import ControlChannel
 from mesh.controller import Actors, Controller
 from mesh.progress import Progress
+from mesh.router import Router
 from mesh.rundir import RunDir
 from mesh.teachers import TeacherBoard
 from mesh.topology import Topology
@@ -125,9 +126,7 @@ async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) 
         topology.loop.steps,
         _weight_transport(topology),
     )
-    generator = meshes[cfg.generator.mesh].spawn(
-        "generator", Generator, model_path, cfg.generator, seed, place[cfg.generator.mesh]
-    )
+    generators = _generators(topology, meshes, model_path, place)
     rewarder = meshes[cfg.rewarder.mesh].spawn("rewarder", Rewarder, topology.task.config, cfg.rewarder)
     teachers = None
     if cfg.teachers is not None:
@@ -135,7 +134,22 @@ async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) 
         teachers = meshes[cfg.teachers.mesh].spawn(
             "teachers", TeacherPool, cfg.teachers, student, place[cfg.teachers.mesh]
         )
-    return Actors(trainer, _each_proc(generator), _one_proc(rewarder), teachers and _one_proc(teachers))
+    return Actors(trainer, generators, _one_proc(rewarder), teachers and _one_proc(teachers))
+
+
+def _generators(topology: Topology, meshes: dict, model_path: str, place: dict[str, Placement]) -> Router:
+    """A Generator on every replica mesh, every proc of each a target of one router.
+
+    A generator seeds its proc ``seed + 1000 * rank`` (rank within its mesh); each replica's
+    seed is offset by the procs before it, so every generator proc in the job samples its own stream.
+    """
+    cfg = topology.actors.generator
+    procs = topology.meshes[cfg.mesh].procs * topology.meshes[cfg.mesh].hosts
+    targets = []
+    for i, name in enumerate(topology.replica_meshes()):
+        seed = topology.seed + 1000 * procs * i
+        targets += _each_proc(meshes[name].spawn("generator", Generator, model_path, cfg, seed, place[name]))
+    return Router(targets, cfg.router)
 
 
 def _each_proc(actors: ActorMesh) -> list[ActorMesh]:
@@ -148,16 +162,18 @@ def _one_proc(actors: ActorMesh) -> ActorMesh:
 
 
 def _placements(topology: Topology) -> dict[str, Placement]:
-    """Per mesh: CPU threads (the cores shared among the processes that compute, the trainer's
-    and the generator's, at least one each) and its GPUs, numbered mesh after mesh on this host."""
-    compute = {topology.actors.trainer.mesh, topology.actors.generator.mesh}
-    procs = sum(topology.meshes[m].procs * topology.meshes[m].hosts for m in compute)
+    """Per launched mesh: CPU threads (the cores shared among the processes that compute, the
+    trainer's and every generator replica's, at least one each) and its GPUs, numbered mesh after mesh on this host."""
+    meshes = topology.launched_meshes()
+    compute = {topology.actors.trainer.mesh, *topology.replica_meshes()}
+    procs = sum(meshes[m].procs * meshes[m].hosts for m in compute)
     threads = max(1, (os.cpu_count() or 1) // procs)
     places, next_gpu = {}, 0
-    for name, mesh in topology.meshes.items():
+    for name, mesh in meshes.items():
         places[name] = Placement(threads, next_gpu if mesh.gpus else None, mesh.gpus)
         next_gpu += mesh.gpus * mesh.procs * mesh.hosts
     return places
+
 
 def _weight_transport(topology: Topology) -> str:
     """How weights reach the generators and teachers: shm, rdma or cuda_ipc (``actors/weights``).

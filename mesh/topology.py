@@ -136,6 +136,17 @@ class Topology(Section):
         """Actor name -> mesh name, for every actor the topology runs."""
         return {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name))}
 
+    def replica_meshes(self) -> list[str]:
+        """The generator's meshes, one per replica: its own ``mesh``, then copies of it named
+        ``<mesh>1``, ``<mesh>2``, ... (lowercase alphanumeric, as Kubernetes mesh names must be)."""
+        mesh = self.actors.generator.mesh
+        return [mesh] + [f"{mesh}{i}" for i in range(1, self.actors.generator.replicas)]
+
+    def launched_meshes(self) -> dict[str, MeshSpec]:
+        """Every mesh the launcher starts: the topology's own, then the generator's replica copies."""
+        spec = self.meshes[self.actors.generator.mesh]
+        return self.meshes | {name: spec for name in self.replica_meshes()[1:]}
+
     @model_validator(mode="after")
     def _consistent(self) -> Topology:
         for actor, mesh in self.placed_actors().items():
@@ -144,6 +155,7 @@ class Topology(Section):
                     f"actors.{actor}.mesh is {mesh!r}, but meshes defines only {sorted(self.meshes)}; "
                     f"add a mesh named {mesh!r} or place the actor on one of those"
                 )
+        self._check_replicas()
         warm = self.loop.warm_start
         if warm.steps:
             bound = self.actors.teachers.bindings if self.actors.teachers else {}
@@ -165,6 +177,16 @@ class Topology(Section):
             )
         registry.load("launcher", self.launcher.kind).check(self)
         return self
+
+    def _check_replicas(self) -> None:
+        gen = self.actors.generator
+        taken = [name for name in self.replica_meshes()[1:] if name in self.meshes]
+        if taken:
+            raise ValueError(
+                f"actors.generator.replicas is {gen.replicas}, so the launcher starts copies of mesh {gen.mesh!r} "
+                f"named {', '.join(map(repr, self.replica_meshes()[1:]))}, but meshes already defines "
+                f"{', '.join(map(repr, taken))}; rename that mesh (or lower actors.generator.replicas)"
+            )
 
 
 # ----------------------------------------------------------------------------- loading
@@ -281,18 +303,28 @@ def describe(topology: Topology) -> str:
     """The resolved topology, its placement and its actor graph, as ``--dry-run`` prints them."""
     resolved = yaml.safe_dump(topology.model_dump(mode="json"), sort_keys=False).rstrip()
     placement = [f"launcher: {topology.launcher.kind}"]
-    for name, mesh in topology.meshes.items():
+    replicas = topology.replica_meshes()
+    for name, mesh in topology.launched_meshes().items():
         actors = [a for a, m in topology.placed_actors().items() if m == name] or ["(unused)"]
+        if name in replicas[1:]:
+            actors = ["generator"]  # a replica's copy of the generator's mesh holds only a generator
+        if len(replicas) > 1 and name in replicas:
+            actors = [f"generator (replica {replicas.index(name)})" if a == "generator" else a for a in actors]
         gpus = f", {mesh.gpus} gpu/proc" if mesh.gpus else ""
         placement.append(f"  mesh {name}: {mesh.hosts} host x {mesh.procs} proc{gpus} <- {', '.join(actors)}")
     lag = topology.loop.max_policy_lag
+    gen = topology.actors.generator
+    targets = len(replicas) * topology.meshes[gen.mesh].procs * topology.meshes[gen.mesh].hosts
     graph = [
-        "controller -> generator: prompts x group_size, weight version",
+        (
+            f"controller -> generator ({gen.router} router over {targets} generator proc{'s' * (targets > 1)}): "
+            "requests of prompts x group_size, each naming its weight version"
+        ),
         "generator -> rewarder: completions + inference logprobs",
         "rewarder -> controller: rewards -> group advantages -> TrainBatch",
         f"controller -> trainer ({topology.actors.trainer.inner_loop}): TrainBatch; "
         + ("synchronous" if lag == 0 else f"bounded-async, max_policy_lag {lag}"),
-        "trainer -> generator: weights over shared memory (versioned, checksummed)",
+        "trainer -> every generator: weights over shared memory (versioned, checksummed), pushed after each step",
     ]
     if topology.loop.warm_start.steps:
         graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")

@@ -91,6 +91,16 @@ def test_set_overrides_any_field_with_yaml_typed_values():
             lambda t: t["actors"]["teachers"]["bindings"].update(big={"kind": "hf", "path": "/no/such"}),
             ["hf teacher path '/no/such'", "save_pretrained"],
         ),
+        (lambda t: t["actors"]["generator"].update(router="fastest"), ["unknown router 'fastest'", "least_loaded"]),
+        (lambda t: t["actors"]["generator"].update(replicas=0), ["actors.generator", "replicas must be >= 1"]),
+        (
+            lambda t: t["actors"]["generator"].update(replicas=100),
+            ["102 processes", "actors.generator.replicas: 100 counted", "lower meshes.*.procs or actors.generator"],
+        ),
+        (
+            lambda t: (t["actors"]["generator"].update(replicas=3), t["meshes"].update(generator2={"procs": 1})),
+            ["copies of mesh 'generator' named 'generator1', 'generator2'", "already defines 'generator2'", "rename"],
+        ),
     ],
 )
 def test_every_mistake_names_the_key_and_the_fix(tmp_path, change, expected):
@@ -150,6 +160,19 @@ def test_dry_run_prints_topology_placement_and_graph_and_spawns_nothing(tmp_path
     assert "mesh service: 1 host x 1 proc <- rewarder, teachers" in out
     assert "controller -> trainer (native): TrainBatch; synchronous" in out
     assert list(tmp_path.iterdir()) == []  # no run directory, no job state: nothing was placed
+
+
+def test_generator_replicas_are_copies_of_its_mesh_behind_one_router(tmp_path):
+    topology = load_topology(ROOT / "topologies" / "tiny_replicas.yaml", ["meshes.generator.procs=2"])
+    assert topology.replica_meshes() == ["generator", "generator1"]
+    assert list(topology.launched_meshes()) == ["trainer", "generator", "service", "generator1"]
+    assert topology.launched_meshes()["generator1"] == topology.meshes["generator"]
+
+    result = _cli(str(ROOT / "topologies" / "tiny_replicas.yaml"), "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "mesh generator: 1 host x 1 proc <- generator (replica 0)" in result.stdout
+    assert "mesh generator1: 1 host x 1 proc <- generator (replica 1)" in result.stdout
+    assert "controller -> generator (least_loaded router over 2 generator procs)" in result.stdout
 
 
 def test_dry_run_shows_which_teacher_feeds_which_channel(tmp_path):

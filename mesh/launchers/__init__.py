@@ -25,7 +25,8 @@ class Launcher(Protocol):
         """Raise ``ValueError`` (naming the key and the fix) if this launcher cannot place the topology."""
 
     def start(self, topology: Topology) -> dict[str, ProcMesh]:
-        """One ProcMesh per topology mesh, keyed by mesh name."""
+        """One ProcMesh per launched mesh (``topology.launched_meshes()``: the generator's
+        replica copies included), keyed by mesh name."""
 
     async def stop(self) -> None:
         """Stop every process the launcher started (safe to call after a partial start)."""
@@ -39,19 +40,23 @@ def spawn_procs(host_mesh, procs: int) -> ProcMesh:
 
 
 def check_capacity(topology: Topology, launcher: str) -> None:
-    """Refuse more processes or GPUs than this machine can hold."""
+    """Refuse more processes or GPUs than this machine can hold (generator replicas counted)."""
     import torch
 
-    procs = sum(m.procs * m.hosts for m in topology.meshes.values())
+    meshes = topology.launched_meshes().values()
+    replicas = topology.actors.generator.replicas
+    counted = f" (actors.generator.replicas: {replicas} counted)" if replicas > 1 else ""
+    procs = sum(m.procs * m.hosts for m in meshes)
     limit = 4 * (os.cpu_count() or 1)
     if procs > limit:
         raise ValueError(
-            f"meshes ask for {procs} processes in all, more than the {limit} this {os.cpu_count()}-core machine can "
-            f"hold with launcher {launcher!r} (4 per core); lower meshes.*.procs or place the job on a cluster"
+            f"meshes ask for {procs} processes in all{counted}, more than the {limit} this {os.cpu_count()}-core "
+            f"machine can hold with launcher {launcher!r} (4 per core); lower meshes.*.procs or "
+            "actors.generator.replicas, or place the job on a cluster"
         )
-    gpus = sum(m.gpus * m.procs * m.hosts for m in topology.meshes.values())
+    gpus = sum(m.gpus * m.procs * m.hosts for m in meshes)
     if gpus > torch.cuda.device_count():
         raise ValueError(
-            f"meshes ask for {gpus} GPUs but this machine has {torch.cuda.device_count()}; "
+            f"meshes ask for {gpus} GPUs{counted} but this machine has {torch.cuda.device_count()}; "
             "set meshes.*.gpus to 0 to run on CPU, or place the job on a cluster"
         )

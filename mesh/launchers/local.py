@@ -23,9 +23,10 @@ class LocalLauncher:
         check_capacity(topology, "local")
 
     def start(self, topology) -> dict[str, ProcMesh]:
-        self.job = LocalJob(hosts=tuple(topology.meshes))
+        meshes = topology.launched_meshes()
+        self.job = LocalJob(hosts=tuple(meshes))
         state = self.job.state(cached_path=None)
-        self.meshes = {name: spawn_procs(getattr(state, name), m.procs) for name, m in topology.meshes.items()}
+        self.meshes = {name: spawn_procs(getattr(state, name), m.procs) for name, m in meshes.items()}
         return self.meshes
 
     async def stop(self) -> None:

@@ -21,9 +21,10 @@ class ProcessLauncher:
         check_capacity(topology, "process")
 
     def start(self, topology) -> dict[str, ProcMesh]:
-        self.job = ProcessJob({name: m.hosts for name, m in topology.meshes.items()})
+        meshes = topology.launched_meshes()
+        self.job = ProcessJob({name: m.hosts for name, m in meshes.items()})
         state = self.job.state(cached_path=None)
-        return {name: spawn_procs(getattr(state, name), m.procs) for name, m in topology.meshes.items()}
+        return {name: spawn_procs(getattr(state, name), m.procs) for name, m in meshes.items()}
 
     async def stop(self) -> None:
         if self.job is not None:

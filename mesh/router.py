@@ -1,0 +1,252 @@
+"""The generator router: a step's prompts, cut into requests, spread over every generator proc.
+
+Targets are the procs of every generator replica mesh (``actors.generator.replicas``
+meshes shaped like ``actors.generator.mesh``), in order: replica 0's procs, then replica
+1's, ... A request is a contiguous run of whole prompt groups and keeps their global
+group index, so a step's rollouts come back in prompt order whoever sampled them.
+
+Policies (``actors.generator.router``):
+
+- ``round_robin``: request i goes to target i mod n, the rotation running on across
+  steps; a step is one request per target (an even split: cutting finer could not
+  move work between targets, it would only add calls).
+- ``least_loaded``: a request goes to the target with the fewest rows in flight
+  (ties: the lowest index) among those with fewer than ``DEPTH`` requests in flight,
+  and waits in the router while every target is that busy. A step is cut into
+  ``REQUESTS_PER_TARGET`` requests per target, so a fast target takes the requests a
+  slow or busy one has not reached.
+
+Weight versions: every request names its version, and the generator samples with
+exactly that version, switching only between requests. The router sends a target
+requests of one version at a time (one of another version waits in the router until
+the target's requests in flight are done), so a request never queues behind a weight
+change at a busy target while another could serve it. ``publish`` (after every trainer
+step) pushes the new version to each target (the generator's ``hold``) as soon as it is
+idle with no request waiting, so a replica that got no request in a step still catches
+up, and the next step finds its weights loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from actors.generator import Generation
+from actors.rollout import Rollout, split_rows
+from actors.tasks import Problem
+from actors.weights import WeightVersion
+
+if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
+    from monarch._src.actor.actor_mesh import ActorMesh
+
+# least_loaded: one request sampling while the next already waits at the target, so a
+# target never idles for a round trip; a deeper queue would let a slow target hoard work.
+DEPTH = 2
+# least_loaded: enough requests per target that the fast ones can take a slow one's share,
+# few enough that per-call overhead stays small next to sampling a request's groups.
+REQUESTS_PER_TARGET = 4
+
+
+class PushFailed(RuntimeError):
+    """A target could not adopt a published version; raised by the next routed call."""
+
+
+@dataclass(frozen=True)
+class TargetLoad:
+    """What one target did for one routed call."""
+
+    requests: int = 0
+    rows: int = 0
+    busy_seconds: float = 0.0  # the endpoint's own time, weight adoption included
+    load_seconds: float = 0.0  # of which adopting a weight version
+
+    def __add__(self, other: TargetLoad) -> TargetLoad:
+        return TargetLoad(
+            self.requests + other.requests,
+            self.rows + other.rows,
+            self.busy_seconds + other.busy_seconds,
+            self.load_seconds + other.load_seconds,
+        )
+
+
+@dataclass
+class Routed:
+    """A routed call's rollouts in prompt order, its wall time and each target's share."""
+
+    rollouts: list[Rollout]
+    seconds: float
+    loads: list[TargetLoad]  # by target index
+
+    @property
+    def load_seconds(self) -> float:
+        """Weight adoption on the call's critical path: the target that spent longest on it."""
+        return max(load.load_seconds for load in self.loads)
+
+
+@dataclass
+class _Target:
+    handle: ActorMesh
+    in_flight: int = 0  # requests (and pushes)
+    rows: int = 0  # rows of the requests in flight
+    version: int | None = None  # the version of everything in flight
+    held: int | None = None  # the version its last finished request named
+
+    def serves(self, version: int) -> bool:
+        return self.in_flight == 0 or self.version == version
+
+
+Call = Callable[["ActorMesh", slice], Awaitable[Generation]]
+
+
+class Router:
+    def __init__(self, handles: list[ActorMesh], policy: str):
+        """``handles``: one single-actor generator handle per target, in target order;
+        ``policy``: ``round_robin`` or ``least_loaded``."""
+        pickers = {"round_robin": self._in_turn, "least_loaded": self._least_loaded}
+        self._pick = pickers[policy]
+        self.policy = policy
+        self.targets = [_Target(handle) for handle in handles]
+        self._turn = 0
+        self._waiting = 0
+        self._changed = asyncio.Condition()
+        self._newest: WeightVersion | None = None
+        self._pushes: set[asyncio.Task] = set()
+        self._failure: PushFailed | None = None
+
+    @property
+    def handles(self) -> list[ActorMesh]:
+        return [target.handle for target in self.targets]
+
+    async def generate(self, problems: list[Problem], group_size: int, weights: WeightVersion) -> Routed:
+        """``group_size`` samples of each prompt, sampled with ``weights``; groups keep their index."""
+
+        def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
+            return handle.generate.call_one(problems[share], group_size, weights)
+
+        return await self._route(problems, group_size, weights.version, call)
+
+    async def score(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Routed:
+        """Given completions scored by ``weights``; row i is group i."""
+
+        def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
+            return handle.score.call_one(problems[share], texts[share], weights)
+
+        return await self._route(problems, 1, weights.version, call)
+
+    def publish(self, weights: WeightVersion) -> None:
+        """The trainer's newest version: every target adopts it as soon as it is free."""
+        self._newest = weights
+        self._push_idle()
+
+    async def settle(self) -> None:
+        """Wait until every push is done (every idle target holds the newest version)."""
+        while self._pushes:
+            await asyncio.gather(*self._pushes)
+        self._raise_failure()
+
+    async def close(self) -> None:
+        """Stop pushes still running (a run that ends on a fault), quietly; no new ones start."""
+        self._newest = None
+        for push in self._pushes:
+            push.cancel()
+        await asyncio.gather(*self._pushes, return_exceptions=True)
+
+    # ------------------------------------------------------------------------- requests
+
+    async def _route(self, problems: list[Problem], rows_each: int, version: int, call: Call) -> Routed:
+        start = time.perf_counter()
+        shares = [s for s in split_rows(len(problems), self._requests(len(problems))) if s.stop > s.start]
+        replies = await asyncio.gather(
+            *(self._request(call, share, (share.stop - share.start) * rows_each, version) for share in shares)
+        )
+        loads = [TargetLoad() for _ in self.targets]
+        rollouts = []
+        for share, (i, generation) in zip(shares, replies):
+            loads[i] += TargetLoad(1, len(generation.texts), generation.seconds, generation.load_seconds)
+            rollouts += generation.rollouts(problems[share], share.start)
+        return Routed(rollouts, time.perf_counter() - start, loads)
+
+    def _requests(self, count: int) -> int:
+        per_target = REQUESTS_PER_TARGET if self.policy == "least_loaded" and len(self.targets) > 1 else 1
+        return min(count, per_target * len(self.targets))
+
+    async def _request(self, call: Call, share: slice, rows: int, version: int) -> tuple[int, Generation]:
+        i = await self._acquire(rows, version)
+        target = self.targets[i]
+        try:
+            reply = await call(target.handle, share)
+            target.held = version
+            return i, reply
+        finally:
+            await self._release(target, rows)
+
+    async def _acquire(self, rows: int, version: int) -> int:
+        async with self._changed:
+            self._waiting += 1
+            try:
+                self._raise_failure()
+                while (i := self._pick(version)) is None:
+                    await self._changed.wait()
+                    self._raise_failure()
+            finally:
+                self._waiting -= 1
+            self._start(self.targets[i], rows, version)
+        self._push_idle()
+        return i
+
+    async def _release(self, target: _Target, rows: int) -> None:
+        target.in_flight -= 1
+        target.rows -= rows
+        self._push_idle()
+        async with self._changed:
+            self._changed.notify_all()
+
+    @staticmethod
+    def _start(target: _Target, rows: int, version: int) -> None:
+        target.in_flight += 1
+        target.rows += rows
+        target.version = version
+
+    def _in_turn(self, version: int) -> int | None:
+        i = self._turn % len(self.targets)
+        if not self.targets[i].serves(version):
+            return None
+        self._turn += 1
+        return i
+
+    def _least_loaded(self, version: int) -> int | None:
+        open_ = [i for i, t in enumerate(self.targets) if t.in_flight < DEPTH and t.serves(version)]
+        return min(open_, key=lambda i: self.targets[i].rows, default=None)
+
+    # --------------------------------------------------------------------------- pushes
+
+    def _push_idle(self) -> None:
+        """Start a push on every idle target behind the newest version, unless requests wait
+        (they may need an idle target for an older version; the push follows them)."""
+        if self._newest is None or self._waiting or self._failure is not None:
+            return
+        for i, target in enumerate(self.targets):
+            if target.in_flight == 0 and target.held != self._newest.version:
+                self._start(target, 0, self._newest.version)
+                push = asyncio.create_task(self._push(i, self._newest))
+                self._pushes.add(push)
+                push.add_done_callback(self._pushes.discard)
+
+    async def _push(self, i: int, weights: WeightVersion) -> None:
+        target = self.targets[i]
+        try:
+            await target.handle.hold.call_one(weights)
+            target.held = weights.version
+        except Exception as error:  # whatever it is (an actor error, a dead proc), the run must hear of it
+            self._failure = self._failure or PushFailed(
+                f"generator target {i} could not adopt weight version {weights.version}: {error}"
+            )
+        finally:
+            await self._release(target, 0)
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure

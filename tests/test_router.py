@@ -1,0 +1,202 @@
+"""Router behaviour: which replica gets which request, weight versions, and a run on two replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.engines import Sample
+from actors.generator import Generation
+from actors.tasks.strings import Reverse
+from actors.weights import WeightVersion
+from mesh import runtime
+from mesh.controller import Controller
+from mesh.router import REQUESTS_PER_TARGET, PushFailed, Router
+from mesh.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+REPLICAS = ROOT / "topologies" / "tiny_replicas.yaml"
+TASK = Reverse()
+
+
+def version(v: int) -> WeightVersion:
+    return WeightVersion(v, checksum=v, nbytes=1, store="/nowhere")
+
+
+class FakeEndpoint:
+    def __init__(self, reply):
+        self.reply = reply
+
+    async def call_one(self, *args):
+        return await self.reply(*args)
+
+
+class FakeReplica:
+    """A stand-in for a Generator handle in unit tests of the routing policy: it serves one
+    request at a time (as the hf engine does), sleeping ``seconds`` on each, echoes each
+    prompt ``group_size`` times, records what it was asked and fails the test if requests
+    of two weight versions are ever in flight at once."""
+
+    def __init__(self, seconds: float = 0.0, fail_push: bool = False):
+        self.seconds, self.fail_push = seconds, fail_push
+        self.requests: list[tuple[str, int, int]] = []  # (endpoint, prompts, version)
+        self.in_flight: list[int] = []
+        self.held: int | None = None
+        self.one_at_a_time = asyncio.Lock()
+        self.generate = FakeEndpoint(self._generate)
+        self.score = FakeEndpoint(self._score)
+        self.hold = FakeEndpoint(self._hold)
+
+    async def _serve(self, endpoint: str, problems, per_prompt: int, weights: WeightVersion) -> Generation:
+        assert all(v == weights.version for v in self.in_flight), "two weight versions in flight at one replica"
+        self.in_flight.append(weights.version)
+        self.requests.append((endpoint, len(problems), weights.version))
+        try:
+            async with self.one_at_a_time:
+                await asyncio.sleep(self.seconds)
+            self.held = weights.version
+            samples = [Sample([1], [2], [-0.5], p.prompt) for p in problems for _ in range(per_prompt)]
+            return Generation.of(samples, per_prompt, weights.version, self.seconds, 0.0)
+        finally:
+            self.in_flight.remove(weights.version)
+
+    async def _generate(self, problems, group_size: int, weights: WeightVersion) -> Generation:
+        return await self._serve("generate", problems, group_size, weights)
+
+    async def _score(self, problems, texts, weights: WeightVersion) -> Generation:
+        return await self._serve("score", problems, 1, weights)
+
+    async def _hold(self, weights: WeightVersion) -> float:
+        if self.fail_push:
+            raise RuntimeError("replica is gone")
+        await self._serve("hold", [], 1, weights)
+        return 0.0
+
+    def served(self, endpoint: str = "generate") -> int:
+        return sum(prompts for kind, prompts, _ in self.requests if kind == endpoint)
+
+
+def router(replicas: list[FakeReplica], policy: str) -> Router:
+    return Router(replicas, policy)
+
+
+async def test_round_robin_rotates_over_replicas_across_calls_and_keeps_group_order():
+    replicas = [FakeReplica() for _ in range(3)]
+    route = router(replicas, "round_robin")
+    problems = TASK.problems(0, 0, 6)
+
+    routed = await route.generate(problems, 2, version(0))  # one request per replica, an even split
+    assert [r.served() for r in replicas] == [2, 2, 2]
+    assert [r.group for r in routed.rollouts] == [g for g in range(6) for _ in range(2)]
+    assert [r.text for r in routed.rollouts] == [p.prompt for p in problems for _ in range(2)]
+    assert [(load.requests, load.rows) for load in routed.loads] == [(1, 4)] * 3
+
+    await route.generate(problems[:2], 2, version(0))  # the rotation runs on: replicas 0 and 1
+    await route.generate(problems[:1], 2, version(0))  # ... then replica 2
+    assert [len(r.requests) for r in replicas] == [2, 2, 2]
+
+
+async def test_least_loaded_sends_the_work_to_the_idle_replica_when_one_is_slow():
+    slow, fast = FakeReplica(seconds=0.3), FakeReplica(seconds=0.01)
+    route = router([slow, fast], "least_loaded")
+    problems = TASK.problems(0, 0, 16)
+
+    start = time.perf_counter()
+    routed = await route.generate(problems, 4, version(0))
+    elapsed = time.perf_counter() - start
+    assert len(slow.requests) + len(fast.requests) == 2 * REQUESTS_PER_TARGET
+    assert len(slow.requests) <= 2 and slow.served() + fast.served() == 16  # the fast one took the rest
+    assert elapsed < 0.3 * REQUESTS_PER_TARGET  # round robin would wait for the slow one's 4 requests
+    assert [r.group for r in routed.rollouts] == [g for g in range(16) for _ in range(4)]
+    assert routed.loads[1].rows == 4 * fast.served() and routed.loads[0].busy_seconds == pytest.approx(
+        0.3 * len(slow.requests)
+    )
+
+
+async def test_least_loaded_picks_fewest_rows_in_flight_ties_by_order():
+    busy, idle_a, idle_b = FakeReplica(seconds=0.2), FakeReplica(), FakeReplica()
+    route = router([busy, idle_a, idle_b], "least_loaded")
+    long = asyncio.create_task(route.generate(TASK.problems(0, 0, 1), 8, version(0)))  # one request: replica 0
+    await asyncio.sleep(0.05)
+    await route.generate(TASK.problems(0, 1, 1), 1, version(0))
+    await long
+    assert [len(r.requests) for r in (busy, idle_a, idle_b)] == [1, 1, 0]  # not the busy one; first of the idle
+
+
+async def test_a_replica_serves_one_version_at_a_time_and_every_replica_gets_each_published_version():
+    replicas = [FakeReplica(seconds=0.05) for _ in range(2)]
+    route = router(replicas, "least_loaded")
+    old = asyncio.create_task(route.generate(TASK.problems(0, 0, 8), 2, version(0)))
+    await asyncio.sleep(0.01)
+    new = asyncio.create_task(route.generate(TASK.problems(0, 1, 8), 2, version(1)))  # FakeReplica checks no mix
+    old_rows, new_rows = await old, await new
+    assert {r.version for r in old_rows.rollouts} == {0} and {r.version for r in new_rows.rollouts} == {1}
+
+    route.publish(version(2))  # no request names version 2, yet both replicas adopt it
+    await route.settle()
+    assert [r.held for r in replicas] == [2, 2]
+    assert all(r.requests[-1] == ("hold", 0, 2) for r in replicas)
+
+    await route.generate(TASK.problems(0, 2, 1), 2, version(2))  # a replica that got no request still catches up
+    route.publish(version(3))
+    await route.settle()
+    assert [r.held for r in replicas] == [3, 3]
+
+
+async def test_a_failed_push_fails_the_next_call():
+    route = router([FakeReplica(), FakeReplica(fail_push=True)], "round_robin")
+    route.publish(version(1))
+    with pytest.raises(PushFailed, match="generator target 1 could not adopt weight version 1: replica is gone"):
+        await route.settle()
+    with pytest.raises(PushFailed):
+        await route.generate(TASK.problems(0, 0, 2), 2, version(1))
+
+
+# ----------------------------------------------------------------------------- a real run
+
+
+@pytest.mark.parametrize(
+    "router_name, procs",
+    [("least_loaded", 1), ("round_robin", 2)],  # with 2 procs per replica, each of the 4 procs is a target
+)
+async def test_two_replicas_all_serve_log_their_load_and_end_holding_the_final_version(
+    tmp_path, monkeypatch, router_name, procs
+):
+    held: list[int] = []
+
+    class Recording(Controller):
+        async def train(self, start_step: int = 0) -> list[dict]:
+            history = await super().train(start_step)
+            held.extend([await handle.held_version.call_one() for handle in self.actors.generators.handles])
+            return history
+
+    monkeypatch.setattr(runtime, "Controller", Recording)
+    steps, prompts, group = 4, 8, 4
+    overrides = [
+        f"actors.generator.router={router_name}",
+        f"meshes.generator.procs={procs}",
+        f"loop.steps={steps}",
+        f"loop.prompts_per_step={prompts}",
+        f"loop.group_size={group}",
+        "loop.warm_start.steps=1",
+        "loop.evaluation.every=2",
+        "loop.evaluation.prompts=8",
+        f"logging.root={tmp_path}",
+    ]
+    run_dir = await runtime.run(load_topology(REPLICAS, overrides), progress=False)
+    rows = [json.loads(line) for line in run_dir.metrics_file.read_text().splitlines()]
+
+    targets = 2 * procs
+    assert [r["version"] for r in rows] == list(range(1, steps + 1))
+    assert held == [steps] * targets  # every generator proc holds the last published version
+    for r in rows:
+        sampled = prompts * group + prompts * r["warm_start"]  # the policy's rows, plus warm-start traces scored
+        assert sum(r[f"generator/{i}/rows"] for i in range(targets)) == sampled
+        assert r["policy_age/max"] <= 1
+    assert all(sum(r[f"generator/{i}/requests"] for r in rows) > 0 for i in range(targets))
+    assert all(sum(r[f"generator/{i}/busy_s"] for r in rows) > 0 for i in range(targets))
+    assert ["eval/reward" in r for r in rows] == [False, True, False, True]
