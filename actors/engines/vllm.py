@@ -49,6 +49,12 @@ class VLLMEngine:
         on_cpu = device.type == "cpu"
         if on_cpu:
             _check_cpu_head_size(model_path)
+        elif device.index not in (None, 0):
+            raise ValueError(
+                f"this generator process was placed on {device}, but vLLM in-process always drives the first "
+                "visible GPU (cuda:0); list the generator's mesh first under meshes (GPUs are numbered mesh after "
+                "mesh) with one GPU per generator process, or use actors.generator.engine: hf"
+            )
         # Engine steps run on this one thread, with the generator's share of the cores: a fresh
         # thread would start with OpenMP's default instead, which vLLM's CPU attention rejects
         # when it differs from the count its metadata was planned for. Made before the engine,
