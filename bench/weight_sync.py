@@ -1,6 +1,6 @@
 """Weight sync of a Qwen2-0.5B-shaped bf16 state dict between two Monarch procs, per transport.
 
-    python bench/weight_sync.py            # 7 shm rounds, 4 rdma rounds (~2 min on 2 cores)
+    python bench/weight_sync.py            # 7 shm rounds, 4 rdma rounds (about 1 min on 2 cores)
     python bench/weight_sync.py --quick    # 3 and 2
 
 "Weight sync" is the wall time from the trainer's publish start (in one proc) until the
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 from monarch.actor import Actor, endpoint, this_host
+from monarch.rdma import RDMATcpFallbackWarning, get_rdma_backend
 
 from actors.weights import WeightFollower, WeightPublisher, WeightVersion
 
@@ -105,7 +106,7 @@ class Source(Actor):
     """The trainer's side: a state dict, one publisher per transport, and the memcpy baseline."""
 
     def __init__(self, shape: Shape, device: str, store: str, transports: list[str]):
-        warnings.filterwarnings("ignore", message=".*Falling back to TCP")
+        warnings.simplefilter("ignore", RDMATcpFallbackWarning)  # the report names the backend
         self.device = device
         self.flat, self.state = random_state(shape, device)
         self.publishers = {t: WeightPublisher(f"{store}-{t}", self.state, slots=2, transport=t) for t in transports}
@@ -137,23 +138,23 @@ class Source(Actor):
 
 
 class Sink(Actor):
-    """The generator's side: one follower, adopting each version as a generator's engine would."""
+    """The generator's side: per transport, a follower adopting each version as a generator's engine would."""
 
     def __init__(self):
-        warnings.filterwarnings("ignore", message=".*Falling back to TCP")
-        self.follower = WeightFollower()
-        self.model: dict[str, torch.Tensor] = {}
+        self.followers: dict[str, WeightFollower] = {}
+        self.models: dict[str, dict[str, torch.Tensor]] = {}
 
     @endpoint
     def hold(self, weights: WeightVersion) -> float:
         """Adopt ``weights``; the monotonic time at which the views are in place."""
-        self.follower.hold(weights, self.model.update)
+        follower = self.followers.setdefault(weights.transport, WeightFollower())
+        follower.hold(weights, self.models.setdefault(weights.transport, {}).update)
         return time.monotonic()
 
     @endpoint
     def verified(self, weights: WeightVersion) -> float:
         """Wait for the background verification (``check_intact``); the monotonic time it ended."""
-        self.follower.check_intact(weights)
+        self.followers[weights.transport].check_intact(weights)
         return time.monotonic()
 
 
@@ -216,7 +217,7 @@ def main(args) -> None:
     print(f"# {machine()}; {datetime.date.today()}")
     shm_rounds, rdma_rounds = (3, 2) if args.quick else (7, 4)
     cpu = measure(QWEN2_05B, "cpu", ["shm", "rdma"], {"shm": shm_rounds, "rdma": rdma_rounds})
-    backend = rdma_backend()
+    backend = get_rdma_backend()
     lines = [
         report(cpu[0], "shm", "target >= 0.6x"),
         report(cpu[1], f"rdma ({backend})", "report"),
@@ -237,13 +238,6 @@ def main(args) -> None:
         "figures": [asdict(f) | {"ratio_vs_memcpy": f.ratio} for f in cpu + gpu],
     }
     (OUT / "weight_sync.json").write_text(json.dumps(result, indent=1))
-
-
-def rdma_backend() -> str:
-    """The RDMA backend Monarch uses on this host (``tcp`` without ibverbs)."""
-    from monarch.rdma import get_rdma_backend
-
-    return get_rdma_backend()
 
 
 if __name__ == "__main__":

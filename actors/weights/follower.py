@@ -35,6 +35,8 @@ class Receiver(Protocol):
 
     def load(self, want: WeightVersion) -> dict[str, Tensor]: ...
 
+    def start_verification(self, want: WeightVersion) -> None: ...
+
     def check_intact(self, want: WeightVersion) -> None: ...
 
     def close(self) -> None: ...
@@ -73,6 +75,7 @@ class WeightFollower:
             self.close()
             self.subscriber = attach(weights)
         load(self.subscriber.load(weights))
+        self.subscriber.start_verification(weights)  # hashes while the caller samples; check_intact waits
         self.held = weights
         return time.perf_counter() - start
 

@@ -591,6 +591,7 @@ class WeightSubscriber:
                 raise WeightSyncError(f"slot {i} of {self.store} has no slot header for this manifest")
         self._pool = ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="weights-hash")
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="weights-verify")  # drives the hash pool
+        self._pending: dict[WeightVersion, tuple[_Slot, tuple[int, int]]] = {}  # loaded, not yet being verified
         self._verdicts: dict[WeightVersion, Future] = {}  # the last loaded version's verification
 
     def _open_slots(self) -> list[_Slot]:
@@ -620,9 +621,11 @@ class WeightSubscriber:
 
         The header must say READY with ``want``'s version and checksum (else
         ``StaleWeightsError``/``TornWeightsError`` at once). Hashing the bytes takes about
-        as long as a memcpy, so it runs on background threads while the caller samples;
-        :meth:`check_intact` waits for that verdict, so nothing sampled with these views
-        leaves the generator before its weights are verified.
+        as long as a memcpy, so it runs on background threads while the caller samples,
+        from :meth:`start_verification` on (called once the model holds the views, so the
+        hash threads do not slow the adoption down); :meth:`check_intact` starts it if
+        nobody did and waits for its verdict, so nothing sampled with these views leaves
+        the generator before its weights are verified.
 
         The views alias the shared slot: they stay valid only until the publisher
         reuses it, which :meth:`check_intact` also catches. Over ``shm`` they are
@@ -631,8 +634,14 @@ class WeightSubscriber:
         slot = self._slot(want)
         before = slot.read()
         check_header(*before, want, self._where(want))
-        self._verdicts = {want: self._verifier.submit(self._verify, slot, before, want)}
+        self._pending, self._verdicts = {want: (slot, before)}, {}
         return typed_views(slot.data, self.manifest["tensors"])
+
+    def start_verification(self, want: WeightVersion) -> None:
+        """Start hashing the last loaded version ``want`` in the background (no-op once started)."""
+        job = self._pending.pop(want, None)
+        if job is not None:
+            self._verdicts = {want: self._verifier.submit(self._verify, *job, want)}
 
     def _data_checksum(self, slot: _Slot) -> int:
         if slot.data_mv is not None:
@@ -660,6 +669,7 @@ class WeightSubscriber:
         Waits for the background verification of the last :meth:`load` of ``want``; then
         a cheap header check catches a publisher that reused the slot since.
         """
+        self.start_verification(want)
         verdict = self._verdicts.get(want)
         if verdict is not None:
             verdict.result()  # re-raises the verifier's TornWeightsError
@@ -676,4 +686,4 @@ class WeightSubscriber:
         if self._pool is not None:
             self._verifier.shutdown()
             self._pool.shutdown()
-        self._pool, self._slots, self._verdicts = None, [], {}
+        self._pool, self._slots, self._pending, self._verdicts = None, [], {}, {}
