@@ -190,6 +190,17 @@ def test_corrupt_data_byte_is_torn(store: Path, where: str) -> None:
     pub.close()
 
 
+def test_verification_starts_after_load_and_sees_later_damage(pair, store: Path) -> None:
+    pub, sub = pair
+    want = pub.publish(state_dict(0), 0)
+    sub.load(want)  # the header is checked now; the bytes are hashed from start_verification on
+    with open(slot_file(store, 0), "r+b") as f:
+        f.seek(HEADER_BYTES + 3)
+        f.write(b"\xff")
+    with pytest.raises(TornWeightsError, match="corrupt"):
+        sub.check_intact(want)  # nobody started the verification: check_intact runs it, and refuses
+
+
 def test_failed_publish_leaves_the_slot_writing_not_ready(pair) -> None:
     pub, sub = pair
     old = pub.publish(state_dict(0), 0)
@@ -372,6 +383,10 @@ class Publishing(Actor):
         raise AssertionError("publishing a meta tensor should fail")
 
     @endpoint
+    def close(self) -> None:
+        self.publisher.close()
+
+    @endpoint
     def flip_byte(self, version: int) -> None:
         """Change one data byte of the version's slot behind the header's back."""
         data = self.publisher._slots[version % self.publisher.slots].data
@@ -423,6 +438,10 @@ def test_rdma_round_trip_between_two_procs(two_procs, store: Path) -> None:
     v2 = publishing.publish.call_one(2, 2).get()  # over v0's slot: the follower's copy is its own
     assert following.serving.call_one().get()[0] == 1
     assert_same(following.hold.call_one(v2).get(), state_dict(2))
+    publishing.close.call_one().get()  # withdraws the registrations: a late pull fails, the follower keeps v2
+    with pytest.raises(Exception, match="(?s)WeightSyncError.*over RDMA failed.*keeps serving version 2"):
+        following.hold.call_one(v1).get()
+    assert following.serving.call_one().get()[0] == 2
 
 
 def test_rdma_follower_keeps_serving_the_old_version_when_a_pull_is_stale_torn_or_corrupt(

@@ -66,11 +66,21 @@ class RdmaReceiver:
             raise WeightSyncError(f"{want} is not from this store ({self.store}, {self.nbytes} data bytes, rdma)")
         spare = 1 if self._serving == 0 else 0
         buffer = self._buffers[spare]
-        timeout = max(60, int(buffer.numel() / MIN_PULL_BYTES_PER_S))
-        want.remote.slot.read_into(buffer, timeout=timeout).get()
+        self._pull(want, buffer)
         self._verify(buffer, want)
         self._serving, self._served = spare, want
         return typed_views(buffer[HEADER_BYTES:], self.manifest["tensors"])
+
+    def _pull(self, want: WeightVersion, buffer: Tensor) -> None:
+        timeout = max(60, int(buffer.numel() / MIN_PULL_BYTES_PER_S))
+        try:
+            want.remote.slot.read_into(buffer, timeout=timeout).get()
+        except Exception as error:  # Monarch reports transport failures as plain exceptions
+            raise WeightSyncError(
+                f"pulling version {want.version} of {self.store} over RDMA failed ({' '.join(str(error).split())}): "
+                "the trainer's publisher is gone or unreachable (closed, restarted, or its host down); the "
+                f"generator keeps serving version {self.held_version}; restart the trainer so it publishes again"
+            ) from error
 
     def _verify(self, buffer: Tensor, want: WeightVersion) -> None:
         """The received header, then every received byte, against the record."""

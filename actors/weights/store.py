@@ -565,9 +565,16 @@ class WeightPublisher:
         return device_checksum(slot.data)
 
     def close(self) -> None:
-        """Stop the threads and drop the slots; shm files stay for subscribers (the runtime deletes the store)."""
+        """Stop the threads and drop the slots; shm files stay for subscribers (the runtime deletes the store).
+
+        RDMA registrations are withdrawn first, so that a follower's late pull fails
+        instead of reading memory that is about to be freed.
+        """
         if self._pool is not None:
             self._pool.shutdown()
+            remote = [r for r in self._remote if r is not None]
+            for buffer in {id(b): b for r in remote for b in (r.slot, r.manifest)}.values():
+                buffer.drop().get()
         self._pool, self._slots, self._views, self._plan, self._remote = None, [], [], [], []
 
 
