@@ -146,7 +146,7 @@ class Generator(Actor):
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
             groups = await self.engine.generate([p.prompt for p in problems], group_size)
-            self.weights.check_intact(weights)
+            await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         samples = [s for group in groups for s in group]
         return Generation.of(samples, group_size, weights.version, time.perf_counter() - start, load_seconds)
 
@@ -156,7 +156,7 @@ class Generator(Actor):
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
             samples = await self.engine.score([p.prompt for p in problems], texts)
-            self.weights.check_intact(weights)
+            await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         return Generation.of(samples, 1, weights.version, time.perf_counter() - start, load_seconds)
 
     @concurrent_endpoint
