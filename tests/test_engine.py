@@ -156,3 +156,12 @@ def test_vllm_refuses_a_head_size_its_cpu_kernels_lack(tmp_path):
     path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)  # head size 16
     with pytest.raises(ValueError, match="head size is 16.*hidden_size / heads"):
         VLLMEngine(str(path), Sampling(6), seed=0)
+
+
+async def test_vllm_takes_its_sampling_parameters_from_the_topology(vllm_path):
+    from actors.engines.vllm import VLLMEngine
+
+    greedy = VLLMEngine(vllm_path, Sampling(4, temperature=0.7, top_k=1), seed=0)
+    samples = [s for g in await greedy.generate(["abc=", "abc="], 4) for s in g]
+    assert len({tuple(s.completion_ids) for s in samples}) == 1 and all(len(s.completion_ids) <= 4 for s in samples)
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for s in samples for lp in s.logprobs)  # the distribution drawn from

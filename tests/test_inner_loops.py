@@ -105,7 +105,7 @@ def test_tis_inside_the_loop_weights_each_token_by_trainer_over_sampler(model_di
     loss = -(torch.where(mask, weight * batch.advantages[:, None] * ratio, 0.0)).sum() / mask.sum()  # DAPO token mean
     loss.backward()
 
-    assert metrics["policy/loss"] == pytest.approx(float(loss), abs=TOLERANCE)
+    assert metrics["policy/loss"] == pytest.approx(loss.item(), abs=TOLERANCE)
     assert metrics["policy/ratio"] == pytest.approx(1.0, abs=1e-6) and metrics["policy/clipped_fraction"] == 0.0
     assert metrics["policy/is_weight"] == pytest.approx(float(weight[mask].mean()), abs=1e-6)
     assert 0.05 < float((weight[mask] == 1.5).float().mean()) < 0.5  # the truncation is actually exercised
