@@ -23,7 +23,6 @@ from actors.rewarder import Rewarder
 from actors.tasks import build_task
 from actors.teachers import TeacherPool
 from actors.trainer import Trainer
-from actors.weights import choose_transport
 from mesh.control import ControlChannel
 from mesh.controller import Actors, Controller
 from mesh.progress import Progress
@@ -124,7 +123,7 @@ async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) 
         slots,
         place[cfg.trainer.mesh],
         topology.loop.steps,
-        _weight_transport(topology),
+        topology.weight_transport(),
     )
     generators = _generators(topology, meshes, model_path, place)
     rewarder = meshes[cfg.rewarder.mesh].spawn("rewarder", Rewarder, topology.task.config, cfg.rewarder)
@@ -173,18 +172,3 @@ def _placements(topology: Topology) -> dict[str, Placement]:
         places[name] = Placement(threads, next_gpu if mesh.gpus else None, mesh.gpus)
         next_gpu += mesh.gpus * mesh.procs * mesh.hosts
     return places
-
-
-def _weight_transport(topology: Topology) -> str:
-    """How weights reach the generators and teachers: shm, rdma or cuda_ipc (``actors/weights``).
-
-    Launcher ``local`` puts every mesh on this host. Any other starts each host of each
-    mesh apart (``process``: a worker process of its own, standing in for a machine), so
-    a follower shares the trainer's host only on the trainer's own single-host mesh.
-    """
-    cfg = topology.actors
-    followers = [cfg.generator.mesh] + ([cfg.teachers.mesh] if cfg.teachers else [])
-    together = cfg.generator.replicas == 1 and topology.meshes[cfg.trainer.mesh].hosts == 1
-    together = together and all(mesh == cfg.trainer.mesh for mesh in followers)
-    on_gpu = all(topology.meshes[mesh].gpus > 0 for mesh in [cfg.trainer.mesh, *followers])
-    return choose_transport(topology.launcher.kind == "local" or together, on_gpu)

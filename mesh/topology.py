@@ -25,6 +25,9 @@ from actors.model import TinyModelSpec
 from actors.rewarder import RewarderConfig
 from actors.tasks import TaskConfig, build_task
 from actors.teachers import TeachersConfig, check_weighted
+from actors.weights import choose_transport
+
+TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
 
 
 class TopologyError(Exception):
@@ -146,6 +149,20 @@ class Topology(Section):
         """Every mesh the launcher starts: the topology's own, then the generator's replica copies."""
         spec = self.meshes[self.actors.generator.mesh]
         return self.meshes | {name: spec for name in self.replica_meshes()[1:]}
+
+    def weight_transport(self) -> str:
+        """How weights reach the generators and teachers: shm, rdma or cuda_ipc (``actors/weights``).
+
+        Launcher ``local`` puts every mesh on this host. Any other starts each host of each
+        mesh apart (``process``: a worker process of its own, standing in for a machine), so
+        a follower shares the trainer's host only on the trainer's own single-host mesh.
+        """
+        cfg = self.actors
+        followers = [cfg.generator.mesh] + ([cfg.teachers.mesh] if cfg.teachers else [])
+        together = cfg.generator.replicas == 1 and self.meshes[cfg.trainer.mesh].hosts == 1
+        together = together and all(mesh == cfg.trainer.mesh for mesh in followers)
+        on_gpu = all(self.meshes[mesh].gpus > 0 for mesh in [cfg.trainer.mesh, *followers])
+        return choose_transport(self.launcher.kind == "local" or together, on_gpu)
 
     @model_validator(mode="after")
     def _consistent(self) -> Topology:
@@ -324,7 +341,8 @@ def describe(topology: Topology) -> str:
         "rewarder -> controller: rewards -> group advantages -> TrainBatch",
         f"controller -> trainer ({topology.actors.trainer.inner_loop}): TrainBatch; "
         + ("synchronous" if lag == 0 else f"bounded-async, max_policy_lag {lag}"),
-        "trainer -> every generator: weights over shared memory (versioned, checksummed), pushed after each step",
+        f"trainer -> every generator: weights over {TRANSPORT_WORDS[topology.weight_transport()]} (versioned, "
+        + "checksummed), pushed after each step",
     ]
     if topology.loop.warm_start.steps:
         graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")

@@ -31,7 +31,6 @@ from actors.weights import (
     device_checksum,
     slot_file,
 )
-from mesh.runtime import _weight_transport
 from mesh.topology import load_topology
 
 cloudpickle.register_pickle_by_value(
@@ -502,4 +501,4 @@ ONE_MESH = ["launcher.kind=process", "actors.generator.mesh=trainer", "actors.te
     ],
 )
 def test_the_runtime_picks_the_transport_from_the_placement(overrides: list[str], transport: str) -> None:
-    assert _weight_transport(load_topology(REPO / "topologies" / "tiny.yaml", overrides)) == transport
+    assert load_topology(REPO / "topologies" / "tiny.yaml", overrides).weight_transport() == transport
