@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,6 +76,11 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,  # the samples of one prompt share its prefill
         )
+        # Every in-place reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is
+        # built from the config, not trained, so no state dict holds it and vLLM keeps its own (the
+        # logprobs after a reload match the new weights; tests/test_engine.py). Set after the engine
+        # exists: building it reconfigures vLLM's loggers.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.sampling = sampling
