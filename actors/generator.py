@@ -24,6 +24,7 @@ from monarch.actor import Actor, concurrent_endpoint, context
 
 from actors import registry
 from actors.engines import Sample, Sampling
+from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement, proc_device
 from actors.rollout import Rollout
 from actors.tasks import Problem
@@ -130,22 +131,32 @@ class VersionGate:
 
 
 class Generator(Actor):
-    def __init__(self, model_path: str, cfg: GeneratorConfig, seed: int, place: Placement):
-        torch.set_num_threads(place.threads)
-        rank = context().actor_instance.rank.rank  # absolute flat rank: each replica samples its own stream
-        device = proc_device(place.first_gpu, place.gpus_per_proc, rank)
-        self.engine = registry.load("engine", cfg.engine)(model_path, cfg.sampling, seed + 1000 * rank, device)
+    def __init__(self, model_path: str, cfg: GeneratorConfig, place: Placement):
+        self.model_path, self.cfg, self.place = model_path, cfg, place  # built in ``start`` (actors/lifecycle.py)
         self.weights = WeightFollower()
         self.gate = VersionGate()
+
+    @concurrent_endpoint
+    async def start(self) -> ProcInfo:
+        """Load the engine; its errors (a bad model, an engine the model cannot run on) reach the caller whole."""
+        torch.set_num_threads(self.place.threads)
+        rank = context().actor_instance.rank.rank  # absolute flat rank within the mesh: its GPU
+        device = proc_device(self.place.first_gpu, self.place.gpus_per_proc, rank)
+        self.engine = registry.load("engine", self.cfg.engine)(self.model_path, self.cfg.sampling, device)
+        return this_proc()
 
     def _switch(self, weights: WeightVersion) -> float:
         return self.weights.hold(weights, self.engine.load_weights)
 
     @concurrent_endpoint
-    async def generate(self, problems: list[Problem], group_size: int, weights: WeightVersion) -> Generation:
+    async def generate(
+        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int]
+    ) -> Generation:
+        """``group_size`` samples of each problem; ``seeds`` (one per problem) fix the sampling
+        randomness, so a request sampled again (a retry, a resumed run) gives the same samples."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
-            groups = await self.engine.generate([p.prompt for p in problems], group_size)
+            groups = await self.engine.generate([p.prompt for p in problems], group_size, seeds)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         samples = [s for group in groups for s in group]
         return Generation.of(samples, group_size, weights.version, time.perf_counter() - start, load_seconds)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from monarch.actor import Actor, endpoint
 
 from actors import registry
+from actors.lifecycle import ProcInfo, this_proc
 from actors.tasks import Problem, TaskConfig, build_task
 
 
@@ -44,8 +45,13 @@ class Scores:
 
 class Rewarder(Actor):
     def __init__(self, task: TaskConfig, cfg: RewarderConfig):
-        self.task = build_task(task)
-        self.functions = {path.rpartition(":")[2]: registry.load("reward", path) for path in cfg.functions}
+        self.task_config, self.cfg = task, cfg  # built in ``start`` (actors/lifecycle.py)
+
+    @endpoint
+    def start(self) -> ProcInfo:
+        self.task = build_task(self.task_config)
+        self.functions = {path.rpartition(":")[2]: registry.load("reward", path) for path in self.cfg.functions}
+        return this_proc()
 
     @endpoint
     def score(self, problems: list[Problem], completions: list[str]) -> Scores:

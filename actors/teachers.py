@@ -17,6 +17,7 @@ from monarch.actor import Actor, endpoint
 
 from actors import registry
 from actors.bindings import Binding, BindingConfig, ScoreRequest, Student, TokenScores
+from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
@@ -76,12 +77,17 @@ class ScoreReply:
 
 class TeacherPool(Actor):
     def __init__(self, cfg: TeachersConfig, student: Student, place: Placement):
-        torch.set_num_threads(place.threads)
-        self.student = student
+        self.cfg, self.student, self.place = cfg, student, place  # built in ``start`` (actors/lifecycle.py)
         self.bindings: dict[str, Binding] = {}
         self.built = 0
         self.followers: dict[str, WeightFollower] = {}  # per binding that follows the policy: each holds a model
-        self.initial = {name: self._build(name, binding) for name, binding in cfg.bindings.items()}
+
+    @endpoint
+    def start(self) -> ProcInfo:
+        """Build the topology's own bindings (a model that fails to load fails here, with its reason)."""
+        torch.set_num_threads(self.place.threads)
+        self.initial = {name: self._build(name, binding) for name, binding in self.cfg.bindings.items()}
+        return this_proc()
 
     @endpoint
     def initial_ids(self) -> dict[str, str]:

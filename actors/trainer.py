@@ -23,6 +23,7 @@ from monarch.actor import Actor, endpoint
 
 from actors import registry
 from actors.inner_loops import TrainerConfig
+from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement, proc_device
 from actors.rollout import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion
@@ -49,17 +50,28 @@ class Trainer(Actor):
         total_steps: int,
         transport: str = "shm",
     ):
-        torch.set_num_threads(place.threads)
-        torch.manual_seed(seed)
-        device = proc_device(place.first_gpu, place.gpus_per_proc, int(os.environ["RANK"]))
+        # built in ``start`` (actors/lifecycle.py)
+        self.model_path, self.cfg, self.seed, self.place, self.total_steps = model_path, cfg, seed, place, total_steps
+        self.store, self.slots, self.transport = store, slots, transport
+        self.publisher: WeightPublisher | None = None
+
+    @endpoint
+    def start(self) -> ProcInfo:
+        """Join the trainer mesh's process group, build the inner loop and (rank 0) the weight store."""
+        torch.set_num_threads(self.place.threads)
+        torch.manual_seed(self.seed)
+        device = proc_device(self.place.first_gpu, self.place.gpus_per_proc, int(os.environ["RANK"]))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.loop = registry.load("inner_loop", cfg.inner_loop)(model_path, cfg, self.rank, self.world, device)
+        cfg = self.cfg
+        self.loop = registry.load("inner_loop", cfg.inner_loop)(self.model_path, cfg, self.rank, self.world, device)
         self.version = 0
         taid = cfg.loss.distill.divergence == "taid" and cfg.loss.alpha_sdpo > 0
-        self.taid = TAIDScheduler(total_steps) if taid else None
+        self.taid = TAIDScheduler(self.total_steps) if taid else None
         state = self.loop.state_dict()
-        self.publisher = WeightPublisher(store, state, slots, transport=transport) if self.rank == 0 else None
+        if self.rank == 0:
+            self.publisher = WeightPublisher(self.store, state, self.slots, transport=self.transport)
+        return this_proc()
 
     @endpoint
     def publish(self) -> WeightVersion | None:
@@ -84,20 +96,22 @@ class Trainer(Actor):
         return StepReport(metrics, weights, seconds, time.perf_counter() - start - seconds)
 
     @endpoint
-    def save(self, directory: str, step: int) -> None:
-        state = {"step": step, "version": self.version}
+    def save(self, directory: str, step: int, extra: dict | None = None) -> None:
+        """A checkpoint of ``step``: policy, optimizer, version, TAID's schedule, and the caller's
+        ``extra`` (JSON: e.g. the batches a bounded-async run collected ahead)."""
+        state = {"step": step, "version": self.version, **(extra or {})}
         if self.taid is not None:
             state["taid"] = self.taid.state_dict()
         self.loop.save(Path(directory), state)
 
     @endpoint
-    def load(self, directory: str) -> int:
-        """Resume from a checkpoint: policy, optimizer, version and TAID's schedule; returns its step."""
+    def load(self, directory: str) -> dict:
+        """Resume from a checkpoint: policy, optimizer, version and TAID's schedule; returns its saved state."""
         state = self.loop.load(Path(directory))
         self.version = state["version"]
         if self.taid is not None and "taid" in state:
             self.taid.load_state_dict(state["taid"])
-        return state["step"]
+        return state
 
     def __cleanup__(self, exc: Exception | None) -> None:
         if self.publisher is not None:

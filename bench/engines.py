@@ -46,7 +46,7 @@ async def rollout_tokens(engine, prompts: list[str], requests: int) -> tuple[int
     size = len(prompts) // requests
     start = time.perf_counter()
     replies = await asyncio.gather(
-        *(engine.generate(prompts[i : i + size], SAMPLES) for i in range(0, len(prompts), size))
+        *(engine.generate(prompts[i : i + size], SAMPLES, sampling_seeds(0, 'bench', size)) for i in range(0, len(prompts), size))
     )
     seconds = time.perf_counter() - start
     return sum(len(s.completion_ids) for groups in replies for group in groups for s in group), seconds
@@ -54,7 +54,7 @@ async def rollout_tokens(engine, prompts: list[str], requests: int) -> tuple[int
 
 async def measure(path: str, rounds: int, patterns: list[int]) -> dict[int, dict[str, float]]:
     sampling = Sampling(max_new_tokens=NEW_TOKENS)
-    engines = {"hf": HFEngine(path, sampling, seed=0), "vllm": VLLMEngine(path, sampling, seed=0)}
+    engines = {"hf": HFEngine(path, sampling), "vllm": VLLMEngine(path, sampling)}
     prompts = [p.prompt for p in TASK.problems(0, 0, PROMPTS)]
     for engine in engines.values():  # warm-up: vLLM's first step plans its kernels
         await rollout_tokens(engine, prompts, 1)
@@ -77,7 +77,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, spec in models.items():
-            path = str(build_tiny_model(Path(tmp) / label.replace(" ", "_"), spec, TASK.alphabet, seed=0))
+            path = str(build_tiny_model(Path(tmp) / label.replace(" ", "_"), spec, TASK.alphabet))
             for requests, rate in asyncio.run(measure(path, rounds, patterns)).items():
                 ratio = rate["vllm"] / rate["hf"]
                 print(

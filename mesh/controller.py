@@ -26,17 +26,22 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from actors.bindings import ScoreRequest
+from actors.engines import sampling_seeds
 from actors.rollout import Rollout, TrainBatch, build_train_batch, preference_pairs
 from actors.tasks import Task
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from losses import group_advantages
+from mesh.inflight import collected_from_json, collected_to_json
 from mesh.control import ControlChannel
+from mesh.fleet import Fleet, TrainerLost
+from mesh.interrupts import Interrupted, Stopper
 from mesh.router import Routed, Router, TargetLoad
 from mesh.rundir import RunDir
 from mesh.teachers import Snapshot, TeacherBinding, TeacherBoard
@@ -80,49 +85,114 @@ class Controller:
         actors: Actors,
         task: Task,
         run: RunDir,
-        weights: WeightVersion,
         progress,
         teachers: TeacherBoard,
         control: ControlChannel | None = None,
+        fleet: Fleet | None = None,
+        stopper: Stopper | None = None,
     ):
         self.topology, self.actors, self.task, self.run = topology, actors, task, run
-        self.weights = weights
         self.progress = progress
         self.teachers, self.control = teachers, control
+        self.fleet, self.stopper = fleet, stopper
         self.max_new_tokens = topology.actors.generator.max_new_tokens
         self.loss = topology.actors.trainer.loss
+        self.weights: WeightVersion | None = None
+        self.step: int | None = None  # the step being trained (None before the first)
+        self.last_checkpoint: Path | None = None
+        self.collecting: deque[asyncio.Future[Collected]] = deque()  # the steps after ``step``, sampled ahead
+        self.scheduled = 0  # the next step to start collecting
+        self.trainer_seconds_lost = 0.0
 
-    async def train(self, start_step: int = 0) -> list[dict]:
-        loop = self.topology.loop
-        inflight: deque[asyncio.Task[Collected]] = deque()
-        scheduled, history = start_step, []
+    async def train(self, checkpoint: Path | None = None) -> list[dict]:
+        """Train to ``loop.steps``, from ``checkpoint`` if given (a resumed run) else from the start."""
+        history, loop = [], self.topology.loop
         last_end = time.perf_counter()
+        self.step = await self._begin(checkpoint)
         self._publish_teachers()
+        if self.stopper is not None:
+            self.stopper.training = True
         try:
-            for step in range(start_step, loop.steps):
-                await self.teachers.drop_retired(step)
-                await self._apply_commands(scheduled)
-                while scheduled < loop.steps and len(inflight) <= loop.max_policy_lag:
-                    snapshot = self.teachers.snapshot()
-                    inflight.append(asyncio.create_task(self._collect(scheduled, self.weights, snapshot)))
-                    scheduled += 1
-                wait_start = time.perf_counter()
-                collected = await inflight.popleft()
-                wait = time.perf_counter() - wait_start
-                metrics = await self._train(step, collected)
-                now = time.perf_counter()
-                metrics |= {"time/step": now - last_end, "time/wait_for_batch": wait}
-                metrics["samples_per_s"] = collected.grouped / metrics["time/step"]
-                last_end = now
-                await self._after_step(step, metrics)
+            while self.step < loop.steps:
+                try:
+                    metrics = await self._train_step(self.step, last_end)
+                except TrainerLost as lost:
+                    self.step = await self._restart_trainer(lost, last_end)
+                    last_end = time.perf_counter()
+                    continue
+                last_end = time.perf_counter()
                 history.append(metrics)
+                self.step += 1
+                if self.stopper is not None and self.stopper.requested is not None and self.step < loop.steps:
+                    await self._stop(self.stopper.requested)
             await self.actors.generators.settle()  # every replica ends holding the final version
         finally:
-            for task in inflight:  # a failed step leaves collections behind: stop them, quietly
-                task.cancel()
-            await asyncio.gather(*inflight, return_exceptions=True)
+            await self._cancel_inflight()
             await self.actors.generators.close()
         return history
+
+    async def _begin(self, checkpoint: Path | None) -> int:
+        """The trainer's state from ``checkpoint`` (or its initial weights), published; its in-flight batches
+        back in flight; the step to train next."""
+        step, restored = 0, []
+        if checkpoint is not None:
+            state = next(iter((await self.actors.trainer.load.call(str(checkpoint))).values()))
+            step, restored = state["step"], collected_from_json(state["inflight"]) if "inflight" in state else []
+            self.last_checkpoint = checkpoint
+        self.weights = next(w for w in (await self.actors.trainer.publish.call()).values() if w is not None)
+        self.actors.generators.publish(self.weights)
+        for collected in restored:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(collected)
+            self.collecting.append(done)
+        self.scheduled = step + len(restored)
+        self.progress.move_to(step)
+        return step
+
+    async def _train_step(self, step: int, last_end: float) -> dict:
+        loop = self.topology.loop
+        await self.teachers.drop_retired(step)
+        await self._apply_commands(self.scheduled)
+        while self.scheduled < loop.steps and len(self.collecting) <= loop.max_policy_lag:
+            snapshot = self.teachers.snapshot()
+            self.collecting.append(asyncio.ensure_future(self._collect(self.scheduled, self.weights, snapshot)))
+            self.scheduled += 1
+        wait_start = time.perf_counter()
+        collected = await self.collecting[0]
+        self.collecting.popleft()
+        wait = time.perf_counter() - wait_start
+        metrics = await self._train(step, collected)
+        now = time.perf_counter()
+        metrics |= {"time/step": now - last_end, "time/wait_for_batch": wait}
+        metrics["samples_per_s"] = collected.grouped / metrics["time/step"]
+        if self.fleet is not None:
+            metrics["faults/restarts"] = self.fleet.restarts
+            metrics["faults/seconds_lost"] = self.fleet.seconds_lost + self.trainer_seconds_lost
+        await self._after_step(step, metrics)
+        return metrics
+
+    async def _restart_trainer(self, lost: TrainerLost, failed_step_start: float) -> int:
+        """A trainer process died or hung: a fresh trainer mesh from the last checkpoint (the generators keep
+        their weights until it publishes); the steps after that checkpoint are trained again, identically."""
+        await self._cancel_inflight()
+        await self.fleet.restart_trainer(lost)
+        step = await self._begin(self.last_checkpoint)
+        redone = self.run.rewind(step)
+        self.trainer_seconds_lost += time.perf_counter() - failed_step_start + sum(r["time/step"] for r in redone)
+        return step
+
+    async def _stop(self, signum: int) -> None:
+        """A signal asked to stop: checkpoint this step boundary (unless it just was) and end the run."""
+        if self.last_checkpoint != self.run.checkpoint_dir(self.step):
+            await self._checkpoint(self.step)
+        raise Interrupted(signum, self.run.path, self.last_checkpoint)
+
+    async def _cancel_inflight(self) -> None:
+        """Stop the collections still running (a failed step, a trainer restart), quietly."""
+        for task in self.collecting:
+            task.cancel()
+        await asyncio.gather(*self.collecting, return_exceptions=True)
+        self.collecting.clear()
 
     async def _apply_commands(self, step: int) -> None:
         """``mesh.ctl`` commands sent since the last boundary; they apply to collections from ``step`` on."""
@@ -143,11 +213,12 @@ class Controller:
     async def _collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
         loop = self.topology.loop
         problems = self.task.problems(self.topology.seed, step, loop.prompts_per_step)
+        seeds = sampling_seeds(self.topology.seed, f"step {step}", len(problems))
         warm = teachers.get(loop.warm_start.teacher) if step < loop.warm_start.steps else None
         replay = [t for t in teachers.values() if "replay" in t.config.use] if self.loss.beta_replay > 0 else []
         tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
         generated, traced = await asyncio.gather(
-            self.actors.generators.generate(problems, loop.group_size, weights), self._trace(tracers, problems)
+            self.actors.generators.generate(problems, loop.group_size, weights, seeds), self._trace(tracers, problems)
         )
         warm_rows, replay_rows, scored = await self._trace_rollouts(problems, traced, weights, warm, replay)
         group_size = loop.group_size + (1 if warm_rows else 0)
@@ -297,13 +368,22 @@ class Controller:
         self.run.log(step, metrics)
         every = self.topology.checkpointing.every
         if (every and (step + 1) % every == 0) or step + 1 == self.topology.loop.steps:
-            await self.actors.trainer.save.call(str(self.run.checkpoint_dir(step + 1)), step + 1)
+            await self._checkpoint(step + 1)
         self.progress.update(step, metrics)
+
+    async def _checkpoint(self, step: int) -> None:
+        """The trainer's state at ``step``, and the batches already collected for the steps after it."""
+        collected = [await task for task in self.collecting]  # a bounded-async run sampled them before this point
+        extra = {"inflight": collected_to_json(collected)} if collected else {}
+        await self.actors.trainer.save.call(str(self.run.checkpoint_dir(step)), step, extra)
+        self.last_checkpoint = self.run.checkpoint_dir(step)
 
     async def evaluate(self) -> float:
         """Mean reward of one sample per prompt on a fixed held-out prompt set (the task's step -1)."""
-        problems = self.task.problems(self.topology.seed, -1, self.topology.loop.evaluation.prompts)
-        rollouts = (await self.actors.generators.generate(problems, 1, self.weights)).rollouts
+        count = self.topology.loop.evaluation.prompts
+        problems = self.task.problems(self.topology.seed, -1, count)
+        seeds = sampling_seeds(self.topology.seed, f"eval {self.step}", count)
+        rollouts = (await self.actors.generators.generate(problems, 1, self.weights, seeds)).rollouts
         await self._reward(rollouts)
         return sum(r.reward for r in rollouts) / len(rollouts)
 

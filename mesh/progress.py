@@ -28,9 +28,14 @@ class Progress:
         )
         self.bar.update(1)
 
-    def skip(self, steps: int) -> None:
-        """A resumed run starts at ``steps``."""
-        self.bar.update(steps)
+    def note(self, line: str) -> None:
+        """One line above the bar (a fault, a signal), shown even when the bar is off."""
+        tqdm.write(line, file=sys.stderr)
+
+    def move_to(self, step: int) -> None:
+        """Training goes on from ``step`` (a resumed run, or a trainer restarted from a checkpoint)."""
+        self.bar.n = step
+        self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()

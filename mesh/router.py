@@ -120,11 +120,14 @@ class Router:
     def handles(self) -> list[ActorMesh]:
         return [target.handle for target in self.targets]
 
-    async def generate(self, problems: list[Problem], group_size: int, weights: WeightVersion) -> Routed:
-        """``group_size`` samples of each prompt, sampled with ``weights``; groups keep their index."""
+    async def generate(
+        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int]
+    ) -> Routed:
+        """``group_size`` samples of each prompt, sampled with ``weights``; groups keep their index.
+        ``seeds`` (one per prompt) fix each prompt's sampling, whichever target serves it."""
 
         def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
-            return handle.generate.call_one(problems[share], group_size, weights)
+            return handle.generate.call_one(problems[share], group_size, weights, seeds[share])
 
         return await self._route(problems, group_size, weights.version, call)
 
@@ -139,6 +142,12 @@ class Router:
     def publish(self, weights: WeightVersion) -> None:
         """The trainer's newest version: every target adopts it as soon as it is free."""
         self._newest = weights
+        self._push_idle()
+
+    def forget(self, targets: list[int]) -> None:
+        """These targets were replaced by fresh processes that hold no weights yet: push them the newest."""
+        for i in targets:
+            self.targets[i].held = None
         self._push_idle()
 
     async def settle(self) -> None:

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(topology))
         return 0
 
+    from mesh.interrupts import Interrupted
     from mesh.runtime import RunFailed, run
 
     try:
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except Interrupted as stopped:
+        print(f"stopped: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     print(f"run directory: {run_dir.path}")
     return 0
 

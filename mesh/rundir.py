@@ -60,6 +60,16 @@ class RunDir:
                 if isinstance(value, int | float) and math.isfinite(value):
                     self.writer.add_scalar(name, value, step)
 
+    def rewind(self, step: int) -> list[dict]:
+        """Forget the metrics of ``step`` and later (a trainer restarted from the checkpoint of ``step``
+        trains them again); returns the records dropped. TensorBoard keeps both, as it does for any rerun."""
+        records = read_metrics(self.metrics_file)
+        kept = [r for r in records if r["step"] < step]
+        partial = self.metrics_file.with_name(self.metrics_file.name + ".partial")
+        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial.replace(self.metrics_file)
+        return [r for r in records if r["step"] >= step]
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

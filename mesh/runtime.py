@@ -1,44 +1,65 @@
-"""Placing a topology and running it: run directory, model, meshes, actors, controller.
+"""Placing a topology and running it: run directory, model, weight store, meshes, actors, controller.
 
-Faults end the run with one paragraph naming the actor that failed and where its
-metrics and last checkpoint are; nothing already written is lost.
+A run ends in one of three ways, and each keeps everything written so far:
+
+- done: the last step's checkpoint, metrics and ``reward.png`` are in the run directory;
+- a fault the run cannot absorb (an actor's endpoint raised, or more processes died than
+  ``fault_tolerance.max_restarts`` allows): :class:`RunFailed`, one paragraph naming the
+  actor, the step and the original exception; the remote traceback goes to ``error.log``;
+- a signal: :class:`~mesh.interrupts.Interrupted` after a final checkpoint (see ``mesh/interrupts.py``).
+
+Processes that die or hang along the way are replaced by the fleet (``mesh/fleet.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import monarch.actor
-from monarch.spmd import setup_torch_elastic_env_async
+# Monarch notices a dead process when it next polls its supervision state, by default every
+# 10 s: a run that replaces dead processes wants to hear within a second. Read when Monarch starts.
+os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
-from actors import registry
-from actors.bindings import Student
-from actors.generator import Generator
-from actors.model import Placement, build_tiny_model
-from actors.rewarder import Rewarder
-from actors.tasks import build_task
-from actors.teachers import TeacherPool
-from actors.trainer import Trainer
-from mesh.control import ControlChannel
-from mesh.controller import Actors, Controller
-from mesh.progress import Progress
-from mesh.router import Router
-from mesh.rundir import RunDir
-from mesh.teachers import TeacherBoard
-from mesh.topology import Topology
+import monarch.actor  # noqa: E402
+from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
-if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
+from actors import registry  # noqa: E402
+from actors.bindings import Student  # noqa: E402
+from actors.generator import Generator  # noqa: E402
+from actors.lifecycle import ProcInfo  # noqa: E402
+from actors.model import Placement, build_tiny_model  # noqa: E402
+from actors.rewarder import Rewarder  # noqa: E402
+from actors.tasks import build_task  # noqa: E402
+from actors.teachers import TeacherPool  # noqa: E402
+from actors.trainer import Trainer  # noqa: E402
+from mesh.control import EVENTS, ControlChannel  # noqa: E402
+from mesh.controller import Actors, Controller  # noqa: E402
+from mesh.faults import explain, paragraph  # noqa: E402
+from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
+from mesh.interrupts import Interrupted, Stopper  # noqa: E402
+from mesh.progress import Progress  # noqa: E402
+from mesh.router import Router  # noqa: E402
+from mesh.rundir import RunDir  # noqa: E402
+from mesh.teachers import TeacherBoard  # noqa: E402
+from mesh.topology import Topology  # noqa: E402
+
+if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch._src.actor.actor_mesh import ActorMesh
+    from monarch.actor import ProcMesh
 
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+ERROR_LOG = "error.log"
+PROCS = "procs.json"
 
 
 class RunFailed(RuntimeError):
-    """The run stopped on a fault; the message says which actor and where the results are."""
+    """The run stopped on a fault; the message names the actor, the cause and where the results are."""
 
 
 async def run(
@@ -47,58 +68,121 @@ async def run(
     """Run ``topology`` to the end; returns its run directory.
 
     ``resume``: a checkpoint directory of an earlier run of this topology; training goes
-    on from its step with its policy, optimizer and loss state (TAID's schedule).
+    on from its step with its policy, optimizer, loss state and in-flight batches.
     """
     run_dir = RunDir.create(
         run_root or topology.logging.root, topology.name, topology.model_dump(mode="json"), topology.logging.tensorboard
     )
     task = build_task(topology.task.config)
     model_path = _prepare_model(topology, task.alphabet, run_dir)
-    store = str(Path(SHM_ROOT or run_dir.path) / f"composer-mesh-{os.getpid()}-{run_dir.path.name}")
+    stores = _Stores(Path(SHM_ROOT or run_dir.path), run_dir.path.name)
     launcher = registry.load("launcher", topology.launcher.kind)()
-    monarch.actor.unhandled_fault_hook = _report_fault
     bar = Progress(topology, enabled=progress)
+    faults = _FaultLog(run_dir.path, bar)
+    monarch.actor.unhandled_fault_hook = faults.monarch  # recorded; the call that waits on it recovers or fails
     control = ControlChannel.create(run_dir.path)
+    stopper = Stopper()
+    controller: Controller | None = None
     if progress:
         print(f"run directory: {run_dir.path} (change its teachers: python -m mesh.ctl {run_dir.path} teachers)")
+    stopper.install()
     try:
-        meshes = launcher.start(topology)
-        actors = await _spawn(topology, meshes, model_path, store)
-        start_step = 0
-        if resume is not None:
-            start_step = next(iter((await actors.trainer.load.call(resume)).values()))
-            bar.skip(start_step)
-        weights = next(w for w in (await actors.trainer.publish.call()).values() if w is not None)
+        fleet = Fleet(
+            launcher,
+            _roles(topology, model_path, stores),
+            topology.fault_tolerance,
+            topology.actors.trainer.mesh,
+            on_fault=faults.record,
+        )
+        fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))
+        await fleet.start(launcher.start(topology))
+        _write_procs(run_dir.path, fleet)
+        actors = _actors(topology, fleet)
         bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
-        teachers = await TeacherBoard.start(actors.teachers, bindings, start_step, topology.actors.trainer.loss)
-        controller = Controller(topology, actors, task, run_dir, weights, bar, teachers, control)
-        await controller.train(start_step)
+        teachers = await TeacherBoard.start(actors.teachers, bindings, 0, topology.actors.trainer.loss)
+        controller = Controller(topology, actors, task, run_dir, bar, teachers, control, fleet, stopper)
+        await controller.train(Path(resume) if resume else None)
+    except Interrupted:
+        raise
+    except asyncio.CancelledError:  # a second signal, or one before the first step
+        if stopper.requested is None:
+            raise
+        raise Interrupted(stopper.requested, run_dir.path, controller and controller.last_checkpoint) from None
     except Exception as error:
-        raise RunFailed(
-            f"run {run_dir.path} stopped: {_cause(error)}. Metrics up to the failure are in "
-            f"{run_dir.metrics_file}, checkpoints in {run_dir.path / 'checkpoints'}; fix the cause and rerun."
-        ) from error
+        step = controller.step if controller is not None else None
+        raise RunFailed(_failure_message(run_dir, error, step, faults)) from error
     finally:
+        stores.remove_all()
         control.close()
+        stopper.remove()
         bar.close()
-        await launcher.stop()
-        shutil.rmtree(store, ignore_errors=True)
+        await _stop(launcher)
         run_dir.close()
     return run_dir
 
 
-def _cause(error: Exception) -> str:
-    """One line: which call failed and the original exception, without the remote traceback."""
-    headline = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    original = getattr(error, "exception", None)  # monarch's ActorError carries the actor's own exception
-    if isinstance(original, BaseException):
-        return f"{headline} {type(original).__name__}: {original}"
-    return headline
+def _failure_message(run_dir: RunDir, error: Exception, step: int | None, faults: _FaultLog) -> str:
+    cause = error.cause if isinstance(error, ActorFailed) else explain(error)
+    what = str(error) if isinstance(error, ActorFailed) else cause.summary
+    faults.write(f"the run stopped{'' if step is None else f' at step {step}'}", what, cause.traceback)
+    where = "before its first step" if step is None else f"at step {step}"
+    return (
+        f"run {run_dir.path} stopped {where}: {what}. The full traceback is in {run_dir.path / ERROR_LOG}; "
+        f"metrics up to the failure are in {run_dir.metrics_file} and checkpoints in {run_dir.path / 'checkpoints'}. "
+        "Fix the cause and rerun (or resume from the last checkpoint with --resume)."
+    )
 
 
-def _report_fault(failure) -> None:
-    """A process or actor died: say so now; the call waiting on it fails next and ends the run."""
-    print(f"fault: {' '.join(failure.report().split())[:500]}", file=sys.stderr)
+async def _stop(launcher) -> None:
+    try:
+        await launcher.stop()
+    except Exception as error:  # a broken mesh may not stop cleanly; its processes die with this one
+        print(f"warning: stopping the meshes: {paragraph(str(error))}", file=sys.stderr)
+
+
+class _Stores:
+    """The weight stores of this run: one per (re)start of the trainer, all removed at the end."""
+
+    def __init__(self, root: Path, run_name: str):
+        self.root, self.run_name = root, run_name
+        self.paths: list[Path] = []
+
+    def new(self) -> str:
+        path = self.root / f"composer-mesh-{os.getpid()}-{self.run_name}-{len(self.paths)}"
+        self.paths.append(path)
+        return str(path)
+
+    def remove_all(self) -> None:
+        for path in self.paths:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class _FaultLog:
+    """Every fault of the run: one line on the terminal, an event in ``events.jsonl``, the
+    traceback in ``error.log``."""
+
+    def __init__(self, run_path: Path, bar: Progress):
+        self.run_path, self.bar = run_path, bar
+
+    def record(self, fault: Fault) -> None:
+        if fault.restart:
+            outcome = f"replaced its processes in {fault.seconds:.1f} s (restart {fault.restart})"
+        else:
+            outcome = "no restarts left"
+        self.bar.note(f"fault: {fault.actor} in {fault.endpoint}: {fault.cause.summary}; {outcome}")
+        self.write(f"fault: {fault.actor} in {fault.endpoint}", fault.cause.summary, fault.cause.traceback)
+        event = {"time": time.time(), "event": "fault", "actor": fault.actor, "endpoint": fault.endpoint}
+        event |= {"cause": fault.cause.summary, "restart": fault.restart, "seconds": fault.seconds}
+        with (self.run_path / EVENTS).open("a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def monarch(self, failure) -> None:
+        """Monarch's unhandled-fault hook: keep its report; the default hook would exit the program."""
+        self.write(f"monarch: mesh {failure.mesh_name} failed", failure.report(), None)
+
+    def write(self, title: str, summary: str, traceback: str | None) -> None:
+        with (self.run_path / ERROR_LOG).open("a") as f:
+            f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {title}\n{summary}\n{traceback or ''}\n")
 
 
 def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
@@ -107,57 +191,63 @@ def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
     return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))
 
 
-async def _spawn(topology: Topology, meshes: dict, model_path: str, store: str) -> Actors:
+def _roles(topology: Topology, model_path: str, stores: _Stores) -> dict[str, list[Role]]:
+    """Mesh name -> the actors placed on it, the trainer first on its mesh."""
     cfg, seed = topology.actors, topology.seed
     place = _placements(topology)
-    trainer_procs = meshes[cfg.trainer.mesh]
-    await setup_torch_elastic_env_async(trainer_procs)
-    slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
-    trainer = trainer_procs.spawn(
-        "trainer",
-        Trainer,
-        model_path,
-        cfg.trainer,
-        seed,
-        store,
-        slots,
-        place[cfg.trainer.mesh],
-        topology.loop.steps,
-        topology.weight_transport(),
-    )
-    generators = _generators(topology, meshes, model_path, place)
-    rewarder = meshes[cfg.rewarder.mesh].spawn("rewarder", Rewarder, topology.task.config, cfg.rewarder)
-    teachers = None
+    roles: dict[str, list[Role]] = {name: [] for name in topology.launched_meshes()}
+
+    async def trainer(procs: ProcMesh) -> ActorMesh:
+        await setup_torch_elastic_env_async(procs)
+        slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
+        args = (model_path, cfg.trainer, seed, stores.new(), slots, place[cfg.trainer.mesh], topology.loop.steps)
+        return procs.spawn("trainer", Trainer, *args, topology.weight_transport())
+
+    roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
+    for name in topology.replica_meshes():
+        roles[name].append(Role("generator", _spawner("generator", Generator, model_path, cfg.generator, place[name]), _start_all))
+    roles[cfg.rewarder.mesh].append(Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all))
     if cfg.teachers is not None:
         student = Student(model_path, cfg.generator.max_new_tokens, seed)
-        teachers = meshes[cfg.teachers.mesh].spawn(
-            "teachers", TeacherPool, cfg.teachers, student, place[cfg.teachers.mesh]
-        )
-    return Actors(trainer, generators, _one_proc(rewarder), teachers and _one_proc(teachers))
+        spawn = _spawner("teachers", TeacherPool, cfg.teachers, student, place[cfg.teachers.mesh])
+        roles[cfg.teachers.mesh].append(Role("teachers", spawn, _start_all))
+    return roles
 
 
-def _generators(topology: Topology, meshes: dict, model_path: str, place: dict[str, Placement]) -> Router:
-    """A Generator on every replica mesh, every proc of each a target of one router.
+def _spawner(name: str, actor_class, *args):
+    async def spawn(procs: ProcMesh) -> ActorMesh:
+        return procs.spawn(name, actor_class, *args)
 
-    A generator seeds its proc ``seed + 1000 * rank`` (rank within its mesh); each replica's
-    seed is offset by the procs before it, so every generator proc in the job samples its own stream.
-    """
-    cfg = topology.actors.generator
-    procs = topology.meshes[cfg.mesh].procs * topology.meshes[cfg.mesh].hosts
-    targets = []
-    for i, name in enumerate(topology.replica_meshes()):
-        seed = topology.seed + 1000 * procs * i
-        targets += _each_proc(meshes[name].spawn("generator", Generator, model_path, cfg, seed, place[name]))
-    return Router(targets, cfg.router)
+    return spawn
 
 
-def _each_proc(actors: ActorMesh) -> list[ActorMesh]:
-    flat = actors.flatten("rank")
-    return [flat.slice(rank=i) for i in range(len(flat))]
+async def _start_all(actors: ActorMesh) -> list[ProcInfo]:
+    return list((await actors.start.call()).values())
 
 
-def _one_proc(actors: ActorMesh) -> ActorMesh:
-    return _each_proc(actors)[0]
+def _actors(topology: Topology, fleet: Fleet) -> Actors:
+    """Supervised handles: every call goes through the fleet, which replaces dead processes."""
+    cfg = topology.actors
+    targets = [
+        fleet.handle("generator", name, proc)
+        for name in topology.replica_meshes()
+        for proc in range(topology.meshes[cfg.generator.mesh].procs * topology.meshes[cfg.generator.mesh].hosts)
+    ]
+    router = Router(targets, cfg.generator.router)
+    fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
+    teachers = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
+    return Actors(
+        fleet.handle("trainer", cfg.trainer.mesh), router, fleet.handle("rewarder", cfg.rewarder.mesh, 0), teachers
+    )
+
+
+def _write_procs(run_path: Path, fleet: Fleet) -> None:
+    """``procs.json``: every mesh's processes now (to find a process to inspect, or to test faults)."""
+    where = {
+        name: {"roles": [r.name for r in fleet.meshes[name].roles], "procs": [p.__dict__ for p in procs]}
+        for name, procs in fleet.where().items()
+    }
+    (run_path / PROCS).write_text(json.dumps(where, indent=1) + "\n")
 
 
 def _placements(topology: Topology) -> dict[str, Placement]:

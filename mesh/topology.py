@@ -26,6 +26,7 @@ from actors.rewarder import RewarderConfig
 from actors.tasks import TaskConfig, build_task
 from actors.teachers import TeachersConfig, check_weighted
 from actors.weights import choose_transport
+from mesh.faults import FaultTolerance
 
 TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
 
@@ -134,6 +135,7 @@ class Topology(Section):
     checkpointing: Checkpointing = Checkpointing()
     logging: Logging = Logging()
     launcher: LauncherSection = LauncherSection()
+    fault_tolerance: FaultTolerance = FaultTolerance()
 
     def placed_actors(self) -> dict[str, str]:
         """Actor name -> mesh name, for every actor the topology runs."""

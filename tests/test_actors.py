@@ -10,6 +10,7 @@ from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
 from actors.bindings import top_k_scores
+from actors.engines import sampling_seeds
 from actors.generator import Generator, GeneratorConfig
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
@@ -78,6 +79,7 @@ async def train_once(
     cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3)
     trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, Placement(threads=1), 10)
     try:
+        await trainer.start.call()
         await trainer.publish.call()
         reports = (await trainer.train_step.call(batch)).values()
         (report,) = [r for r in reports if r is not None]  # rank 0 alone reports and publishes
@@ -164,10 +166,12 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
     v0 = publisher.publish(model.state_dict(), 0)
     mesh = this_host().spawn_procs(per_host={"procs": 1})
     cfg = GeneratorConfig(mesh="g", engine=engine, max_new_tokens=6)
-    generator = mesh.spawn("generator", Generator, model_dir, cfg, 0, Placement(1))
+    generator = mesh.spawn("generator", Generator, model_dir, cfg, Placement(1))
     problems = TASK.problems(0, 0, 2)
+    seeds = sampling_seeds(0, "test", 2)
     try:
-        rollouts = (await generator.generate.call_one(problems, 3, v0)).rollouts(problems, first_group=5)
+        await generator.start.call_one()
+        rollouts = (await generator.generate.call_one(problems, 3, v0, seeds)).rollouts(problems, first_group=5)
         assert len(rollouts) == 6 and {r.version for r in rollouts} == {0}
         assert [r.group for r in rollouts] == [5, 5, 5, 6, 6, 6] and rollouts[3].problem == problems[1]
         assert all(len(r.logprobs) == len(r.completion_ids) for r in rollouts)
@@ -180,14 +184,14 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
         before = (await generator.score.call_one(problems, ["abc"] * 2, v0)).logprobs
         after = (await generator.score.call_one(problems, ["abc"] * 2, v1)).logprobs
         assert after != before  # the new version is what the engine now computes with
-        await generator.generate.call_one(problems, 3, v1)
+        await generator.generate.call_one(problems, 3, v1, seeds)
         assert await generator.held_version.call_one() == 1
 
         v2 = publisher.publish(model.state_dict(), 2)  # reuses v0's slot
         with pytest.raises(Exception, match="StaleWeightsError|not hold|holds"):
-            await generator.generate.call_one(problems, 3, v0)
+            await generator.generate.call_one(problems, 3, v0, seeds)
         with pytest.raises(Exception, match="Stale"):
-            await generator.generate.call_one(problems, 3, type(v2)(7, v2.checksum, v2.nbytes, v2.store))
+            await generator.generate.call_one(problems, 3, type(v2)(7, v2.checksum, v2.nbytes, v2.store), seeds)
 
         with slot_file(tmp_path / "store", 2 % 2).open("r+b") as slot:  # flip one data byte of version 2
             slot.seek(HEADER_BYTES)
@@ -195,7 +199,7 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
             slot.seek(HEADER_BYTES)
             slot.write(bytes([byte ^ 0xFF]))
         with pytest.raises(Exception, match="Torn"):
-            await generator.generate.call_one(problems, 3, v2)
+            await generator.generate.call_one(problems, 3, v2, seeds)
     finally:
         await mesh.stop()
         publisher.close()

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from actors.engines import Sampling
+from actors.engines import Sampling, sampling_seeds
 from actors.engines.hf import HFEngine
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 
@@ -22,20 +22,20 @@ LOGPROB_TOLERANCE = 1e-4  # vLLM's fp32 CPU kernels vs transformers' eager fp32 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> HFEngine:
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), ALPHABET, seed=0)
-    return HFEngine(str(path), Sampling(max_new_tokens=6), seed=0)
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), ALPHABET)
+    return HFEngine(str(path), Sampling(max_new_tokens=6))
 
 
 @pytest.fixture(scope="module")
 def vllm_path(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny32"), VLLM_TINY, ALPHABET, seed=0))
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny32"), VLLM_TINY, ALPHABET))
 
 
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_path):
     from actors.engines.vllm import VLLMEngine
 
-    return VLLMEngine(vllm_path, Sampling(max_new_tokens=6), seed=0)
+    return VLLMEngine(vllm_path, Sampling(max_new_tokens=6))
 
 
 def forward_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
@@ -58,15 +58,20 @@ def check_groups(groups, tokenizer, prompts: list[str], per_prompt: int, max_new
     return samples
 
 
+def seeds_for(prompts: list[str], stream: str = "test") -> list[int]:
+    return sampling_seeds(0, stream, len(prompts))
+
+
 async def test_groups_of_samples_with_logprobs_that_a_forward_pass_reproduces(engine):
-    samples = check_groups(await engine.generate(["abc=", "fedcba="], 3), engine.tokenizer, ["abc=", "fedcba="], 3)
+    prompts = ["abc=", "fedcba="]
+    samples = check_groups(await engine.generate(prompts, 3, seeds_for(prompts)), engine.tokenizer, prompts, 3)
     for sample in samples:  # left padding is not part of the prompt, and a forward pass gives the sampler's logprobs
         expected = forward_logprobs(engine.model, sample.prompt_ids, sample.completion_ids)
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=1e-5, rtol=0)
 
 
 async def test_scoring_a_given_completion_matches_sampling_it(engine):
-    samples = [s for g in await engine.generate(["abc="], 16) for s in g]
+    samples = [s for g in await engine.generate(["abc="], 16, seeds_for(["abc="])) for s in g]
     plain = [s for s in samples if s.completion_ids[-1] == 1 and min(s.completion_ids[:-1], default=3) >= 3]
     assert plain  # completions of plain characters ending in EOS, so their text round-trips
     for sample, scored in zip(plain, await engine.score(["abc="] * len(plain), [s.text for s in plain])):
@@ -75,37 +80,39 @@ async def test_scoring_a_given_completion_matches_sampling_it(engine):
 
 
 async def test_same_seed_same_samples_and_new_weights_change_them(tmp_path):
-    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)
-    a, b = HFEngine(str(path), Sampling(6), seed=1), HFEngine(str(path), Sampling(6), seed=1)
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET)
+    a, b = HFEngine(str(path), Sampling(6)), HFEngine(str(path), Sampling(6))
     ids = lambda groups: [s.completion_ids for g in groups for s in g]  # noqa: E731
-    first = ids(await a.generate(["abc="], 8))
-    assert first == ids(await b.generate(["abc="], 8))
+    first = ids(await a.generate(["abc="], 8, seeds_for(["abc="])))
+    assert first == ids(await b.generate(["abc="], 8, seeds_for(["abc="])))
     model, _ = load_policy(path)
     state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
     b.load_weights(state)
     assert (
         b.model.state_dict()["lm_head.weight"].data_ptr() == state["lm_head.weight"].data_ptr()
     )  # adopted, not copied
-    assert ids(await a.generate(["abc="], 8)) != ids(await b.generate(["abc="], 8))
+    assert ids(await a.generate(["abc="], 8, seeds_for(["abc="], "other"))) != first  # the seeds are the randomness
+    assert ids(await a.generate(["abc="], 8, seeds_for(["abc="]))) == first  # and nothing else: no stream runs on
+    assert ids(await a.generate(["abc="], 8, seeds_for(["abc="]))) != ids(await b.generate(["abc="], 8, seeds_for(["abc="])))
 
 
 async def test_hf_sampling_parameters_shape_the_distribution_and_its_logprobs(tmp_path):
-    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)
-    top1 = HFEngine(str(path), Sampling(6, top_k=1), seed=0)
-    samples = [s for g in await top1.generate(["abc="] * 2, 4) for s in g]
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET)
+    top1 = HFEngine(str(path), Sampling(6, top_k=1))
+    samples = [s for g in await top1.generate(["abc="] * 2, 4, seeds_for(["abc="] * 2)) for s in g]
     assert len({tuple(s.completion_ids) for s in samples}) == 1  # top-k 1 is greedy
     assert all(lp == pytest.approx(0.0, abs=1e-6) for s in samples for lp in s.logprobs)  # probability 1 when drawn
 
 
 async def test_vllm_samples_with_logprobs_that_the_hf_model_reproduces(vllm_engine, vllm_path):
     prompts = ["abc=", "fedcba="]
-    groups = await vllm_engine.generate(prompts, 4)
+    groups = await vllm_engine.generate(prompts, 4, seeds_for(prompts))
     samples = check_groups(groups, vllm_engine.tokenizer, prompts, 4)
     model, _ = load_policy(vllm_path)
     for sample in samples:
         expected = forward_logprobs(model, sample.prompt_ids, sample.completion_ids)
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
-    hf = HFEngine(vllm_path, Sampling(6), seed=0)
+    hf = HFEngine(vllm_path, Sampling(6))
     texts = ["fed", "ab", ""]
     ours, theirs = await vllm_engine.score(["abc="] * 3, texts), await hf.score(["abc="] * 3, texts)
     for a, b in zip(ours, theirs):
@@ -124,24 +131,35 @@ async def test_vllm_batches_concurrent_requests_continuously(vllm_engine, monkey
         return step()
 
     monkeypatch.setattr(vllm_engine.engine, "step", counted)
-    await vllm_engine.generate(["abc="] * 4, 4)
+    await vllm_engine.generate(["abc="] * 4, 4, seeds_for(["abc="] * 4))
     alone, steps = steps, 0
-    results = await asyncio.gather(*(vllm_engine.generate(["abc=", "fed="] * 2, 4) for _ in range(4)))
+    prompts = ["abc=", "fed="] * 2
+    results = await asyncio.gather(*(vllm_engine.generate(prompts, 4, seeds_for(prompts)) for _ in range(4)))
     assert [len(r) for r in results] == [4] * 4
     assert steps <= alone + 2, f"4 concurrent requests took {steps} engine steps, one alone took {alone}"
+
+
+async def test_vllm_samples_a_prompt_by_its_own_seed_whatever_else_is_in_the_batch(vllm_engine):
+    """Per-prompt seeds: a request retried on another generator, or a resumed run, samples the same."""
+    prompts = ["abc=", "fedcba=", "cab="]
+    seeds = seeds_for(prompts)
+    alone = await vllm_engine.generate(prompts[1:2], 4, seeds[1:2])
+    together = await asyncio.gather(vllm_engine.generate(prompts, 4, seeds), vllm_engine.generate(["bad="], 4, [7]))
+    ids = lambda group: [s.completion_ids for s in group]  # noqa: E731
+    assert ids(alone[0]) == ids(together[0][1])
 
 
 async def test_vllm_reloads_weights_in_place_and_forgets_cached_prefixes(vllm_engine, vllm_path):
     model, _ = load_policy(vllm_path)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     prompt = ["abcdef=abcdef="]  # long enough to fill a cached prefix block
-    before = await vllm_engine.generate(prompt, 8)  # the prompt's prefix is now cached
+    before = await vllm_engine.generate(prompt, 8, seeds_for(prompt))  # the prompt's prefix is now cached
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     try:
         vllm_engine.load_weights(model.state_dict())
-        after = await vllm_engine.generate(prompt, 8)
+        after = await vllm_engine.generate(prompt, 8, seeds_for(prompt))
         assert [s.completion_ids for s in after[0]] != [s.completion_ids for s in before[0]]
         for sample in after[0]:  # the new weights' logprobs: neither old weights nor a stale cached prefix
             expected = forward_logprobs(model, sample.prompt_ids, sample.completion_ids)
@@ -153,15 +171,15 @@ async def test_vllm_reloads_weights_in_place_and_forgets_cached_prefixes(vllm_en
 def test_vllm_refuses_a_head_size_its_cpu_kernels_lack(tmp_path):
     from actors.engines.vllm import VLLMEngine
 
-    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)  # head size 16
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET)  # head size 16
     with pytest.raises(ValueError, match="head size is 16.*hidden_size / heads"):
-        VLLMEngine(str(path), Sampling(6), seed=0)
+        VLLMEngine(str(path), Sampling(6))
 
 
 async def test_vllm_takes_its_sampling_parameters_from_the_topology(vllm_path):
     from actors.engines.vllm import VLLMEngine
 
-    greedy = VLLMEngine(vllm_path, Sampling(4, temperature=0.7, top_k=1), seed=0)
-    samples = [s for g in await greedy.generate(["abc=", "abc="], 4) for s in g]
+    greedy = VLLMEngine(vllm_path, Sampling(4, temperature=0.7, top_k=1))
+    samples = [s for g in await greedy.generate(["abc=", "abc="], 4, seeds_for(["abc=", "abc="])) for s in g]
     assert len({tuple(s.completion_ids) for s in samples}) == 1 and all(len(s.completion_ids) <= 4 for s in samples)
     assert all(lp == pytest.approx(0.0, abs=1e-6) for s in samples for lp in s.logprobs)  # the distribution drawn from

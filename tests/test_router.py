@@ -21,6 +21,7 @@ from mesh.topology import load_topology
 ROOT = Path(__file__).resolve().parents[1]
 REPLICAS = ROOT / "topologies" / "tiny_replicas.yaml"
 TASK = Reverse()
+SEEDS = list(range(64))  # the router hands each request its prompts' seeds
 
 
 def version(v: int) -> WeightVersion:
@@ -64,7 +65,8 @@ class FakeReplica:
         finally:
             self.in_flight.remove(weights.version)
 
-    async def _generate(self, problems, group_size: int, weights: WeightVersion) -> Generation:
+    async def _generate(self, problems, group_size: int, weights: WeightVersion, seeds: list[int]) -> Generation:
+        assert len(seeds) == len(problems)
         return await self._serve("generate", problems, group_size, weights)
 
     async def _score(self, problems, texts, weights: WeightVersion) -> Generation:
@@ -89,14 +91,14 @@ async def test_round_robin_rotates_over_replicas_across_calls_and_keeps_group_or
     route = router(replicas, "round_robin")
     problems = TASK.problems(0, 0, 6)
 
-    routed = await route.generate(problems, 2, version(0))  # one request per replica, an even split
+    routed = await route.generate(problems, 2, version(0), SEEDS)  # one request per replica, an even split
     assert [r.served() for r in replicas] == [2, 2, 2]
     assert [r.group for r in routed.rollouts] == [g for g in range(6) for _ in range(2)]
     assert [r.text for r in routed.rollouts] == [p.prompt for p in problems for _ in range(2)]
     assert [(load.requests, load.rows) for load in routed.loads] == [(1, 4)] * 3
 
-    await route.generate(problems[:2], 2, version(0))  # the rotation runs on: replicas 0 and 1
-    await route.generate(problems[:1], 2, version(0))  # ... then replica 2
+    await route.generate(problems[:2], 2, version(0), SEEDS)  # the rotation runs on: replicas 0 and 1
+    await route.generate(problems[:1], 2, version(0), SEEDS)  # ... then replica 2
     assert [len(r.requests) for r in replicas] == [2, 2, 2]
 
 
@@ -106,7 +108,7 @@ async def test_least_loaded_sends_the_work_to_the_idle_replica_when_one_is_slow(
     problems = TASK.problems(0, 0, 16)
 
     start = time.perf_counter()
-    routed = await route.generate(problems, 4, version(0))
+    routed = await route.generate(problems, 4, version(0), SEEDS)
     elapsed = time.perf_counter() - start
     assert len(slow.requests) + len(fast.requests) == 2 * REQUESTS_PER_TARGET
     assert len(slow.requests) <= 2 and slow.served() + fast.served() == 16  # the fast one took the rest
@@ -120,9 +122,9 @@ async def test_least_loaded_sends_the_work_to_the_idle_replica_when_one_is_slow(
 async def test_least_loaded_picks_fewest_rows_in_flight_ties_by_order():
     busy, idle_a, idle_b = FakeReplica(seconds=0.2), FakeReplica(), FakeReplica()
     route = router([busy, idle_a, idle_b], "least_loaded")
-    long = asyncio.create_task(route.generate(TASK.problems(0, 0, 1), 8, version(0)))  # one request: replica 0
+    long = asyncio.create_task(route.generate(TASK.problems(0, 0, 1), 8, version(0), SEEDS))  # one request: replica 0
     await asyncio.sleep(0.05)
-    await route.generate(TASK.problems(0, 1, 1), 1, version(0))
+    await route.generate(TASK.problems(0, 1, 1), 1, version(0), SEEDS)
     await long
     assert [len(r.requests) for r in (busy, idle_a, idle_b)] == [1, 1, 0]  # not the busy one; first of the idle
 
@@ -130,9 +132,9 @@ async def test_least_loaded_picks_fewest_rows_in_flight_ties_by_order():
 async def test_a_replica_serves_one_version_at_a_time_and_every_replica_gets_each_published_version():
     replicas = [FakeReplica(seconds=0.05) for _ in range(2)]
     route = router(replicas, "least_loaded")
-    old = asyncio.create_task(route.generate(TASK.problems(0, 0, 8), 2, version(0)))
+    old = asyncio.create_task(route.generate(TASK.problems(0, 0, 8), 2, version(0), SEEDS))
     await asyncio.sleep(0.01)
-    new = asyncio.create_task(route.generate(TASK.problems(0, 1, 8), 2, version(1)))  # FakeReplica checks no mix
+    new = asyncio.create_task(route.generate(TASK.problems(0, 1, 8), 2, version(1), SEEDS))  # FakeReplica checks no mix
     old_rows, new_rows = await old, await new
     assert {r.version for r in old_rows.rollouts} == {0} and {r.version for r in new_rows.rollouts} == {1}
 
@@ -141,7 +143,7 @@ async def test_a_replica_serves_one_version_at_a_time_and_every_replica_gets_eac
     assert [r.held for r in replicas] == [2, 2]
     assert all(r.requests[-1] == ("hold", 0, 2) for r in replicas)
 
-    await route.generate(TASK.problems(0, 2, 1), 2, version(2))  # a replica that got no request still catches up
+    await route.generate(TASK.problems(0, 2, 1), 2, version(2), SEEDS)  # a replica that got no request still catches up
     route.publish(version(3))
     await route.settle()
     assert [r.held for r in replicas] == [3, 3]
@@ -153,7 +155,7 @@ async def test_a_failed_push_fails_the_next_call():
     with pytest.raises(PushFailed, match="generator target 1 could not adopt weight version 1: replica is gone"):
         await route.settle()
     with pytest.raises(PushFailed):
-        await route.generate(TASK.problems(0, 0, 2), 2, version(1))
+        await route.generate(TASK.problems(0, 0, 2), 2, version(1), SEEDS)
 
 
 # ----------------------------------------------------------------------------- a real run

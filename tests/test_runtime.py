@@ -96,7 +96,7 @@ async def test_process_launcher_places_a_trainer_across_two_hosts_from_a_model_d
 
 def test_a_batch_older_than_the_lag_is_never_trained_on(tmp_path):
     topology = small(tmp_path, "loop.max_policy_lag=1")
-    controller = Controller(topology, actors=None, task=Reverse(), run=None, weights=None, progress=None, teachers=None)
+    controller = Controller(topology, actors=None, task=Reverse(), run=None, progress=None, teachers=None)
     problem = Reverse().problems(0, 0, 1)[0]
     stale = [Rollout(problem, 0, [3], [4, 1], [-1.0, -1.0], "a", version=2) for _ in range(4)]
     with pytest.raises(StalenessError, match="policy age 2 > max_policy_lag"):
@@ -121,10 +121,13 @@ async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_resul
     with pytest.raises(RunFailed) as info:
         await run(topology, progress=False)
     message = str(info.value)
-    assert "rewarder.score failed" in message and "ValueError: the reward service is down" in message
-    assert "metrics.jsonl" in message and "rerun" in message and "Traceback" not in message
+    assert "rewarder (mesh service, proc 0) failed in score: ValueError: the reward service is down" in message
+    assert "at step 0" in message and "metrics.jsonl" in message and "rerun" in message
+    assert "Traceback" not in message and "\n" not in message
     (run_path,) = tmp_path.iterdir()
     assert (run_path / "topology.yaml").is_file()
+    log = (run_path / "error.log").read_text()  # the message points here for the remote traceback
+    assert "error.log" in message and "Traceback" in log and 'raise ValueError("the reward service is down")' in log
 
 
 @pytest.mark.parametrize("inner_loop", ["native", "trl", "prime_rl", "torchtitan"])

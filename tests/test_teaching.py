@@ -68,6 +68,7 @@ async def test_rewarder_hints_only_wrong_completions():
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
         rewarder = procs.spawn("rewarder", Rewarder, TaskConfig("reverse"), RewarderConfig(mesh="service"))
+        await rewarder.start.call_one()
         problem = Reverse().problems(0, 0, 1)[0]
         scores = await rewarder.score.call_one([problem, problem], [problem.answer, "x"])
         assert scores.hints == [None, problem.answer + "="]  # the answer, closed like a prompt

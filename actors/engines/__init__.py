@@ -8,10 +8,12 @@ continuously, ``hf`` takes them one at a time.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -44,14 +46,32 @@ class Sampling:
             raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
 
 
+def sampling_seeds(seed: int, stream: str, count: int) -> list[int]:
+    """One seed per prompt of a stream (e.g. ``"step 12"``, ``"eval 50"``): the sampling
+    randomness of prompt i is a function of (seed, stream, i) and of nothing that happened
+    before, so a resumed run, or a request retried on a respawned generator, samples
+    exactly what the uninterrupted run sampled."""
+    return [_mix(f"{seed}/{stream}/{i}") for i in range(count)]
+
+
+def request_seed(seeds: list[int]) -> int:
+    """One seed for a whole request (an engine that samples a request as one batch)."""
+    return _mix("/".join(map(str, seeds)))
+
+
+def _mix(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1  # 63 bits
+
+
 class Engine(Protocol):
-    """Built as ``Engine(model_path, sampling, seed, device)`` inside a generator process."""
+    """Built as ``Engine(model_path, sampling, device)`` inside a generator process."""
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Adopt new weights; the caller guarantees no request is in flight."""
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
-        """``samples_per_prompt`` completions of each prompt, grouped by prompt."""
+    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Sample]]:
+        """``samples_per_prompt`` completions of each prompt, grouped by prompt; the same
+        prompts with the same ``seeds`` (one per prompt) give the same completions."""
 
     async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
         """Each given completion (EOS appended) as a ``Sample``, its logprobs under the loaded weights."""

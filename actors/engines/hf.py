@@ -13,38 +13,37 @@ import asyncio
 import torch
 from torch import Tensor
 
-from actors.engines import Sample, Sampling
+from actors.engines import Sample, Sampling, request_seed
 from actors.model import load_policy
 
 
 class HFEngine:
-    def __init__(self, model_path: str, sampling: Sampling, seed: int, device: torch.device = torch.device("cpu")):
+    def __init__(self, model_path: str, sampling: Sampling, device: torch.device = torch.device("cpu")):
         self.model, self.tokenizer = load_policy(model_path)
         self.model.to(device).eval()
         self.device = device
         self.tokenizer.padding_side = "left"
         self.sampling = sampling
-        self.generator = torch.Generator().manual_seed(seed)
         self._one_at_a_time = asyncio.Lock()
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         # on CPU the model adopts the given tensors (shared-memory views) without a copy; a GPU copies them in
         self.model.load_state_dict(state_dict, assign=self.device.type == "cpu", strict=True)
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
+    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Sample]]:
         async with self._one_at_a_time:
-            return await asyncio.to_thread(self.generate_now, prompts, samples_per_prompt)
+            return await asyncio.to_thread(self.generate_now, prompts, samples_per_prompt, seeds)
 
     async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
         async with self._one_at_a_time:
             return await asyncio.to_thread(self.score_now, prompts, completions)
 
     @torch.no_grad()
-    def generate_now(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
+    def generate_now(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Sample]]:
         repeated = [p for p in prompts for _ in range(samples_per_prompt)]
         encoded = self.tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        # transformers samples from the global RNG: seed it from our own stream so runs repeat
-        torch.manual_seed(int(torch.randint(2**62, (1,), generator=self.generator)))
+        # transformers samples from the global RNG, one request at a time: seed it from the request's prompts
+        torch.manual_seed(request_seed(seeds))
         out = self.model.generate(
             **encoded,
             do_sample=True,

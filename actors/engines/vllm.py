@@ -46,7 +46,7 @@ GPU_MEMORY_SHARE = 0.85  # of the generator's GPU for weights, activations and K
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str, sampling: Sampling, seed: int, device: torch.device = torch.device("cpu")):
+    def __init__(self, model_path: str, sampling: Sampling, device: torch.device = torch.device("cpu")):
         on_cpu = device.type == "cpu"
         if on_cpu:
             _check_cpu_head_size(model_path)
@@ -66,7 +66,7 @@ class VLLMEngine:
         self.llm = LLM(
             model=model_path,
             dtype=torch.float32 if on_cpu else torch.bfloat16,
-            seed=seed,
+            seed=0,  # every request carries its own seed (``generate``)
             enforce_eager=on_cpu,  # torch.compile would take minutes on CPU for little gain
             **(
                 {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
@@ -99,9 +99,16 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache: a request is still running")
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int) -> list[list[Sample]]:
-        params = SamplingParams(
-            n=samples_per_prompt,
+    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Sample]]:
+        params = [self._params(samples_per_prompt, seed) for seed in seeds]
+        outputs = await asyncio.gather(*(self._run(self._encode(p), ps) for p, ps in zip(prompts, params)))
+        return [[self._sample(out.prompt_token_ids, c.token_ids, c.logprobs) for c in out.outputs] for out in outputs]
+
+    def _params(self, samples: int, seed: int) -> SamplingParams:
+        """A prompt's request: its own seed makes its samples independent of what else is in the batch."""
+        return SamplingParams(
+            n=samples,
+            seed=seed,
             temperature=self.sampling.temperature,
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k or -1,
@@ -109,8 +116,6 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's own logprob
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        outputs = await asyncio.gather(*(self._run(self._encode(p), params) for p in prompts))
-        return [[self._sample(out.prompt_token_ids, c.token_ids, c.logprobs) for c in out.outputs] for out in outputs]
 
     async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
         """Prompt logprobs of prompt + completion + EOS (vLLM computes them from raw logits:

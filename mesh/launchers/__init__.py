@@ -28,6 +28,9 @@ class Launcher(Protocol):
         """One ProcMesh per launched mesh (``topology.launched_meshes()``: the generator's
         replica copies included), keyed by mesh name."""
 
+    def respawn(self, name: str) -> ProcMesh:
+        """Fresh processes for mesh ``name`` on the hosts it already has (its old ones died or hung)."""
+
     async def stop(self) -> None:
         """Stop every process the launcher started (safe to call after a partial start)."""
 

@@ -23,11 +23,14 @@ class LocalLauncher:
         check_capacity(topology, "local")
 
     def start(self, topology) -> dict[str, ProcMesh]:
-        meshes = topology.launched_meshes()
-        self.job = LocalJob(hosts=tuple(meshes))
-        state = self.job.state(cached_path=None)
-        self.meshes = {name: spawn_procs(getattr(state, name), m.procs) for name, m in meshes.items()}
-        return self.meshes
+        self.specs = topology.launched_meshes()
+        self.job = LocalJob(hosts=tuple(self.specs))
+        self.hosts = self.job.state(cached_path=None)
+        return {name: self.respawn(name) for name in self.specs}
+
+    def respawn(self, name: str) -> ProcMesh:
+        self.meshes[name] = spawn_procs(getattr(self.hosts, name), self.specs[name].procs)
+        return self.meshes[name]
 
     async def stop(self) -> None:
         for procs in self.meshes.values():

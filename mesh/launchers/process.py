@@ -21,10 +21,13 @@ class ProcessLauncher:
         check_capacity(topology, "process")
 
     def start(self, topology) -> dict[str, ProcMesh]:
-        meshes = topology.launched_meshes()
-        self.job = ProcessJob({name: m.hosts for name, m in meshes.items()})
-        state = self.job.state(cached_path=None)
-        return {name: spawn_procs(getattr(state, name), m.procs) for name, m in meshes.items()}
+        self.specs = topology.launched_meshes()
+        self.job = ProcessJob({name: m.hosts for name, m in self.specs.items()})
+        self.hosts = self.job.state(cached_path=None)
+        return {name: self.respawn(name) for name in self.specs}
+
+    def respawn(self, name: str) -> ProcMesh:
+        return spawn_procs(getattr(self.hosts, name), self.specs[name].procs)
 
     async def stop(self) -> None:
         if self.job is not None:

@@ -1,0 +1,227 @@
+"""The run's actors, kept alive: every call to an actor goes through the fleet.
+
+Monarch tells a caller that an actor's process died (``SupervisionError``) but has no
+restart policy; the fleet is that policy. Each launched mesh holds one or more *roles*
+(the actors spawned on it). A call that fails because its process died, or that takes
+longer than ``fault_tolerance.call_timeout`` (a hung or stopped process), makes the fleet
+replace the whole mesh: kill what is left of its processes, start fresh ones on the same
+hosts, spawn and ``start`` every role again, let listeners re-wire (the router forgets
+which weights a replaced generator held), and retry the call, which a seeded request
+answers exactly as the first attempt would have. Concurrent calls that hit the same dead
+mesh wait for one replacement. A mesh that holds the trainer is not replaced here: its
+state is the run's, so the call raises :class:`TrainerLost` and the controller restarts
+the trainer from its last checkpoint (through :meth:`Fleet.replace`).
+
+An endpoint that raises (``ActorError``) is the actor's own verdict on its input, not a
+fault: it is never retried, and ends the run with :class:`ActorFailed` naming the actor,
+the endpoint and the original exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+from monarch.actor import ProcMesh
+
+from actors.lifecycle import ProcInfo
+from mesh.faults import Cause, FaultTolerance, explain, name_actor
+
+if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
+    from monarch._src.actor.actor_mesh import ActorMesh
+
+T = TypeVar("T")
+STOP_TIMEOUT_S = 10.0  # a broken mesh's stop is best effort: its processes are already killed
+
+
+class ActorFailed(RuntimeError):
+    """An actor call failed for good; ``str()`` names the actor, the endpoint and the original cause."""
+
+    def __init__(self, actor: str, endpoint: str, cause: Cause, note: str = ""):
+        self.actor, self.endpoint, self.cause = actor, endpoint, cause
+        super().__init__(f"{actor} failed in {endpoint}: {cause.summary}{note}")
+
+
+class TrainerLost(ActorFailed):
+    """A trainer process died or hung; the controller restarts the trainer mesh from its last checkpoint."""
+
+
+@dataclass(frozen=True)
+class Role:
+    """An actor kind the fleet spawns on a mesh: ``spawn`` makes it on fresh processes,
+    ``start`` calls its ``start`` endpoint (and whatever else it needs before its first call)."""
+
+    name: str
+    spawn: Callable[[ProcMesh], Awaitable[ActorMesh]]
+    start: Callable[[ActorMesh], Awaitable[list[ProcInfo]]]
+
+
+@dataclass
+class _Mesh:
+    name: str
+    roles: list[Role]
+    procs: ProcMesh | None = None
+    actors: dict[str, ActorMesh] = field(default_factory=dict)
+    where: list[ProcInfo] = field(default_factory=list)  # one per process
+    generation: int = 0  # bumped by each replacement
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One process failure the fleet saw (and, unless ``fatal``, replaced)."""
+
+    actor: str
+    endpoint: str
+    cause: Cause
+    restart: int  # 1 for the run's first restart
+    seconds: float = 0.0  # until the mesh was replaced (detection not included)
+
+
+class Fleet:
+    def __init__(
+        self,
+        launcher,
+        roles: dict[str, list[Role]],
+        tolerance: FaultTolerance,
+        trainer_mesh: str,
+        on_fault: Callable[[Fault], None] = lambda fault: None,
+    ):
+        """``roles``: mesh name -> the roles placed on it, in the order they start."""
+        self.launcher, self.tolerance, self.trainer_mesh = launcher, tolerance, trainer_mesh
+        self.meshes = {name: _Mesh(name, mesh_roles) for name, mesh_roles in roles.items()}
+        self.on_fault = on_fault
+        self.restarts = 0
+        self.seconds_lost = 0.0  # from each failed call's start until the mesh was back
+        self.listeners: list[Callable[[str], None]] = []  # told the name of each replaced mesh
+
+    async def start(self, procs: dict[str, ProcMesh]) -> None:
+        """Spawn and start every role on the launcher's meshes (meshes in parallel)."""
+        await asyncio.gather(*(self._populate(self.meshes[name], procs[name]) for name in self.meshes))
+
+    def handle(self, role: str, mesh: str, proc: int | None = None) -> Handle:
+        """``role`` on ``mesh`` (one process of it, or all), called through the fleet."""
+        return Handle(self, role, mesh, proc)
+
+    def where(self) -> dict[str, list[ProcInfo]]:
+        """The processes of every mesh now: mesh name -> one ``ProcInfo`` per process."""
+        return {name: list(m.where) for name, m in self.meshes.items()}
+
+    async def call(
+        self, role: str, mesh: str, endpoint: str, invoke: Callable[[ActorMesh], Awaitable[T]], proc: int | None = None
+    ) -> T:
+        """``invoke(actor mesh)`` (one endpoint call, to process ``proc`` of the mesh or to all),
+        replacing the mesh and retrying on a process fault."""
+        state, actor = self.meshes[mesh], name_actor(role, mesh, proc)
+        while True:
+            generation, started = state.generation, time.perf_counter()
+            try:
+                return await asyncio.wait_for(invoke(state.actors[role]), self.tolerance.call_timeout)
+            except SupervisionError as error:
+                cause = explain(error)
+            except TimeoutError:
+                cause = Cause(
+                    f"no answer within fault_tolerance.call_timeout = {self.tolerance.call_timeout:g} s "
+                    "(the process hangs, is stopped, or the call is slower than the timeout allows)"
+                )
+            except Exception as error:  # the endpoint raised: the actor's own verdict, never retried
+                raise ActorFailed(actor, endpoint, explain(error)) from None
+            if mesh == self.trainer_mesh:
+                raise TrainerLost(actor, endpoint, cause)
+            await self.replace(mesh, generation, Fault(actor, endpoint, cause, 0))
+            self.seconds_lost += time.perf_counter() - started
+
+    async def restart_trainer(self, lost: TrainerLost) -> None:
+        """Fresh processes and actors for the trainer's mesh (the caller then loads its last checkpoint)."""
+        state = self.meshes[self.trainer_mesh]
+        await self.replace(self.trainer_mesh, state.generation, Fault(lost.actor, lost.endpoint, lost.cause, 0))
+
+    async def replace(self, mesh: str, generation: int, fault: Fault) -> None:
+        """Replace ``mesh``'s processes and actors, unless a concurrent caller already did
+        (its generation moved past ``generation``); out of restarts: ``ActorFailed``."""
+        state = self.meshes[mesh]
+        async with state.lock:
+            if state.generation != generation:
+                return
+            if self.restarts >= self.tolerance.max_restarts:
+                self.on_fault(Fault(fault.actor, fault.endpoint, fault.cause, 0))
+                raise ActorFailed(
+                    fault.actor,
+                    fault.endpoint,
+                    fault.cause,
+                    f" (the run already restarted {self.restarts} process(es), its fault_tolerance.max_restarts)",
+                )
+            self.restarts += 1
+            start = time.perf_counter()
+            self._kill(state)
+            await self._populate(state, self.launcher.respawn(mesh))
+            state.generation += 1
+            self.on_fault(Fault(fault.actor, fault.endpoint, fault.cause, self.restarts, time.perf_counter() - start))
+        for listener in self.listeners:
+            listener(mesh)
+
+    async def _populate(self, state: _Mesh, procs: ProcMesh) -> None:
+        state.procs, state.actors = procs, {}
+        for role in state.roles:  # one after another: actors sharing a process build their models in turn
+            try:
+                state.actors[role.name] = await role.spawn(procs)
+                state.where = await role.start(state.actors[role.name])
+            except Exception as error:  # a role that cannot start (bad model, engine, binding): not a fault
+                raise ActorFailed(name_actor(role.name, state.name), "start", explain(error)) from None
+
+    def _kill(self, state: _Mesh) -> None:
+        """End what is left of a broken mesh: SIGKILL its processes on this host (a stopped or
+        hung one never answers a stop), then let Monarch stop the mesh in the background."""
+        host = socket.gethostname()
+        for proc in state.where:
+            if proc.host == host:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if state.procs is not None:
+            stopping = asyncio.ensure_future(asyncio.wait_for(state.procs.stop(), STOP_TIMEOUT_S))
+            stopping.add_done_callback(_quietly)
+
+
+def _quietly(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a broken mesh's stop may fail, and that is expected
+
+
+class Handle:
+    """An actor as the controller sees it: ``handle.<endpoint>.call_one(...)`` or ``.call(...)``,
+    like a Monarch actor mesh, but every call goes through the fleet (``proc``: one process
+    of the mesh, else all of them)."""
+
+    def __init__(self, fleet: Fleet, role: str, mesh: str, proc: int | None = None):
+        self.fleet, self.role, self.mesh, self.proc = fleet, role, mesh, proc
+
+    def __getattr__(self, endpoint: str) -> _Endpoint:
+        return _Endpoint(self, endpoint)
+
+    def select(self, actors: ActorMesh) -> ActorMesh:
+        return actors if self.proc is None else actors.flatten("rank").slice(rank=self.proc)
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    handle: Handle
+    name: str
+
+    def call_one(self, *args: Any) -> Awaitable[Any]:
+        return self._call(lambda endpoint: endpoint.call_one(*args))
+
+    def call(self, *args: Any) -> Awaitable[Any]:
+        return self._call(lambda endpoint: endpoint.call(*args))
+
+    def _call(self, send: Callable[[Any], Awaitable[Any]]) -> Awaitable[Any]:
+        h = self.handle
+        return h.fleet.call(h.role, h.mesh, self.name, lambda actors: send(getattr(h.select(actors), self.name)), h.proc)

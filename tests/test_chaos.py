@@ -1,0 +1,186 @@
+"""Faults on real processes: kill -9 and SIGSTOP of each actor kind, signals to the run, SIGKILL + resume.
+
+Every run here is ``tiny.yaml`` cut short, and every one is compared with the same run
+left alone (``baseline``): sampling is seeded per (seed, step, prompt), so a run that
+survived a fault, or was stopped and resumed, must log exactly the same rewards, losses
+and policy ages, step for step (only timings may differ). That is what "no sample lost,
+none trained twice" means, checked to the last bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mesh.runtime import run
+from mesh.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "topologies" / "tiny.yaml"
+STEPS = 10
+BASE = [
+    f"loop.steps={STEPS}",
+    "loop.prompts_per_step=8",
+    "loop.group_size=4",
+    "loop.evaluation.every=0",
+    "checkpointing.every=3",
+]
+TIMING = ("time/", "samples_per_s", "faults/", "generator/")  # what a fault is allowed to change
+
+
+def overrides(root: Path, *extra: str) -> list[str]:
+    return [*BASE, f"logging.root={root}", *extra]
+
+
+def records(run_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def learning(rows: list[dict]) -> list[dict]:
+    """What training did at each step, without timings (and without the fault counters)."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING) and not k.endswith("busy_s")} for r in rows]
+
+
+def only_run(root: Path) -> Path:
+    (path,) = [p for p in root.iterdir() if p.is_dir()]
+    return path
+
+
+def wait_for_step(root: Path, step: int, timeout: float = 180.0) -> Path:
+    """The run directory under ``root``, once its metrics hold ``step``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = [p for p in root.iterdir() if (p / "metrics.jsonl").is_file()] if root.is_dir() else []
+        if runs and any(r["step"] >= step for r in records(runs[0])):
+            return runs[0]
+        time.sleep(0.02)
+    raise TimeoutError(f"no run under {root} logged step {step} within {timeout} s")
+
+
+def procs_of(run_path: Path, role: str) -> list[int]:
+    """Process ids of the mesh that holds ``role`` (``procs.json``, written by the runtime)."""
+    meshes = json.loads((run_path / "procs.json").read_text())
+    return [p["pid"] for mesh in meshes.values() if role in mesh["roles"] for p in mesh["procs"]]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("baseline")
+    return learning(records(asyncio.run(run(load_topology(TINY, overrides(root)), progress=False)).path))
+
+
+def fault_at_random_step(root: Path, role: str, sig: int, rng: random.Random) -> threading.Thread:
+    """From another thread, as a user (or the kernel) would: ``sig`` to ``role``'s process at a random step."""
+    step = rng.randrange(1, STEPS - 3)
+
+    def inject() -> None:
+        path = wait_for_step(root, step)
+        os.kill(procs_of(path, role)[0], sig)
+
+    thread = threading.Thread(target=inject, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(
+    "role, sig",
+    [
+        ("generator", signal.SIGKILL),
+        ("rewarder", signal.SIGKILL),
+        ("trainer", signal.SIGKILL),
+        ("generator", signal.SIGSTOP),
+        ("trainer", signal.SIGSTOP),
+    ],
+    ids=lambda v: v if isinstance(v, str) else signal.Signals(v).name,
+)
+async def test_a_run_survives_a_dead_or_hung_actor_and_trains_on_exactly_the_same_samples(
+    tmp_path, baseline, role, sig
+):
+    rng = random.Random(f"{role}/{sig}")
+    topology = load_topology(TINY, overrides(tmp_path, "fault_tolerance.call_timeout=8"))
+    injector = fault_at_random_step(tmp_path, role, sig, rng)
+    run_dir = await run(topology, progress=False)
+    injector.join(timeout=1)
+    rows = records(run_dir.path)
+    assert learning(rows) == baseline  # every step trained on the samples it would have had
+    assert rows[-1]["faults/restarts"] == 1 and rows[-1]["faults/seconds_lost"] > 0
+    events = [json.loads(line) for line in (run_dir.path / "events.jsonl").read_text().splitlines()]
+    (fault,) = [e for e in events if e["event"] == "fault"]
+    assert fault["actor"].startswith(role) and fault["restart"] == 1
+    expected = "no answer within fault_tolerance.call_timeout" if sig == signal.SIGSTOP else "Killed(sig=9)"
+    assert expected in fault["cause"]
+
+
+async def test_out_of_restarts_the_run_fails_naming_the_actor_and_the_cause(tmp_path):
+    from mesh.runtime import RunFailed
+
+    topology = load_topology(TINY, overrides(tmp_path, "fault_tolerance.max_restarts=0"))
+    fault_at_random_step(tmp_path, "generator", signal.SIGKILL, random.Random(0))
+    with pytest.raises(RunFailed) as failed:
+        await run(topology, progress=False)
+    message = str(failed.value)
+    assert "generator (mesh generator" in message and "Killed(sig=9)" in message
+    assert "max_restarts" in message and "Traceback" not in message
+
+
+# ----------------------------------------------------------------------------- the run as a user starts it
+
+
+def start_run(root: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "mesh.run", str(TINY), *(f"--set={o}" for o in overrides(root)), *extra]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stores_of(process: subprocess.Popen) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"composer-mesh-{process.pid}-*")) if Path("/dev/shm").is_dir() else []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
+def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(tmp_path, baseline, sig):
+    process = start_run(tmp_path / "runs")
+    path = wait_for_step(tmp_path / "runs", 4)
+    process.send_signal(sig)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + sig
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped: {signal.Signals(sig).name}: the run stopped at a step boundary") and "Traceback" not in err
+    checkpoint = Path(last.split("--resume ")[1])
+    steps = len(records(path))
+    assert checkpoint == path / "checkpoints" / f"step_{steps:06d}" and checkpoint.is_dir()
+    assert not (path / "control" / "pid").exists() and (path / "reward.png").is_file() and not stores_of(process)
+
+    resumed = start_run(tmp_path / "resumed", "--resume", str(checkpoint))
+    assert resumed.wait(timeout=180) == 0
+    assert learning(records(path)) + learning(records(only_run(tmp_path / "resumed"))) == baseline
+
+
+def test_a_second_signal_stops_at_once_and_still_removes_the_store(tmp_path):
+    process = start_run(tmp_path)
+    wait_for_step(tmp_path, 1)
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130 and "Traceback" not in err
+    assert not stores_of(process) and not (only_run(tmp_path) / "control" / "pid").exists()
+
+
+def test_sigkill_of_the_run_then_resume_gives_the_uninterrupted_metrics(tmp_path, baseline):
+    process = start_run(tmp_path / "runs")
+    path = wait_for_step(tmp_path / "runs", 6)  # checkpoints at steps 3 and 6
+    process.kill()
+    process.wait(timeout=30)
+    checkpoint = max((path / "checkpoints").glob("step_*[0-9]"))
+    resumed = start_run(tmp_path / "resumed", "--resume", str(checkpoint))
+    assert resumed.wait(timeout=180) == 0
+    trained = int(checkpoint.name.removeprefix("step_"))
+    assert learning(records(path))[:trained] + learning(records(only_run(tmp_path / "resumed"))) == baseline
