@@ -84,8 +84,11 @@ class Trainer(Actor):
         return StepReport(metrics, weights, seconds, time.perf_counter() - start - seconds)
 
     @endpoint
-    def save(self, directory: str, step: int) -> None:
+    def save(self, directory: str, step: int, fingerprint: dict | None = None) -> None:
+        """``fingerprint``: what a resume must match (model, tokenizer, task), checked before it starts."""
         state = {"step": step, "version": self.version}
+        if fingerprint is not None:
+            state["fingerprint"] = fingerprint
         if self.taid is not None:
             state["taid"] = self.taid.state_dict()
         self.loop.save(Path(directory), state)
