@@ -13,6 +13,7 @@ from pathlib import Path
 
 from actors.checkpoint import CheckpointError, checkpoint_state
 from mesh.fingerprint import FingerprintError, topology_fingerprint
+from mesh.rundir import RunDirError
 from mesh.topology import Topology, TopologyError, describe, load_topology
 
 
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_dir = asyncio.run(run(topology, args.run_root, resume=args.resume))
+    except RunDirError as error:  # raised before anything is spawned
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
