@@ -37,6 +37,7 @@ from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from losses import group_advantages
 from mesh.control import ControlChannel
+from mesh.fingerprint import topology_fingerprint
 from mesh.router import Routed, Router, TargetLoad
 from mesh.rundir import RunDir
 from mesh.teachers import Snapshot, TeacherBinding, TeacherBoard
@@ -297,7 +298,8 @@ class Controller:
         self.run.log(step, metrics)
         every = self.topology.checkpointing.every
         if (every and (step + 1) % every == 0) or step + 1 == self.topology.loop.steps:
-            await self.actors.trainer.save.call(str(self.run.checkpoint_dir(step + 1)), step + 1)
+            fingerprint = topology_fingerprint(self.topology).to_json()  # what a --resume must match
+            await self.actors.trainer.save.call(str(self.run.checkpoint_dir(step + 1)), step + 1, fingerprint)
         self.progress.update(step, metrics)
 
     async def evaluate(self) -> float:
