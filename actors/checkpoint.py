@@ -1,37 +1,219 @@
 """Checkpoints as safetensors: the policy in HF naming, the optimizer state flattened.
 
-A checkpoint directory is written under a temporary name and renamed into place, so a
-crash mid-write never leaves a half checkpoint that looks whole.
+A checkpoint directory is written under a temporary name (``.partial``), synced and
+renamed into place, so a crash or a full disk never leaves a half checkpoint that
+looks whole. ``checksums.json`` records an xxh3 of every file written, and every read
+verifies them, so a damaged file is refused by name instead of resuming from wrong
+weights. Extra files (e.g. the controller's in-flight batches) ride in the same atomic
+write and the same checksums.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from actors.disk import DISK_FULL, errno_of, write_cause
+
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
+CHECKSUMS_FILE, ALGORITHM = "checksums.json", "xxh3_128"
+REQUIRED = (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE)
+PARTIAL, REPLACED = ".partial", ".replaced"
+CHUNK = 1 << 24
+ANOTHER = "resume from another checkpoint (runs keep one per save) or start without --resume"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read back; the message names the file and the fix."""
+    """A checkpoint that cannot be written or read back; the message names the file and the fix."""
 
 
-def save_checkpoint(directory: Path, model: dict[str, Tensor], optimizer: dict, state: dict) -> None:
-    partial = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    save_file(_unaliased(model), partial / MODEL_FILE)
-    tensors, groups = _flatten_optimizer(optimizer)
-    save_file(tensors, partial / OPTIMIZER_FILE)
-    (partial / STATE_FILE).write_text(json.dumps({"param_groups": groups, **state}, indent=1))
-    shutil.rmtree(directory, ignore_errors=True)
+def save_checkpoint(
+    directory: Path, model: dict[str, Tensor], optimizer: dict, state: dict, extra: dict[str, bytes] | None = None
+) -> None:
+    """Write a checkpoint, with ``extra`` files (name -> bytes) beside the tensors; all or nothing."""
+    extra = extra or {}
+    clashes = [name for name in extra if name in (*REQUIRED, CHECKSUMS_FILE) or Path(name).name != name]
+    if clashes:
+        raise ValueError(f"extra checkpoint files must be plain names other than {REQUIRED}; got {clashes}")
+    partial = directory.with_name(directory.name + PARTIAL)
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        save_file(_unaliased(model), partial / MODEL_FILE)
+        tensors, groups = _flatten_optimizer(optimizer)
+        save_file(tensors, partial / OPTIMIZER_FILE)
+        (partial / STATE_FILE).write_text(json.dumps({"param_groups": groups, **state}, indent=1))
+        for name, data in extra.items():
+            (partial / name).write_bytes(data)
+        checksums = {name: _digest(partial / name, sync=True) for name in (*REQUIRED, *extra)}
+        (partial / CHECKSUMS_FILE).write_text(json.dumps({"algorithm": ALGORITHM, "files": checksums}, indent=1))
+        _digest(partial / CHECKSUMS_FILE, sync=True)
+        _sync_directory(partial)
+        _move_into_place(partial, directory)
+    except (OSError, SafetensorError) as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(_write_failure(directory, error)) from None
+
+
+def load_checkpoint(directory: Path) -> tuple[dict[str, Tensor], dict, dict]:
+    """(model state, optimizer state dict, extra state) of a checkpoint written by ``save_checkpoint``,
+    every file verified against its checksum."""
+    _verified(directory)
+    meta = _read_state(directory)
+    try:
+        model = load_file(directory / MODEL_FILE)
+        tensors = load_file(directory / OPTIMIZER_FILE)
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"checkpoint {directory} is corrupt ({error}); {ANOTHER}") from None
+    groups = meta.pop("param_groups")
+    return model, _unflatten_optimizer(tensors, groups), meta
+
+
+def checkpoint_state(directory: Path) -> dict:
+    """The state saved beside the tensors (step, version, loss state, fingerprint), after
+    verifying every file, so a damaged checkpoint is refused before anything starts."""
+    _verified(directory)
+    state = _read_state(directory)
+    state.pop("param_groups")
+    return state
+
+
+def read_extra(directory: Path, name: str) -> bytes:
+    """An extra file saved with the checkpoint, verified against its checksum."""
+    files = _checksums(directory)
+    if name not in files:
+        extras = sorted(set(files) - set(REQUIRED))
+        raise CheckpointError(f"checkpoint {directory} holds no {name} (its extra files: {extras}); {ANOTHER}")
+    try:
+        data = (directory / name).read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {directory} lost its {name} ({error.strerror}); {ANOTHER}") from None
+    _compare(directory, name, files[name], xxhash.xxh3_128_hexdigest(data))
+    return data
+
+
+def _verified(directory: Path) -> None:
+    for name, expected in _checksums(directory).items():
+        try:
+            found = _digest(directory / name)
+        except OSError as error:
+            raise CheckpointError(f"checkpoint {directory} lost its {name} ({error.strerror}); {ANOTHER}") from None
+        _compare(directory, name, expected, found)
+
+
+def _checksums(directory: Path) -> dict[str, str]:
+    """The recorded digests (file name -> hex), after checking the directory is a finished checkpoint."""
+    if directory.name.endswith(PARTIAL):
+        raise CheckpointError(
+            f"{directory} is an unfinished checkpoint, left by a save that was interrupted (a crash or a full "
+            f"disk); resume from {directory.with_name(directory.name.removesuffix(PARTIAL))} if it exists, or "
+            "from an earlier checkpoint of that run"
+        )
+    if not directory.is_dir() or not (directory / STATE_FILE).is_file():
+        raise CheckpointError(
+            f"{directory} is not a checkpoint (no {STATE_FILE} there); point to a directory such as "
+            "runs/<run>/checkpoints/step_000125"
+        )
+    path = directory / CHECKSUMS_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {directory} has no {CHECKSUMS_FILE}, so its files cannot be verified (it was written "
+            f"before checkpoints carried checksums, or not by save_checkpoint); {ANOTHER}"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+        files, algorithm = manifest["files"], manifest["algorithm"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        unreadable = f"checkpoint {directory} has an unreadable {CHECKSUMS_FILE} ({error}); {ANOTHER}"
+        raise CheckpointError(unreadable) from None
+    if algorithm != ALGORITHM or not isinstance(files, dict) or not all(name in files for name in REQUIRED):
+        raise CheckpointError(
+            f"checkpoint {directory}'s {CHECKSUMS_FILE} is not this version's ({ALGORITHM} digests of "
+            f"{', '.join(REQUIRED)} expected); {ANOTHER}"
+        )
+    return files
+
+
+def _compare(directory: Path, name: str, expected: str, found: str) -> None:
+    if found != expected:
+        raise CheckpointError(
+            f"checkpoint {directory}: {name} does not match its checksum ({ALGORITHM} recorded {expected}, "
+            f"found {found}), so it was changed or damaged after it was written; {ANOTHER}"
+        )
+
+
+def _read_state(directory: Path) -> dict:
+    """state.json as a dict with an integer step and the optimizer's param groups, or a CheckpointError."""
+    try:
+        state = json.loads((directory / STATE_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {directory} has an unreadable {STATE_FILE} ({error}); {ANOTHER}") from None
+    if not isinstance(state, dict):
+        problem = f"holds a JSON {type(state).__name__}, not an object"
+    elif "step" not in state:
+        problem = "has no step"
+    elif type(state["step"]) is not int or state["step"] < 0:
+        problem = f"has step {state['step']!r}, not a non-negative integer"
+    elif not isinstance(state.get("param_groups"), list):
+        problem = "has no optimizer param_groups"
+    else:
+        return state
+    raise CheckpointError(f"checkpoint {directory}: its {STATE_FILE} {problem}; {ANOTHER}")
+
+
+def _digest(path: Path, sync: bool = False) -> str:
+    """The file's xxh3 read back from the filesystem; ``sync`` also forces it to disk first,
+    where a full disk may only show up (delayed allocation, network filesystems)."""
+    digest = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        if sync:
+            os.fsync(f.fileno())
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _move_into_place(partial: Path, directory: Path) -> None:
+    """Rename the finished checkpoint into place; one of the same name is set aside first and
+    removed only after, so there is a whole checkpoint at every instant."""
+    replaced = directory.with_name(directory.name + REPLACED)
+    if directory.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        directory.rename(replaced)
     partial.rename(directory)
+    shutil.rmtree(replaced, ignore_errors=True)
+    _sync_directory(directory.parent)
+
+
+def _write_failure(directory: Path, error: BaseException) -> str:
+    cause = write_cause(error, directory.parent)
+    if errno_of(error) in DISK_FULL:
+        fix = (
+            "free space there (or move older checkpoints elsewhere), then resume from the last checkpoint "
+            "with --resume"
+        )
+    else:
+        fix = "make that directory writable (or set logging.root / --run-root elsewhere) and resume with --resume"
+    return (
+        f"checkpoint {directory} could not be written: {cause}. Nothing of it was left behind and earlier "
+        f"checkpoints are untouched; {fix}"
+    )
 
 
 def _unaliased(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -44,39 +226,6 @@ def _unaliased(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         out[name] = tensor.clone() if storage in seen else tensor
         seen.add(storage)
     return out
-
-
-def load_checkpoint(directory: Path) -> tuple[dict[str, Tensor], dict, dict]:
-    """(model state, optimizer state dict, extra state) of a checkpoint written by ``save_checkpoint``."""
-    try:
-        model = load_file(directory / MODEL_FILE)
-        tensors = load_file(directory / OPTIMIZER_FILE)
-        meta = json.loads((directory / STATE_FILE).read_text())
-    except (OSError, SafetensorError, json.JSONDecodeError) as error:
-        raise CheckpointError(
-            f"checkpoint {directory} is missing or corrupt ({error}); "
-            "point to another checkpoint directory (runs keep one per save) or start without resuming"
-        ) from None
-    groups = meta.pop("param_groups")
-    return model, _unflatten_optimizer(tensors, groups), meta
-
-
-def checkpoint_state(directory: Path) -> dict:
-    """The state saved beside the tensors (step, version, loss state), without reading the tensors."""
-    missing = [name for name in (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE) if not (directory / name).is_file()]
-    if missing:
-        raise CheckpointError(
-            f"{directory} is not a checkpoint (no {', '.join(missing)}); point to a directory such as "
-            "runs/<run>/checkpoints/step_000125"
-        )
-    try:
-        state = json.loads((directory / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CheckpointError(
-            f"checkpoint {directory} has an unreadable {STATE_FILE} ({error}); use another checkpoint"
-        ) from None
-    state.pop("param_groups", None)
-    return state
 
 
 def _flatten_optimizer(optimizer: dict) -> tuple[dict[str, Tensor], list[dict]]:

@@ -98,7 +98,7 @@ class Trainer(Actor):
     @endpoint
     def save(self, directory: str, step: int, extra: dict | None = None) -> None:
         """A checkpoint of ``step``: policy, optimizer, version, TAID's schedule, and the caller's
-        ``extra`` (JSON: e.g. the batches a bounded-async run collected ahead)."""
+        ``extra`` (JSON: what a resume must match, the batches a bounded-async run collected ahead)."""
         state = {"step": step, "version": self.version, **(extra or {})}
         if self.taid is not None:
             state["taid"] = self.taid.state_dict()

@@ -40,6 +40,7 @@ from actors.weights import WeightVersion
 from losses import group_advantages
 from mesh.inflight import collected_from_json, collected_to_json
 from mesh.control import ControlChannel
+from mesh.fingerprint import topology_fingerprint
 from mesh.fleet import Fleet, TrainerLost
 from mesh.interrupts import Interrupted, Stopper
 from mesh.router import Routed, Router, TargetLoad
@@ -103,6 +104,7 @@ class Controller:
         self.collecting: deque[asyncio.Future[Collected]] = deque()  # the steps after ``step``, sampled ahead
         self.scheduled = 0  # the next step to start collecting
         self.trainer_seconds_lost = 0.0
+        self.fingerprint = topology_fingerprint(topology).to_json()
 
     async def train(self, checkpoint: Path | None = None) -> list[dict]:
         """Train to ``loop.steps``, from ``checkpoint`` if given (a resumed run) else from the start."""
@@ -374,7 +376,9 @@ class Controller:
     async def _checkpoint(self, step: int) -> None:
         """The trainer's state at ``step``, and the batches already collected for the steps after it."""
         collected = [await task for task in self.collecting]  # a bounded-async run sampled them before this point
-        extra = {"inflight": collected_to_json(collected)} if collected else {}
+        extra = {"fingerprint": self.fingerprint}  # what a --resume must match
+        if collected:
+            extra["inflight"] = collected_to_json(collected)
         await self.actors.trainer.save.call(str(self.run.checkpoint_dir(step)), step, extra)
         self.last_checkpoint = self.run.checkpoint_dir(step)
 

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from actors.checkpoint import CheckpointError, checkpoint_state
+from mesh.fingerprint import FingerprintError, topology_fingerprint
+from mesh.rundir import RunDirError
 from mesh.topology import Topology, TopologyError, describe, load_topology
 
 
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         topology = load_topology(args.topology, args.set)
         if args.resume:
             check_resume(topology, Path(args.resume))
-    except (TopologyError, CheckpointError) as error:
+    except (TopologyError, CheckpointError, FingerprintError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.dry_run:
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_dir = asyncio.run(run(topology, args.run_root, resume=args.resume))
+    except RunDirError as error:  # raised before anything is spawned
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -62,7 +67,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_resume(topology: Topology, checkpoint: Path) -> None:
-    step = checkpoint_state(checkpoint)["step"]
+    """Refuse, before anything starts, a checkpoint that is damaged, was trained for another
+    model, tokenizer or task, or has nothing left to train."""
+    state = checkpoint_state(checkpoint)
+    recorded = state.get("fingerprint")
+    if not isinstance(recorded, dict):
+        raise CheckpointError(
+            f"{checkpoint} records no fingerprint (the model, tokenizer and task it was trained for; checkpoints "
+            "written before fingerprints lack it), so whether it fits this topology cannot be checked; resume "
+            "from a checkpoint written by this version, or start without --resume"
+        )
+    differences = topology_fingerprint(topology).differences(recorded)
+    if differences:
+        written_by = checkpoint.parent.parent / "topology.yaml"
+        source = written_by if written_by.is_file() else "the topology.yaml of the run that wrote it"
+        raise CheckpointError(
+            f"{checkpoint} was trained for another job: {'; '.join(differences)}. Resume it with the topology "
+            f"that wrote it ({source}), or start without --resume"
+        )
+    step = state["step"]
     if step >= topology.loop.steps:
         raise CheckpointError(
             f"{checkpoint} is at step {step} and the topology runs {topology.loop.steps} steps, so nothing is "

@@ -7,42 +7,79 @@ runs/<name>-<time>/
   metrics.jsonl        one JSON object per step
   tensorboard/         the same scalars as TensorBoard events
   reward.png           the reward curve, written at the end
-  checkpoints/step_N/  policy + optimizer state (safetensors)
+  checkpoints/step_N/  policy + optimizer state (safetensors), checksummed
 ```
+
+Every failure to make or write it is a ``RunDirError`` naming the path, the cause and
+the fix, never a traceback; drawing ``reward.png`` at the end never raises, since it runs
+after a failure too and must not replace that failure's message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import itertools
 import json
 import math
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
 import yaml
 
+from actors.disk import DISK_FULL, errno_of, write_cause
+from mesh import events
+
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
+ROOT_HINT = "--run-root (or the topology's logging.root)"
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be made or written; the message names the path, the cause and the fix."""
 
 
 class RunDir:
     def __init__(self, path: Path, tensorboard: bool):
+        """Open the run directory ``path``, which exists (``create`` makes a new one)."""
         self.path = path
-        self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_file = path / "metrics.jsonl"
-        self.writer = None
+        self.events_file = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(path / "tensorboard"))
+            (path / "tensorboard").mkdir(exist_ok=True)
+            self.events_file = events.event_file(path / "tensorboard")
+            _append(self.events_file, events.header())
 
     @classmethod
     def create(cls, root: str | Path, name: str, resolved: dict, tensorboard: bool) -> RunDir:
+        """A new directory ``<root>/<name>-<time>`` (missing parents made), never one another run
+        also got: the directory is made without ``exist_ok`` and a taken name gets a suffix."""
+        root = Path(root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            is_a_file = f"the run root {root} is a file, not a directory; point {ROOT_HINT} at a directory"
+            raise RunDirError(is_a_file) from None
+        except OSError as error:
+            raise RunDirError(_cannot_create(root, error)) from None
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path(root) / f"{name}-{stamp}"
-        suffix = 1
-        while path.exists():
-            path, suffix = Path(root) / f"{name}-{stamp}-{suffix}", suffix + 1
-        run = cls(path, tensorboard)
-        (path / "topology.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        for suffix in itertools.count():
+            path = root / (f"{name}-{stamp}-{suffix}" if suffix else f"{name}-{stamp}")
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:
+                continue
+            except OSError as error:
+                raise RunDirError(_cannot_create(path, error)) from None
+        try:
+            run = cls(path, tensorboard)
+            (path / "topology.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+        except OSError as error:
+            shutil.rmtree(path, ignore_errors=True)
+            raise RunDirError(_cannot_create(path, error)) from None
         return run
 
     @property
@@ -53,12 +90,21 @@ class RunDir:
         return self.path / "checkpoints" / f"step_{step:06d}"
 
     def log(self, step: int, metrics: dict) -> None:
-        with self.metrics_file.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self.writer is not None:
-            for name, value in metrics.items():
-                if isinstance(value, int | float) and math.isfinite(value):
-                    self.writer.add_scalar(name, value, step)
+        """Append one step's metrics to metrics.jsonl and TensorBoard; a write that fails (a full
+        disk) is a RunDirError and leaves both files whole (no half line or record)."""
+        line = (json.dumps({"step": step, **metrics}) + "\n").encode()
+        records = [(self.metrics_file, line)]
+        if self.events_file is not None:
+            values = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+            records.append((self.events_file, events.scalars(step, values)))
+        for path, data in records:
+            try:
+                _append(path, data)
+            except OSError as error:
+                raise RunDirError(
+                    f"the metrics of step {step} could not be written to {path}: {write_cause(error, path)}; "
+                    f"{_fix(error)}, then go on from the last checkpoint in {self.path / 'checkpoints'} with --resume"
+                ) from None
 
     def rewind(self, step: int) -> list[dict]:
         """Forget the metrics of ``step`` and later (a trainer restarted from the checkpoint of ``step``
@@ -70,12 +116,54 @@ class RunDir:
         partial.replace(self.metrics_file)
         return [r for r in records if r["step"] >= step]
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        records = read_metrics(self.metrics_file)
-        if records:
-            plot_reward(records, self.path / "reward.png")
+    def close(self) -> str | None:
+        """Draw reward.png from metrics.jsonl. This runs after a failed run too, often on the same
+        full disk, where an exception would replace the run's own error: so it never raises, and
+        a failure is printed to stderr as one line and returned."""
+        out = self.path / "reward.png"
+        try:
+            records = read_metrics(self.metrics_file)
+            if records:
+                plot_reward(records, out)
+        except Exception as error:  # whatever it is, the run's own outcome must stay the one reported
+            with contextlib.suppress(OSError):
+                out.unlink(missing_ok=True)
+            message = f"warning: {out} was not drawn: {write_cause(error, out)}"
+            print(message, file=sys.stderr)
+            return message
+        return None
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append all of ``data`` or nothing: what a failed write left is cut off again."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _cannot_create(path: Path, error: OSError) -> str:
+    code = errno_of(error)
+    if code == errno.ENOTDIR:
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), path.parent)
+        return f"cannot create {path}: {blocker} is a file, not a directory; point {ROOT_HINT} elsewhere"
+    if code == errno.ENAMETOOLONG:
+        return f"cannot create {path}: the name is too long for its filesystem; shorten {ROOT_HINT} or the name"
+    return f"cannot create {path}: {write_cause(error, path)}; {_fix(error)}"
+
+
+def _fix(error: OSError) -> str:
+    if errno_of(error) in DISK_FULL:
+        return f"free space there or point {ROOT_HINT} at another disk"
+    return f"point {ROOT_HINT} at a directory you can write"
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -109,5 +197,7 @@ def plot_reward(records: list[dict], out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        fig.savefig(out)
+    finally:
+        plt.close(fig)

@@ -35,7 +35,8 @@ BASE = [
     "loop.evaluation.every=0",
     "checkpointing.every=3",
 ]
-TIMING = ("time/", "samples_per_s", "faults/", "generator/")  # what a fault is allowed to change
+TIMING = ("time/", "samples_per_s", "faults/", "generator/")  # what a fault is allowed to change ...
+TIMED = ("latency_s", "busy_s")  # ... and per-teacher or per-generator timings
 
 
 def overrides(root: Path, *extra: str) -> list[str]:
@@ -48,7 +49,7 @@ def records(run_path: Path) -> list[dict]:
 
 def learning(rows: list[dict]) -> list[dict]:
     """What training did at each step, without timings (and without the fault counters)."""
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING) and not k.endswith("busy_s")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING) and not k.endswith(TIMED)} for r in rows]
 
 
 def only_run(root: Path) -> Path:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from actors.checkpoint import save_checkpoint
+from mesh.fingerprint import topology_fingerprint
 from mesh.topology import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,10 +197,9 @@ def test_resume_from_a_missing_or_finished_checkpoint_is_refused_before_anything
     result = _cli(str(TINY), "--resume", str(tmp_path / "nope"), cwd=tmp_path)
     assert result.returncode == 2 and "is not a checkpoint" in result.stderr and "Traceback" not in result.stderr
     checkpoint = tmp_path / "step_000250"
-    checkpoint.mkdir()
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        (checkpoint / name).write_bytes(b"")
-    (checkpoint / "state.json").write_text('{"step": 250, "version": 250}')
+    fingerprint = topology_fingerprint(load_topology(TINY)).to_json()
+    state = {"step": 250, "version": 250, "fingerprint": fingerprint}
+    save_checkpoint(checkpoint, {}, {"state": {}, "param_groups": []}, state)
     result = _cli(str(TINY), "--resume", str(checkpoint), cwd=tmp_path)
     assert result.returncode == 2 and "nothing is left to train" in result.stderr and "loop.steps=350" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000250"]  # no run directory was made

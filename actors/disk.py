@@ -1,0 +1,44 @@
+"""Why a write failed, in words a user can act on: the error's name and the space left.
+
+A full disk is the common cause of a failed checkpoint or log write, and the number
+that tells the user what to do (how much is free, and where) is not in the exception.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def errno_of(error: BaseException) -> int | None:
+    """The OS error number of ``error``; safetensors' Rust writer only puts it in its message."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno
+    found = re.search(r"os error (\d+)", str(error))
+    return int(found.group(1)) if found else None
+
+
+def write_cause(error: BaseException, path: Path) -> str:
+    """E.g. ``No space left on device (ENOSPC; 12 KiB free on /data)``."""
+    code = errno_of(error)
+    if code is None:
+        return f"{type(error).__name__}: {error}"
+    cause = f"{os.strerror(code)} ({errno.errorcode.get(code, code)}"
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if code in DISK_FULL and existing is not None:
+        cause += f"; {_size(shutil.disk_usage(existing).free)} free on {existing}"
+    return cause + ")"
+
+
+def _size(count: int) -> str:
+    value, unit = float(count), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"

@@ -1,0 +1,164 @@
+"""What a checkpoint must agree on with the topology that resumes it.
+
+Resuming another task's checkpoint, or one whose tokenizer maps ids to other
+characters, loads without complaint and trains on nonsense. A checkpoint therefore
+records a fingerprint: the model's architecture (the config.json fields that fix the
+weights' shapes), a digest of the tokenizer's vocabulary, and the task (name,
+parameters, alphabet). ``mesh.run`` compares it with the topology's before anything
+starts. Computing one reads JSON files only (no torch, no transformers), so the check
+costs nothing next to a run.
+
+The seed is left out on purpose: after a resume the weights come from the checkpoint,
+and the seed only chose the initial weights and the prompt stream, which a user may
+change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from actors.tasks import TaskConfig, build_task
+
+if TYPE_CHECKING:
+    from actors.model import TinyModelSpec
+    from mesh.topology import Topology
+
+ARCHITECTURE = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+class FingerprintError(ValueError):
+    """A model directory whose config or tokenizer files cannot be read; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    model: dict[str, Any]  # the ARCHITECTURE fields config.json has
+    tokenizer: dict[str, Any]  # {"tokens": vocabulary size, "digest": xxh3 of the vocabulary}
+    task: dict[str, Any]  # {"name", "params", "alphabet"}
+
+    def to_json(self) -> dict:
+        """As stored in a checkpoint's state.json (and compared after a JSON round trip)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def differences(self, recorded: dict) -> list[str]:
+        """What ``recorded`` (a checkpoint's fingerprint) says otherwise than this one (the topology's)."""
+        mine = self.to_json()
+        out = []
+        theirs_task, my_task = recorded.get("task", {}), mine["task"]
+        if (theirs_task.get("name"), theirs_task.get("params")) != (my_task["name"], my_task["params"]):
+            out.append(f"task: {_task(theirs_task)} in the checkpoint, {_task(my_task)} in the topology")
+        if theirs_task.get("alphabet") != my_task["alphabet"]:
+            out.append(
+                f"task alphabet: {theirs_task.get('alphabet')!r} in the checkpoint, {my_task['alphabet']!r} "
+                "in the topology"
+            )
+        theirs_model = recorded.get("model", {})
+        for field in ARCHITECTURE:
+            if theirs_model.get(field) != mine["model"].get(field):
+                out.append(
+                    f"model {field}: {theirs_model.get(field, 'unset')} in the checkpoint, "
+                    f"{mine['model'].get(field, 'unset')} in the topology"
+                )
+        theirs_tokenizer = recorded.get("tokenizer", {})
+        if theirs_tokenizer.get("digest") != mine["tokenizer"]["digest"]:
+            out.append(
+                f"tokenizer: another vocabulary ({theirs_tokenizer.get('tokens')} tokens in the checkpoint, "
+                f"{mine['tokenizer']['tokens']} in the topology)"
+            )
+        return out
+
+
+def fingerprint(model_dir: Path, task: TaskConfig) -> Fingerprint:
+    """The fingerprint of a run training the HF model in ``model_dir`` on ``task``."""
+    config = _read_json(model_dir / "config.json")
+    model = {field: config[field] for field in ARCHITECTURE if field in config}
+    return Fingerprint(model, _tokenizer(model_dir), _task_fingerprint(task))
+
+
+def topology_fingerprint(topology: Topology) -> Fingerprint:
+    """The fingerprint of a run of ``topology``; for ``model.init`` computed from the spec and the
+    task's alphabet without building the model (which happens only inside the run)."""
+    if topology.model.path is not None:
+        return fingerprint(Path(topology.model.path).expanduser(), topology.task.config)
+    task = _task_fingerprint(topology.task.config)
+    vocab = _char_vocabulary(task["alphabet"])
+    return Fingerprint(_tiny_architecture(topology.model.init, len(vocab)), _digest(vocab), task)
+
+
+def _task_fingerprint(cfg: TaskConfig) -> dict:
+    return {"name": cfg.name, "params": dict(cfg.params), "alphabet": build_task(cfg).alphabet}
+
+
+def _task(task: dict) -> str:
+    params = ", ".join(f"{key}={value}" for key, value in sorted((task.get("params") or {}).items()))
+    return f"{task.get('name')}({params})"
+
+
+def _tokenizer(model_dir: Path) -> dict:
+    """The vocabulary (token -> id, added tokens included) of tokenizer.json or vocab.json; for a
+    sentencepiece-only directory the digest of its model file."""
+    if (model_dir / "tokenizer.json").is_file():
+        data = _read_json(model_dir / "tokenizer.json")
+        vocab = data.get("model", {}).get("vocab", {})
+        tokens = vocab if isinstance(vocab, dict) else {entry[0]: i for i, entry in enumerate(vocab)}  # unigram
+        return _digest({**tokens, **{t["content"]: t["id"] for t in data.get("added_tokens", [])}})
+    if (model_dir / "vocab.json").is_file():
+        return _digest(_read_json(model_dir / "vocab.json"))
+    if (model_dir / "tokenizer.model").is_file():
+        return {"tokens": None, "digest": xxhash.xxh3_128_hexdigest((model_dir / "tokenizer.model").read_bytes())}
+    return {"tokens": None, "digest": None}
+
+
+def _digest(vocab: dict[str, int]) -> dict:
+    canonical = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return {"tokens": len(vocab), "digest": xxhash.xxh3_128_hexdigest(canonical)}
+
+
+def _char_vocabulary(alphabet: str) -> dict[str, int]:
+    """The tiny model's vocabulary, as ``actors.model.char_tokenizer`` lays it out."""
+    from actors.model import SPECIAL_TOKENS  # actors.model imports torch; the model_dir path stays light
+
+    return {token: i for i, token in enumerate((*SPECIAL_TOKENS, *dict.fromkeys(alphabet)))}
+
+
+def _tiny_architecture(spec: TinyModelSpec, vocab_size: int) -> dict:
+    """The ARCHITECTURE fields ``actors.model.build_tiny_model`` writes to config.json for ``spec``."""
+    return {
+        "model_type": spec.arch,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": 4 * spec.hidden_size,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.hidden_size // spec.heads,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": False,
+    }
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise FingerprintError(
+            f"cannot read {path} to fingerprint the model ({error}); check the model directory"
+        ) from None
+    if not isinstance(data, dict):
+        raise FingerprintError(f"{path} holds no JSON object; check the model directory")
+    return data
