@@ -53,11 +53,15 @@ def explain(error: BaseException) -> Cause:
     original = getattr(error, "exception", None)  # monarch's ActorError carries the actor's own exception
     if isinstance(original, BaseException):
         return Cause(_summary(original), getattr(error, "exception_formatted", None))
-    text = str(error)
+    return explain_report(str(error)) if str(error).strip() else Cause(type(error).__name__)
+
+
+def explain_report(text: str) -> Cause:
+    """The cause in a Monarch failure text (a ``SupervisionError``'s, or a ``MeshFailure.report()``)."""
     detail = text.split("have failed:", 1)[1] if "have failed:" in text else text
     if TRACEBACK in detail:  # a constructor raised: Monarch's text holds the whole remote traceback
         return Cause(_last_exception(detail), detail.strip())
-    return Cause(paragraph(detail) or _summary(error))
+    return Cause(paragraph(detail))
 
 
 def paragraph(text: str) -> str:

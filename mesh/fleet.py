@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from asyncio import FIRST_COMPLETED
 import signal
 import socket
 import time
@@ -32,7 +33,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ProcMesh
 
 from actors.lifecycle import ProcInfo
-from mesh.faults import Cause, FaultTolerance, explain, name_actor
+from mesh.faults import Cause, FaultTolerance, explain, explain_report, name_actor
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -72,6 +73,7 @@ class _Mesh:
     where: list[ProcInfo] = field(default_factory=list)  # one per process
     generation: int = 0  # bumped by each replacement
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    failed: asyncio.Future[Cause] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class Fleet:
         self.restarts = 0
         self.seconds_lost = 0.0  # from each failed call's start until the mesh was back
         self.listeners: list[Callable[[str], None]] = []  # told the name of each replaced mesh
+        self._names: dict[str, tuple[str, int]] = {}  # Monarch's actor mesh name -> (our mesh, its generation)
+        self._loop = asyncio.get_running_loop()
 
     async def start(self, procs: dict[str, ProcMesh]) -> None:
         """Spawn and start every role on the launcher's meshes (meshes in parallel)."""
@@ -121,22 +125,40 @@ class Fleet:
         replacing the mesh and retrying on a process fault."""
         state, actor = self.meshes[mesh], name_actor(role, mesh, proc)
         while True:
-            generation, started = state.generation, time.perf_counter()
+            generation, started, failed = state.generation, time.perf_counter(), state.failed
+            call = asyncio.ensure_future(invoke(state.actors[role]))
+            await asyncio.wait((call, failed), timeout=self.tolerance.call_timeout, return_when=FIRST_COMPLETED)
             try:
-                return await asyncio.wait_for(invoke(state.actors[role]), self.tolerance.call_timeout)
+                if call.done():
+                    return call.result()
+                call.cancel()
+                cause = failed.result() if failed.done() else self._timed_out()
             except SupervisionError as error:
                 cause = explain(error)
-            except TimeoutError:
-                cause = Cause(
-                    f"no answer within fault_tolerance.call_timeout = {self.tolerance.call_timeout:g} s "
-                    "(the process hangs, is stopped, or the call is slower than the timeout allows)"
-                )
             except Exception as error:  # the endpoint raised: the actor's own verdict, never retried
                 raise ActorFailed(actor, endpoint, explain(error)) from None
             if mesh == self.trainer_mesh:
                 raise TrainerLost(actor, endpoint, cause)
             await self.replace(mesh, generation, Fault(actor, endpoint, cause, 0))
             self.seconds_lost += time.perf_counter() - started
+
+    def _timed_out(self) -> Cause:
+        return Cause(
+            f"no answer within fault_tolerance.call_timeout = {self.tolerance.call_timeout:g} s "
+            "(the process hangs, is stopped, or the call is slower than the timeout allows)"
+        )
+
+    def notice(self, failure) -> None:
+        """Monarch's fault hook (on Monarch's own thread): a mesh of ours failed. Calls already
+        waiting on it may never be answered, so they are failed now, on the fleet's loop."""
+        mesh, generation = self._names.get(failure.mesh_name, (None, None))
+        if mesh is not None:
+            self._loop.call_soon_threadsafe(self._fail, mesh, generation, explain_report(failure.report()))
+
+    def _fail(self, mesh: str, generation: int, cause: Cause) -> None:
+        state = self.meshes[mesh]
+        if state.generation == generation and not state.failed.done():
+            state.failed.set_result(cause)
 
     async def restart_trainer(self, lost: TrainerLost) -> None:
         """Fresh processes and actors for the trainer's mesh (the caller then loads its last checkpoint)."""
@@ -161,18 +183,19 @@ class Fleet:
             self.restarts += 1
             start = time.perf_counter()
             self._kill(state)
-            await self._populate(state, self.launcher.respawn(mesh))
             state.generation += 1
+            await self._populate(state, self.launcher.respawn(mesh))
             self.on_fault(Fault(fault.actor, fault.endpoint, fault.cause, self.restarts, time.perf_counter() - start))
         for listener in self.listeners:
             listener(mesh)
 
     async def _populate(self, state: _Mesh, procs: ProcMesh) -> None:
-        state.procs, state.actors = procs, {}
+        state.procs, state.actors, state.failed = procs, {}, self._loop.create_future()
         for role in state.roles:  # one after another: actors sharing a process build their models in turn
             try:
-                state.actors[role.name] = await role.spawn(procs)
-                state.where = await role.start(state.actors[role.name])
+                state.actors[role.name] = actors = await role.spawn(procs)
+                self._names[await actors._name] = (state.name, state.generation)
+                state.where = await role.start(actors)
             except Exception as error:  # a role that cannot start (bad model, engine, binding): not a fault
                 raise ActorFailed(name_actor(role.name, state.name), "start", explain(error)) from None
 

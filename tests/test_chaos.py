@@ -108,7 +108,8 @@ async def test_a_run_survives_a_dead_or_hung_actor_and_trains_on_exactly_the_sam
     tmp_path, baseline, role, sig
 ):
     rng = random.Random(f"{role}/{sig}")
-    topology = load_topology(TINY, overrides(tmp_path, "fault_tolerance.call_timeout=8"))
+    timeout = 8 if sig == signal.SIGSTOP else 120  # a killed process is reported by Monarch, long before 120 s
+    topology = load_topology(TINY, overrides(tmp_path, f"fault_tolerance.call_timeout={timeout}"))
     injector = fault_at_random_step(tmp_path, role, sig, rng)
     run_dir = await run(topology, progress=False)
     injector.join(timeout=1)
