@@ -29,6 +29,7 @@ from actors.weights import (
     WeightVersion,
     choose_transport,
     device_checksum,
+    remove_store,
     slot_file,
 )
 from mesh.topology import load_topology
@@ -291,19 +292,19 @@ def test_record_from_another_store_is_rejected(pair, tmp_path: Path) -> None:
 
 def test_a_deleted_store_is_refused(store: Path) -> None:
     pub = WeightPublisher(store, state_dict(), slots=2)
-    assert sorted(p.name for p in store.iterdir()) == ["manifest.json", "slot-0.bin", "slot-1.bin"]
+    assert sorted(p.name for p in store.iterdir()) == ["manifest.json", "owner.json", "slot-0.bin", "slot-1.bin"]
     pub.close()
-    shutil.rmtree(store)  # what the runtime does at the end of a run
+    assert remove_store(store)  # what the runtime does at the end of a run
     with pytest.raises(WeightSyncError, match="no weight store"):
         WeightSubscriber(store)
 
 
 def test_tensors_are_64_byte_aligned_in_manifest_order(pair) -> None:
     pub, _ = pair
-    entries = pub.manifest["tensors"]
-    assert [e["name"] for e in entries] == list(state_dict())
-    assert all(e["offset"] % 64 == 0 for e in entries)
-    assert all(a["offset"] + a["nbytes"] <= b["offset"] for a, b in itertools.pairwise(entries))
+    entries = pub.manifest.tensors
+    assert [e.name for e in entries] == list(state_dict())
+    assert all(e.offset % 64 == 0 for e in entries)
+    assert all(a.offset + a.nbytes <= b.offset for a, b in itertools.pairwise(entries))
 
 
 # ------------------------------------------------------------------- transports, followers
