@@ -387,6 +387,16 @@ class Publishing(Actor):
         self.publisher.close()
 
     @endpoint
+    def tamper_manifest(self) -> None:
+        """Swap a tensor's dimensions in the registered manifest bytes: well-formed, same length, a lie."""
+        buffer = self.publisher._manifest_buffer
+        raw = bytes(buffer.numpy())
+        assert raw.count(b'"shape": [7, 5]') == 1
+        buffer.copy_(
+            torch.frombuffer(bytearray(raw.replace(b'"shape": [7, 5]', b'"shape": [5, 7]')), dtype=torch.uint8)
+        )
+
+    @endpoint
     def flip_byte(self, version: int) -> None:
         """Change one data byte of the version's slot behind the header's back."""
         data = self.publisher._slots[version % self.publisher.slots].data
@@ -467,6 +477,18 @@ def test_rdma_follower_keeps_serving_the_old_version_when_a_pull_is_stale_torn_o
     refused(dataclasses.replace(v5, checksum=v5.checksum ^ 1), "TornWeightsError", "expected")
     publishing.fail_publish.call_one(7).get()
     refused(v5, "StaleWeightsError", r"holds version 7 \(WRITING\)")
+
+
+def test_rdma_follower_refuses_a_pulled_manifest_that_is_not_the_published_one(two_procs, store: Path) -> None:
+    publishing, following = spawn_pair(two_procs, store, "rdma")
+    v0 = publishing.publish.call_one(0, 0).get()
+    assert_same(following.hold.call_one(v0).get(), state_dict(0))  # attached to the true manifest
+    publishing.tamper_manifest.call_one().get()
+    late = two_procs.slice(procs=1).spawn(f"late{uuid.uuid4().hex[:8]}", Following)  # attaches to the lie
+    v1 = publishing.publish.call_one(1, 1).get()
+    with pytest.raises(Exception, match="(?s)TornWeightsError.*not the layout version 1 was published with"):
+        late.hold.call_one(v1).get()
+    assert_same(following.hold.call_one(v1).get(), state_dict(1))
 
 
 @pytest.mark.gpu
