@@ -40,15 +40,14 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors.procs import alive_since
+
 CONTROL = "control"
 EVENTS = "events.jsonl"
 TEACHERS = "teachers.json"
 VERBS = ("bind", "unbind")
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_-]*$")
 POLL_S = 0.05
-# A process that started this long after the pid file was written is not the run but a later process that got its
-# number (e.g. a restarted container); the slack covers the kernel's coarse boot-time clock.
-PID_REUSE_SLACK_S = 2.0
 
 
 class ControlError(Exception):
@@ -262,36 +261,13 @@ def _ended(run_path: Path) -> str | None:
             f"the run in {run_path} has ended ({CONTROL}/pid is gone), so there is nothing to change. Start it again "
             "(its teachers are in actors.teachers.bindings of the topology) to train with other teachers."
         )
-    if owner["host"] != socket.gethostname() or _alive_since(owner["pid"], written):
+    if owner["host"] != socket.gethostname() or alive_since(owner["pid"], written):
         return None  # another host's processes are not ours to see: the reply, or the timeout, will tell
     return (
         f"the run in {run_path} has ended: its process {owner['pid']} is gone (it stopped without closing the "
         "channel, e.g. it was killed or crashed), so there is nothing to change. Start it again to train with "
         "other teachers."
     )
-
-
-def _alive_since(pid: int, written: float) -> bool:
-    """Whether ``pid`` is alive and still the process that wrote the pid file at ``written``."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, and another user's
-    started = _start_time(pid)
-    return started is None or started <= written + PID_REUSE_SLACK_S
-
-
-def _start_time(pid: int) -> float | None:
-    """When ``pid`` started (seconds since the epoch) per /proc; None where there is no /proc to ask."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
-    except (OSError, StopIteration):
-        return None
-    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime; the ")" ends the command name
-    return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _claim(path: Path) -> str | None:

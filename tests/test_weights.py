@@ -29,6 +29,7 @@ from actors.weights import (
     WeightVersion,
     choose_transport,
     device_checksum,
+    remove_store,
     slot_file,
 )
 from mesh.topology import load_topology
@@ -291,19 +292,19 @@ def test_record_from_another_store_is_rejected(pair, tmp_path: Path) -> None:
 
 def test_a_deleted_store_is_refused(store: Path) -> None:
     pub = WeightPublisher(store, state_dict(), slots=2)
-    assert sorted(p.name for p in store.iterdir()) == ["manifest.json", "slot-0.bin", "slot-1.bin"]
+    assert sorted(p.name for p in store.iterdir()) == ["manifest.json", "owner.json", "slot-0.bin", "slot-1.bin"]
     pub.close()
-    shutil.rmtree(store)  # what the runtime does at the end of a run
+    assert remove_store(store)  # what the runtime does at the end of a run
     with pytest.raises(WeightSyncError, match="no weight store"):
         WeightSubscriber(store)
 
 
 def test_tensors_are_64_byte_aligned_in_manifest_order(pair) -> None:
     pub, _ = pair
-    entries = pub.manifest["tensors"]
-    assert [e["name"] for e in entries] == list(state_dict())
-    assert all(e["offset"] % 64 == 0 for e in entries)
-    assert all(a["offset"] + a["nbytes"] <= b["offset"] for a, b in itertools.pairwise(entries))
+    entries = pub.manifest.tensors
+    assert [e.name for e in entries] == list(state_dict())
+    assert all(e.offset % 64 == 0 for e in entries)
+    assert all(a.offset + a.nbytes <= b.offset for a, b in itertools.pairwise(entries))
 
 
 # ------------------------------------------------------------------- transports, followers
@@ -386,6 +387,16 @@ class Publishing(Actor):
         self.publisher.close()
 
     @endpoint
+    def tamper_manifest(self) -> None:
+        """Swap a tensor's dimensions in the registered manifest bytes: well-formed, same length, a lie."""
+        buffer = self.publisher._manifest_buffer
+        raw = bytes(buffer.numpy())
+        assert raw.count(b'"shape": [7, 5]') == 1
+        buffer.copy_(
+            torch.frombuffer(bytearray(raw.replace(b'"shape": [7, 5]', b'"shape": [5, 7]')), dtype=torch.uint8)
+        )
+
+    @endpoint
     def flip_byte(self, version: int) -> None:
         """Change one data byte of the version's slot behind the header's back."""
         data = self.publisher._slots[version % self.publisher.slots].data
@@ -466,6 +477,18 @@ def test_rdma_follower_keeps_serving_the_old_version_when_a_pull_is_stale_torn_o
     refused(dataclasses.replace(v5, checksum=v5.checksum ^ 1), "TornWeightsError", "expected")
     publishing.fail_publish.call_one(7).get()
     refused(v5, "StaleWeightsError", r"holds version 7 \(WRITING\)")
+
+
+def test_rdma_follower_refuses_a_pulled_manifest_that_is_not_the_published_one(two_procs, store: Path) -> None:
+    publishing, following = spawn_pair(two_procs, store, "rdma")
+    v0 = publishing.publish.call_one(0, 0).get()
+    assert_same(following.hold.call_one(v0).get(), state_dict(0))  # attached to the true manifest
+    publishing.tamper_manifest.call_one().get()
+    late = two_procs.slice(procs=1).spawn(f"late{uuid.uuid4().hex[:8]}", Following)  # attaches to the lie
+    v1 = publishing.publish.call_one(1, 1).get()
+    with pytest.raises(Exception, match="(?s)TornWeightsError.*not the layout version 1 was published with"):
+        late.hold.call_one(v1).get()
+    assert_same(following.hold.call_one(v1).get(), state_dict(1))
 
 
 @pytest.mark.gpu

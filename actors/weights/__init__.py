@@ -13,24 +13,36 @@ followers run:
 
 A follower never samples with weights that are stale (another version) or torn
 (changed, corrupt or half-written): see ``store.py`` for the slot format and protocol.
+Each version's checksum also covers the store's manifest (``manifest.py``), so a layout
+changed after publishing is refused like changed bytes, before any view is built.
+
+The store directory (``storedir.py``) is created exclusively under an unguessable name,
+mode 0700; the publisher and every follower check its owner and mode when they open it
+and never follow a link inside it, so another local user can neither plant the files a
+follower reads nor redirect the publisher's writes. The runtime, not the publisher,
+owns the directory's life:
+
+    reclaim_dead_stores(root)       # at start: stores this user's killed runs left behind
+    store = create_store(root)      # before spawning the trainer; pass str(store) to it
+    ...                             # WeightPublisher(store, ...) on trainer rank 0
+    remove_store(store)             # at the end, whatever happened
 """
 
+from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError
 from actors.weights.follower import WeightFollower, choose_transport
+from actors.weights.manifest import HEADER_BYTES
 from actors.weights.rdma import RdmaReceiver
 from actors.weights.store import (
     CHUNK_BYTES,
-    HEADER_BYTES,
     TRANSPORTS,
     RemoteSlot,
-    StaleWeightsError,
-    TornWeightsError,
     WeightPublisher,
     WeightSubscriber,
-    WeightSyncError,
     WeightVersion,
     device_checksum,
     slot_file,
 )
+from actors.weights.storedir import create_store, reclaim_dead_stores, remove_store
 
 __all__ = [
     "CHUNK_BYTES",
@@ -46,6 +58,9 @@ __all__ = [
     "WeightSyncError",
     "WeightVersion",
     "choose_transport",
+    "create_store",
     "device_checksum",
+    "reclaim_dead_stores",
+    "remove_store",
     "slot_file",
 ]

@@ -10,20 +10,26 @@ trainer rewrote during the pull therefore fails the checksum (``TornWeightsError
 the old version keeps serving: the record's checksum is the version's, so a matching
 hash of the received bytes is proof enough, with no second look at the remote header.
 
+The manifest is pulled once per store, over its own buffer, and checked like a local
+one (``Manifest.decode``); its digest is part of every version's checksum, so a pulled
+manifest that is not the one the version was published with is refused before any view
+of the pulled bytes is built.
+
 The RDMA backend is ibverbs where the hosts have it, and Monarch's TCP fallback
 elsewhere (about 1 GB/s on one host here).
 """
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
+from actors.weights.manifest import Manifest, layout_digest
 from actors.weights.store import (
     _CHECKSUM,
+    _DATA,
     _STAMP,
     HEADER_BYTES,
     StaleWeightsError,
@@ -32,9 +38,8 @@ from actors.weights.store import (
     WeightVersion,
     _checksum,
     check_header,
-    check_manifest,
     default_threads,
-    typed_views,
+    version_checksum,
 )
 
 MIN_PULL_BYTES_PER_S = 50e6  # the pull's timeout allows this slow a link, and 60 s at least
@@ -49,9 +54,11 @@ class RdmaReceiver:
         if first.remote is None:
             raise WeightSyncError(f"{first} carries no RDMA handles; it was not published with transport 'rdma'")
         self.store, self.nbytes = first.store, first.nbytes
-        self.manifest = _pull_manifest(first)
-        if self.manifest["data_bytes"] != self.nbytes:
-            raise WeightSyncError(f"{first} does not match its store's manifest ({self.manifest['data_bytes']} bytes)")
+        raw = _pull_manifest(first)
+        self.manifest = Manifest.decode(raw, f"the manifest of {first.store} (pulled over RDMA)")
+        self.layout = layout_digest(raw)
+        if self.manifest.data_bytes != self.nbytes:
+            raise WeightSyncError(f"{first} does not match its store's manifest ({self.manifest.data_bytes} bytes)")
         size = HEADER_BYTES + self.nbytes
         self._buffers = [torch.zeros(size, dtype=torch.uint8) for _ in range(2)]  # zeros: pages touched now
         self._serving: int | None = None  # index of the buffer the served version lives in
@@ -69,7 +76,7 @@ class RdmaReceiver:
         self._pull(want, buffer)
         self._verify(buffer, want)
         self._serving, self._served = spare, want
-        return typed_views(buffer[HEADER_BYTES:], self.manifest["tensors"])
+        return self.manifest.views(buffer[HEADER_BYTES:])
 
     def _pull(self, want: WeightVersion, buffer: Tensor) -> None:
         timeout = max(60, int(buffer.numel() / MIN_PULL_BYTES_PER_S))
@@ -83,12 +90,12 @@ class RdmaReceiver:
             ) from error
 
     def _verify(self, buffer: Tensor, want: WeightVersion) -> None:
-        """The received header, then every received byte, against the record."""
-        where = f"the pulled copy of weight slot {want.version % self.manifest['slots']} of {self.store}"
-        header = buffer[:HEADER_BYTES].view(torch.int64)
-        check_header(int(header[_STAMP]), int(header[_CHECKSUM]) & 0xFFFF_FFFF_FFFF_FFFF, want, where)
+        """The received header (and the manifest's fit to it), then every received byte, against the record."""
+        where = f"the pulled copy of weight slot {want.version % self.manifest.slots} of {self.store}"
+        header = [int(word) & 0xFFFF_FFFF_FFFF_FFFF for word in buffer[:HEADER_BYTES].view(torch.int64)]
+        check_header((header[_STAMP], header[_CHECKSUM], header[_DATA]), self.layout, want, where)
         data = memoryview(buffer.numpy())[HEADER_BYTES:]
-        actual = _checksum(data, self.manifest["chunk_bytes"], self._pool)
+        actual = version_checksum(_checksum(data, self.manifest.chunk_bytes, self._pool), self.layout)
         if actual != want.checksum:
             raise TornWeightsError(
                 f"version {want.version} pulled over RDMA from {self.store} hashes to {actual:#018x}, expected "
@@ -117,8 +124,8 @@ class RdmaReceiver:
         self._pool, self._buffers, self._served, self._serving = None, [], None, None
 
 
-def _pull_manifest(first: WeightVersion) -> dict:
-    """The store's layout, pulled once per store over its own small RDMA buffer."""
+def _pull_manifest(first: WeightVersion) -> bytes:
+    """The store's manifest bytes, pulled once per store over its own small RDMA buffer."""
     blob = torch.empty(first.remote.manifest.size(), dtype=torch.uint8)
     first.remote.manifest.read_into(blob, timeout=60).get()
-    return check_manifest(json.loads(bytes(blob.numpy())), f"the manifest of {first.store} (pulled over RDMA)")
+    return bytes(blob.numpy())

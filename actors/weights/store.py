@@ -15,11 +15,18 @@ directory. The byte layout, header protocol and checksum are the same for all th
 
 Store layout::
 
-    manifest.json   names, dtypes, shapes and byte offsets, fixed at creation
+    owner.json      the process that created the directory (``storedir.py``)
+    manifest.json   names, dtypes, shapes and byte offsets, fixed at creation (``manifest.py``)
     slot-<i>.bin    (shm) one per ring slot: a 64-byte header (magic, stamp = version << 2 |
-                    state, checksum, data bytes as int64 words), then the data region,
-                    every tensor at a 64-byte aligned offset
+                    state, version checksum, data bytes, data checksum as int64 words), then
+                    the data region, every tensor at a 64-byte aligned offset
     cuda-ipc.pkl    (cuda_ipc) one CUDA IPC handle per slot, same header + data layout
+
+The directory is created exclusively under an unguessable name, mode 0700, and opened by
+publisher and subscribers alike through ``storedir.StoreDir``, which refuses a directory
+another user owns or could write and never resolves a name inside it through a link:
+another local user can neither redirect the run's writes nor plant the files it reads
+(``cuda-ipc.pkl`` is unpickled).
 
 Version ``v`` lives in slot ``v % slots``. The ring size is the caller's choice; with
 ``slots = max_policy_lag + 2`` a version a generator may still be sampling with is never
@@ -51,12 +58,21 @@ task (16 MiB) amortizes the thread pool's per-task cost. GPU slots use
 parallel read of the slot) runs in the background while the generator samples;
 ``check_intact`` collects its verdict before any sample leaves, so verification adds no
 time to the critical path and no unverified sample escapes.
+
+A version's checksum (the one its :class:`WeightVersion` carries) is xxh3_64 over two
+words: the data checksum above and the digest of the exact manifest bytes. The slot
+header keeps both the version checksum and the data checksum, so a follower checks,
+before it builds a single view, that the manifest it read is the one the version was
+published with: a layout changed behind the publisher's back (offsets swapped, another
+dtype or shape) is a ``TornWeightsError`` like changed data, never weights under wrong
+names. This adds no pass over the data. xxh3 is not a cryptographic hash: the checksum
+catches changes, and it is the store directory, which only this user can enter, that
+keeps another user from making a change that fits it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
 import pickle
@@ -73,17 +89,20 @@ import torch
 import xxhash
 from torch import Tensor
 
+from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError
+from actors.weights.manifest import HEADER_BYTES, Manifest, TensorEntry, layout_digest
+from actors.weights.storedir import StoreDir
+
 MANIFEST = "manifest.json"
 CUDA_HANDLES = "cuda-ipc.pkl"
-FORMAT = 1
-HEADER_BYTES = 64  # also the alignment of every tensor in the data region
 CHUNK_BYTES = 512 << 10  # unit of hashing: written, then hashed while still in L2
 TASK_BYTES = 16 << 20  # unit of work handed to a thread: few enough tasks to amortize the pool
 MAGIC = int.from_bytes(b"CMWSLOT1", "little")
 TRANSPORTS = ("shm", "rdma", "cuda_ipc")
 
-# Header: eight int64 words. The stamp packs state (low 2 bits) and version.
-_MAGIC, _STAMP, _CHECKSUM, _NBYTES = 0, 1, 2, 3
+# Header: eight int64 words. The stamp packs state (low 2 bits) and version; _CHECKSUM is the version's checksum
+# (the record's), _DATA the data region's alone, which a follower combines with its manifest's digest.
+_MAGIC, _STAMP, _CHECKSUM, _NBYTES, _DATA = 0, 1, 2, 3, 4
 EMPTY, WRITING, READY = 0, 1, 2
 _STATE_NAMES = {EMPTY: "EMPTY", WRITING: "WRITING", READY: "READY"}
 _MAX_VERSION = (1 << 61) - 1
@@ -106,117 +125,34 @@ class WeightVersion:
     """
 
     version: int
-    checksum: int  # over the data bytes of that version (see the module docstring)
+    checksum: int  # over the data bytes of that version and the store's manifest (see the module docstring)
     nbytes: int  # size of the data region that the checksum covers
     store: str  # path of the store directory on the publisher's host: a follower's key to attach
     transport: str = "shm"  # how a follower reaches the bytes: shm | rdma | cuda_ipc
     remote: RemoteSlot | None = field(default=None, compare=False, repr=False)  # rdma only
 
 
-class WeightSyncError(RuntimeError):
-    """The weight store cannot serve the request."""
-
-
-class StaleWeightsError(WeightSyncError):
-    """The slot does not hold the requested version (overwritten or never published)."""
-
-
-class TornWeightsError(WeightSyncError):
-    """The bytes do not match the checksum, or the slot changed while in use."""
+def _slot_name(slot: int) -> str:
+    return f"slot-{slot}.bin"
 
 
 def slot_file(store: str | Path, slot: int) -> Path:
     """Path of one ring slot's file."""
-    return Path(store) / f"slot-{slot}.bin"
+    return Path(store) / _slot_name(slot)
 
 
 def _store_path(store: str | Path) -> str:
-    """Canonical store path, a ``str`` like ``WeightVersion.store`` so the two compare equal."""
-    return str(Path(store).resolve())
+    """Absolute store path, a ``str`` like ``WeightVersion.store`` so the two compare equal.
+
+    Not resolved: a link at the store's path must reach ``StoreDir``'s ``O_NOFOLLOW``
+    open as a link, to be refused, rather than be replaced here by its target.
+    """
+    return os.path.abspath(store)
 
 
 def default_threads() -> int:
     """Copy/hash threads: memory bandwidth saturates well before a large host's core count."""
     return max(1, min(8, os.cpu_count() or 1))
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise WeightSyncError(f"manifest names unknown dtype {name!r}")
-    return dtype
-
-
-def _align(n: int) -> int:
-    return -(-n // HEADER_BYTES) * HEADER_BYTES
-
-
-def _manifest(state_dict: dict[str, Tensor], slots: int, chunk_bytes: int) -> dict:
-    """Layout fixed from the first state dict: every tensor 64-byte aligned, in dict order."""
-    entries, offset = [], 0
-    for name, tensor in state_dict.items():
-        if not isinstance(tensor, Tensor) or tensor.layout != torch.strided:
-            raise WeightSyncError(f"{name!r}: only dense (strided) tensors can be published")
-        nbytes = tensor.numel() * tensor.element_size()
-        dtype, shape = _dtype_name(tensor.dtype), list(tensor.shape)
-        entries.append({"name": name, "dtype": dtype, "shape": shape, "offset": offset, "nbytes": nbytes})
-        offset = _align(offset + nbytes)
-    if offset == 0:
-        raise WeightSyncError("the state dict holds no bytes to publish")
-    return {
-        "format": FORMAT,
-        "slots": slots,
-        "header_bytes": HEADER_BYTES,
-        "chunk_bytes": chunk_bytes,
-        "data_bytes": offset,
-        "tensors": entries,
-    }
-
-
-def check_manifest(manifest: dict, origin: str) -> dict:
-    """``manifest`` if this code can read its layout, else ``WeightSyncError`` naming ``origin``."""
-    if manifest.get("format") != FORMAT or manifest.get("header_bytes") != HEADER_BYTES:
-        raise WeightSyncError(
-            f"{origin} has weight-store format {manifest.get('format')}, this code reads format {FORMAT}; "
-            "run the trainer and its followers from the same code version"
-        )
-    return manifest
-
-
-def typed_views(data: Tensor, entries: list[dict]) -> dict[str, Tensor]:
-    """Zero-copy tensors over a slot's uint8 data region, shaped and typed per the manifest."""
-    views = {}
-    for e in entries:
-        raw = data[e["offset"] : e["offset"] + e["nbytes"]]
-        views[e["name"]] = raw.view(_parse_dtype(e["dtype"])).view(e["shape"])
-    return views
-
-
-def _first_mismatch(state_dict: dict[str, Tensor], entries: list[dict]) -> str | None:
-    """Why ``state_dict`` does not fit the manifest (naming the first bad key), or None."""
-    for e in entries:
-        name = e["name"]
-        if name not in state_dict:
-            return f"key {name!r} is missing"
-        t = state_dict[name]
-        if not isinstance(t, Tensor):
-            return f"key {name!r} is a {type(t).__name__}, not a tensor"
-        if t.layout != torch.strided:
-            return f"key {name!r} is not a dense tensor ({t.layout})"
-        if _dtype_name(t.dtype) != e["dtype"] or list(t.shape) != e["shape"]:
-            return f"key {name!r} is {_dtype_name(t.dtype)}{list(t.shape)}, the store holds {e['dtype']}{e['shape']}"
-    if len(state_dict) != len(entries):
-        known = {e["name"] for e in entries}
-        extra = next(name for name in state_dict if name not in known)
-        return f"key {extra!r} is not in the store"
-    return None
 
 
 # ------------------------------------------------------------------------------ slots
@@ -238,18 +174,17 @@ class _Slot:
         self.data = whole[HEADER_BYTES:]
 
     @classmethod
-    def mapped(cls, path: Path, size: int, writable: bool) -> _Slot:
-        """Map a slot file, its page tables filled up front (``MAP_POPULATE``).
+    def mapped(cls, fd: int, size: int, writable: bool, where: str) -> _Slot:
+        """Map an open slot file ``fd`` (named ``where``), its page tables filled up front (``MAP_POPULATE``).
 
         Without that, the first write or read of each 4 KiB page costs a page fault
         (a quarter million per GB), which would make every slot's first publish and every
         subscriber's first verification several times slower than a memcpy.
         """
-        with open(path, "r+b" if writable else "rb") as f:
-            if os.fstat(f.fileno()).st_size != size:
-                raise WeightSyncError(f"{path} is not {size} bytes; the store is damaged or from another layout")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+        if os.fstat(fd).st_size != size:
+            raise WeightSyncError(f"{where} is not {size} bytes; the store is damaged or from another layout")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
         buf = memoryview(mm)
         with warnings.catch_warnings():
             # A read-only mapping makes a read-only tensor: torch warns that writes are
@@ -265,11 +200,11 @@ class _Slot:
         data_mv = memoryview(whole.numpy())[HEADER_BYTES:] if whole.device.type == "cpu" else None
         return cls(whole, data_mv)
 
-    def read(self) -> tuple[int, int]:
-        """(stamp, checksum) as two single 8-byte loads; the stamp is read first."""
+    def read(self) -> tuple[int, int, int]:
+        """(stamp, version checksum, data checksum) as single 8-byte loads; the stamp is read first."""
         stamp = int(self.header[_STAMP])
         checksum = int(self.header[_CHECKSUM]) & 0xFFFF_FFFF_FFFF_FFFF
-        return stamp, checksum
+        return stamp, checksum, int(self.header[_DATA]) & 0xFFFF_FFFF_FFFF_FFFF
 
     def write(self, word: int, value: int) -> None:
         """One aligned 8-byte store (unsigned values are stored two's complement)."""
@@ -281,7 +216,7 @@ def _stamp(state: int, version: int) -> int:
 
 
 def header_words(nbytes: int) -> bytes:
-    """A fresh slot's header: magic, EMPTY stamp, no checksum, data size (native-order int64 words)."""
+    """A fresh slot's header: magic, EMPTY stamp, no checksum, data size, no data checksum (native int64 words)."""
     return struct.pack("=4q", MAGIC, _stamp(EMPTY, 0), 0, nbytes).ljust(HEADER_BYTES, b"\0")
 
 
@@ -290,8 +225,14 @@ def describe(stamp: int) -> str:
     return "no version (EMPTY)" if state == EMPTY else f"version {version} ({_STATE_NAMES.get(state, '?')})"
 
 
-def check_header(stamp: int, checksum: int, want: WeightVersion, where: str) -> None:
-    """Raise unless a slot's header says READY with ``want``'s version and checksum."""
+def check_header(header: tuple[int, int, int], layout: int, want: WeightVersion, where: str) -> None:
+    """Raise unless a slot's header says READY with ``want``'s version and checksum, and the manifest fits it.
+
+    ``layout`` is the digest of the manifest the caller read: with the header's data
+    checksum it must give the version's checksum, so views are never built from a
+    manifest other than the one the version was published with.
+    """
+    stamp, checksum, data = header
     if stamp != _stamp(READY, want.version):
         raise StaleWeightsError(
             f"{where} holds {describe(stamp)}, not version {want.version}; "
@@ -301,6 +242,13 @@ def check_header(stamp: int, checksum: int, want: WeightVersion, where: str) -> 
         raise TornWeightsError(
             f"version {want.version} in {where} has checksum {checksum:#018x}, "
             f"expected {want.checksum:#018x} (republished with different weights?)"
+        )
+    if version_checksum(data, layout) != want.checksum:
+        raise TornWeightsError(
+            f"the manifest of {want.store} is not the layout version {want.version} was published with (its digest "
+            "and the data checksum in the slot header do not give the version's checksum): the store's manifest or "
+            "slot header was changed after the trainer wrote them. No views are built from it; restart the trainer "
+            "so that it publishes a fresh store"
         )
 
 
@@ -319,6 +267,11 @@ def _tasks(nbytes: int, chunk_bytes: int) -> list[range]:
 
 def _chunk_digest(data: memoryview, chunk: int, chunk_bytes: int) -> bytes:
     return xxhash.xxh3_64_digest(data[chunk * chunk_bytes : (chunk + 1) * chunk_bytes])
+
+
+def version_checksum(data: int, layout: int) -> int:
+    """A version's checksum: its data checksum and its store's manifest digest, hashed together."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", data, layout))
 
 
 def _combine(digests: Iterable[bytes]) -> int:
@@ -367,15 +320,17 @@ def _device_weights(device: torch.device) -> Tensor:
     return _WEIGHTS[device]
 
 
-def _copy_plan(entries: list[dict], nbytes: int, chunk_bytes: int) -> list[list[tuple[int, int, int, int]]]:
+def _copy_plan(
+    entries: tuple[TensorEntry, ...], nbytes: int, chunk_bytes: int
+) -> list[list[tuple[int, int, int, int]]]:
     """Per hash chunk, the (tensor index, offset in the tensor, offset in the data, length) pieces that fill it."""
     plan: list[list[tuple[int, int, int, int]]] = [[] for _ in range(_num_chunks(nbytes, chunk_bytes))]
     for i, e in enumerate(entries):
-        start, end = e["offset"], e["offset"] + e["nbytes"]
+        start, end = e.offset, e.offset + e.nbytes
         while start < end:
             chunk = start // chunk_bytes
             stop = min(end, (chunk + 1) * chunk_bytes)
-            plan[chunk].append((i, start - e["offset"], start, stop - start))
+            plan[chunk].append((i, start - e.offset, start, stop - start))
             start = stop
     return plan
 
@@ -395,14 +350,6 @@ def _stage(source: Tensor, view: Tensor) -> int | None:
         return source.data_ptr()
     view.copy_(source)
     return None
-
-
-def _read_manifest(store: Path) -> dict:
-    try:
-        manifest = json.loads((store / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise WeightSyncError(f"no weight store at {store} (missing {MANIFEST})") from None
-    return check_manifest(manifest, str(store / MANIFEST))
 
 
 def _gpu_device(state_dict: dict[str, Tensor]) -> torch.device:
@@ -444,74 +391,74 @@ class WeightPublisher:
         if transport not in TRANSPORTS:
             raise ValueError(f"weight transport {transport!r} is unknown; use one of {', '.join(TRANSPORTS)}")
         self.store, self.transport = _store_path(store), transport
-        self.manifest = _manifest(state_dict, slots, chunk_bytes)
+        self.manifest = Manifest.of_state_dict(state_dict, slots, chunk_bytes)
+        self._manifest_bytes = self.manifest.encode()
+        self.layout = layout_digest(self._manifest_bytes)  # folded into every version's checksum
         self.slots = slots
-        self.nbytes = self.manifest["data_bytes"]
+        self.nbytes = self.manifest.data_bytes
         self._slots = self._create_slots(state_dict)
         self._remote = self._export_rdma() if transport == "rdma" else [None] * slots
-        self._views = [typed_views(s.data, self.manifest["tensors"]) for s in self._slots]
-        self._plan = _copy_plan(self.manifest["tensors"], self.nbytes, chunk_bytes)
+        self._views = [self.manifest.views(s.data) for s in self._slots]
+        self._plan = _copy_plan(self.manifest.tensors, self.nbytes, chunk_bytes)
         self._tasks = _tasks(self.nbytes, chunk_bytes)
         self._pool = ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="weights-copy")
 
     def _create_slots(self, state_dict: dict[str, Tensor]) -> list[_Slot]:
+        """The ring; over ``shm`` and ``cuda_ipc`` also the store's files, the manifest atomically and last.
+
+        Files are created through a checked ``StoreDir`` (see ``storedir.py``): exclusively,
+        never through a link, in a directory only this user can enter.
+        """
+        if self.transport == "rdma":
+            return self._memory_slots(torch.device("cpu"))
+        device = _gpu_device(state_dict) if self.transport == "cuda_ipc" else None
+        with StoreDir.open(self.store, create=True) as store:
+            store.unlink(MANIFEST, CUDA_HANDLES)  # no follower pairs an earlier store's files with the new slots
+            if device is None:
+                slots = [self._slot_file(store, i) for i in range(self.slots)]
+            else:
+                slots = self._memory_slots(device)
+                self._write_cuda_handles(store, slots)
+            store.replace(MANIFEST, self._manifest_bytes)
+        return slots
+
+    def _slot_file(self, store: StoreDir, index: int) -> _Slot:
+        """A fresh slot file, its pages reserved up front, mapped.
+
+        An old file of that name is unlinked rather than truncated: a process still mapping
+        it keeps its (now orphaned) pages instead of taking SIGBUS. ``posix_fallocate``
+        makes a full ``/dev/shm`` fail here, loudly, instead of as SIGBUS in the middle of a publish.
+        """
+        size, name = HEADER_BYTES + self.nbytes, _slot_name(index)
+        fd = store.create(name)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, header_words(self.nbytes), 0)
+            return _Slot.mapped(fd, size, writable=True, where=store.where(name))
+        finally:
+            os.close(fd)
+
+    def _memory_slots(self, device: torch.device) -> list[_Slot]:
+        """Slots in this process's memory (``rdma``: CPU) or on its GPU (``cuda_ipc``)."""
         size = HEADER_BYTES + self.nbytes
-        if self.transport == "shm":
-            self._create_files()
-            return [_Slot.mapped(slot_file(self.store, i), size, writable=True) for i in range(self.slots)]
-        device = _gpu_device(state_dict) if self.transport == "cuda_ipc" else torch.device("cpu")
         slots = [_Slot.of_tensor(torch.zeros(size, dtype=torch.uint8, device=device)) for _ in range(self.slots)]
         header = torch.frombuffer(bytearray(header_words(self.nbytes)), dtype=torch.uint8)
         for slot in slots:  # zeros above also touched every page once, outside any publish
             slot.whole[:HEADER_BYTES].copy_(header)
-        if self.transport == "cuda_ipc":
-            self._write_cuda_handles(slots)
         return slots
 
-    def _create_files(self) -> None:
-        """Fresh slot files (pages reserved up front), then the manifest, atomically, last.
-
-        Old files are unlinked rather than truncated: a process still mapping them keeps
-        its (now orphaned) pages instead of taking SIGBUS. ``posix_fallocate`` makes a
-        full ``/dev/shm`` fail here, loudly, instead of as SIGBUS in the middle of a publish.
-        """
-        store = self._fresh_store_dir()
-        for i in range(self.slots):
-            path = slot_file(self.store, i)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, HEADER_BYTES + self.nbytes)
-                os.pwrite(fd, header_words(self.nbytes), 0)
-            finally:
-                os.close(fd)
-        self._write_manifest(store)
-
-    def _fresh_store_dir(self) -> Path:
-        store = Path(self.store)
-        store.mkdir(parents=True, exist_ok=True)
-        for name in (MANIFEST, CUDA_HANDLES, *(slot_file(store, i).name for i in range(self.slots))):
-            (store / name).unlink(missing_ok=True)
-        return store
-
-    def _write_manifest(self, store: Path) -> None:
-        tmp = store / f"{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(self.manifest))
-        os.replace(tmp, store / MANIFEST)
-
-    def _write_cuda_handles(self, slots: list[_Slot]) -> None:
+    def _write_cuda_handles(self, store: StoreDir, slots: list[_Slot]) -> None:
         """CUDA IPC handles of the GPU slots for same-host followers; this process keeps the memory alive."""
         from torch.multiprocessing.reductions import reduce_tensor  # CUDA-only path
 
-        store = self._fresh_store_dir()
-        (store / CUDA_HANDLES).write_bytes(pickle.dumps([reduce_tensor(s.whole) for s in slots]))
-        self._write_manifest(store)
+        store.replace(CUDA_HANDLES, pickle.dumps([reduce_tensor(s.whole) for s in slots]))
 
     def _export_rdma(self) -> list[RemoteSlot]:
         """Register every slot and the manifest once as RDMA buffers (needs a Monarch actor context)."""
         from monarch.rdma import RDMABuffer  # only the rdma transport starts Monarch's RDMA manager
 
-        self._manifest_bytes = torch.frombuffer(bytearray(json.dumps(self.manifest).encode()), dtype=torch.uint8)
-        manifest = RDMABuffer(self._manifest_bytes)
+        self._manifest_buffer = torch.frombuffer(bytearray(self._manifest_bytes), dtype=torch.uint8)
+        manifest = RDMABuffer(self._manifest_buffer)
         return [RemoteSlot(RDMABuffer(slot.whole), manifest) for slot in self._slots]
 
     def publish(self, state_dict: dict[str, Tensor], version: int) -> WeightVersion:
@@ -524,16 +471,18 @@ class WeightPublisher:
             raise WeightSyncError("publisher is closed")
         if not 0 <= version <= _MAX_VERSION:
             raise ValueError(f"version must be in [0, 2**61), got {version}")
-        problem = _first_mismatch(state_dict, self.manifest["tensors"])
+        problem = self.manifest.mismatch(state_dict)
         if problem is not None:
             raise WeightSyncError(f"state dict does not match the store's manifest: {problem}")
         index = version % self.slots
         slot = self._slots[index]
         slot.write(_STAMP, _stamp(WRITING, version))
         if slot.data_mv is None:
-            checksum = self._fill_on_device(state_dict, self._views[index], slot)
+            data = self._fill_on_device(state_dict, self._views[index], slot)
         else:
-            checksum = self._fill_and_hash(state_dict, self._views[index], slot)
+            data = self._fill_and_hash(state_dict, self._views[index], slot)
+        checksum = version_checksum(data, self.layout)
+        slot.write(_DATA, data)
         slot.write(_CHECKSUM, checksum)
         slot.write(_STAMP, _stamp(READY, version))
         if slot.whole.device.type == "cuda":
@@ -541,10 +490,10 @@ class WeightPublisher:
         return WeightVersion(version, checksum, self.nbytes, self.store, self.transport, self._remote[index])
 
     def _fill_and_hash(self, state_dict: dict[str, Tensor], views: dict[str, Tensor], slot: _Slot) -> int:
-        """Copy into a CPU slot and hash it in one parallel pass (module docstring); the checksum."""
+        """Copy into a CPU slot and hash it in one parallel pass (module docstring); the data checksum."""
         with torch.no_grad():
-            sources = [_stage(state_dict[e["name"]], views[e["name"]]) for e in self.manifest["tensors"]]
-        base, chunk_bytes = slot.data.data_ptr(), self.manifest["chunk_bytes"]
+            sources = [_stage(state_dict[e.name], views[e.name]) for e in self.manifest.tensors]
+        base, chunk_bytes = slot.data.data_ptr(), self.manifest.chunk_bytes
 
         def fill(task: range) -> list[bytes]:
             digests = []
@@ -558,10 +507,10 @@ class WeightPublisher:
         return _combine(chain.from_iterable(self._pool.map(fill, self._tasks)))
 
     def _fill_on_device(self, state_dict: dict[str, Tensor], views: dict[str, Tensor], slot: _Slot) -> int:
-        """Copy into a GPU slot (device to device when the trainer is on that GPU) and checksum it there."""
+        """Copy into a GPU slot (device to device when the trainer is on that GPU); the data checksum, taken there."""
         with torch.no_grad():
-            for e in self.manifest["tensors"]:
-                views[e["name"]].copy_(state_dict[e["name"]], non_blocking=True)
+            for e in self.manifest.tensors:
+                views[e.name].copy_(state_dict[e.name], non_blocking=True)
         return device_checksum(slot.data)
 
     def close(self) -> None:
@@ -592,29 +541,44 @@ class WeightSubscriber:
         if transport not in ("shm", "cuda_ipc"):
             raise ValueError(f"a WeightSubscriber attaches over 'shm' or 'cuda_ipc', not {transport!r}")
         self.store, self.transport = _store_path(store), transport
-        self.manifest = _read_manifest(Path(self.store))
-        self.slots = self.manifest["slots"]
-        self.nbytes = self.manifest["data_bytes"]
-        self._slots = self._open_slots()
+        with StoreDir.open(self.store) as directory:
+            try:
+                raw = directory.read(MANIFEST)
+            except FileNotFoundError:
+                raise WeightSyncError(f"no weight store at {self.store} (missing {MANIFEST})") from None
+            self.manifest = Manifest.decode(raw, directory.where(MANIFEST))
+            self.layout = layout_digest(raw)  # what load checks against each version's checksum
+            self.slots = self.manifest.slots
+            self.nbytes = self.manifest.data_bytes
+            self._slots = self._open_slots(directory)
         for i, s in enumerate(self._slots):
             if int(s.header[_MAGIC]) != MAGIC or int(s.header[_NBYTES]) != self.nbytes:
                 raise WeightSyncError(f"slot {i} of {self.store} has no slot header for this manifest")
         self._pool = ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="weights-hash")
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="weights-verify")  # drives the hash pool
-        self._pending: dict[WeightVersion, tuple[_Slot, tuple[int, int]]] = {}  # loaded, not yet being verified
+        self._pending: dict[WeightVersion, tuple[_Slot, tuple[int, int, int]]] = {}  # loaded, not yet being verified
         self._verdicts: dict[WeightVersion, Future] = {}  # the last loaded version's verification
 
-    def _open_slots(self) -> list[_Slot]:
-        size = HEADER_BYTES + self.nbytes
+    def _open_slots(self, directory: StoreDir) -> list[_Slot]:
         if self.transport == "shm":
-            return [_Slot.mapped(slot_file(self.store, i), size, writable=False) for i in range(self.slots)]
+            return [self._map(directory, _slot_name(i)) for i in range(self.slots)]
         try:
-            handles = pickle.loads((Path(self.store) / CUDA_HANDLES).read_bytes())
+            handles = pickle.loads(directory.read(CUDA_HANDLES))  # safe: StoreDir proved this user wrote it
         except FileNotFoundError:
             raise WeightSyncError(
                 f"no CUDA IPC handles in {self.store}: the trainer did not publish with transport 'cuda_ipc'"
             ) from None
         return [_Slot.of_tensor(rebuild(*args)) for rebuild, args in handles]
+
+    def _map(self, directory: StoreDir, name: str) -> _Slot:
+        try:
+            fd = directory.open_file(name)
+        except FileNotFoundError:
+            raise WeightSyncError(f"{directory.where(name)} is missing: the store is damaged") from None
+        try:
+            return _Slot.mapped(fd, HEADER_BYTES + self.nbytes, writable=False, where=directory.where(name))
+        finally:
+            os.close(fd)
 
     def _slot(self, want: WeightVersion) -> _Slot:
         if self._pool is None:
@@ -629,13 +593,14 @@ class WeightSubscriber:
     def load(self, want: WeightVersion) -> dict[str, Tensor]:
         """Zero-copy views of version ``want``; feed them to ``load_state_dict(..., assign=True)``.
 
-        The header must say READY with ``want``'s version and checksum (else
-        ``StaleWeightsError``/``TornWeightsError`` at once). Hashing the bytes takes about
-        as long as a memcpy, so it runs on background threads while the caller samples,
-        from :meth:`start_verification` on (called once the model holds the views, so the
-        hash threads do not slow the adoption down); :meth:`check_intact` starts it if
-        nobody did and waits for its verdict, so nothing sampled with these views leaves
-        the generator before its weights are verified.
+        The header must say READY with ``want``'s version and checksum, and the manifest
+        read at attach must be the one ``want`` was published with (else
+        ``StaleWeightsError``/``TornWeightsError`` at once, before any view exists).
+        Hashing the bytes takes about as long as a memcpy, so it runs on background
+        threads while the caller samples, from :meth:`start_verification` on (called once
+        the model holds the views, so the hash threads do not slow the adoption down);
+        :meth:`check_intact` starts it if nobody did and waits for its verdict, so nothing
+        sampled with these views leaves the generator before its weights are verified.
 
         The views alias the shared slot: they stay valid only until the publisher
         reuses it, which :meth:`check_intact` also catches. Over ``shm`` they are
@@ -643,9 +608,9 @@ class WeightSubscriber:
         """
         slot = self._slot(want)
         before = slot.read()
-        check_header(*before, want, self._where(want))
+        check_header(before, self.layout, want, self._where(want))
         self._pending, self._verdicts = {want: (slot, before)}, {}
-        return typed_views(slot.data, self.manifest["tensors"])
+        return self.manifest.views(slot.data)
 
     def start_verification(self, want: WeightVersion) -> None:
         """Start hashing the last loaded version ``want`` in the background (no-op once started)."""
@@ -655,13 +620,13 @@ class WeightSubscriber:
 
     def _data_checksum(self, slot: _Slot) -> int:
         if slot.data_mv is not None:
-            return _checksum(slot.data_mv, self.manifest["chunk_bytes"], self._pool)
+            return _checksum(slot.data_mv, self.manifest.chunk_bytes, self._pool)
         with torch.cuda.stream(torch.cuda.Stream(slot.data.device)):  # off the sampling stream
             return device_checksum(slot.data)
 
-    def _verify(self, slot: _Slot, before: tuple[int, int], want: WeightVersion) -> None:
+    def _verify(self, slot: _Slot, before: tuple[int, int, int], want: WeightVersion) -> None:
         """Hash the slot's bytes, then re-read the header (seqlock): raise if either disagrees."""
-        actual = self._data_checksum(slot)
+        actual = version_checksum(self._data_checksum(slot), self.layout)
         if slot.read() != before:
             raise TornWeightsError(
                 f"{self._where(want)} was rewritten (now {describe(slot.read()[0])}) "
@@ -683,7 +648,7 @@ class WeightSubscriber:
         verdict = self._verdicts.get(want)
         if verdict is not None:
             verdict.result()  # re-raises the verifier's TornWeightsError
-        stamp, checksum = self._slot(want).read()
+        stamp, checksum, _ = self._slot(want).read()
         if stamp != _stamp(READY, want.version) or checksum != want.checksum:
             raise TornWeightsError(
                 f"{self._where(want)} overwritten while in use: it now holds {describe(stamp)}, the generator "
