@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers import TeacherPool  # noqa: E402
 from actors.trainer import Trainer  # noqa: E402
+from actors.weights import create_store, reclaim_dead_stores, remove_store  # noqa: E402
 from mesh.control import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import Actors, Controller  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
@@ -75,7 +75,7 @@ async def run(
     )
     task = build_task(topology.task.config)
     model_path = _prepare_model(topology, task.alphabet, run_dir)
-    stores = _Stores(Path(SHM_ROOT or run_dir.path), run_dir.path.name)
+    stores = _Stores(Path(SHM_ROOT or run_dir.path))
     launcher = registry.load("launcher", topology.launcher.kind)()
     bar = Progress(topology, enabled=progress)
     faults = _FaultLog(run_dir.path, bar)
@@ -141,20 +141,25 @@ async def _stop(launcher) -> None:
 
 
 class _Stores:
-    """The weight stores of this run: one per (re)start of the trainer, all removed at the end."""
+    """The weight stores of this run: one per (re)start of the trainer, each created exclusively
+    under an unguessable name (``actors/weights/storedir.py``), all removed at the end. Stores
+    that runs of this user left behind (a SIGKILL) are reclaimed first."""
 
-    def __init__(self, root: Path, run_name: str):
-        self.root, self.run_name = root, run_name
+    def __init__(self, root: Path):
+        self.root = root
         self.paths: list[Path] = []
+        reclaim_dead_stores(root)
 
     def new(self) -> str:
-        path = self.root / f"composer-mesh-{os.getpid()}-{self.run_name}-{len(self.paths)}"
-        self.paths.append(path)
-        return str(path)
+        self.paths.append(create_store(self.root))
+        return str(self.paths[-1])
 
     def remove_all(self) -> None:
         for path in self.paths:
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                remove_store(path)
+            except OSError as error:  # never in place of the run's own outcome
+                print(f"warning: could not remove the weight store {path}: {error}", file=sys.stderr)
 
 
 class _FaultLog:

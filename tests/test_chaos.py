@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.weights.storedir import OWNER
 from mesh.runtime import run
 from mesh.topology import load_topology
 
@@ -144,7 +145,10 @@ def start_run(root: Path, *extra: str) -> subprocess.Popen:
 
 
 def stores_of(process: subprocess.Popen) -> list[Path]:
-    return list(Path("/dev/shm").glob(f"composer-mesh-{process.pid}-*")) if Path("/dev/shm").is_dir() else []
+    """The weight stores ``process`` created that are still there (each records its creator)."""
+    shm = Path("/dev/shm")
+    stores = shm.glob(f"composer-mesh-{os.getuid()}-*") if shm.is_dir() else []
+    return [s for s in stores if json.loads((s / OWNER).read_text())["pid"] == process.pid]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
