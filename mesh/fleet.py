@@ -139,8 +139,8 @@ class Fleet:
                 raise ActorFailed(actor, endpoint, explain(error)) from None
             if mesh == self.trainer_mesh:
                 raise TrainerLost(actor, endpoint, cause)
-            await self.replace(mesh, generation, Fault(actor, endpoint, cause, 0))
-            self.seconds_lost += time.perf_counter() - started
+            if await self.replace(mesh, generation, Fault(actor, endpoint, cause, 0)):
+                self.seconds_lost += time.perf_counter() - started  # counted once, by the call that replaced it
 
     def _timed_out(self) -> Cause:
         return Cause(
@@ -165,13 +165,13 @@ class Fleet:
         state = self.meshes[self.trainer_mesh]
         await self.replace(self.trainer_mesh, state.generation, Fault(lost.actor, lost.endpoint, lost.cause, 0))
 
-    async def replace(self, mesh: str, generation: int, fault: Fault) -> None:
-        """Replace ``mesh``'s processes and actors, unless a concurrent caller already did
-        (its generation moved past ``generation``); out of restarts: ``ActorFailed``."""
+    async def replace(self, mesh: str, generation: int, fault: Fault) -> bool:
+        """Replace ``mesh``'s processes and actors, unless a concurrent caller already did (its
+        generation moved past ``generation``: False); out of restarts: ``ActorFailed``."""
         state = self.meshes[mesh]
         async with state.lock:
             if state.generation != generation:
-                return
+                return False
             if self.restarts >= self.tolerance.max_restarts:
                 self.on_fault(Fault(fault.actor, fault.endpoint, fault.cause, 0))
                 raise ActorFailed(
@@ -188,6 +188,7 @@ class Fleet:
             self.on_fault(Fault(fault.actor, fault.endpoint, fault.cause, self.restarts, time.perf_counter() - start))
         for listener in self.listeners:
             listener(mesh)
+        return True
 
     async def _populate(self, state: _Mesh, procs: ProcMesh) -> None:
         state.procs, state.actors, state.failed = procs, {}, self._loop.create_future()
