@@ -16,20 +16,8 @@ from dataclasses import dataclass
 from monarch.actor import Actor, endpoint
 
 from actors import registry
+from actors.rewarder_config import RewarderConfig
 from actors.tasks import Problem, TaskConfig, build_task
-
-
-@dataclass(frozen=True)
-class RewarderConfig:
-    mesh: str
-    functions: tuple[str, ...] = ()  # "package.module:function" each
-
-    def __post_init__(self) -> None:
-        for path in self.functions:
-            if not registry.is_import_path(path):
-                raise ValueError(f"reward function {path!r} must be an import path 'package.module:function'")
-            if not callable(registry.load("reward", path)):
-                raise ValueError(f"reward function {path!r} is not callable")
 
 
 @dataclass
@@ -45,7 +33,12 @@ class Scores:
 class Rewarder(Actor):
     def __init__(self, task: TaskConfig, cfg: RewarderConfig):
         self.task = build_task(task)
-        self.functions = {path.rpartition(":")[2]: registry.load("reward", path) for path in cfg.functions}
+        self.functions = {}
+        for path in cfg.functions:  # loaded here, not where the topology is read: user code runs in its actor
+            fn = registry.load("reward", path)
+            if not callable(fn):
+                raise ValueError(f"reward function {path!r} is a {type(fn).__name__}, not a function; fix the path")
+            self.functions[path.rpartition(":")[2]] = fn
 
     @endpoint
     def score(self, problems: list[Problem], completions: list[str]) -> Scores:

@@ -11,7 +11,6 @@ import asyncio
 import sys
 from pathlib import Path
 
-from actors.checkpoint import CheckpointError, checkpoint_state
 from mesh.topology import Topology, TopologyError, describe, load_topology
 
 
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         topology = load_topology(args.topology, args.set)
         if args.resume:
             check_resume(topology, Path(args.resume))
-    except (TopologyError, CheckpointError) as error:
+    except TopologyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.dry_run:
@@ -58,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_resume(topology: Topology, checkpoint: Path) -> None:
-    step = checkpoint_state(checkpoint)["step"]
+    """Refuse a checkpoint that cannot be read or leaves nothing to train (exit 2, like a bad topology)."""
+    from actors.checkpoint import CheckpointError, checkpoint_state  # torch: only a resume reads a checkpoint
+
+    try:
+        step = checkpoint_state(checkpoint)["step"]
+    except CheckpointError as error:
+        raise TopologyError(str(error)) from None
     if step >= topology.loop.steps:
-        raise CheckpointError(
+        raise TopologyError(
             f"{checkpoint} is at step {step} and the topology runs {topology.loop.steps} steps, so nothing is "
             f"left to train; raise loop.steps (e.g. --set loop.steps={step + 100})"
         )

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from actors import registry
-from actors.bindings import BindingConfig
-from actors.teachers import check_one_distill, check_weighted
-from losses import LossConfig
+from actors.bindings.config import BindingConfig
+from actors.teachers_config import check_one_distill, check_weighted
+from losses.config import LossConfig
 
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh

@@ -2,9 +2,15 @@
 
 The schema is pydantic over the actors' own config dataclasses, so a knob is declared
 once, where it is used. Loading is all-or-nothing: any mistake (an unknown key, a wrong
-type, an unknown backend, an actor on an undefined mesh, a missing model directory,
-more processes than the launcher can place) raises ``TopologyError`` with one paragraph
-naming the file, the key path and the fix, before any process is spawned.
+type, a value that would fail later, an unknown backend, an actor on an undefined mesh, a
+missing model directory, more processes or memory than the launcher can place) raises
+``TopologyError`` with one paragraph naming the file, the key path and the fix, before
+any process is spawned.
+
+Checking imports no backend: the configs live in modules without heavy imports
+(``*_config.py``, ``config.py``), a backend is checked by its registry entry
+(``actors/registry.py``), and user code named by an import path is found, not run;
+only a task class is imported (its alphabet is the tiny model's vocabulary).
 """
 
 from __future__ import annotations
@@ -16,18 +22,26 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from actors import registry
-from actors.generator import GeneratorConfig
-from actors.inner_loops import TrainerConfig
-from actors.model import TinyModelSpec
-from actors.rewarder import RewarderConfig
+from actors.generator_config import GeneratorConfig
+from actors.inner_loops.config import TrainerConfig
+from actors.model_config import ModelFacts, TinyModelSpec
+from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig, build_task
-from actors.teachers import TeachersConfig, check_weighted
-from actors.weights import choose_transport
+from actors.teachers_config import TeachersConfig, check_weighted
+from actors.weights_config import choose_transport
+from mesh.preflight import describe_store
 
 TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
+# A run's name goes into file names: runs/<name>-<YYYYmmdd-HHMMSS>-<n>, and the weight store
+# /dev/shm/composer-mesh-<pid>-<that>. 64 keeps the longest of them far below NAME_MAX (255
+# bytes on every Linux file system) and a name still reads whole on a terminal line.
+NAME_MAX_CHARS = 64
+# numpy and vLLM take 32-bit seeds (numpy refuses negative ones), and each generator process
+# seeds itself with seed + 1000 x its rank: half the 32-bit range is left for the ranks.
+SEED_LIMIT = 2**31
 
 
 class TopologyError(Exception):
@@ -35,7 +49,8 @@ class TopologyError(Exception):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False reaches the actors' config dataclasses too: every float in the schema is finite
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSection(Section):
@@ -62,16 +77,22 @@ class ModelSection(Section):
 class TaskSection(Section):
     """``name`` (registered or ``package.module:Class``); every other key is a task parameter."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
     name: str
+    _alphabet: object = PrivateAttr(None)
 
     @property
     def config(self) -> TaskConfig:
         return TaskConfig(self.name, dict(self.model_extra or {}))
 
+    @property
+    def alphabet(self) -> object:
+        """The built task's ``alphabet`` (None when its class has none)."""
+        return self._alphabet
+
     @model_validator(mode="after")
     def _builds(self) -> TaskSection:
-        build_task(self.config)
+        self._alphabet = getattr(build_task(self.config), "alphabet", None)
         return self
 
 
@@ -134,6 +155,33 @@ class Topology(Section):
     checkpointing: Checkpointing = Checkpointing()
     logging: Logging = Logging()
     launcher: LauncherSection = LauncherSection()
+    _facts: ModelFacts | None = PrivateAttr(None)
+
+    @field_validator("name")
+    @classmethod
+    def _short_name(cls, name: str) -> str:
+        if len(name) > NAME_MAX_CHARS:
+            raise ValueError(
+                f"is {len(name)} characters long; at most {NAME_MAX_CHARS}, so that the run directory "
+                "<logging.root>/<name>-<YYYYmmdd-HHMMSS>-<n> and the weight store's file names fit the file "
+                "system's 255-byte name limit; shorten the name"
+            )
+        return name
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, seed: int) -> int:
+        if not 0 <= seed < SEED_LIMIT:
+            shown = seed if abs(seed) < 10**12 else f"a {len(str(abs(seed)))}-digit number"
+            raise ValueError(
+                f"must be in [0, 2**31), got {shown}: numpy and vLLM take 32-bit seeds and each generator "
+                "process adds 1000 x its rank to it; pick a smaller seed, e.g. seed: 0"
+            )
+        return seed
+
+    def model_facts(self) -> ModelFacts:
+        """The policy's head size and state-dict shapes, as far as known without loading it."""
+        return self._facts
 
     def placed_actors(self) -> dict[str, str]:
         """Actor name -> mesh name, for every actor the topology runs."""
@@ -173,18 +221,7 @@ class Topology(Section):
                     f"add a mesh named {mesh!r} or place the actor on one of those"
                 )
         self._check_replicas()
-        warm = self.loop.warm_start
-        if warm.steps:
-            bound = self.actors.teachers.bindings if self.actors.teachers else {}
-            if warm.teacher not in bound:
-                raise ValueError(
-                    f"loop.warm_start.teacher is {warm.teacher!r}, but actors.teachers binds {sorted(bound)}; "
-                    f"bind it (e.g. actors.teachers.bindings.{warm.teacher}.kind: task_oracle) "
-                    "or set warm_start.steps: 0"
-                )
-        if self.actors.teachers is not None:
-            for name, binding in self.actors.teachers.bindings.items():
-                check_weighted(name, binding, self.actors.trainer.loss)
+        self._check_teachers()
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
         if rows < trainer_procs:
@@ -192,8 +229,49 @@ class Topology(Section):
                 f"a step has {rows} samples (prompts_per_step x group_size) but the trainer mesh has "
                 f"{trainer_procs} processes; every trainer rank needs at least one sample"
             )
-        registry.load("launcher", self.launcher.kind).check(self)
+        self._facts = self._read_model()
+        gen = self.actors.generator
+        if (check := registry.static_check("engine", gen.engine)) is not None:
+            check(self._facts, self.meshes[gen.mesh].gpus > 0)
+        if (check := registry.static_check("launcher", self.launcher.kind)) is not None:
+            check(self)
         return self
+
+    def _check_teachers(self) -> None:
+        bound = self.actors.teachers.bindings if self.actors.teachers else {}
+        for name, binding in bound.items():
+            check_weighted(name, binding, self.actors.trainer.loss)
+        warm = self.loop.warm_start
+        if not warm.steps:
+            return
+        if warm.teacher not in bound:
+            raise ValueError(
+                f"loop.warm_start.teacher is {warm.teacher!r}, but actors.teachers binds {sorted(bound)}; "
+                f"bind it (e.g. actors.teachers.bindings.{warm.teacher}.kind: task_oracle) "
+                "or set warm_start.steps: 0"
+            )
+        kind = bound[warm.teacher].kind
+        backend = registry.resolve("teacher", kind)
+        if backend is not None and "replay" not in backend.uses:
+            tracing = sorted(k for k, b in registry.BACKENDS["teacher"].items() if "replay" in b.uses)
+            raise ValueError(
+                f"loop.warm_start.teacher is {warm.teacher!r}, a {kind} teacher, which writes no traces, but the warm "
+                f"start puts a teacher's traces into each group; bind a tracing teacher ({', '.join(tracing)}) "
+                "for it, or set warm_start.steps: 0"
+            )
+
+    def _read_model(self) -> ModelFacts:
+        if self.model.path is not None:
+            return ModelFacts.of_directory(Path(self.model.path).expanduser())
+        alphabet = self.task.alphabet
+        if not isinstance(alphabet, str) or not alphabet:
+            raise ValueError(
+                f"model.init builds a tiny model whose tokenizer is the task's alphabet, but task {self.task.name!r} "
+                f"has {'no alphabet attribute' if alphabet is None else f'alphabet {alphabet!r}'}; give its class an "
+                "`alphabet` (a str holding every character a prompt or answer can contain), or use model.path "
+                "for a model with its own tokenizer"
+            )
+        return ModelFacts.of_spec(self.model.init, alphabet)
 
     def _check_replicas(self) -> None:
         gen = self.actors.generator
@@ -329,6 +407,7 @@ def describe(topology: Topology) -> str:
             actors = [f"generator (replica {replicas.index(name)})" if a == "generator" else a for a in actors]
         gpus = f", {mesh.gpus} gpu/proc" if mesh.gpus else ""
         placement.append(f"  mesh {name}: {mesh.hosts} host x {mesh.procs} proc{gpus} <- {', '.join(actors)}")
+    placement.append(describe_store(topology))
     lag = topology.loop.max_policy_lag
     gen = topology.actors.generator
     targets = len(replicas) * topology.meshes[gen.mesh].procs * topology.meshes[gen.mesh].hosts

@@ -15,7 +15,7 @@ A follower never samples with weights that are stale (another version) or torn
 (changed, corrupt or half-written): see ``store.py`` for the slot format and protocol.
 """
 
-from actors.weights.follower import WeightFollower, choose_transport
+from actors.weights.follower import WeightFollower
 from actors.weights.rdma import RdmaReceiver
 from actors.weights.store import (
     CHUNK_BYTES,
@@ -31,6 +31,7 @@ from actors.weights.store import (
     device_checksum,
     slot_file,
 )
+from actors.weights_config import choose_transport
 
 __all__ = [
     "CHUNK_BYTES",
