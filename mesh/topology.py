@@ -10,11 +10,13 @@ any process is spawned.
 Checking imports no backend: the configs live in modules without heavy imports
 (``*_config.py``, ``config.py``), a backend is checked by its registry entry
 (``actors/registry.py``), and user code named by an import path is found, not run;
-only a task class is imported (its alphabet is the tiny model's vocabulary).
+only a task class is imported (its alphabet is the tiny model's vocabulary). Any file is
+read safely: YAML by ``safe_load`` only, with its bytes, depth and size bounded.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import types
 import typing
@@ -287,6 +289,14 @@ class Topology(Section):
 # ----------------------------------------------------------------------------- loading
 
 
+# A topology is a few kilobytes holding a few hundred values, a handful of levels deep; these
+# bounds are far above that and far below what would take a machine's memory or minutes to read.
+MAX_FILE_BYTES = 1_000_000
+MAX_VALUES = 10_000  # every key and value, an alias counted each time it is used ("billion laughs")
+MAX_DEPTH = 32
+MAX_TEXT = 4096  # characters in one string: PATH_MAX, the longest value a topology has a use for
+
+
 def load_topology(path: str | Path, overrides: list[str] = ()) -> Topology:
     """Read, override (``key.path=value``) and validate a topology file."""
     path = Path(path)
@@ -297,20 +307,29 @@ def load_topology(path: str | Path, overrides: list[str] = ()) -> Topology:
         return Topology.model_validate(raw)
     except ValidationError as error:
         raise TopologyError(_explain(path, error)) from None
-    except (ValueError, TypeError, registry.BackendError) as error:  # raised outside a field validator
-        raise TopologyError(f"{path}: {error}") from None
+    except (ValueError, TypeError, OSError) as error:  # raised outside a field validator
+        raise TopologyError(f"{path}: {_one_line(str(error))}") from None
 
 
 def _read_mapping(path: Path) -> dict:
-    if not path.is_file():
-        raise TopologyError(f"{path}: no such topology file; pass the path of a YAML file such as topologies/tiny.yaml")
+    """The file as a dict, read safely whatever it holds: its size capped before parsing,
+    UTF-8 only, YAML by ``safe_load`` (no tags run code), then the structure bounded."""
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
+        if not path.is_file():
+            raise TopologyError(
+                f"{path}: {'not a regular file' if path.exists() else 'no such topology file'}; "
+                "pass the path of a YAML file such as topologies/tiny.yaml"
+            )
+        with path.open("rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+    except OSError as error:
+        raise TopologyError(f"{path}: cannot be read ({error.strerror}); check the path and its permissions") from None
+    if len(data) > MAX_FILE_BYTES:
         raise TopologyError(
-            f"{path}: not valid YAML ({' '.join(str(error).split())}); only plain YAML is read "
-            "(no !!python tags), so fix the syntax at the line shown"
-        ) from None
+            f"{path}: larger than {MAX_FILE_BYTES // 1000} kB, but a topology is a few kilobytes of YAML; "
+            "pass the topology file itself (e.g. topologies/tiny.yaml)"
+        )
+    raw = _parse(_decode(data, path), path, "the file")
     if not isinstance(raw, dict):
         raise TopologyError(
             f"{path}: the file holds a {type(raw).__name__}, not a mapping; a topology is a YAML mapping with keys "
@@ -319,33 +338,111 @@ def _read_mapping(path: Path) -> dict:
     return raw
 
 
+def _decode(data: bytes, path: Path) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        utf16 = data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+        what = "UTF-16 text" if utf16 else f"not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})"
+        raise TopologyError(f"{path}: {what}; a topology is a YAML file in UTF-8, so save it as UTF-8") from None
+
+
+class _TooLarge(Exception):
+    """The document grows past MAX_VALUES nodes or MAX_DEPTH levels while it is composed."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``safe_load``'s loader (the same safe constructor and resolver) that stops composing
+    as soon as the document grows too large or too deep, so reading never walks or
+    recurses through more than a topology could hold, whatever the file's bytes."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.nodes, self.depth = 0, 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.nodes, self.depth = self.nodes + 1, self.depth + 1
+        try:
+            if self.nodes > MAX_VALUES or self.depth > MAX_DEPTH:
+                raise _TooLarge
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _parse(text: str, path: Path, what: str, plain_text_ok: bool = False) -> Any:
+    """``text`` as YAML, read safely (no tags run code) and bounded (see the MAX_* above). With
+    ``plain_text_ok`` (a ``--set`` value), text that is not YAML is taken as the string it is."""
+    try:
+        value = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 -- a SafeLoader
+    except yaml.YAMLError as error:
+        if plain_text_ok:
+            return text
+        raise TopologyError(
+            f"{path}: {what} is not valid YAML ({_one_line(str(error))}); only plain YAML is read "
+            "(no !!python tags), so fix the syntax at the line shown"
+        ) from None
+    except (_TooLarge, RecursionError):
+        raise TopologyError(
+            f"{path}: {what} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep, "
+            "but a topology is a few hundred values a few levels deep; check that this is a topology file"
+        ) from None
+    except (ValueError, OverflowError) as error:  # a scalar YAML cannot convert (an int of > 4300 digits, a bad date)
+        reason = _one_line(str(error)).split(";")[0]
+        raise TopologyError(f"{path}: {what} holds a value YAML cannot convert ({reason}); fix that value") from None
+    _check_bounded(value, path, what)
+    return value
+
+
+def _check_bounded(value: Any, path: Path, what: str) -> None:
+    """Walk the loaded structure with a budget, an alias counted each time it is reached, so
+    a small file expanding to billions of values ("billion laughs") is refused before
+    anything walks all of them."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES or depth > MAX_DEPTH:
+            raise TopologyError(
+                f"{path}: {what} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep "
+                "once its aliases are expanded (each counted every time it is used), but a topology is a few "
+                "hundred values a few levels deep; write the values out instead of nesting aliases"
+            )
+        if isinstance(node, str | bytes) and len(node) > MAX_TEXT:
+            raise TopologyError(
+                f"{path}: {what} holds a text of {len(node)} characters, but no topology value is longer than "
+                f"{MAX_TEXT} (a path); check the file"
+            )
+        if isinstance(node, dict):
+            stack.extend((item, depth + 1) for pair in node.items() for item in pair)
+        elif isinstance(node, list | set):
+            stack.extend((item, depth + 1) for item in node)
+
+
 def _apply_override(raw: dict, override: str, path: Path) -> None:
     key, sep, text = override.partition("=")
     if not sep or not key:
-        raise TopologyError(f"{path}: --set {override!r}: expected key.path=value, e.g. --set loop.steps=10")
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        value = text
+        raise TopologyError(f"{path}: --set {_short(override)}: expected key.path=value, e.g. --set loop.steps=10")
+    value = _parse(text, path, f"--set {_short(key)}", plain_text_ok=True)
     node = raw
     parts = key.split(".")
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
-            raise TopologyError(f"{path}: --set {override!r}: the file has a value, not a mapping, at {where}")
+            raise TopologyError(f"{path}: --set {_short(override)}: the file has a value, not a mapping, at {where}")
         node = child
     node[parts[-1]] = value
 
 
 def _explain(path: Path, error: ValidationError) -> str:
     first = error.errors()[0]
-    loc = [str(part) for part in first["loc"]]
+    loc = [_short(part, quote=False) for part in first["loc"]]
     where = ".".join(loc) or "(top level)"
     kind = first["type"]
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         parent, key = loc[:-1], loc[-1]
-        allowed = _allowed_keys(parent)
+        allowed = _allowed_keys([str(part) for part in first["loc"][:-1]])
         hint = f"; keys allowed at {'.'.join(parent) or 'the top level'} are: {', '.join(allowed)}" if allowed else ""
         message = f"{path}: unknown key {key!r} at {where}{hint}. Fix the spelling or remove the key."
     elif kind in ("missing", "missing_argument", "missing_keyword_only_argument"):
@@ -355,10 +452,20 @@ def _explain(path: Path, error: ValidationError) -> str:
         message = f"{path}: {reason}" if not loc else f"{path}: {where}: {reason}"
     else:
         got = first.get("input")
-        shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+        shown = "" if isinstance(got, dict | list) or got is None else f" (got {_short(got)})"
         message = f"{path}: {where}: {first['msg']}{shown}. Fix the value at {where}."
     more = len(error.errors()) - 1
-    return message + (f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else "")
+    return _one_line(message) + (f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else "")
+
+
+def _short(value: Any, quote: bool = True, limit: int = 80) -> str:
+    """A value as a message shows it: its repr (or str), cut to ``limit`` characters."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _allowed_keys(loc: list[str]) -> list[str]:

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from actors.generator_config import VLLM_CPU_HEAD_SIZES
 from actors.weights_config import slot_bytes
 from mesh import launchers
 from mesh.preflight import FreeMemory, StorePlan, check_memory, describe_store, size
+from mesh.run import main
 from mesh.topology import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,6 +338,65 @@ def test_an_impossible_lag_is_refused_at_load_and_the_dry_run_prints_the_pre_fli
     assert result.returncode == 0, result.stderr
     line = r"^weight store: 3 slots x [\d.]+ kB = [\d.]+ MB of [\d.]+ GB free in /dev/shm$"
     assert re.search(line, result.stdout, re.M)
+
+
+# ----------------------------------------------------------------------------- any file, one line
+
+
+def _alias_bomb() -> str:
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(9)]
+    return "\n".join(levels) + "\n"
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"name: tiny\xff\xfe\n", "not UTF-8 text (byte 0xff at offset 10)"),
+        ("name: tiny\n".encode("utf-16"), "UTF-16 text"),
+        (bytes(range(256)) * 20, "not UTF-8 text"),
+        (b"name: ti\x00ny\nseed: 0\n", "not valid YAML (unacceptable character #x0000"),
+        (_alias_bomb().encode(), "once its aliases are expanded"),
+        (("[" * 100_000 + "]" * 100_000).encode(), "more than 32 levels deep"),
+        (("{a: " * 100_000 + "1" + "}" * 100_000).encode(), "more than 32 levels deep"),
+        ("".join("  " * i + "a:\n" for i in range(200)).encode(), "more than 32 levels deep"),
+        (("[" + ",".join(["1"] * 400_000) + "]").encode(), "holds more than 10000 values"),
+        (("name: " + "x" * 900_000).encode(), "holds a text of 900000 characters"),
+        (("seed: " + "9" * 5000).encode(), "holds a value YAML cannot convert (Exceeds the limit (4300 digits)"),
+        (b"seed: 2023-13-45\n", "holds a value YAML cannot convert (month must be in 1..12)"),
+        (b"!!python/object/apply:os.system ['true']\n", "not valid YAML"),
+        (b"", "holds a NoneType, not a mapping"),
+    ],
+)
+def test_any_file_is_answered_with_one_line_and_exit_2(tmp_path, capsys, content, expected):
+    path = tmp_path / "topo.yaml"
+    path.write_bytes(content)
+    start = time.perf_counter()
+    assert main([str(path), "--dry-run"]) == 2
+    assert time.perf_counter() - start < 30
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.startswith(f"error: {path}: ") and captured.err.count("\n") == 1, captured.err
+    assert expected in captured.err, captured.err
+
+
+def test_a_100_mb_file_and_what_is_not_a_file_are_refused_without_reading_them(tmp_path, capsys):
+    big = tmp_path / "big.yaml"
+    with big.open("wb") as file:
+        file.truncate(100_000_000)
+    assert main([str(big), "--dry-run"]) == 2
+    assert "larger than 1000 kB" in capsys.readouterr().err
+    assert main([str(tmp_path), "--dry-run"]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+
+
+def test_huge_values_are_shown_cut_short(tmp_path, capsys):
+    data = tiny()
+    data["actors"]["generator"]["max_new_tokens"] = "x" * 4000
+    path = write(tmp_path, data)
+    assert main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "actors.generator.max_new_tokens" in err and "(4002 characters)" in err and len(err) < 400
 
 
 # ----------------------------------------------------------------------------- GPUs, without torch
