@@ -16,7 +16,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from actors import registry
-from actors.bindings import Binding, BindingConfig, ScoreRequest, Student, TokenScores
+from actors.bindings import Binding, BindingConfig, ScoreRequest, Student, TokenScores, check_binding_class
 from actors.model import Placement
 from actors.tasks import Problem
 from actors.teachers_config import TeachersConfig
@@ -25,10 +25,12 @@ from actors.weights import WeightFollower, WeightVersion
 
 @dataclass
 class Bound:
-    """The answer to ``bind``: the new binding's id, or why it was refused."""
+    """The answer to ``bind``: the new binding's id and whether its scoring reads the
+    rewarder's hint (known only here, where its class is loaded), or why it was refused."""
 
     binding_id: str | None
     error: str | None = None
+    needs_hint: bool = False
 
 
 @dataclass
@@ -54,15 +56,15 @@ class TeacherPool(Actor):
         self.initial = {name: self._build(name, binding) for name, binding in cfg.bindings.items()}
 
     @endpoint
-    def initial_ids(self) -> dict[str, str]:
-        """The ids of the topology's own bindings."""
+    def initial_bindings(self) -> dict[str, Bound]:
+        """The topology's own bindings, as built."""
         return self.initial
 
     @endpoint
     def bind(self, name: str, cfg: BindingConfig) -> Bound:
         try:
-            return Bound(self._build(name, cfg))
-        except Exception as error:  # a user's spec: any failure to build it is an answer, not a crash
+            return self._build(name, cfg)
+        except Exception as error:  # a user's spec or code: any failure to load or build it is an answer, not a crash
             return Bound(None, f"{type(error).__name__}: {error}")
 
     @endpoint
@@ -90,14 +92,17 @@ class TeacherPool(Actor):
             follower.check_intact(weights)
         return ScoreReply(scores, time.perf_counter() - start, load_seconds)
 
-    def _build(self, name: str, cfg: BindingConfig) -> str:
-        binding = registry.load("teacher", cfg.kind)(cfg, self.student)
+    def _build(self, name: str, cfg: BindingConfig) -> Bound:
+        """Load the kind's class (a user's import path runs here first), check it is a ``Binding``, build it."""
+        binding_class = registry.load("teacher", cfg.kind)
+        check_binding_class(cfg.kind, binding_class, cfg.use)
+        binding = binding_class(cfg, self.student)
         self.built += 1
         binding_id = f"{name}#{self.built}"
         self.bindings[binding_id] = binding
         if binding.follows_policy:
             self.followers[binding_id] = WeightFollower()
-        return binding_id
+        return Bound(binding_id, needs_hint=binding.needs_hint)
 
     def __cleanup__(self, exc: Exception | None) -> None:
         for follower in self.followers.values():

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
-from actors import registry
 from actors.bindings.config import BindingConfig
 from actors.teachers_config import check_one_distill, check_weighted
 from losses.config import LossConfig
@@ -28,10 +27,7 @@ class TeacherBinding:
     binding_id: str  # the pool's id of this build of it
     config: BindingConfig
     bound_at_step: int
-
-    @property
-    def needs_hint(self) -> bool:
-        return registry.load("teacher", self.config.kind).needs_hint
+    needs_hint: bool  # as the pool found it: the controller never loads a binding's code
 
 
 Snapshot = dict[str, TeacherBinding]
@@ -48,8 +44,11 @@ class TeacherBoard:
     async def start(
         cls, pool: ActorMesh | None, configs: dict[str, BindingConfig], step: int, loss: LossConfig
     ) -> TeacherBoard:
-        ids = await pool.initial_ids.call_one() if pool is not None else {}
-        bound = {name: TeacherBinding(name, ids[name], cfg, step) for name, cfg in configs.items()}
+        built = await pool.initial_bindings.call_one() if pool is not None else {}
+        bound = {
+            name: TeacherBinding(name, built[name].binding_id, cfg, step, built[name].needs_hint)
+            for name, cfg in configs.items()
+        }
         return cls(pool, bound, loss)
 
     def snapshot(self) -> Snapshot:
@@ -77,7 +76,7 @@ class TeacherBoard:
             return True, f"unbound teacher {name!r}; it is not used from step {step}"
         if command.verb != "bind":
             return False, f"unknown command {command.verb!r}; use bind or unbind"
-        try:
+        try:  # by name and the registry's metadata only: a binding's code is loaded by the pool alone
             cfg = BindingConfig(**command.args["spec"])
             check_one_distill({n: b.config for n, b in self.bound.items() if n != name} | {name: cfg})
             check_weighted(name, cfg, self.loss)
@@ -88,7 +87,7 @@ class TeacherBoard:
             return False, f"the pool could not build teacher {name!r}: {bound.error}; the old binding stays"
         if name in self.bound:
             self._retire(self.bound[name], step)
-        self.bound[name] = TeacherBinding(name, bound.binding_id, cfg, step)
+        self.bound[name] = TeacherBinding(name, bound.binding_id, cfg, step, bound.needs_hint)
         uses = ", ".join(cfg.use) or "no channel"
         return True, f"bound teacher {name!r} ({cfg.kind}, for {uses}); it applies from step {step}"
 

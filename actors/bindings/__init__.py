@@ -34,11 +34,13 @@ __all__ = [
     "Binding",
     "BindingConfig",
     "BindingError",
+    "METHOD_OF_USE",
     "ScoreRequest",
     "Student",
     "TokenScores",
     "USES",
     "Use",
+    "check_binding_class",
     "require",
     "scores_from_entries",
     "top_k_scores",
@@ -102,6 +104,31 @@ class Binding(Protocol):
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Only with ``follows_policy``: the policy version the next ``score`` must use."""
+
+
+METHOD_OF_USE = {"distill": "score", "replay": "trace"}
+
+
+def check_binding_class(kind: str, found: object, uses: tuple[str, ...]) -> None:
+    """Refuse what ``kind`` names unless it is a class implementing ``Binding`` for ``uses``
+    (an import path may name anything: a module, a string, a function)."""
+    fix = (
+        "point kind at a class implementing actors.bindings.Binding (built as Binding(cfg, student), with trace "
+        "and/or score, and bool needs_hint and follows_policy attributes)"
+    )
+    if not isinstance(found, type):
+        raise BindingError(f"teacher kind {kind!r} names a {type(found).__name__}, not a class; {fix}")
+    methods = [m for m in ("trace", "score") if callable(getattr(found, m, None))]
+    flags = [f for f in ("needs_hint", "follows_policy") if not isinstance(getattr(found, f, None), bool)]
+    if not methods or flags:
+        lacks = (["trace or score"] if not methods else []) + flags
+        raise BindingError(f"teacher kind {kind!r} names class {found.__name__}, which lacks {', '.join(lacks)}; {fix}")
+    for use in uses:
+        if METHOD_OF_USE[use] not in methods:
+            raise BindingError(
+                f"teacher kind {kind!r} has no {METHOD_OF_USE[use]} method, so it cannot be used for {use}; "
+                f"drop {use!r} from its use"
+            )
 
 
 def __getattr__(name: str) -> Any:
