@@ -112,7 +112,9 @@ def describe_store(topology: Topology, free: FreeMemory | None = None) -> str:
     if plan.slot_bytes is None:
         return f"weight store: {plan.slots} slots (size unknown: model.path has no safetensors weights)"
     line = f"weight store: {plan.slots} slots x {size(plan.slot_bytes)} = {size(plan.slots * plan.slot_bytes)}"
-    if plan.transport == "shm" and free.shm is not None:
+    if plan.transport == "shm" and free.shm is None:
+        return f"{line} (no /dev/shm here: the slots go in the run directory; not checked)"
+    if plan.transport == "shm":
         return f"{line} of {size(free.shm)} free in /dev/shm"
     if plan.transport == "rdma" and free.ram is not None:
         return f"{line} of {size(free.ram)} available RAM (the trainer's memory, served over RDMA)"

@@ -76,7 +76,7 @@ class TeacherBoard:
             return True, f"unbound teacher {name!r}; it is not used from step {step}"
         if command.verb != "bind":
             return False, f"unknown command {command.verb!r}; use bind or unbind"
-        try:  # by name and the registry's metadata only: a binding's code is loaded by the pool alone
+        try:  # names, registry metadata and import finders only: the pool alone runs a binding's code
             cfg = BindingConfig(**command.args["spec"])
             check_one_distill({n: b.config for n, b in self.bound.items() if n != name} | {name: cfg})
             check_weighted(name, cfg, self.loss)
