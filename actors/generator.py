@@ -23,38 +23,13 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint, context
 
 from actors import registry
-from actors.engines import Sample, Sampling
+from actors.engines import Sample
+from actors.generator_config import GeneratorConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement, proc_device
 from actors.rollout import Rollout
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
-
-ROUTERS = ("round_robin", "least_loaded")
-
-
-@dataclass(frozen=True)
-class GeneratorConfig:
-    mesh: str
-    engine: str = "hf"
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: all tokens
-    replicas: int = 1  # generator meshes, each shaped like ``mesh``, behind one router
-    router: str = "round_robin"  # or "least_loaded"
-
-    def __post_init__(self) -> None:
-        registry.load("engine", self.engine)
-        self.sampling  # noqa: B018 -- validates the sampling parameters
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
 
 
 @dataclass

@@ -15,18 +15,7 @@ from pathlib import Path
 
 import torch
 
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
-ARCHITECTURES = ("qwen3", "qwen2", "llama")
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    arch: str = "qwen2"
-    hidden_size: int = 64
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    max_positions: int = 64
+from actors.model_config import SPECIAL_TOKENS, TinyModelSpec
 
 
 def build_tiny_model(path: Path, spec: TinyModelSpec, alphabet: str, seed: int) -> Path:
@@ -61,8 +50,6 @@ def char_tokenizer(alphabet: str):
 def _causal_lm(spec: TinyModelSpec, vocab_size: int):
     import transformers
 
-    if spec.arch not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {spec.arch!r}; choose one of {ARCHITECTURES}")
     config_class, model_class = {
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -75,7 +62,7 @@ def _causal_lm(spec: TinyModelSpec, vocab_size: int):
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
-        head_dim=spec.hidden_size // spec.heads,  # Qwen3Config's default is 128
+        head_dim=spec.head_size,  # Qwen3Config's default is 128
         max_position_embeddings=spec.max_positions,
         tie_word_embeddings=False,
         pad_token_id=0,

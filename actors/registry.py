@@ -3,44 +3,88 @@
 Every pluggable piece of a topology (an inner loop, a generator engine, a teacher
 binding, a task, a launcher) is named in YAML and looked up here. Entries are import
 paths, not imported objects, so reading the table imports nothing: a backend's
-dependencies (TRL, vLLM, Slurm clients) load only when a topology uses it. User code
-plugs in the same way: any ``"package.module:attr"`` string is accepted wherever a
-name is, so adding a backend is one new file plus one line below (or no line at all).
+dependencies (TRL, vLLM, Monarch) load only inside the actor that runs it. What the
+topology check needs to know of a backend is data in its entry (``Backend``), or a
+static check in a module that imports no backend library.
+
+User code plugs in the same way: any ``"package.module:attr"`` string is accepted
+wherever a name is, so adding a backend is one new file plus one line below (or no line
+at all). Such a path is checked without running it: the module must be findable
+(``find_module``: finders only, neither it nor its parent packages execute); the
+attribute and what it is are checked where it is loaded, inside its actor.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
+import re
+import sys
+from dataclasses import dataclass
 from typing import Any
 
-BACKENDS: dict[str, dict[str, str]] = {
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered backend.
+
+    - ``target``: ``"package.module:attr"``, imported only where the backend runs.
+    - ``check``: ``"package.module:function"`` in a module without heavy imports, the
+      backend's static check, run when a topology is read; its arguments are its kind's:
+      launcher ``check(topology)``, engine ``check(model: ModelFacts, on_gpu: bool)``,
+      teacher ``check(cfg: BindingConfig)``. It raises ``ValueError`` naming the fix.
+    - ``uses``: teachers only: ``distill`` if it scores the student's tokens, ``replay``
+      if it writes traces (a test holds these equal to what the class implements).
+    """
+
+    target: str
+    check: str | None = None
+    uses: tuple[str, ...] = ()
+
+
+BACKENDS: dict[str, dict[str, Backend]] = {
     "inner_loop": {
-        "native": "actors.inner_loops.native:NativeLoop",
-        "trl": "actors.inner_loops.trl:TRLLoop",
-        "prime_rl": "actors.inner_loops.prime_rl:PrimeRLLoop",
-        "torchtitan": "actors.inner_loops.torchtitan:TorchTitanLoop",
+        "native": Backend("actors.inner_loops.native:NativeLoop"),
+        "trl": Backend("actors.inner_loops.trl:TRLLoop"),
+        "prime_rl": Backend("actors.inner_loops.prime_rl:PrimeRLLoop"),
+        "torchtitan": Backend("actors.inner_loops.torchtitan:TorchTitanLoop"),
     },
     "engine": {
-        "hf": "actors.engines.hf:HFEngine",
-        "vllm": "actors.engines.vllm:VLLMEngine",
+        "hf": Backend("actors.engines.hf:HFEngine"),
+        "vllm": Backend("actors.engines.vllm:VLLMEngine", check="actors.generator_config:check_vllm"),
     },
     "teacher": {
-        "task_oracle": "actors.bindings.task_oracle:TaskOracle",
-        "replay": "actors.bindings.replay:ReplayTeacher",
-        "hf": "actors.bindings.hf:HFTeacher",
-        "self_hint": "actors.bindings.self_hint:SelfHintTeacher",
-        "openai": "actors.bindings.openai:OpenAITeacher",
+        "task_oracle": Backend("actors.bindings.task_oracle:TaskOracle", uses=("replay",)),
+        "replay": Backend(
+            "actors.bindings.replay:ReplayTeacher", check="actors.bindings.config:check_replay", uses=("replay",)
+        ),
+        "hf": Backend(
+            "actors.bindings.hf:HFTeacher", check="actors.bindings.config:check_hf", uses=("distill", "replay")
+        ),
+        "self_hint": Backend(
+            "actors.bindings.self_hint:SelfHintTeacher",
+            check="actors.bindings.config:check_self_hint",
+            uses=("distill",),
+        ),
+        "openai": Backend(
+            "actors.bindings.openai:OpenAITeacher",
+            check="actors.bindings.config:check_openai",
+            uses=("distill", "replay"),
+        ),
     },
     "reward": {},  # user reward functions, by import path only
     "task": {
-        "reverse": "actors.tasks.strings:Reverse",
-        "sort": "actors.tasks.strings:Sort",
+        "reverse": Backend("actors.tasks.strings:Reverse"),
+        "sort": Backend("actors.tasks.strings:Sort"),
     },
     "launcher": {
-        "local": "mesh.launchers.local:LocalLauncher",
-        "process": "mesh.launchers.process:ProcessLauncher",
+        "local": Backend("mesh.launchers.local:LocalLauncher", check="mesh.launchers:check_local"),
+        "process": Backend("mesh.launchers.process:ProcessLauncher", check="mesh.launchers:check_process"),
     },
 }
+
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class BackendError(ValueError):
@@ -51,29 +95,75 @@ def is_import_path(name: str) -> bool:
     return ":" in name
 
 
-def import_path(kind: str, name: str) -> str:
-    """The import path behind ``name`` (a registered name or itself an import path)."""
+def resolve(kind: str, name: str) -> Backend | None:
+    """The entry of a registered name, or None for an import path whose module can be found.
+
+    Executes nothing; raises ``BackendError`` for an unknown name, a malformed path or a
+    module that cannot be found.
+    """
     if kind not in BACKENDS:
         raise BackendError(f"unknown backend kind {kind!r}; kinds are {sorted(BACKENDS)}")
-    if is_import_path(name):
-        return name
-    try:
+    if not is_import_path(name):
+        if name not in BACKENDS[kind]:
+            known = ", ".join(sorted(BACKENDS[kind]))
+            raise BackendError(
+                f"unknown {kind} {name!r}: registered {kind}s are {known}; or give your own as 'package.module:attr'"
+            )
         return BACKENDS[kind][name]
-    except KeyError:
-        known = ", ".join(sorted(BACKENDS[kind]))
+    if not IMPORT_PATH.match(name):
+        raise BackendError(f"{kind} {name!r} is not an import path of the form 'package.module:attr'")
+    module = name.partition(":")[0]
+    if not find_module(module):
         raise BackendError(
-            f"unknown {kind} {name!r}: registered {kind}s are {known}; or give your own as 'package.module:attr'"
-        ) from None
+            f"{kind} {name!r}: cannot import module {module!r}, no such module is installed or on PYTHONPATH"
+        )
+    return None
+
+
+def find_module(name: str) -> bool:
+    """Whether module ``name`` can be imported, found by the import system's finders alone.
+
+    ``importlib.util.find_spec`` would import a dotted name's parent packages (running
+    their code), so only the top-level name goes through it; each level below is found
+    in its parent's search path.
+    """
+    if name in sys.modules:
+        return True
+    top, *below = name.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    for depth in range(1, len(below) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        full = ".".join([top, *below[:depth]])
+        spec = importlib.machinery.PathFinder.find_spec(full, list(spec.submodule_search_locations))
+    return spec is not None
 
 
 def load(kind: str, name: str) -> Any:
     """Import and return the object a registered name or import path points to."""
-    path = import_path(kind, name)
+    backend = resolve(kind, name)
+    return _load_target(kind, name, name if backend is None else backend.target)
+
+
+def static_check(kind: str, name: str) -> Any:
+    """A registered backend's static check function, or None (none declared, or an import path)."""
+    backend = resolve(kind, name)
+    if backend is None or backend.check is None:
+        return None
+    return _load_target(kind, name, backend.check)
+
+
+def _load_target(kind: str, name: str, path: str) -> Any:
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise BackendError(f"{kind} {name!r}: cannot import module {module_name!r} ({error})") from None
+    except Exception as error:  # a user's module may raise anything while it runs
+        raise BackendError(
+            f"{kind} {name!r}: cannot import module {module_name!r} ({type(error).__name__}: {error})"
+        ) from None
     try:
         return getattr(module, attr)
     except AttributeError:

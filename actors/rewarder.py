@@ -17,20 +17,8 @@ from monarch.actor import Actor, endpoint
 
 from actors import registry
 from actors.lifecycle import ProcInfo, this_proc
+from actors.rewarder_config import RewarderConfig
 from actors.tasks import Problem, TaskConfig, build_task
-
-
-@dataclass(frozen=True)
-class RewarderConfig:
-    mesh: str
-    functions: tuple[str, ...] = ()  # "package.module:function" each
-
-    def __post_init__(self) -> None:
-        for path in self.functions:
-            if not registry.is_import_path(path):
-                raise ValueError(f"reward function {path!r} must be an import path 'package.module:function'")
-            if not callable(registry.load("reward", path)):
-                raise ValueError(f"reward function {path!r} is not callable")
 
 
 @dataclass
@@ -50,7 +38,12 @@ class Rewarder(Actor):
     @endpoint
     def start(self) -> ProcInfo:
         self.task = build_task(self.task_config)
-        self.functions = {path.rpartition(":")[2]: registry.load("reward", path) for path in self.cfg.functions}
+        self.functions = {}
+        for path in self.cfg.functions:  # loaded here, not where the topology is read: user code runs in its actor
+            fn = registry.load("reward", path)
+            if not callable(fn):
+                raise ValueError(f"reward function {path!r} is a {type(fn).__name__}, not a function; fix the path")
+            self.functions[path.rpartition(":")[2]] = fn
         return this_proc()
 
     @endpoint

@@ -1,65 +1,37 @@
 """The TeacherPool actor: named teacher bindings that can change while a run goes on.
 
-Each binding the pool builds gets a fresh id (``name#n``). The controller calls by id,
-so a collection that started before a rebind keeps its teacher to the end, and the
+Each build of a binding has an id (``name#n``) that the controller chooses and calls it
+by, so a collection that started before a rebind keeps its teacher to the end, and the
 controller drops an old id once nothing in flight uses it. ``bind`` builds the new
 binding completely (model loaded, tokenizer checked, endpoint probed) before it answers,
-so a bad spec is refused and the old binding stays.
+so a bad spec is refused and the old binding stays. A pool on a replaced process is
+started with every id still in use, so calls retried there find their bindings.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from monarch.actor import Actor, endpoint
 
 from actors import registry
-from actors.bindings import Binding, BindingConfig, ScoreRequest, Student, TokenScores
+from actors.bindings import Binding, BindingConfig, ScoreRequest, Student, TokenScores, check_binding_class
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
-from losses import LossConfig
-
-
-@dataclass(frozen=True)
-class TeachersConfig:
-    mesh: str
-    bindings: dict[str, BindingConfig] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        check_one_distill(self.bindings)
-
-
-def check_one_distill(bindings: dict[str, BindingConfig]) -> None:
-    distill = sorted(name for name, b in bindings.items() if "distill" in b.use)
-    if len(distill) > 1:
-        raise ValueError(
-            f"teachers {distill} are all used for distill, but channel 2 distils from one teacher at a time; "
-            "keep 'distill' in one binding's use (in a live run: bind the new teacher under the old one's name, "
-            "which replaces it, or unbind the old one first)"
-        )
-
-
-def check_weighted(name: str, cfg: BindingConfig, loss: LossConfig) -> None:
-    """A teacher for a channel whose loss weight is 0 would change nothing: a mistake, refused."""
-    knob = {"distill": "alpha_sdpo", "replay": "beta_replay"}
-    for use in cfg.use:
-        if getattr(loss, knob[use]) <= 0:
-            raise ValueError(
-                f"teacher {name!r} is for {use}, but this run's loss.{knob[use]} is 0, so it would change nothing; "
-                f"set actors.trainer.loss.{knob[use]} > 0 or drop {use!r} from its use"
-            )
 
 
 @dataclass
 class Bound:
-    """The answer to ``bind``: the new binding's id, or why it was refused."""
+    """The answer to ``bind``: the new binding's id and whether its scoring reads the
+    rewarder's hint (known only here, where its class is loaded), or why it was refused."""
 
     binding_id: str | None
     error: str | None = None
+    needs_hint: bool = False
 
 
 @dataclass
@@ -76,29 +48,30 @@ class ScoreReply:
 
 
 class TeacherPool(Actor):
-    def __init__(self, cfg: TeachersConfig, student: Student, place: Placement):
-        self.cfg, self.student, self.place = cfg, student, place  # built in ``start`` (actors/lifecycle.py)
+    def __init__(self, student: Student, place: Placement):
+        self.student, self.place = student, place  # built in ``start`` (actors/lifecycle.py)
         self.bindings: dict[str, Binding] = {}
-        self.built = 0
         self.followers: dict[str, WeightFollower] = {}  # per binding that follows the policy: each holds a model
 
     @endpoint
-    def start(self) -> ProcInfo:
-        """Build the topology's own bindings (a model that fails to load fails here, with its reason)."""
+    def start(self, bindings: dict[str, BindingConfig]) -> ProcInfo:
+        """Build ``bindings`` (id -> config: the topology's own, or on a replaced process every
+        binding still in use); a model that fails to load fails here, with its reason."""
         torch.set_num_threads(self.place.threads)
-        self.initial = {name: self._build(name, binding) for name, binding in self.cfg.bindings.items()}
+        for binding_id, cfg in bindings.items():
+            self._build(binding_id, cfg)
         return this_proc()
 
     @endpoint
-    def initial_ids(self) -> dict[str, str]:
-        """The ids of the topology's own bindings."""
-        return self.initial
+    def needs_hints(self) -> dict[str, bool]:
+        """Per binding id: whether its scoring reads the rewarder's hint (known here, where its class is loaded)."""
+        return {binding_id: binding.needs_hint for binding_id, binding in self.bindings.items()}
 
     @endpoint
-    def bind(self, name: str, cfg: BindingConfig) -> Bound:
+    def bind(self, binding_id: str, cfg: BindingConfig) -> Bound:
         try:
-            return Bound(self._build(name, cfg))
-        except Exception as error:  # a user's spec: any failure to build it is an answer, not a crash
+            return self._build(binding_id, cfg)
+        except Exception as error:  # a user's spec or code: any failure to load or build it is an answer, not a crash
             return Bound(None, f"{type(error).__name__}: {error}")
 
     @endpoint
@@ -126,14 +99,15 @@ class TeacherPool(Actor):
             follower.check_intact(weights)
         return ScoreReply(scores, time.perf_counter() - start, load_seconds)
 
-    def _build(self, name: str, cfg: BindingConfig) -> str:
-        binding = registry.load("teacher", cfg.kind)(cfg, self.student)
-        self.built += 1
-        binding_id = f"{name}#{self.built}"
+    def _build(self, binding_id: str, cfg: BindingConfig) -> Bound:
+        """Load the kind's class (a user's import path runs here first), check it is a ``Binding``, build it."""
+        binding_class = registry.load("teacher", cfg.kind)
+        check_binding_class(cfg.kind, binding_class, cfg.use)
+        binding = binding_class(cfg, self.student)
         self.bindings[binding_id] = binding
         if binding.follows_policy:
             self.followers[binding_id] = WeightFollower()
-        return binding_id
+        return Bound(binding_id, needs_hint=binding.needs_hint)
 
     def __cleanup__(self, exc: Exception | None) -> None:
         for follower in self.followers.values():

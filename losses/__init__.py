@@ -4,52 +4,56 @@ Channel 1 (``policy``): the GRPO family. Channel 2 (``distill``): KL / JSD / TAI
 entropy-aware OPD against a teacher's distribution (SDPO when the teacher is the
 policy with a hint). Channel 3 (``preference``): DPO / SimPO over trace pairs.
 ``compose_loss`` adds them up; ``logprobs`` keeps ``[tokens x vocab]`` logits out of memory.
+
+The configs load with the package and import no torch; every other name loads its
+module (and torch) on first use (PEP 562), so checking a topology never pays for torch.
 """
 
-from losses.advantages import group_advantages, informative_groups, overlong_penalty
-from losses.batch import (
-    Counts,
-    DistillInputs,
-    PolicyInputs,
-    PreferenceInputs,
-    TeacherHidden,
-    TeacherLogits,
-    TeacherTopK,
-)
-from losses.compose import Head, LinearHead, LossConfig, LossInputs, LossOutput, Logits, TokenLogprobs, compose_loss
-from losses.distill import DistillConfig, TAIDScheduler, distill_loss, hinted_inputs
-from losses.logprobs import fused_linear_loss, selective_logprobs, token_logprobs
-from losses.policy import PolicyConfig, policy_loss
-from losses.preference import PreferenceConfig, preference_loss
+from __future__ import annotations
 
-__all__ = [
-    "Counts",
-    "DistillConfig",
-    "DistillInputs",
-    "Head",
-    "LinearHead",
-    "Logits",
-    "LossConfig",
-    "LossInputs",
-    "LossOutput",
-    "PolicyConfig",
-    "PolicyInputs",
-    "PreferenceConfig",
-    "PreferenceInputs",
-    "TAIDScheduler",
-    "TeacherHidden",
-    "TeacherLogits",
-    "TeacherTopK",
-    "TokenLogprobs",
-    "compose_loss",
-    "distill_loss",
-    "fused_linear_loss",
-    "group_advantages",
-    "hinted_inputs",
-    "informative_groups",
-    "overlong_penalty",
-    "policy_loss",
-    "preference_loss",
-    "selective_logprobs",
-    "token_logprobs",
-]
+import importlib
+from typing import Any
+
+from losses.config import DistillConfig, LossConfig, PolicyConfig, PreferenceConfig
+
+_LAZY = {
+    "group_advantages": "losses.advantages",
+    "informative_groups": "losses.advantages",
+    "overlong_penalty": "losses.advantages",
+    "Counts": "losses.batch",
+    "DistillInputs": "losses.batch",
+    "PolicyInputs": "losses.batch",
+    "PreferenceInputs": "losses.batch",
+    "TeacherHidden": "losses.batch",
+    "TeacherLogits": "losses.batch",
+    "TeacherTopK": "losses.batch",
+    "Head": "losses.compose",
+    "LinearHead": "losses.compose",
+    "LossInputs": "losses.compose",
+    "LossOutput": "losses.compose",
+    "Logits": "losses.compose",
+    "TokenLogprobs": "losses.compose",
+    "compose_loss": "losses.compose",
+    "TAIDScheduler": "losses.distill",
+    "distill_loss": "losses.distill",
+    "hinted_inputs": "losses.distill",
+    "fused_linear_loss": "losses.logprobs",
+    "selective_logprobs": "losses.logprobs",
+    "token_logprobs": "losses.logprobs",
+    "policy_loss": "losses.policy",
+    "preference_loss": "losses.preference",
+}
+
+__all__ = sorted(["DistillConfig", "LossConfig", "PolicyConfig", "PreferenceConfig", *_LAZY])
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'losses' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -15,49 +15,19 @@ The policy's distribution comes in one of three forms (the ``Head``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from losses.batch import DistillInputs, PolicyInputs, PreferenceInputs
-from losses.distill import DistillConfig, distill_loss
+from losses.config import LossConfig
+from losses.distill import distill_loss
 from losses.logprobs import fused_linear_loss, selective_logprobs
-from losses.policy import PolicyConfig, policy_loss
-from losses.preference import PreferenceConfig, preference_loss
+from losses.policy import policy_loss
+from losses.preference import preference_loss
 
 CHANNELS = ("policy", "distill", "preference")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Every knob of the three-channel loss; invalid combinations fail when it is built.
-
-    - ``alpha_sdpo``: weight of channel 2 (distillation, e.g. SDPO hint self-distillation).
-    - ``beta_replay``: weight of channel 3 (DPO/SimPO over teacher-trace pairs).
-    - ``chunk_tokens``: with a ``LinearHead``, about this many tokens' logits exist at
-      once (rounded to whole rows, at least one row).
-    """
-
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
-    alpha_sdpo: float = 0.0
-    beta_replay: float = 0.0
-    chunk_tokens: int = 512
-
-    def __post_init__(self) -> None:
-        for name, kind in (("policy", PolicyConfig), ("distill", DistillConfig), ("preference", PreferenceConfig)):
-            if not isinstance(getattr(self, name), kind):
-                raise TypeError(
-                    f"LossConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"
-                )
-        if self.alpha_sdpo < 0 or self.beta_replay < 0:
-            raise ValueError(
-                f"channel weights must be >= 0, got alpha_sdpo={self.alpha_sdpo}, beta_replay={self.beta_replay}"
-            )
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
 
 
 @dataclass(frozen=True)

@@ -15,62 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from losses.batch import DistillInputs, TeacherLogits, TeacherTopK, masked_sum_per_row
+from losses.config import DistillConfig
 
-Divergence = Literal["kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd"]
 LOGP_FLOOR = -1e4  # log-probs are floored so that 0 * log 0 terms stay 0 in value and gradient
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    """Knobs of channel 2.
-
-    - ``divergence``: ``kl_teacher_student`` (forward KL), ``kl_student_teacher``
-      (reverse KL, on-policy distillation), ``jsd`` (generalized JSD: ``jsd_beta`` = 0 is
-      KL(T||S), 1 is KL(S||T), as TRL's GKD), ``taid`` (KL to the interpolation of the
-      detached student and the teacher at the loop's ``t``, arXiv 2501.16937), or
-      ``entropy_opd`` (reverse KL plus forward KL where the teacher is uncertain,
-      arXiv 2603.07079).
-    - ``temperature``: both sides' logits are divided by it (full-logit teachers only).
-    - ``token_clip``: per-token divergences above it are clipped (and get no gradient).
-    - ``eopd_mode``: ``gate`` is the paper's hard indicator ``RKL + eopd_lambda *
-      1[H_T > eopd_entropy] * FKL``; ``soft`` mixes ``(1-w) RKL + w FKL`` with
-      ``w = clamp(H_T / eopd_entropy, 0, 1)``. ``eopd_entropy`` (nats) has no published
-      default, so it must be set.
-    """
-
-    divergence: Divergence = "jsd"
-    jsd_beta: float = 0.5
-    temperature: float = 1.0
-    token_clip: float | None = None
-    eopd_mode: Literal["gate", "soft"] = "gate"
-    eopd_entropy: float | None = None
-    eopd_lambda: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.divergence not in ("kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd"):
-            raise ValueError(f"unknown divergence {self.divergence!r}")
-        if not 0.0 <= self.jsd_beta <= 1.0:
-            raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.token_clip is not None and self.token_clip <= 0:
-            raise ValueError(f"token_clip must be > 0 (or None), got {self.token_clip}")
-        if self.eopd_mode not in ("gate", "soft"):
-            raise ValueError(f"unknown eopd_mode {self.eopd_mode!r}; choose 'gate' or 'soft'")
-        if self.divergence == "entropy_opd" and self.eopd_entropy is None:
-            raise ValueError(
-                "divergence 'entropy_opd' needs eopd_entropy, the teacher-entropy threshold in nats "
-                "(no published default; log(V) is the maximum)"
-            )
-        if self.eopd_mode == "soft" and self.eopd_entropy is not None and self.eopd_entropy <= 0:
-            raise ValueError("the soft entropy gate divides by eopd_entropy, so it must be > 0")
 
 
 def _terms(p_logp: Tensor, q_logp: Tensor) -> Tensor:

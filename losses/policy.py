@@ -10,101 +10,13 @@ Sign convention: the returned value is minimized (it is the negated objective).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor
 
 from losses.batch import Counts, PolicyInputs, masked_sum_per_row
+from losses.config import Aggregation, PolicyConfig
 
-PolicyName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo", "dppo"]
-Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
-ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-
-CLIPPED = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
-# Published defaults: (eps_low, eps_high, aggregation).
-DEFAULTS: dict[str, tuple[float | None, float | None, Aggregation]] = {
-    "grpo": (0.2, 0.2, "seq_mean_token_mean"),  # DeepSeekMath, arXiv 2402.03300
-    "dr_grpo": (0.2, 0.2, "constant"),  # arXiv 2503.20783
-    "dapo": (0.2, 0.28, "token_mean"),  # clip-higher, arXiv 2503.14476
-    "gspo": (3e-4, 4e-4, "seq_mean_token_mean"),  # Qwen3, arXiv 2507.18071
-    "gspo_token": (3e-4, 4e-4, "seq_mean_token_mean"),
-    "cispo": (None, None, "token_mean"),  # MiniMax-M1, arXiv 2506.13585
-    "dppo": (None, None, "token_mean"),  # PRIME-RL's default loss @559b44772
-}
 LOG_WEIGHT_BOUND = 20.0  # exp(+-20) guards importance weights against overflow (as verl)
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Knobs of channel 1. ``None`` fields take the method's published default.
-
-    - ``clip_low``/``clip_high``: PPO clip range ``[1 - clip_low, 1 + clip_high]``
-      (clipped methods only).
-    - ``cispo_max_ratio``: CISPO's IS-weight cap, an *absolute* cap
-      ``sg(min(r, cispo_max_ratio))`` (the TRL/Liger convention; ScaleRL uses 5.0).
-    - ``dppo_*``: PRIME-RL's probability-difference trust region: for A > 0 a token whose
-      probability rose by more than ``dppo_mask_high`` gets no policy gradient, for A < 0
-      one that fell by more than ``dppo_mask_low``; plus ``dppo_kl_tau * log_ratio**2``.
-    - ``kl_coef``: beta of the k3 KL to the reference; ``kl_unbiased`` multiplies k3 by the
-      ratio, which makes its gradient the unbiased ``grad KL(pi || ref)`` (DeepSeek-V3.2).
-    - ``is_mode``: where the inference/trainer mismatch is corrected. Unset, the sampler's
-      logprobs ``mu`` stand in for the old policy, so the ratio ``pi / mu`` carries the
-      mismatch and the method's trust region bounds it (PRIME-RL's DPPO works this way).
-      Set, the ratio is taken against the trainer's own logprobs before the update
-      (recomputed by the trainer: the ratio starts at 1) and a separate detached weight
-      ``pi_old / mu`` per token or per sequence (product over tokens), truncated at
-      ``is_max`` (TIS) or masked to 0 outside ``[is_min, is_max]`` (MIS), corrects for
-      the sampler (decoupled PPO).
-    """
-
-    name: PolicyName = "dapo"
-    clip_low: float | None = None
-    clip_high: float | None = None
-    aggregation: Aggregation | None = None
-    kl_coef: float = 0.0
-    kl_unbiased: bool = False
-    cispo_max_ratio: float = 5.0
-    dppo_mask_low: float = 0.2
-    dppo_mask_high: float = 0.2
-    dppo_adv_tau: float = 1.0
-    dppo_kl_tau: float = 1e-3
-    is_mode: ISMode | None = None
-    is_min: float = 0.0
-    is_max: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.name not in DEFAULTS:
-            raise ValueError(f"unknown policy loss {self.name!r}; choose one of {sorted(DEFAULTS)}")
-        low, high, aggregation = DEFAULTS[self.name]
-        if self.name not in CLIPPED and (self.clip_low is not None or self.clip_high is not None):
-            raise ValueError(
-                f"policy loss {self.name!r} does not clip the ratio, so clip_low/clip_high do not apply; "
-                + ("set cispo_max_ratio instead." if self.name == "cispo" else "set dppo_mask_low/high instead.")
-            )
-        object.__setattr__(self, "clip_low", low if self.clip_low is None else self.clip_low)
-        object.__setattr__(self, "clip_high", high if self.clip_high is None else self.clip_high)
-        object.__setattr__(self, "aggregation", self.aggregation or aggregation)
-        if self.aggregation not in ("seq_mean_token_mean", "token_mean", "constant"):
-            raise ValueError(f"unknown aggregation {self.aggregation!r}")
-        if self.name in CLIPPED and not (0 < self.clip_low < 1 and self.clip_high > 0):
-            raise ValueError(
-                f"clip range needs 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}"
-            )
-        if self.cispo_max_ratio <= 0 or self.dppo_mask_low < 0 or self.dppo_mask_high < 0:
-            raise ValueError("cispo_max_ratio must be > 0 and dppo_mask_low/high >= 0")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_coef and self.name == "dppo":
-            raise ValueError("dppo has its own KL term (dppo_kl_tau); leave kl_coef at 0")
-        if self.kl_unbiased and not self.kl_coef:
-            raise ValueError("kl_unbiased corrects the KL penalty, so it needs kl_coef > 0")
-        if self.is_mode is not None:
-            if self.is_mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-                raise ValueError(f"unknown is_mode {self.is_mode!r}")
-            if not 0 <= self.is_min < self.is_max:
-                raise ValueError(f"importance weights need 0 <= is_min < is_max, got {self.is_min}, {self.is_max}")
 
 
 def aggregate(per_token: Tensor, mask: Tensor, how: Aggregation, counts: Counts) -> Tensor:

@@ -6,38 +6,11 @@ teacher logprobs never enter: a teacher's trace is re-scored by the student.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch.nn.functional as F
 from torch import Tensor
 
 from losses.batch import PreferenceInputs
-
-
-@dataclass(frozen=True)
-class PreferenceConfig:
-    """Knobs of channel 3.
-
-    - ``kind``: ``dpo`` (sigmoid DPO, arXiv 2305.18290, needs reference logprobs) or
-      ``simpo`` (length-normalized and reference-free, arXiv 2405.14734; prefer it when
-      teachers differ in verbosity).
-    - ``simpo_gamma`` is the target margin gamma itself (TRL's ``simpo_gamma``); the
-      official code's ``gamma_beta_ratio`` is ``simpo_gamma / simpo_beta``.
-    """
-
-    kind: Literal["dpo", "simpo"] = "dpo"
-    dpo_beta: float = 0.1
-    simpo_beta: float = 2.0
-    simpo_gamma: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("dpo", "simpo"):
-            raise ValueError(f"unknown preference loss {self.kind!r}; choose 'dpo' or 'simpo'")
-        if self.dpo_beta <= 0 or self.simpo_beta <= 0:
-            raise ValueError("dpo_beta and simpo_beta must be > 0")
-        if self.simpo_gamma < 0:
-            raise ValueError(f"simpo_gamma must be >= 0, got {self.simpo_gamma}")
+from losses.config import PreferenceConfig
 
 
 def dpo_logits(inputs: PreferenceInputs, beta: float) -> Tensor:

@@ -25,7 +25,8 @@ from functools import lru_cache
 from torch import Tensor
 
 from losses.batch import Counts, PolicyInputs
-from losses.policy import PolicyConfig, policy_loss
+from losses.config import PolicyConfig
+from losses.policy import policy_loss
 
 UPSTREAM_COMMIT = "559b44772"
 

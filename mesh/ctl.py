@@ -6,7 +6,7 @@ python -m mesh.ctl runs/tiny-20261121-101500 teachers unbind big
 python -m mesh.ctl runs/tiny-20261121-101500 teachers list
 ```
 
-SPEC is a YAML flow mapping with the fields of ``actors.bindings.BindingConfig``. It is
+SPEC is a YAML flow mapping with the fields of ``actors.bindings.config.BindingConfig``. It is
 checked here before anything is sent; the run checks it again by building the binding
 (loading its model) and applies it at its next step boundary, or rejects it and keeps
 the old binding. Only the user who started the run can send commands (see
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from actors import registry
+from actors.bindings.config import BindingConfig
 from mesh.control import NAME_PATTERN, ControlError, read_teachers, send
 
 EXAMPLE_SPEC = "'{kind: hf, path: ./teacher, use: [distill]}'"
@@ -115,9 +117,6 @@ def _parse_spec(text: str) -> dict:
     A relative ``path`` is made absolute here: the run resolves paths from its own working directory, not the
     caller's.
     """
-    from actors import registry  # here, not at the top: torch loads only for bind
-    from actors.bindings import BindingConfig
-
     try:
         spec = yaml.safe_load(text)
     except yaml.YAMLError as error:

@@ -11,9 +11,6 @@ import asyncio
 import sys
 from pathlib import Path
 
-from actors.checkpoint import CheckpointError, checkpoint_state
-from mesh.fingerprint import FingerprintError, topology_fingerprint
-from mesh.rundir import RunDirError
 from mesh.topology import Topology, TopologyError, describe, load_topology
 
 
@@ -41,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         topology = load_topology(args.topology, args.set)
         if args.resume:
             check_resume(topology, Path(args.resume))
-    except (TopologyError, CheckpointError, FingerprintError) as error:
+    except TopologyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.dry_run:
@@ -49,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from mesh.interrupts import Interrupted
+    from mesh.rundir import RunDirError
     from mesh.runtime import RunFailed, run
 
     try:
@@ -68,26 +66,32 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_resume(topology: Topology, checkpoint: Path) -> None:
     """Refuse, before anything starts, a checkpoint that is damaged, was trained for another
-    model, tokenizer or task, or has nothing left to train."""
-    state = checkpoint_state(checkpoint)
-    recorded = state.get("fingerprint")
-    if not isinstance(recorded, dict):
-        raise CheckpointError(
-            f"{checkpoint} records no fingerprint (the model, tokenizer and task it was trained for; checkpoints "
-            "written before fingerprints lack it), so whether it fits this topology cannot be checked; resume "
-            "from a checkpoint written by this version, or start without --resume"
-        )
-    differences = topology_fingerprint(topology).differences(recorded)
+    model, tokenizer or task, or has nothing left to train (exit 2, like a bad topology)."""
+    from actors.checkpoint import CheckpointError, checkpoint_state  # torch: only a resume reads a checkpoint
+    from mesh.fingerprint import FingerprintError, topology_fingerprint
+
+    try:
+        state = checkpoint_state(checkpoint)
+        recorded = state.get("fingerprint")
+        if not isinstance(recorded, dict):
+            raise TopologyError(
+                f"{checkpoint} records no fingerprint (the model, tokenizer and task it was trained for; checkpoints "
+                "written before fingerprints lack it), so whether it fits this topology cannot be checked; resume "
+                "from a checkpoint written by this version, or start without --resume"
+            )
+        differences = topology_fingerprint(topology).differences(recorded)
+    except (CheckpointError, FingerprintError) as error:
+        raise TopologyError(str(error)) from None
     if differences:
         written_by = checkpoint.parent.parent / "topology.yaml"
         source = written_by if written_by.is_file() else "the topology.yaml of the run that wrote it"
-        raise CheckpointError(
+        raise TopologyError(
             f"{checkpoint} was trained for another job: {'; '.join(differences)}. Resume it with the topology "
             f"that wrote it ({source}), or start without --resume"
         )
     step = state["step"]
     if step >= topology.loop.steps:
-        raise CheckpointError(
+        raise TopologyError(
             f"{checkpoint} is at step {step} and the topology runs {topology.loop.steps} steps, so nothing is "
             f"left to train; raise loop.steps (e.g. --set loop.steps={step + 100})"
         )

@@ -43,6 +43,7 @@ from mesh.controller import Actors, Controller  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.interrupts import Interrupted, Stopper  # noqa: E402
+from mesh.preflight import SHM  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
 from mesh.router import Router  # noqa: E402
 from mesh.rundir import RunDir  # noqa: E402
@@ -53,7 +54,6 @@ if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch._src.actor.actor_mesh import ActorMesh
     from monarch.actor import ProcMesh
 
-SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 ERROR_LOG = "error.log"
 PROCS = "procs.json"
 
@@ -75,11 +75,11 @@ async def run(
     )
     task = build_task(topology.task.config)
     model_path = _prepare_model(topology, task.alphabet, run_dir)
-    stores = _Stores(Path(SHM_ROOT or run_dir.path))
+    stores = _Stores(SHM if SHM.is_dir() else run_dir.path)
     launcher = registry.load("launcher", topology.launcher.kind)()
     bar = Progress(topology, enabled=progress)
     faults = _FaultLog(run_dir.path, bar)
-    monarch.actor.unhandled_fault_hook = faults.monarch  # recorded; the call that waits on it recovers or fails
+    monarch.actor.unhandled_fault_hook = faults.monarch  # recorded (and, once the fleet exists, its calls fail over)
     control = ControlChannel.create(run_dir.path)
     stopper = Stopper()
     controller: Controller | None = None
@@ -87,19 +87,22 @@ async def run(
         print(f"run directory: {run_dir.path} (change its teachers: python -m mesh.ctl {run_dir.path} teachers)")
     stopper.install()
     try:
+        bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
+        teachers = TeacherBoard(bindings, topology.actors.trainer.loss)
         fleet = Fleet(
             launcher,
-            _roles(topology, model_path, stores),
+            _roles(topology, model_path, stores, teachers),
             topology.fault_tolerance,
             topology.actors.trainer.mesh,
             on_fault=faults.record,
         )
+        monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
         fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))
         await fleet.start(launcher.start(topology))
         _write_procs(run_dir.path, fleet)
         actors = _actors(topology, fleet)
-        bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
-        teachers = await TeacherBoard.start(actors.teachers, bindings, 0, topology.actors.trainer.loss)
+        if actors.teachers is not None:
+            await teachers.attach(actors.teachers)
         controller = Controller(topology, actors, task, run_dir, bar, teachers, control, fleet, stopper)
         await controller.train(Path(resume) if resume else None)
     except Interrupted:
@@ -196,7 +199,7 @@ def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
     return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))
 
 
-def _roles(topology: Topology, model_path: str, stores: _Stores) -> dict[str, list[Role]]:
+def _roles(topology: Topology, model_path: str, stores: _Stores, teachers: TeacherBoard) -> dict[str, list[Role]]:
     """Mesh name -> the actors placed on it, the trainer first on its mesh."""
     cfg, seed = topology.actors, topology.seed
     place = _placements(topology)
@@ -214,8 +217,12 @@ def _roles(topology: Topology, model_path: str, stores: _Stores) -> dict[str, li
     roles[cfg.rewarder.mesh].append(Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all))
     if cfg.teachers is not None:
         student = Student(model_path, cfg.generator.max_new_tokens, seed)
-        spawn = _spawner("teachers", TeacherPool, cfg.teachers, student, place[cfg.teachers.mesh])
-        roles[cfg.teachers.mesh].append(Role("teachers", spawn, _start_all))
+        spawn = _spawner("teachers", TeacherPool, student, place[cfg.teachers.mesh])
+
+        async def start_teachers(pool: ActorMesh) -> list[ProcInfo]:  # every binding in use, under its id
+            return list((await pool.start.call(teachers.live())).values())
+
+        roles[cfg.teachers.mesh].append(Role("teachers", spawn, start_teachers))
     return roles
 
 

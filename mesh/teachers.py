@@ -8,13 +8,12 @@ collection in flight can still use it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from actors import registry
-from actors.bindings import BindingConfig
-from actors.teachers import check_one_distill, check_weighted
-from losses import LossConfig
+from actors.bindings.config import BindingConfig
+from actors.teachers_config import check_one_distill, check_weighted
+from losses.config import LossConfig
 
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -28,29 +27,35 @@ class TeacherBinding:
     binding_id: str  # the pool's id of this build of it
     config: BindingConfig
     bound_at_step: int
-
-    @property
-    def needs_hint(self) -> bool:
-        return registry.load("teacher", self.config.kind).needs_hint
+    needs_hint: bool  # as the pool found it: the controller never loads a binding's code
 
 
 Snapshot = dict[str, TeacherBinding]
 
 
 class TeacherBoard:
-    def __init__(self, pool: ActorMesh | None, bound: Snapshot, loss: LossConfig):
-        self.pool = pool
-        self.bound = bound
-        self.loss = loss
-        self.retiring: list[tuple[str, int]] = []  # (binding id, the first step that no longer uses it)
+    """Which binding serves which channel; it names every build of a binding (``name#n``)."""
 
-    @classmethod
-    async def start(
-        cls, pool: ActorMesh | None, configs: dict[str, BindingConfig], step: int, loss: LossConfig
-    ) -> TeacherBoard:
-        ids = await pool.initial_ids.call_one() if pool is not None else {}
-        bound = {name: TeacherBinding(name, ids[name], cfg, step) for name, cfg in configs.items()}
-        return cls(pool, bound, loss)
+    def __init__(self, configs: dict[str, BindingConfig], loss: LossConfig):
+        self.pool: ActorMesh | None = None  # attached once the pool has started with ``live()``
+        self.loss = loss
+        self.built = 0
+        self.bound = {name: TeacherBinding(name, self._next_id(name), cfg, 0, False) for name, cfg in configs.items()}
+        self.retiring: list[tuple[TeacherBinding, int]] = []  # (binding, the first step that no longer uses it)
+
+    def live(self) -> dict[str, BindingConfig]:
+        """Every binding a collection may still call, by id: what a (re)started pool must build."""
+        return {b.binding_id: b.config for b in [*self.bound.values(), *(b for b, _ in self.retiring)]}
+
+    async def attach(self, pool: ActorMesh) -> None:
+        """The started pool: learn from it which bindings read hints."""
+        self.pool = pool
+        hints = await pool.needs_hints.call_one()
+        self.bound = {name: replace(b, needs_hint=hints[b.binding_id]) for name, b in self.bound.items()}
+
+    def _next_id(self, name: str) -> str:
+        self.built += 1
+        return f"{name}#{self.built}"
 
     def snapshot(self) -> Snapshot:
         return dict(self.bound)
@@ -77,33 +82,33 @@ class TeacherBoard:
             return True, f"unbound teacher {name!r}; it is not used from step {step}"
         if command.verb != "bind":
             return False, f"unknown command {command.verb!r}; use bind or unbind"
-        try:
+        try:  # names, registry metadata and import finders only: the pool alone runs a binding's code
             cfg = BindingConfig(**command.args["spec"])
             check_one_distill({n: b.config for n, b in self.bound.items() if n != name} | {name: cfg})
             check_weighted(name, cfg, self.loss)
         except (TypeError, ValueError) as error:
             return False, f"{error}; teacher {name!r} is unchanged"
-        bound = await self.pool.bind.call_one(name, cfg)
+        bound = await self.pool.bind.call_one(self._next_id(name), cfg)
         if bound.error is not None:
             return False, f"the pool could not build teacher {name!r}: {bound.error}; the old binding stays"
         if name in self.bound:
             self._retire(self.bound[name], step)
-        self.bound[name] = TeacherBinding(name, bound.binding_id, cfg, step)
+        self.bound[name] = TeacherBinding(name, bound.binding_id, cfg, step, bound.needs_hint)
         uses = ", ".join(cfg.use) or "no channel"
         return True, f"bound teacher {name!r} ({cfg.kind}, for {uses}); it applies from step {step}"
 
     async def drop_retired(self, step: int) -> None:
         """Drop the bindings that no collection from ``step`` on can use."""
         keep = []
-        for binding_id, until in self.retiring:
+        for binding, until in self.retiring:
             if until <= step:
-                await self.pool.drop.call_one(binding_id)
+                await self.pool.drop.call_one(binding.binding_id)
             else:
-                keep.append((binding_id, until))
+                keep.append((binding, until))
         self.retiring = keep
 
     def _retire(self, binding: TeacherBinding, step: int) -> None:
-        self.retiring.append((binding.binding_id, step))
+        self.retiring.append((binding, step))
 
 
 def _spec(cfg: BindingConfig) -> dict:

@@ -2,13 +2,21 @@
 
 The schema is pydantic over the actors' own config dataclasses, so a knob is declared
 once, where it is used. Loading is all-or-nothing: any mistake (an unknown key, a wrong
-type, an unknown backend, an actor on an undefined mesh, a missing model directory,
-more processes than the launcher can place) raises ``TopologyError`` with one paragraph
-naming the file, the key path and the fix, before any process is spawned.
+type, a value that would fail later, an unknown backend, an actor on an undefined mesh, a
+missing model directory, more processes or memory than the launcher can place) raises
+``TopologyError`` with one paragraph naming the file, the key path and the fix, before
+any process is spawned.
+
+Checking imports no backend: the configs live in modules without heavy imports
+(``*_config.py``, ``config.py``), a backend is checked by its registry entry
+(``actors/registry.py``), and user code named by an import path is found, not run;
+only a task class is imported (its alphabet is the tiny model's vocabulary). Any file is
+read safely: YAML by ``safe_load`` only, with its bytes, depth and size bounded.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import types
 import typing
@@ -16,19 +24,26 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from actors import registry
-from actors.generator import GeneratorConfig
-from actors.inner_loops import TrainerConfig
-from actors.model import TinyModelSpec
-from actors.rewarder import RewarderConfig
+from actors.generator_config import GeneratorConfig
+from actors.inner_loops.config import TrainerConfig
+from actors.model_config import ModelFacts, TinyModelSpec
+from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig, build_task
-from actors.teachers import TeachersConfig, check_weighted
-from actors.weights import choose_transport
+from actors.teachers_config import TeachersConfig, check_weighted
+from actors.weights_config import choose_transport
 from mesh.faults import FaultTolerance
+from mesh.preflight import describe_store
 
 TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
+# A run's name goes into its directory's name, runs/<name>-<YYYYmmdd-HHMMSS>-<n>. 64 keeps it far
+# below NAME_MAX (255 bytes on every Linux file system) and a name still reads whole on a terminal line.
+NAME_MAX_CHARS = 64
+# numpy and vLLM take 32-bit seeds (numpy refuses negative ones), and each generator process
+# seeds itself with seed + 1000 x its rank: half the 32-bit range is left for the ranks.
+SEED_LIMIT = 2**31
 
 
 class TopologyError(Exception):
@@ -36,7 +51,8 @@ class TopologyError(Exception):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False reaches the actors' config dataclasses too: every float in the schema is finite
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSection(Section):
@@ -63,16 +79,22 @@ class ModelSection(Section):
 class TaskSection(Section):
     """``name`` (registered or ``package.module:Class``); every other key is a task parameter."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
     name: str
+    _alphabet: object = PrivateAttr(None)
 
     @property
     def config(self) -> TaskConfig:
         return TaskConfig(self.name, dict(self.model_extra or {}))
 
+    @property
+    def alphabet(self) -> object:
+        """The built task's ``alphabet`` (None when its class has none)."""
+        return self._alphabet
+
     @model_validator(mode="after")
     def _builds(self) -> TaskSection:
-        build_task(self.config)
+        self._alphabet = getattr(build_task(self.config), "alphabet", None)
         return self
 
 
@@ -136,6 +158,33 @@ class Topology(Section):
     logging: Logging = Logging()
     launcher: LauncherSection = LauncherSection()
     fault_tolerance: FaultTolerance = FaultTolerance()
+    _facts: ModelFacts | None = PrivateAttr(None)
+
+    @field_validator("name")
+    @classmethod
+    def _short_name(cls, name: str) -> str:
+        if len(name) > NAME_MAX_CHARS:
+            raise ValueError(
+                f"is {len(name)} characters long; at most {NAME_MAX_CHARS}, so that the run directory "
+                "<logging.root>/<name>-<YYYYmmdd-HHMMSS>-<n> fits the file system's 255-byte name limit; "
+                "shorten the name"
+            )
+        return name
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, seed: int) -> int:
+        if not 0 <= seed < SEED_LIMIT:
+            shown = seed if abs(seed) < 10**12 else f"a {len(str(abs(seed)))}-digit number"
+            raise ValueError(
+                f"must be in [0, 2**31), got {shown}: numpy and vLLM take 32-bit seeds and each generator "
+                "process adds 1000 x its rank to it; pick a smaller seed, e.g. seed: 0"
+            )
+        return seed
+
+    def model_facts(self) -> ModelFacts:
+        """The policy's head size and state-dict shapes, as far as known without loading it."""
+        return self._facts
 
     def placed_actors(self) -> dict[str, str]:
         """Actor name -> mesh name, for every actor the topology runs."""
@@ -175,18 +224,7 @@ class Topology(Section):
                     f"add a mesh named {mesh!r} or place the actor on one of those"
                 )
         self._check_replicas()
-        warm = self.loop.warm_start
-        if warm.steps:
-            bound = self.actors.teachers.bindings if self.actors.teachers else {}
-            if warm.teacher not in bound:
-                raise ValueError(
-                    f"loop.warm_start.teacher is {warm.teacher!r}, but actors.teachers binds {sorted(bound)}; "
-                    f"bind it (e.g. actors.teachers.bindings.{warm.teacher}.kind: task_oracle) "
-                    "or set warm_start.steps: 0"
-                )
-        if self.actors.teachers is not None:
-            for name, binding in self.actors.teachers.bindings.items():
-                check_weighted(name, binding, self.actors.trainer.loss)
+        self._check_teachers()
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
         if rows < trainer_procs:
@@ -194,8 +232,49 @@ class Topology(Section):
                 f"a step has {rows} samples (prompts_per_step x group_size) but the trainer mesh has "
                 f"{trainer_procs} processes; every trainer rank needs at least one sample"
             )
-        registry.load("launcher", self.launcher.kind).check(self)
+        self._facts = self._read_model()
+        gen = self.actors.generator
+        if (check := registry.static_check("engine", gen.engine)) is not None:
+            check(self._facts, self.meshes[gen.mesh].gpus > 0)
+        if (check := registry.static_check("launcher", self.launcher.kind)) is not None:
+            check(self)
         return self
+
+    def _check_teachers(self) -> None:
+        bound = self.actors.teachers.bindings if self.actors.teachers else {}
+        for name, binding in bound.items():
+            check_weighted(name, binding, self.actors.trainer.loss)
+        warm = self.loop.warm_start
+        if not warm.steps:
+            return
+        if warm.teacher not in bound:
+            raise ValueError(
+                f"loop.warm_start.teacher is {warm.teacher!r}, but actors.teachers binds {sorted(bound)}; "
+                f"bind it (e.g. actors.teachers.bindings.{warm.teacher}.kind: task_oracle) "
+                "or set warm_start.steps: 0"
+            )
+        kind = bound[warm.teacher].kind
+        backend = registry.resolve("teacher", kind)
+        if backend is not None and "replay" not in backend.uses:
+            tracing = sorted(k for k, b in registry.BACKENDS["teacher"].items() if "replay" in b.uses)
+            raise ValueError(
+                f"loop.warm_start.teacher is {warm.teacher!r}, a {kind} teacher, which writes no traces, but the warm "
+                f"start puts a teacher's traces into each group; bind a tracing teacher ({', '.join(tracing)}) "
+                "for it, or set warm_start.steps: 0"
+            )
+
+    def _read_model(self) -> ModelFacts:
+        if self.model.path is not None:
+            return ModelFacts.of_directory(Path(self.model.path).expanduser())
+        alphabet = self.task.alphabet
+        if not isinstance(alphabet, str) or not alphabet:
+            raise ValueError(
+                f"model.init builds a tiny model whose tokenizer is the task's alphabet, but task {self.task.name!r} "
+                f"has {'no alphabet attribute' if alphabet is None else f'alphabet {alphabet!r}'}; give its class an "
+                "`alphabet` (a str holding every character a prompt or answer can contain), or use model.path "
+                "for a model with its own tokenizer"
+            )
+        return ModelFacts.of_spec(self.model.init, alphabet)
 
     def _check_replicas(self) -> None:
         gen = self.actors.generator
@@ -211,6 +290,14 @@ class Topology(Section):
 # ----------------------------------------------------------------------------- loading
 
 
+# A topology is a few kilobytes holding a few hundred values, a handful of levels deep; these
+# bounds are far above that and far below what would take a machine's memory or minutes to read.
+MAX_FILE_BYTES = 1_000_000
+MAX_VALUES = 10_000  # every key and value, an alias counted each time it is used ("billion laughs")
+MAX_DEPTH = 32
+MAX_TEXT = 4096  # characters in one string: PATH_MAX, the longest value a topology has a use for
+
+
 def load_topology(path: str | Path, overrides: list[str] = ()) -> Topology:
     """Read, override (``key.path=value``) and validate a topology file."""
     path = Path(path)
@@ -221,20 +308,29 @@ def load_topology(path: str | Path, overrides: list[str] = ()) -> Topology:
         return Topology.model_validate(raw)
     except ValidationError as error:
         raise TopologyError(_explain(path, error)) from None
-    except (ValueError, TypeError, registry.BackendError) as error:  # raised outside a field validator
-        raise TopologyError(f"{path}: {error}") from None
+    except (ValueError, TypeError, OSError) as error:  # raised outside a field validator
+        raise TopologyError(f"{path}: {_one_line(str(error))}") from None
 
 
 def _read_mapping(path: Path) -> dict:
-    if not path.is_file():
-        raise TopologyError(f"{path}: no such topology file; pass the path of a YAML file such as topologies/tiny.yaml")
+    """The file as a dict, read safely whatever it holds: its size capped before parsing,
+    UTF-8 only, YAML by ``safe_load`` (no tags run code), then the structure bounded."""
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
+        if not path.is_file():
+            raise TopologyError(
+                f"{path}: {'not a regular file' if path.exists() else 'no such topology file'}; "
+                "pass the path of a YAML file such as topologies/tiny.yaml"
+            )
+        with path.open("rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+    except OSError as error:
+        raise TopologyError(f"{path}: cannot be read ({error.strerror}); check the path and its permissions") from None
+    if len(data) > MAX_FILE_BYTES:
         raise TopologyError(
-            f"{path}: not valid YAML ({' '.join(str(error).split())}); only plain YAML is read "
-            "(no !!python tags), so fix the syntax at the line shown"
-        ) from None
+            f"{path}: larger than {MAX_FILE_BYTES // 1000} kB, but a topology is a few kilobytes of YAML; "
+            "pass the topology file itself (e.g. topologies/tiny.yaml)"
+        )
+    raw = _parse(_decode(data, path), path, "the file")
     if not isinstance(raw, dict):
         raise TopologyError(
             f"{path}: the file holds a {type(raw).__name__}, not a mapping; a topology is a YAML mapping with keys "
@@ -243,33 +339,111 @@ def _read_mapping(path: Path) -> dict:
     return raw
 
 
+def _decode(data: bytes, path: Path) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        utf16 = data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+        what = "UTF-16 text" if utf16 else f"not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start})"
+        raise TopologyError(f"{path}: {what}; a topology is a YAML file in UTF-8, so save it as UTF-8") from None
+
+
+class _TooLarge(Exception):
+    """The document grows past MAX_VALUES nodes or MAX_DEPTH levels while it is composed."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``safe_load``'s loader (the same safe constructor and resolver) that stops composing
+    as soon as the document grows too large or too deep, so reading never walks or
+    recurses through more than a topology could hold, whatever the file's bytes."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.nodes, self.depth = 0, 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.nodes, self.depth = self.nodes + 1, self.depth + 1
+        try:
+            if self.nodes > MAX_VALUES or self.depth > MAX_DEPTH:
+                raise _TooLarge
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _parse(text: str, path: Path, what: str, plain_text_ok: bool = False) -> Any:
+    """``text`` as YAML, read safely (no tags run code) and bounded (see the MAX_* above). With
+    ``plain_text_ok`` (a ``--set`` value), text that is not YAML is taken as the string it is."""
+    try:
+        value = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 -- a SafeLoader
+    except yaml.YAMLError as error:
+        if plain_text_ok:
+            return text
+        raise TopologyError(
+            f"{path}: {what} is not valid YAML ({_one_line(str(error))}); only plain YAML is read "
+            "(no !!python tags), so fix the syntax at the line shown"
+        ) from None
+    except (_TooLarge, RecursionError):
+        raise TopologyError(
+            f"{path}: {what} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep, "
+            "but a topology is a few hundred values a few levels deep; check that this is a topology file"
+        ) from None
+    except (ValueError, OverflowError) as error:  # a scalar YAML cannot convert (an int of > 4300 digits, a bad date)
+        reason = _one_line(str(error)).split(";")[0]
+        raise TopologyError(f"{path}: {what} holds a value YAML cannot convert ({reason}); fix that value") from None
+    _check_bounded(value, path, what)
+    return value
+
+
+def _check_bounded(value: Any, path: Path, what: str) -> None:
+    """Walk the loaded structure with a budget, an alias counted each time it is reached, so
+    a small file expanding to billions of values ("billion laughs") is refused before
+    anything walks all of them."""
+    stack, seen = [(value, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES or depth > MAX_DEPTH:
+            raise TopologyError(
+                f"{path}: {what} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep "
+                "once its aliases are expanded (each counted every time it is used), but a topology is a few "
+                "hundred values a few levels deep; write the values out instead of nesting aliases"
+            )
+        if isinstance(node, str | bytes) and len(node) > MAX_TEXT:
+            raise TopologyError(
+                f"{path}: {what} holds a text of {len(node)} characters, but no topology value is longer than "
+                f"{MAX_TEXT} (a path); check the file"
+            )
+        if isinstance(node, dict):
+            stack.extend((item, depth + 1) for pair in node.items() for item in pair)
+        elif isinstance(node, list | set):
+            stack.extend((item, depth + 1) for item in node)
+
+
 def _apply_override(raw: dict, override: str, path: Path) -> None:
     key, sep, text = override.partition("=")
     if not sep or not key:
-        raise TopologyError(f"{path}: --set {override!r}: expected key.path=value, e.g. --set loop.steps=10")
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        value = text
+        raise TopologyError(f"{path}: --set {_short(override)}: expected key.path=value, e.g. --set loop.steps=10")
+    value = _parse(text, path, f"--set {_short(key)}", plain_text_ok=True)
     node = raw
     parts = key.split(".")
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
-            raise TopologyError(f"{path}: --set {override!r}: the file has a value, not a mapping, at {where}")
+            raise TopologyError(f"{path}: --set {_short(override)}: the file has a value, not a mapping, at {where}")
         node = child
     node[parts[-1]] = value
 
 
 def _explain(path: Path, error: ValidationError) -> str:
     first = error.errors()[0]
-    loc = [str(part) for part in first["loc"]]
+    loc = [_short(part, quote=False) for part in first["loc"]]
     where = ".".join(loc) or "(top level)"
     kind = first["type"]
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         parent, key = loc[:-1], loc[-1]
-        allowed = _allowed_keys(parent)
+        allowed = _allowed_keys([str(part) for part in first["loc"][:-1]])
         hint = f"; keys allowed at {'.'.join(parent) or 'the top level'} are: {', '.join(allowed)}" if allowed else ""
         message = f"{path}: unknown key {key!r} at {where}{hint}. Fix the spelling or remove the key."
     elif kind in ("missing", "missing_argument", "missing_keyword_only_argument"):
@@ -279,10 +453,20 @@ def _explain(path: Path, error: ValidationError) -> str:
         message = f"{path}: {reason}" if not loc else f"{path}: {where}: {reason}"
     else:
         got = first.get("input")
-        shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+        shown = "" if isinstance(got, dict | list) or got is None else f" (got {_short(got)})"
         message = f"{path}: {where}: {first['msg']}{shown}. Fix the value at {where}."
     more = len(error.errors()) - 1
-    return message + (f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else "")
+    return _one_line(message) + (f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else "")
+
+
+def _short(value: Any, quote: bool = True, limit: int = 80) -> str:
+    """A value as a message shows it: its repr (or str), cut to ``limit`` characters."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _allowed_keys(loc: list[str]) -> list[str]:
@@ -331,6 +515,7 @@ def describe(topology: Topology) -> str:
             actors = [f"generator (replica {replicas.index(name)})" if a == "generator" else a for a in actors]
         gpus = f", {mesh.gpus} gpu/proc" if mesh.gpus else ""
         placement.append(f"  mesh {name}: {mesh.hosts} host x {mesh.procs} proc{gpus} <- {', '.join(actors)}")
+    placement.append(describe_store(topology))
     lag = topology.loop.max_policy_lag
     gen = topology.actors.generator
     targets = len(replicas) * topology.meshes[gen.mesh].procs * topology.meshes[gen.mesh].hosts

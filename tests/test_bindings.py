@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from actors.bindings import BindingConfig, BindingError, ScoreRequest, Student, scores_from_entries
+from actors import registry
+from actors.bindings import (
+    METHOD_OF_USE,
+    BindingConfig,
+    BindingError,
+    ScoreRequest,
+    Student,
+    check_binding_class,
+    scores_from_entries,
+)
 from actors.bindings.hf import HFTeacher
 from actors.bindings.replay import ReplayTeacher
 from actors.bindings.self_hint import SelfHintTeacher
@@ -167,6 +176,14 @@ def test_task_oracle_traces_the_answer(student):
 def test_a_bad_binding_config_says_what_to_change(spec, message):
     with pytest.raises(ValueError, match=message):
         BindingConfig(**spec)
+
+
+@pytest.mark.parametrize("kind", sorted(registry.BACKENDS["teacher"]))
+def test_a_registered_teachers_uses_are_what_its_class_implements(kind):
+    """The registry's metadata stands in for the class wherever a binding is only named."""
+    binding_class, uses = registry.load("teacher", kind), registry.BACKENDS["teacher"][kind].uses
+    assert uses == tuple(use for use, method in METHOD_OF_USE.items() if callable(getattr(binding_class, method, None)))
+    check_binding_class(kind, binding_class, uses)
 
 
 def test_entries_become_exactly_k_distinct_ids_with_zero_probability_fill():

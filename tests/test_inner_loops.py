@@ -197,4 +197,4 @@ def test_custom_loss_errors_say_what_to_change():
     with pytest.raises(ValueError, match="set inner_loop: prime_rl"):
         TrainerConfig(mesh="t", custom_loss=custom)
     with pytest.raises(ValueError, match="'package.module.function'"):
-        TrainerConfig(mesh="t", inner_loop="prime_rl", custom_loss=CustomLossConfig(import_path="losses.nope"))
+        TrainerConfig(mesh="t", inner_loop="prime_rl", custom_loss=CustomLossConfig(import_path="no_such_pkg.loss"))

@@ -3,6 +3,7 @@
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 
 def loaded_after(statement: str, banned: tuple[str, ...]) -> list[str]:
@@ -26,3 +27,33 @@ def test_actors_never_import_the_orchestrator():
         "for m in pkgutil.walk_packages(actors.__path__, 'actors.'): importlib.import_module(m.name)"
     )
     assert loaded_after(every_actor_module, ("mesh",)) == []
+
+
+HEAVY = ("torch", "numpy", "monarch", "transformers", "trl", "vllm", "torchtitan")
+CHECKED = [  # every shipped topology, and the backends a --set can name where the topology allows them
+    ("tiny.yaml", []),
+    ("tiny_distill.yaml", []),
+    ("tiny_replicas.yaml", []),
+    ("tiny_vllm.yaml", []),
+    ("tiny.yaml", ["actors.trainer.inner_loop=trl"]),
+    ("tiny.yaml", ["actors.trainer.inner_loop=torchtitan"]),
+    ("tiny.yaml", ["actors.trainer.inner_loop=prime_rl"]),
+    ("tiny.yaml", ["actors.generator.engine=vllm", "model.init.hidden_size=128"]),
+]
+
+
+def test_every_shipped_topology_is_checked_without_importing_a_backend():
+    topologies = Path(__file__).resolve().parents[1] / "topologies"
+    assert {name for name, _ in CHECKED} == {p.name for p in topologies.glob("*.yaml")}
+    for name, overrides in CHECKED:
+        statement = (
+            "from mesh.topology import describe, load_topology\n"
+            f"describe(load_topology({str(topologies / name)!r}, {overrides!r}))"
+        )
+        assert loaded_after(statement, HEAVY) == [], (name, overrides)
+
+
+def test_the_dry_run_command_imports_no_backend():
+    tiny = Path(__file__).resolve().parents[1] / "topologies" / "tiny.yaml"
+    statement = f"from mesh.run import main\nassert main([{str(tiny)!r}, '--dry-run']) == 0"
+    assert loaded_after(statement, HEAVY) == []

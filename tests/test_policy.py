@@ -18,7 +18,8 @@ from losses import (
     overlong_penalty,
     policy_loss,
 )
-from losses.policy import DEFAULTS, aggregate, importance_weights
+from losses.config import DEFAULTS
+from losses.policy import aggregate, importance_weights
 
 from conftest import random_policy
 

@@ -12,7 +12,7 @@ from losses import (
     PreferenceInputs, TeacherLogits, TeacherTopK, compose_loss,
 )
 from conftest import DIVERGENCES
-from losses.policy import DEFAULTS
+from losses.config import DEFAULTS
 
 
 

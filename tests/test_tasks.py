@@ -68,6 +68,7 @@ def test_registry_names_every_backend_kind_and_explains_misses():
         registry.load("task", "actors.tasks.strings:Nope")
     with pytest.raises(registry.BackendError, match="unknown backend kind"):
         registry.load("optimizer", "adamw")
-    for kind, entries in registry.BACKENDS.items():  # every registered entry imports
-        for name in entries:
+    for kind, entries in registry.BACKENDS.items():  # every registered entry imports, and so does its check
+        for name, backend in entries.items():
             assert registry.load(kind, name) is not None
+            assert (backend.check is None) == (registry.static_check(kind, name) is None)

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from actors.checkpoint import save_checkpoint
+from actors.generator_config import VLLM_CPU_HEAD_SIZES
+from actors.weights_config import slot_bytes
+from mesh import launchers
 from mesh.fingerprint import topology_fingerprint
+from mesh.preflight import FreeMemory, StorePlan, check_memory, describe_store, size
+from mesh.run import main
 from mesh.topology import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,3 +210,223 @@ def test_resume_from_a_missing_or_finished_checkpoint_is_refused_before_anything
     result = _cli(str(TINY), "--resume", str(checkpoint), cwd=tmp_path)
     assert result.returncode == 2 and "nothing is left to train" in result.stderr and "loop.steps=350" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000250"]  # no run directory was made
+
+
+# ----------------------------------------------------------------------------- values that work
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("actors.trainer.optimizer.lr=.nan", ["actors.trainer.optimizer.lr", "finite number"]),
+        ("actors.trainer.optimizer.lr=.inf", ["actors.trainer.optimizer.lr", "finite number"]),
+        ("actors.trainer.optimizer.lr=-1", ["lr must be a number > 0", "lr: 1.0e-3"]),
+        ("actors.trainer.optimizer.lr=0", ["lr must be a number > 0"]),
+        ("actors.trainer.optimizer.betas=[0.9,1.0]", ["betas must each be in [0, 1)", "[0.9, 0.99]"]),
+        ("actors.trainer.optimizer.weight_decay=-0.1", ["weight_decay and grad_clip must be >= 0"]),
+        ("actors.trainer.optimizer.grad_clip=.nan", ["actors.trainer.optimizer.grad_clip", "finite number"]),
+        ("actors.generator.temperature=.nan", ["actors.generator.temperature", "finite number"]),
+        ("actors.generator.top_p=.inf", ["actors.generator.top_p", "finite number"]),
+        ("actors.trainer.loss.beta_replay=.nan", ["actors.trainer.loss.beta_replay", "finite number"]),
+        ("actors.trainer.loss.policy.clip_high=.inf", ["actors.trainer.loss.policy.clip_high", "finite number"]),
+        ("seed=99999999999999999999999", ["seed: must be in [0, 2**31)", "a 23-digit number", "seed: 0"]),
+        ("seed=-1", ["seed: must be in [0, 2**31), got -1"]),
+        ("name=" + "a" * 230, ["name: is 230 characters long; at most 64", "255-byte name limit", "shorten"]),
+        ("actors.trainer.loss.policy.kl_coef=0.1", ["kl_coef is 0.1", "no reference model yet", "set kl_coef: 0"]),
+        ("model.init.heads=3", ["heads (3) must be a multiple of kv_heads (2)"]),
+        ("model.init.hidden_size=60", ["head size hidden_size // heads is 15", "even"]),
+        ("model.init.arch=gpt", ["unknown tiny architecture 'gpt'", "qwen2"]),
+        (
+            "actors.generator.engine=vllm",
+            ["engine is vllm on a CPU mesh", "head size is 16", "32, 64, 80", "engine: hf"],
+        ),
+        (
+            "actors.teachers.bindings.oracle.kind=self_hint",
+            ["warm_start.teacher is 'oracle', a self_hint teacher, which writes no traces", "task_oracle"],
+        ),
+        ("task.name=os:system", ["task 'os:system' names a builtin_function_or_method", "problems and score"]),
+    ],
+)
+def test_values_that_would_fail_later_are_refused_at_load(override, expected):
+    message = error_of(TINY, [override])
+    for fragment in expected:
+        assert fragment in message, message
+
+
+def test_largest_accepted_values_still_load():
+    topology = load_topology(TINY, ["seed=2147483647", "name=" + "a" * 64, "actors.trainer.optimizer.betas=[0, 0.999]"])
+    assert topology.seed == 2**31 - 1 and len(topology.name) == 64
+
+
+def test_vllm_on_a_gpu_mesh_or_with_a_supported_head_size_is_accepted():
+    assert load_topology(TINY, ["actors.generator.engine=vllm", "model.init.hidden_size=128"]).actors.generator
+    with pytest.raises(TopologyError, match="GPUs"):  # the head-size rule is vLLM's CPU kernels' only
+        load_topology(TINY, ["actors.generator.engine=vllm", "meshes.generator.gpus=1"])
+
+
+def test_vllm_cpu_head_sizes_are_vllms_own():
+    cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn", reason="vllm is not installed")
+    assert list(VLLM_CPU_HEAD_SIZES) == list(cpu_attn.CPUAttentionBackend.get_supported_head_sizes())
+
+
+def test_a_user_task_without_an_alphabet_is_explained(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks.py").write_text(
+        "from actors.tasks import Problem\n"
+        "class Echo:\n"
+        "    def problems(self, seed, step, count):\n"
+        "        return [Problem('a=', 'a')] * count\n"
+        "    def score(self, problem, completion):\n"
+        "        return float(completion == problem.answer)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = error_of(TINY, ["task={name: 'my_tasks:Echo'}"])
+    assert "task 'my_tasks:Echo' has no alphabet attribute" in message
+    assert "give its class an `alphabet`" in message and "or use model.path" in message
+
+
+def test_user_code_named_by_an_import_path_is_found_not_run(tmp_path, monkeypatch):
+    marker = tmp_path / "ran"
+    (tmp_path / "side_effects.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef reward(p, c): return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    load_topology(
+        TINY,
+        [
+            "actors.rewarder.functions=[side_effects:reward]",
+            "actors.teachers.bindings.mine={kind: 'side_effects:Teacher'}",
+            "actors.trainer.inner_loop=side_effects:Loop",
+            "actors.generator.engine=side_effects:Engine",
+        ],
+    )
+    assert not marker.exists()
+    assert "cannot import module 'no_such_module'" in error_of(TINY, ["actors.rewarder.functions=[no_such_module:f]"])
+
+
+# ----------------------------------------------------------------------------- the memory pre-flight
+
+
+def test_the_pre_flight_counts_the_slots_where_they_live(tmp_path):
+    topology = load_topology(TINY)
+    plan = StorePlan.of(topology)
+    assert plan.slots == topology.loop.max_policy_lag + 2 and plan.transport == "shm" and plan.processes == 3
+    assert plan.slot_bytes == slot_bytes(topology.model_facts().tensors)
+    free = FreeMemory(shm=10**12, ram=10**12)
+    check_memory(topology, free)
+    line = describe_store(topology, FreeMemory(shm=11_800_000_000, ram=None))
+    total = size(3 * plan.slot_bytes)
+    assert line == f"weight store: 3 slots x {size(plan.slot_bytes)} = {total} of 11.8 GB free in /dev/shm"
+
+
+def test_a_lag_whose_slots_do_not_fit_names_the_bytes_and_the_largest_lag_that_fits():
+    topology = load_topology(TINY, ["loop.max_policy_lag=1000"])
+    slot = StorePlan.of(topology).slot_bytes
+    with pytest.raises(ValueError) as info:
+        check_memory(topology, FreeMemory(shm=100 * slot, ram=10**12))
+    message = str(info.value)
+    assert f"1002 slots x {size(slot)} = {size(1002 * slot)} (in /dev/shm)" in message
+    assert f"/dev/shm has {size(100 * slot)} free" in message
+    assert "the largest lag that fits is 98: set loop.max_policy_lag to at most 98" in message
+    plan = StorePlan.of(topology)  # RAM keeps the margin: 4 x the weights and a runtime per process
+    with pytest.raises(ValueError, match="largest lag that fits is 8:"):
+        check_memory(topology, FreeMemory(shm=10**12, ram=plan.ram_margin + 10 * slot))
+    with pytest.raises(ValueError, match="not even max_policy_lag 0"):
+        check_memory(topology, FreeMemory(shm=slot, ram=10**12))
+
+
+def test_an_impossible_lag_is_refused_at_load_and_the_dry_run_prints_the_pre_flight(tmp_path):
+    message = error_of(TINY, ["loop.max_policy_lag=100000000"])
+    assert "loop.max_policy_lag is 100000000" in message and "set loop.max_policy_lag to at most" in message
+    result = _cli(str(TINY), "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    line = r"^weight store: 3 slots x [\d.]+ kB = [\d.]+ MB of [\d.]+ GB free in /dev/shm$"
+    assert re.search(line, result.stdout, re.M)
+
+
+# ----------------------------------------------------------------------------- any file, one line
+
+
+def _alias_bomb() -> str:
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(9)]
+    return "\n".join(levels) + "\n"
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"name: tiny\xff\xfe\n", "not UTF-8 text (byte 0xff at offset 10)"),
+        ("name: tiny\n".encode("utf-16"), "UTF-16 text"),
+        (bytes(range(256)) * 20, "not UTF-8 text"),
+        (b"name: ti\x00ny\nseed: 0\n", "not valid YAML (unacceptable character #x0000"),
+        (_alias_bomb().encode(), "once its aliases are expanded"),
+        (("[" * 100_000 + "]" * 100_000).encode(), "more than 32 levels deep"),
+        (("{a: " * 100_000 + "1" + "}" * 100_000).encode(), "more than 32 levels deep"),
+        ("".join("  " * i + "a:\n" for i in range(200)).encode(), "more than 32 levels deep"),
+        (("[" + ",".join(["1"] * 400_000) + "]").encode(), "holds more than 10000 values"),
+        (("name: " + "x" * 900_000).encode(), "holds a text of 900000 characters"),
+        (("seed: " + "9" * 5000).encode(), "holds a value YAML cannot convert (Exceeds the limit (4300 digits)"),
+        (b"seed: 2023-13-45\n", "holds a value YAML cannot convert (month must be in 1..12)"),
+        (b"!!python/object/apply:os.system ['true']\n", "not valid YAML"),
+        (b"", "holds a NoneType, not a mapping"),
+    ],
+)
+def test_any_file_is_answered_with_one_line_and_exit_2(tmp_path, capsys, content, expected):
+    path = tmp_path / "topo.yaml"
+    path.write_bytes(content)
+    start = time.perf_counter()
+    assert main([str(path), "--dry-run"]) == 2
+    assert time.perf_counter() - start < 30
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.startswith(f"error: {path}: ") and captured.err.count("\n") == 1, captured.err
+    assert expected in captured.err, captured.err
+
+
+def test_a_100_mb_file_and_what_is_not_a_file_are_refused_without_reading_them(tmp_path, capsys):
+    big = tmp_path / "big.yaml"
+    with big.open("wb") as file:
+        file.truncate(100_000_000)
+    assert main([str(big), "--dry-run"]) == 2
+    assert "larger than 1000 kB" in capsys.readouterr().err
+    assert main([str(tmp_path), "--dry-run"]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+
+
+def test_huge_values_are_shown_cut_short(tmp_path, capsys):
+    data = tiny()
+    data["actors"]["generator"]["max_new_tokens"] = "x" * 4000
+    path = write(tmp_path, data)
+    assert main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "actors.generator.max_new_tokens" in err and "(4002 characters)" in err and len(err) < 400
+
+
+# ----------------------------------------------------------------------------- GPUs, without torch
+
+
+@pytest.mark.parametrize(
+    "visible, count",
+    [(None, 2), ("", 0), ("1", 1), ("0,1", 2), ("0,7,1", 1), ("-1", 0), ("GPU-5d1c", 1), ("MIG-a,MIG-b", 2)],
+)
+def test_gpus_are_counted_from_device_files_as_cuda_visible_devices_narrows_them(tmp_path, monkeypatch, visible, count):
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-modeset"):
+        (tmp_path / name).touch()
+    monkeypatch.setattr(launchers, "DEV", tmp_path)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert launchers.gpu_count() == count
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not list(Path("/dev").glob("nvidia[0-9]*")), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("visible", [None, "0", "", "0,0", "-1"])
+def test_gpu_count_agrees_with_cuda(visible):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    code = "import torch\nfrom mesh.launchers import gpu_count\nprint(gpu_count(), torch.cuda.device_count())"
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    ours, cuda = out.stdout.split()
+    assert ours == cuda, out.stderr

@@ -11,67 +11,45 @@ Teacher and student must agree on what a token id means. A binding whose tokeniz
 differs from the student's is refused when it is bound, unless its config declares how
 to map (``token_map: by_string``: ids are matched by their token strings; a teacher
 token the student lacks folds into the tail bucket of the top-k divergence).
+
+This package's own names load without numpy or torch (the config and its checks are in
+``config.py``), so naming a teacher never loads one; the id helpers of ``tokens.py`` load
+on first use (PEP 562).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-import torch
-from torch import Tensor
-
-from actors import registry
+from actors.bindings.config import USES, BindingConfig, Use, require
 from actors.tasks import Problem
 
-Use = Literal["distill", "replay"]
-USES = ("distill", "replay")
+if TYPE_CHECKING:
+    import numpy as np
+    from torch import Tensor
+
+__all__ = [
+    "Binding",
+    "BindingConfig",
+    "BindingError",
+    "METHOD_OF_USE",
+    "ScoreRequest",
+    "Student",
+    "TokenScores",
+    "USES",
+    "Use",
+    "check_binding_class",
+    "require",
+    "scores_from_entries",
+    "top_k_scores",
+    "vocab_map",
+]
 
 
 class BindingError(ValueError):
     """A binding that cannot be built or used as configured; ``str()`` says why and what to change."""
-
-
-@dataclass(frozen=True)
-class BindingConfig:
-    """One teacher binding, as a topology or ``mesh.ctl teachers bind`` gives it.
-
-    - ``use``: what the loop does with it: ``distill`` (it scores the student's tokens,
-      channel 2; at most one binding at a time) and/or ``replay`` (its traces become
-      preference pairs, channel 3). A binding with no use can still be the warm-start teacher.
-    - ``path``: ``hf``: the model directory; ``replay``: the JSONL file of traces.
-    - ``url``/``model``: ``openai``: the server's base URL (``http://host:port/v1``) and model name.
-    - ``top_k``: scoring teachers keep this many logprobs per token (capped at the vocabulary).
-    - ``token_map``: ``none`` (refuse a tokenizer that differs from the student's) or
-      ``by_string`` (match token ids by their strings).
-    """
-
-    kind: str
-    use: tuple[Use, ...] = ()
-    path: str | None = None
-    url: str | None = None
-    model: str | None = None
-    top_k: int = 20
-    token_map: Literal["none", "by_string"] = "none"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "use", (self.use,) if isinstance(self.use, str) else tuple(self.use))
-        binding = registry.load("teacher", self.kind)
-        for use in self.use:
-            if use not in USES:
-                raise ValueError(f"unknown use {use!r} for a {self.kind} teacher; choose from {list(USES)}")
-        if "distill" in self.use and not hasattr(binding, "score"):
-            raise ValueError(
-                f"a {self.kind} teacher cannot score the student's tokens, so it cannot be used for distill"
-            )
-        if "replay" in self.use and not hasattr(binding, "trace"):
-            raise ValueError(f"a {self.kind} teacher writes no traces, so it cannot be used for replay")
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
-        if self.token_map not in ("none", "by_string"):
-            raise ValueError(f"unknown token_map {self.token_map!r}; choose 'none' or 'by_string'")
-        binding.check(self)
 
 
 @dataclass(frozen=True)
@@ -106,20 +84,18 @@ class TokenScores:
 
 
 class Binding(Protocol):
-    """Built as ``Binding(cfg, student)`` in the TeacherPool's process.
+    """Built as ``Binding(cfg, student)`` in the TeacherPool's process, the only place a
+    binding's code is loaded.
 
-    ``check`` runs where the topology is read (no models load there); ``__init__``
-    loads whatever the teacher needs and raises ``BindingError`` if it cannot be used.
-    Implement ``trace`` and/or ``score``; set ``needs_hint`` if scoring reads the
-    hint, ``follows_policy`` if the teacher's weights are the policy's (then
-    ``load_weights`` receives each version before it scores).
+    A registered kind's static check (``config.py``, named in ``actors/registry.py``) runs
+    wherever the binding is named; ``__init__`` loads whatever the teacher needs and
+    raises ``BindingError`` if it cannot be used. Implement ``trace`` and/or ``score``;
+    set ``needs_hint`` if scoring reads the hint, ``follows_policy`` if the teacher's
+    weights are the policy's (then ``load_weights`` receives each version before it scores).
     """
 
     needs_hint: bool
     follows_policy: bool
-
-    @classmethod
-    def check(cls, cfg: BindingConfig) -> None: ...
 
     def trace(self, problems: list[Problem]) -> list[str | None]:
         """A completion per problem, or None where the teacher has none."""
@@ -130,66 +106,32 @@ class Binding(Protocol):
         """Only with ``follows_policy``: the policy version the next ``score`` must use."""
 
 
-def require(cfg: BindingConfig, *fields: str) -> None:
-    """``check`` helper: the config fields a kind cannot do without."""
-    missing = [f for f in fields if getattr(cfg, f) is None]
-    if missing:
-        raise ValueError(
-            f"a {cfg.kind} teacher needs {', '.join(missing)} (e.g. {{kind: {cfg.kind}, {missing[0]}: ...}})"
-        )
+METHOD_OF_USE = {"distill": "score", "replay": "trace"}
 
 
-def vocab_map(teacher_vocab: dict[str, int], student_vocab: dict[str, int], cfg: BindingConfig) -> Tensor | None:
-    """``None`` when the vocabularies are the same; else teacher id -> student id (-1: none).
-
-    Refuses a mismatch unless the config declares ``token_map: by_string``.
-    """
-    if teacher_vocab == student_vocab:
-        return None
-    if cfg.token_map != "by_string":
-        only_teacher = sorted(set(teacher_vocab) - set(student_vocab))[:5]
-        moved = sorted(t for t in set(teacher_vocab) & set(student_vocab) if teacher_vocab[t] != student_vocab[t])[:5]
-        raise BindingError(
-            f"the {cfg.kind} teacher's tokenizer differs from the student's ({len(teacher_vocab)} vs "
-            f"{len(student_vocab)} tokens; teacher-only tokens {only_teacher}, tokens with other ids {moved}), so "
-            "its logprobs would be read as the wrong tokens. Use a teacher with the student's tokenizer, or "
-            "declare token_map: by_string to match tokens by their strings"
-        )
-    mapping = torch.full((max(teacher_vocab.values()) + 1,), -1, dtype=torch.long)
-    for token, teacher_id in teacher_vocab.items():
-        if token in student_vocab:
-            mapping[teacher_id] = student_vocab[token]
-    if not (mapping >= 0).any():
-        raise BindingError(f"the {cfg.kind} teacher shares no token strings with the student; token_map cannot help")
-    return mapping
+def check_binding_class(kind: str, found: object, uses: tuple[str, ...]) -> None:
+    """Refuse what ``kind`` names unless it is a class implementing ``Binding`` for ``uses``
+    (an import path may name anything: a module, a string, a function)."""
+    fix = (
+        "point kind at a class implementing actors.bindings.Binding (built as Binding(cfg, student), with trace "
+        "and/or score, and bool needs_hint and follows_policy attributes)"
+    )
+    if not isinstance(found, type):
+        raise BindingError(f"teacher kind {kind!r} names a {type(found).__name__}, not a class; {fix}")
+    methods = [m for m in ("trace", "score") if callable(getattr(found, m, None))]
+    flags = [f for f in ("needs_hint", "follows_policy") if not isinstance(getattr(found, f, None), bool)]
+    if not methods or flags:
+        lacks = (["trace or score"] if not methods else []) + flags
+        raise BindingError(f"teacher kind {kind!r} names class {found.__name__}, which lacks {', '.join(lacks)}; {fix}")
+    for use in uses:
+        if METHOD_OF_USE[use] not in methods:
+            raise BindingError(
+                f"teacher kind {kind!r} has no {METHOD_OF_USE[use]} method, so it cannot be used for {use}; "
+                f"drop {use!r} from its use"
+            )
 
 
-def top_k_scores(teacher_logprobs: Tensor, k: int, student_vocab_size: int, mapping: Tensor | None) -> TokenScores:
-    """Top-k of a teacher's full ``[T, V_teacher]`` log-distribution, in student ids."""
-    if mapping is not None:
-        student = teacher_logprobs.new_full((teacher_logprobs.shape[0], student_vocab_size), float("-inf"))
-        known = mapping[: teacher_logprobs.shape[-1]] >= 0
-        student[:, mapping[: teacher_logprobs.shape[-1]][known]] = teacher_logprobs[:, known]
-        teacher_logprobs = student
-    values, ids = teacher_logprobs.float().topk(min(k, teacher_logprobs.shape[-1]), dim=-1)
-    return TokenScores(ids.numpy().astype(np.int64), values.numpy().astype(np.float32))
-
-
-def scores_from_entries(entries: list[dict[int, float]], k: int, student_vocab_size: int) -> TokenScores:
-    """``TokenScores`` from per-position ``{student id: logprob}`` (e.g. an API's top logprobs).
-
-    Keeps the k most likely, then fills each row to exactly ``min(k, V)`` distinct ids at ``-inf``.
-    """
-    width = min(k, student_vocab_size)
-    ids = np.zeros((len(entries), width), dtype=np.int64)
-    logprobs = np.full((len(entries), width), -np.inf, dtype=np.float32)
-    for t, entry in enumerate(entries):
-        best = sorted(entry.items(), key=lambda item: -item[1])[:width]
-        taken = {token for token, _ in best}
-        fill = (i for i in range(student_vocab_size) if i not in taken)
-        for j in range(width):
-            if j < len(best):
-                ids[t, j], logprobs[t, j] = best[j]
-            else:
-                ids[t, j] = next(fill)
-    return TokenScores(ids, logprobs)
+def __getattr__(name: str) -> Any:
+    if name not in ("scores_from_entries", "top_k_scores", "vocab_map"):
+        raise AttributeError(f"module 'actors.bindings' has no attribute {name!r}")
+    return getattr(importlib.import_module("actors.bindings.tokens"), name)

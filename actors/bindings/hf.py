@@ -12,16 +12,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from actors.bindings import (
-    BindingConfig,
-    BindingError,
-    ScoreRequest,
-    Student,
-    TokenScores,
-    require,
-    top_k_scores,
-    vocab_map,
-)
+from actors.bindings import BindingConfig, BindingError, ScoreRequest, Student, TokenScores
+from actors.bindings.tokens import top_k_scores, vocab_map
 from actors.model import load_policy
 from actors.tasks import Problem
 from losses import hinted_inputs
@@ -76,15 +68,6 @@ def _student_to_teacher(to_student: Tensor, student_vocab: dict[str, int], cfg: 
 
 
 class HFTeacher(CausalLMScorer):
-    @classmethod
-    def check(cls, cfg: BindingConfig) -> None:
-        require(cfg, "path")
-        if not (Path(cfg.path).expanduser() / "config.json").is_file():
-            raise ValueError(
-                f"hf teacher path {cfg.path!r} is not a Hugging Face model directory (no config.json there); "
-                "point it at a directory written by save_pretrained"
-            )
-
     def __init__(self, cfg: BindingConfig, student: Student):
         super().__init__(str(Path(cfg.path).expanduser()), cfg, student)
         self.tokenizer.padding_side = "left"

@@ -28,22 +28,14 @@ from __future__ import annotations
 import http.client
 import json
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from actors.bindings import (
-    BindingConfig,
-    BindingError,
-    ScoreRequest,
-    Student,
-    TokenScores,
-    require,
-    scores_from_entries,
-)
+from actors.bindings import BindingConfig, BindingError, ScoreRequest, Student, TokenScores
+from actors.bindings.tokens import scores_from_entries
 from actors.tasks import Problem
 
 TIMEOUT_S = 60.0  # per HTTP call; a call carries a whole batch of prompts
@@ -77,16 +69,6 @@ class Spelling:
 class OpenAITeacher:
     needs_hint = False
     follows_policy = False
-
-    @classmethod
-    def check(cls, cfg: BindingConfig) -> None:
-        require(cfg, "url", "model")
-        parsed = urllib.parse.urlparse(cfg.url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(
-                f"openai teacher url {cfg.url!r} is not an http(s) URL; give the server's API base, "
-                "e.g. http://localhost:8000/v1"
-            )
 
     def __init__(self, cfg: BindingConfig, student: Student):
         from transformers import AutoTokenizer

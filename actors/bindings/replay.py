@@ -9,19 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from actors.bindings import BindingConfig, BindingError, Student, require
+from actors.bindings import BindingConfig, BindingError, Student
 from actors.tasks import Problem
 
 
 class ReplayTeacher:
     needs_hint = False
     follows_policy = False
-
-    @classmethod
-    def check(cls, cfg: BindingConfig) -> None:
-        require(cfg, "path")
-        if not Path(cfg.path).expanduser().is_file():
-            raise ValueError(f"replay teacher path {cfg.path!r} is not a file; give a JSONL file of recorded traces")
 
     def __init__(self, cfg: BindingConfig, student: Student):
         self.traces: dict[str, str] = {}

@@ -18,11 +18,6 @@ class SelfHintTeacher(CausalLMScorer):
     needs_hint = True
     follows_policy = True
 
-    @classmethod
-    def check(cls, cfg: BindingConfig) -> None:
-        if cfg.path is not None:
-            raise ValueError("a self_hint teacher is the policy itself, so it takes no path; use kind: hf for a model")
-
     def __init__(self, cfg: BindingConfig, student: Student):
         super().__init__(student.model_path, cfg, student)
 

@@ -10,10 +10,6 @@ class TaskOracle:
     needs_hint = False
     follows_policy = False
 
-    @classmethod
-    def check(cls, cfg: BindingConfig) -> None:
-        """Nothing to configure: the task knows its answers."""
-
     def __init__(self, cfg: BindingConfig, student: Student):
         """Nothing to load: each trace is the problem's own answer."""
 

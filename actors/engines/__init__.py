@@ -12,6 +12,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from actors.generator_config import Sampling
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -22,28 +24,6 @@ class Sample:
     completion_ids: list[int]
     logprobs: list[float]
     text: str
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """What the engine samples from. Logprobs are reported under this distribution (the
-    one the tokens were drawn from), so a temperature or top-p shows up as
-    inference/trainer mismatch, which TIS/MIS corrects."""
-
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: all tokens
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (RL samples; there is no greedy mode), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
 
 
 def sampling_seeds(seed: int, stream: str, count: int) -> list[int]:

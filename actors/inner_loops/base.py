@@ -41,6 +41,8 @@ from losses import (
     token_logprobs,
 )
 
+CPU = torch.device("cpu")
+
 
 @dataclass
 class PairGradients:

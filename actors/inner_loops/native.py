@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from actors.inner_loops import CPU, TrainerConfig
-from actors.inner_loops.base import HFModelLoop
+from actors.inner_loops import TrainerConfig
+from actors.inner_loops.base import CPU, HFModelLoop
 from actors.model import load_policy
 from actors.rollout import TrainBatch
 from losses import LinearHead

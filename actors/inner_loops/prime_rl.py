@@ -28,7 +28,8 @@ from dataclasses import asdict, replace
 import torch
 from torch import Tensor
 
-from actors.inner_loops import CPU, TrainerConfig
+from actors.inner_loops import TrainerConfig
+from actors.inner_loops.base import CPU
 from actors.inner_loops.native import NativeLoop
 from actors.rollout import TrainBatch
 from losses import (

@@ -92,8 +92,8 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.utils import device_type as torchtitan_device_type
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
-from actors.inner_loops import CPU, TrainerConfig
-from actors.inner_loops.base import MicroBatchLoop
+from actors.inner_loops import TrainerConfig
+from actors.inner_loops.base import CPU, MicroBatchLoop
 from actors.rollout import TrainBatch
 from losses import Logits
 

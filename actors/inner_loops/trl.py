@@ -29,8 +29,8 @@ import trl
 from datasets import Dataset
 from torch import Tensor
 
-from actors.inner_loops import CPU, TrainerConfig
-from actors.inner_loops.base import HFModelLoop
+from actors.inner_loops import TrainerConfig
+from actors.inner_loops.base import CPU, HFModelLoop
 from actors.rollout import TrainBatch
 from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
 

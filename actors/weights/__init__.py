@@ -29,7 +29,7 @@ owns the directory's life:
 """
 
 from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError
-from actors.weights.follower import WeightFollower, choose_transport
+from actors.weights.follower import WeightFollower
 from actors.weights.manifest import HEADER_BYTES
 from actors.weights.rdma import RdmaReceiver
 from actors.weights.store import (
@@ -43,6 +43,7 @@ from actors.weights.store import (
     slot_file,
 )
 from actors.weights.storedir import create_store, reclaim_dead_stores, remove_store
+from actors.weights_config import choose_transport
 
 __all__ = [
     "CHUNK_BYTES",

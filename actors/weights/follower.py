@@ -1,4 +1,4 @@
-"""Choosing a transport from placement, and the one follower API generators and teachers use."""
+"""The one follower API generators and teachers use, whatever the transport (chosen in ``actors/weights_config.py``)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,6 @@ from torch import Tensor
 
 from actors.weights.rdma import RdmaReceiver
 from actors.weights.store import StaleWeightsError, WeightSubscriber, WeightVersion
-
-
-def choose_transport(same_host: bool, on_gpu: bool) -> str:
-    """How weights should travel from the trainer to its followers.
-
-    ``same_host``: every follower shares the trainer's host (its memory and devices).
-    ``on_gpu``: the trainer and every follower hold their models on GPUs.
-    Same host: CUDA IPC between GPUs (device memory opened in place, no host bounce),
-    shared memory otherwise. Across hosts: RDMA (ibverbs, or TCP without it), pulled
-    into host memory; a GPU follower then copies it to its device when it loads.
-    """
-    if not same_host:
-        return "rdma"
-    return "cuda_ipc" if on_gpu else "shm"
 
 
 class Receiver(Protocol):

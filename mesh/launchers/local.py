@@ -5,22 +5,12 @@ from __future__ import annotations
 from monarch.actor import ProcMesh
 from monarch.job import LocalJob
 
-from mesh.launchers import check_capacity, spawn_procs
+from mesh.launchers import spawn_procs
 
 
 class LocalLauncher:
     def __init__(self) -> None:
         self.meshes: dict[str, ProcMesh] = {}
-
-    @classmethod
-    def check(cls, topology) -> None:
-        for name, mesh in topology.meshes.items():
-            if mesh.hosts != 1:
-                raise ValueError(
-                    f"meshes.{name}.hosts is {mesh.hosts}, but launcher 'local' places every mesh on this one host; "
-                    "set hosts: 1, or use launcher.kind: process to stand in for several hosts"
-                )
-        check_capacity(topology, "local")
 
     def start(self, topology) -> dict[str, ProcMesh]:
         self.specs = topology.launched_meshes()

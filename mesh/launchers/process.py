@@ -9,16 +9,12 @@ from __future__ import annotations
 from monarch.actor import ProcMesh
 from monarch.job import ProcessJob
 
-from mesh.launchers import check_capacity, spawn_procs
+from mesh.launchers import spawn_procs
 
 
 class ProcessLauncher:
     def __init__(self) -> None:
         self.job: ProcessJob | None = None
-
-    @classmethod
-    def check(cls, topology) -> None:
-        check_capacity(topology, "process")
 
     def start(self, topology) -> dict[str, ProcMesh]:
         self.specs = topology.launched_meshes()

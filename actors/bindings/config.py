@@ -1,0 +1,104 @@
+"""A teacher binding's config, and the static checks of the registered kinds (no torch, no model).
+
+The checks run wherever a binding is named (the topology check, ``mesh.ctl``, the
+controller) and look only at the config and the file system; whatever needs the
+binding's code (a model, a server, a user's class) is checked by the TeacherPool,
+which alone loads it.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from actors import registry
+
+Use = Literal["distill", "replay"]
+USES = ("distill", "replay")
+WHAT_A_USE_NEEDS = {
+    "distill": "cannot score the student's tokens, so it cannot be used for distill",
+    "replay": "writes no traces, so it cannot be used for replay",
+}
+
+
+@dataclass(frozen=True)
+class BindingConfig:
+    """One teacher binding, as a topology or ``mesh.ctl teachers bind`` gives it.
+
+    - ``kind``: a registered teacher (``actors/registry.py``) or ``package.module:Class``,
+      a class implementing ``actors.bindings.Binding`` (loaded only in the TeacherPool).
+    - ``use``: what the loop does with it: ``distill`` (it scores the student's tokens,
+      channel 2; at most one binding at a time) and/or ``replay`` (its traces become
+      preference pairs, channel 3). A binding with no use can still be the warm-start teacher.
+    - ``path``: ``hf``: the model directory; ``replay``: the JSONL file of traces.
+    - ``url``/``model``: ``openai``: the server's base URL (``http://host:port/v1``) and model name.
+    - ``top_k``: scoring teachers keep this many logprobs per token (capped at the vocabulary).
+    - ``token_map``: ``none`` (refuse a tokenizer that differs from the student's) or
+      ``by_string`` (match token ids by their strings).
+    """
+
+    kind: str
+    use: tuple[Use, ...] = ()
+    path: str | None = None
+    url: str | None = None
+    model: str | None = None
+    top_k: int = 20
+    token_map: Literal["none", "by_string"] = "none"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "use", (self.use,) if isinstance(self.use, str) else tuple(self.use))
+        if not isinstance(self.kind, str):
+            raise ValueError(f"kind must be a registered teacher or 'package.module:Class', got {self.kind!r}")
+        backend = registry.resolve("teacher", self.kind)
+        for use in self.use:
+            if use not in USES:
+                raise ValueError(f"unknown use {use!r} for a {self.kind} teacher; choose from {list(USES)}")
+            if backend is not None and use not in backend.uses:
+                raise ValueError(f"a {self.kind} teacher {WHAT_A_USE_NEEDS[use]}")
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        if self.token_map not in ("none", "by_string"):
+            raise ValueError(f"unknown token_map {self.token_map!r}; choose 'none' or 'by_string'")
+        if (check := registry.static_check("teacher", self.kind)) is not None:
+            check(self)
+
+
+def require(cfg: BindingConfig, *fields: str) -> None:
+    """The config fields a kind cannot do without."""
+    missing = [f for f in fields if getattr(cfg, f) is None]
+    if missing:
+        raise ValueError(
+            f"a {cfg.kind} teacher needs {', '.join(missing)} (e.g. {{kind: {cfg.kind}, {missing[0]}: ...}})"
+        )
+
+
+def check_hf(cfg: BindingConfig) -> None:
+    require(cfg, "path")
+    if not (Path(cfg.path).expanduser() / "config.json").is_file():
+        raise ValueError(
+            f"hf teacher path {cfg.path!r} is not a Hugging Face model directory (no config.json there); "
+            "point it at a directory written by save_pretrained"
+        )
+
+
+def check_self_hint(cfg: BindingConfig) -> None:
+    if cfg.path is not None:
+        raise ValueError("a self_hint teacher is the policy itself, so it takes no path; use kind: hf for a model")
+
+
+def check_replay(cfg: BindingConfig) -> None:
+    require(cfg, "path")
+    if not Path(cfg.path).expanduser().is_file():
+        raise ValueError(f"replay teacher path {cfg.path!r} is not a file; give a JSONL file of recorded traces")
+
+
+def check_openai(cfg: BindingConfig) -> None:
+    require(cfg, "url", "model")
+    parsed = urllib.parse.urlparse(cfg.url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(
+            f"openai teacher url {cfg.url!r} is not an http(s) URL; give the server's API base, "
+            "e.g. http://localhost:8000/v1"
+        )

@@ -1,0 +1,66 @@
+"""Teacher and student token ids: mapping one vocabulary onto the other, and top-k scores in student ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from actors.bindings import BindingError, TokenScores
+from actors.bindings.config import BindingConfig
+
+
+def vocab_map(teacher_vocab: dict[str, int], student_vocab: dict[str, int], cfg: BindingConfig) -> Tensor | None:
+    """``None`` when the vocabularies are the same; else teacher id -> student id (-1: none).
+
+    Refuses a mismatch unless the config declares ``token_map: by_string``.
+    """
+    if teacher_vocab == student_vocab:
+        return None
+    if cfg.token_map != "by_string":
+        only_teacher = sorted(set(teacher_vocab) - set(student_vocab))[:5]
+        moved = sorted(t for t in set(teacher_vocab) & set(student_vocab) if teacher_vocab[t] != student_vocab[t])[:5]
+        raise BindingError(
+            f"the {cfg.kind} teacher's tokenizer differs from the student's ({len(teacher_vocab)} vs "
+            f"{len(student_vocab)} tokens; teacher-only tokens {only_teacher}, tokens with other ids {moved}), so "
+            "its logprobs would be read as the wrong tokens. Use a teacher with the student's tokenizer, or "
+            "declare token_map: by_string to match tokens by their strings"
+        )
+    mapping = torch.full((max(teacher_vocab.values()) + 1,), -1, dtype=torch.long)
+    for token, teacher_id in teacher_vocab.items():
+        if token in student_vocab:
+            mapping[teacher_id] = student_vocab[token]
+    if not (mapping >= 0).any():
+        raise BindingError(f"the {cfg.kind} teacher shares no token strings with the student; token_map cannot help")
+    return mapping
+
+
+def top_k_scores(teacher_logprobs: Tensor, k: int, student_vocab_size: int, mapping: Tensor | None) -> TokenScores:
+    """Top-k of a teacher's full ``[T, V_teacher]`` log-distribution, in student ids."""
+    if mapping is not None:
+        student = teacher_logprobs.new_full((teacher_logprobs.shape[0], student_vocab_size), float("-inf"))
+        known = mapping[: teacher_logprobs.shape[-1]] >= 0
+        student[:, mapping[: teacher_logprobs.shape[-1]][known]] = teacher_logprobs[:, known]
+        teacher_logprobs = student
+    values, ids = teacher_logprobs.float().topk(min(k, teacher_logprobs.shape[-1]), dim=-1)
+    return TokenScores(ids.numpy().astype(np.int64), values.numpy().astype(np.float32))
+
+
+def scores_from_entries(entries: list[dict[int, float]], k: int, student_vocab_size: int) -> TokenScores:
+    """``TokenScores`` from per-position ``{student id: logprob}`` (e.g. an API's top logprobs).
+
+    Keeps the k most likely, then fills each row to exactly ``min(k, V)`` distinct ids at ``-inf``.
+    """
+    width = min(k, student_vocab_size)
+    ids = np.zeros((len(entries), width), dtype=np.int64)
+    logprobs = np.full((len(entries), width), -np.inf, dtype=np.float32)
+    for t, entry in enumerate(entries):
+        best = sorted(entry.items(), key=lambda item: -item[1])[:width]
+        taken = {token for token, _ in best}
+        fill = (i for i in range(student_vocab_size) if i not in taken)
+        for j in range(width):
+            if j < len(best):
+                ids[t, j], logprobs[t, j] = best[j]
+            else:
+                ids[t, j] = next(fill)
+    return TokenScores(ids, logprobs)

