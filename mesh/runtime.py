@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,38 +74,40 @@ async def run(
     run_dir = RunDir.create(
         run_root or topology.logging.root, topology.name, topology.model_dump(mode="json"), topology.logging.tensorboard
     )
-    task = build_task(topology.task.config)
-    model_path = _prepare_model(topology, task.alphabet, run_dir)
-    stores = _Stores(SHM if SHM.is_dir() else run_dir.path)
-    launcher = registry.load("launcher", topology.launcher.kind)()
     bar = Progress(topology, enabled=progress)
     faults = _FaultLog(run_dir.path, bar)
-    monarch.actor.unhandled_fault_hook = faults.monarch  # recorded (and, once the fleet exists, its calls fail over)
-    control = ControlChannel.create(run_dir.path)
     stopper = Stopper()
     controller: Controller | None = None
     if progress:
         print(f"run directory: {run_dir.path} (change its teachers: python -m mesh.ctl {run_dir.path} teachers)")
-    stopper.install()
     try:
-        bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
-        teachers = TeacherBoard(bindings, topology.actors.trainer.loss)
-        fleet = Fleet(
-            launcher,
-            _roles(topology, model_path, stores, teachers),
-            topology.fault_tolerance,
-            topology.actors.trainer.mesh,
-            on_fault=faults.record,
-        )
-        monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
-        fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))
-        await fleet.start(launcher.start(topology))
-        _write_procs(run_dir.path, fleet)
-        actors = _actors(topology, fleet)
-        if actors.teachers is not None:
-            await teachers.attach(actors.teachers)
-        controller = Controller(topology, actors, task, run_dir, bar, teachers, control, fleet, stopper)
-        await controller.train(Path(resume) if resume else None)
+        async with AsyncExitStack() as cleanup:  # undone in reverse: the weight store goes before the meshes stop
+            cleanup.callback(run_dir.close)
+            cleanup.callback(bar.close)
+            stopper.install()
+            cleanup.callback(stopper.remove)
+            monarch.actor.unhandled_fault_hook = faults.monarch  # recorded; once the fleet exists its calls fail over
+            launcher = registry.load("launcher", topology.launcher.kind)()
+            cleanup.push_async_callback(_stop, launcher)
+            stores = _Stores(SHM if SHM.is_dir() else run_dir.path)
+            cleanup.callback(stores.remove_all)
+            control = ControlChannel.create(run_dir.path)
+            cleanup.callback(control.close)
+            task = build_task(topology.task.config)
+            model_path = _prepare_model(topology, task.alphabet, run_dir)
+            bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
+            teachers = TeacherBoard(bindings, topology.actors.trainer.loss)
+            roles = _roles(topology, model_path, stores, teachers)
+            fleet = Fleet(launcher, roles, topology.fault_tolerance, topology.actors.trainer.mesh, faults.record)
+            monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
+            fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))
+            await fleet.start(launcher.start(topology))
+            _write_procs(run_dir.path, fleet)
+            actors = _actors(topology, fleet)
+            if actors.teachers is not None:
+                await teachers.attach(actors.teachers)
+            controller = Controller(topology, actors, task, run_dir, bar, teachers, control, fleet, stopper)
+            await controller.train(Path(resume) if resume else None)
     except Interrupted:
         raise
     except asyncio.CancelledError:  # a second signal, or one before the first step
@@ -114,13 +117,6 @@ async def run(
     except Exception as error:
         step = controller.step if controller is not None else None
         raise RunFailed(_failure_message(run_dir, error, step, faults)) from error
-    finally:
-        stores.remove_all()
-        control.close()
-        stopper.remove()
-        bar.close()
-        await _stop(launcher)
-        run_dir.close()
     return run_dir
 
 

@@ -22,13 +22,13 @@ LOGPROB_TOLERANCE = 1e-4  # vLLM's fp32 CPU kernels vs transformers' eager fp32 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> HFEngine:
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), ALPHABET)
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), ALPHABET, seed=0)
     return HFEngine(str(path), Sampling(max_new_tokens=6))
 
 
 @pytest.fixture(scope="module")
 def vllm_path(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny32"), VLLM_TINY, ALPHABET))
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny32"), VLLM_TINY, ALPHABET, seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ async def test_scoring_a_given_completion_matches_sampling_it(engine):
 
 
 async def test_same_seed_same_samples_and_new_weights_change_them(tmp_path):
-    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET)
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)
     a, b = HFEngine(str(path), Sampling(6)), HFEngine(str(path), Sampling(6))
     ids = lambda groups: [s.completion_ids for g in groups for s in g]  # noqa: E731
     first = ids(await a.generate(["abc="], 8, seeds_for(["abc="])))
@@ -97,7 +97,7 @@ async def test_same_seed_same_samples_and_new_weights_change_them(tmp_path):
 
 
 async def test_hf_sampling_parameters_shape_the_distribution_and_its_logprobs(tmp_path):
-    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET)
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)
     top1 = HFEngine(str(path), Sampling(6, top_k=1))
     samples = [s for g in await top1.generate(["abc="] * 2, 4, seeds_for(["abc="] * 2)) for s in g]
     assert len({tuple(s.completion_ids) for s in samples}) == 1  # top-k 1 is greedy
@@ -171,7 +171,7 @@ async def test_vllm_reloads_weights_in_place_and_forgets_cached_prefixes(vllm_en
 def test_vllm_refuses_a_head_size_its_cpu_kernels_lack(tmp_path):
     from actors.engines.vllm import VLLMEngine
 
-    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET)  # head size 16
+    path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)  # head size 16
     with pytest.raises(ValueError, match="head size is 16.*hidden_size / heads"):
         VLLMEngine(str(path), Sampling(6))
 

@@ -130,6 +130,47 @@ async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_resul
     assert "error.log" in message and "Traceback" in log and 'raise ValueError("the reward service is down")' in log
 
 
+class BrokenEngine:
+    """An engine that cannot start: its own message must reach the user whole."""
+
+    def __init__(self, model_path, sampling, device):
+        raise RuntimeError("no memory left for the KV cache on this device;\nlower max_num_seqs")
+
+
+async def test_an_actor_that_cannot_start_is_named_with_its_own_whole_message(tmp_path, monkeypatch):
+    let_workers_import_this_file(monkeypatch)
+    topology = small(tmp_path, "actors.generator.engine=test_runtime:BrokenEngine")
+    with pytest.raises(RunFailed) as info:
+        await run(topology, progress=False)
+    message = str(info.value)
+    assert "before its first step: generator (mesh generator) failed in start: RuntimeError: no memory left for " in message
+    assert "the KV cache on this device; lower max_num_seqs" in message  # whole, on one line
+    assert "Traceback" not in message and "has failed:." not in message
+    assert "BrokenEngine" in (next(tmp_path.iterdir()) / "error.log").read_text()  # the remote traceback
+
+
+async def test_a_malformed_replay_file_names_the_teacher_and_the_line(tmp_path):
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text('{"prompt": "ab=", "completion": "ba"}\nnot json\n')
+    topology = small(
+        tmp_path / "runs",
+        "actors.trainer.loss.beta_replay=0.1",
+        f"actors.teachers.bindings.recorded={{kind: replay, path: {traces}, use: [replay]}}",
+    )
+    with pytest.raises(RunFailed) as info:
+        await run(topology, progress=False)
+    message = str(info.value)
+    assert f"teachers (mesh service) failed in start: BindingError: {traces}:2 is not a trace" in message
+    assert "Traceback" not in message
+
+
+async def test_every_actor_on_one_mesh(tmp_path):
+    """The co-located layout: the actors on one process start one after another (they load models in turn)."""
+    placed = [f"actors.{actor}.mesh=trainer" for actor in ("generator", "rewarder", "teachers")]
+    rows = records(await run(small(tmp_path, "loop.steps=2", *placed), progress=False))
+    assert [r["version"] for r in rows] == [1, 2]
+
+
 @pytest.mark.parametrize("inner_loop", ["native", "trl", "prime_rl", "torchtitan"])
 async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop):
     """tiny.yaml as shipped, cut to 60 steps, with each inner loop: the policy's own reward
