@@ -1,6 +1,6 @@
 """Benchmark of the fault-tolerance machinery (CPU, real Monarch meshes).
 
-    python bench/faults.py            # 2000 calls per mode, 3 runs per kill (~6 min on 2 cores)
+    python bench/faults.py            # 2000 calls per mode, 5 runs per kill (~6 min on 2 cores)
     python bench/faults.py --quick    # 500 calls, 1 run per kill (~2 min)
 
 Two figures, each against a baseline measured in the same run:
@@ -133,7 +133,7 @@ async def recovery(role: str | None, root: Path) -> dict[str, float]:
 
 
 async def main(quick: bool) -> None:
-    calls, runs = (500, 1) if quick else (2000, 3)
+    calls, runs = (500, 1) if quick else (2000, 5)
     print(f"machine: {machine()}; {datetime.date.today()}")
     direct, through = await call_cost(calls)
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,12 +149,16 @@ async def main(quick: bool) -> None:
         )
         for role in ("generator", "trainer"):
             results = [await recovery(role, Path(tmp) / f"{role}{i}") for i in range(runs)]
-            med = {k: statistics.median(r[k] for r in results) for k in ("detect_s", "replace_s", "lost_s")}
+            spread = {k: _spread([r[k] for r in results]) for k in ("detect_s", "replace_s", "lost_s")}
             print(
-                f"{role} killed after step {KILL_AFTER}: detected in {med['detect_s']:.2f} s, processes and actors "
-                f"replaced in {med['replace_s']:.2f} s, {med['lost_s']:.2f} s lost in all "
-                f"(median of {runs}; a step takes {plain['median_step_s']:.2f} s)"
+                f"{role} killed after step {KILL_AFTER}: detected in {spread['detect_s']} s, processes and actors "
+                f"replaced in {spread['replace_s']} s, {spread['lost_s']} s lost in all "
+                f"(median [min-max] of {runs}; a step takes {plain['median_step_s']:.2f} s)"
             )
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ with the newest weights published when its collection starts, so generation of s
 k+1 overlaps training of step k; a sample's policy age is the trainer's version when
 it trains on it minus the version that sampled it, and no sample older than L is ever
 trained on.
+
+Every actor call goes through the fleet (``mesh/fleet.py``), which replaces a generator,
+rewarder or teacher process that dies or hangs and retries the call; a lost trainer
+comes back here (``TrainerLost``): the trainer mesh restarts from the last checkpoint and
+the steps after it are trained again. Prompts are seeded by (seed, step) and sampling by
+(seed, step, prompt), and a checkpoint keeps the batches already collected for the steps
+after it, so a retried call, a restarted trainer and a resumed run all train on exactly
+the samples the uninterrupted run would have. A signal (``mesh/interrupts.py``) stops the
+loop at the next step boundary, with a checkpoint.
 """
 
 from __future__ import annotations
@@ -38,10 +47,10 @@ from actors.tasks import Task
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from losses import group_advantages
-from mesh.inflight import collected_from_json, collected_to_json
 from mesh.control import ControlChannel
 from mesh.fingerprint import topology_fingerprint
 from mesh.fleet import Fleet, TrainerLost
+from mesh.inflight import collected_from_json, collected_to_json
 from mesh.interrupts import Interrupted, Stopper
 from mesh.router import Routed, Router, TargetLoad
 from mesh.rundir import RunDir
@@ -129,7 +138,7 @@ class Controller:
                     await self._stop(self.stopper.requested)
             await self.actors.generators.settle()  # every replica ends holding the final version
         finally:
-            await self._cancel_inflight()
+            await self._cancel_collections()
             await self.actors.generators.close()
         return history
 
@@ -176,7 +185,7 @@ class Controller:
     async def _restart_trainer(self, lost: TrainerLost, failed_step_start: float) -> int:
         """A trainer process died or hung: a fresh trainer mesh from the last checkpoint (the generators keep
         their weights until it publishes); the steps after that checkpoint are trained again, identically."""
-        await self._cancel_inflight()
+        await self._cancel_collections()
         await self.fleet.restart_trainer(lost)
         step = await self._begin(self.last_checkpoint)
         redone = self.run.rewind(step)
@@ -189,7 +198,7 @@ class Controller:
             await self._checkpoint(self.step)
         raise Interrupted(signum, self.run.path, self.last_checkpoint)
 
-    async def _cancel_inflight(self) -> None:
+    async def _cancel_collections(self) -> None:
         """Stop the collections still running (a failed step, a trainer restart), quietly."""
         for task in self.collecting:
             task.cancel()

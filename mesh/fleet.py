@@ -8,7 +8,9 @@ replace the whole mesh: kill what is left of its processes, start fresh ones on 
 hosts, spawn and ``start`` every role again, let listeners re-wire (the router forgets
 which weights a replaced generator held), and retry the call, which a seeded request
 answers exactly as the first attempt would have. Concurrent calls that hit the same dead
-mesh wait for one replacement. A mesh that holds the trainer is not replaced here: its
+mesh wait for one replacement. Monarch's fault hook reaches :meth:`Fleet.notice`, which fails
+the calls waiting on a mesh Monarch found dead (a call sent as its process died may
+otherwise never be answered). A mesh that holds the trainer is not replaced here: its
 state is the run's, so the call raises :class:`TrainerLost` and the controller restarts
 the trainer from its last checkpoint (through :meth:`Fleet.replace`).
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from asyncio import FIRST_COMPLETED
 import signal
 import socket
 import time
@@ -125,14 +126,18 @@ class Fleet:
         replacing the mesh and retrying on a process fault."""
         state, actor = self.meshes[mesh], name_actor(role, mesh, proc)
         while True:
-            generation, started, failed = state.generation, time.perf_counter(), state.failed
+            generation, started = state.generation, time.perf_counter()
             call = asyncio.ensure_future(invoke(state.actors[role]))
-            await asyncio.wait((call, failed), timeout=self.tolerance.call_timeout, return_when=FIRST_COMPLETED)
             try:
+                try:
+                    await self._first_of(call, state.failed)
+                except asyncio.CancelledError:  # the caller gave up (a cancelled collection): so does the call
+                    call.cancel()
+                    raise
                 if call.done():
                     return call.result()
                 call.cancel()
-                cause = failed.result() if failed.done() else self._timed_out()
+                cause = state.failed.result() if state.failed.done() else self._timed_out()
             except SupervisionError as error:
                 cause = explain(error)
             except Exception as error:  # the endpoint raised: the actor's own verdict, never retried
@@ -141,6 +146,25 @@ class Fleet:
                 raise TrainerLost(actor, endpoint, cause)
             if await self.replace(mesh, generation, Fault(actor, endpoint, cause, 0)):
                 self.seconds_lost += time.perf_counter() - started  # counted once, by the call that replaced it
+
+    async def _first_of(self, call: asyncio.Future, failed: asyncio.Future) -> None:
+        """Wait until ``call`` is done, ``failed`` is set, or the call timeout passes (what
+        ``asyncio.wait`` does, with less work per call: this runs for every actor call)."""
+        woken = self._loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        call.add_done_callback(wake)
+        failed.add_done_callback(wake)
+        timer = self._loop.call_later(self.tolerance.call_timeout, wake)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            failed.remove_done_callback(wake)
+            call.remove_done_callback(wake)
 
     def _timed_out(self) -> Cause:
         return Cause(
@@ -227,12 +251,18 @@ class Handle:
 
     def __init__(self, fleet: Fleet, role: str, mesh: str, proc: int | None = None):
         self.fleet, self.role, self.mesh, self.proc = fleet, role, mesh, proc
+        self._selected: tuple[ActorMesh, ActorMesh] | None = None  # (the role's actor mesh, its slice)
 
     def __getattr__(self, endpoint: str) -> _Endpoint:
         return _Endpoint(self, endpoint)
 
     def select(self, actors: ActorMesh) -> ActorMesh:
-        return actors if self.proc is None else actors.flatten("rank").slice(rank=self.proc)
+        """This handle's process of ``actors`` (sliced once per actor mesh: slicing costs as much as a call)."""
+        if self.proc is None:
+            return actors
+        if self._selected is None or self._selected[0] is not actors:
+            self._selected = (actors, actors.flatten("rank").slice(rank=self.proc))
+        return self._selected[1]
 
 
 @dataclass(frozen=True)

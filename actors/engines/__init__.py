@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from actors.generator_config import Sampling
+from actors.generator_config import Sampling  # noqa: F401  the engines' input, re-exported beside their output
 
 if TYPE_CHECKING:
     from torch import Tensor
