@@ -1,7 +1,8 @@
 """Faults on real processes: kill -9 and SIGSTOP of each actor kind, signals to the run, SIGKILL + resume.
 
-Every run here is ``tiny.yaml`` cut short, and every one is compared with the same run
-left alone (``baseline``): sampling is seeded per (seed, step, prompt), so a run that
+Every run here is ``tiny.yaml`` cut short, started as a user starts it (``python -m
+mesh.run`` in its own process, which the faults' side effects stay in), and every one is
+compared with the same run left alone (``baseline``): sampling is seeded per (seed, step, prompt), so a run that
 survived a fault, or was stopped and resumed, must log exactly the same rewards, losses
 and policy ages, step for step (only timings may differ). That is what "no sample lost,
 none trained twice" means, checked to the last bit.
@@ -75,10 +76,14 @@ def procs_of(run_path: Path, role: str) -> list[int]:
     return [p["pid"] for mesh in meshes.values() if role in mesh["roles"] for p in mesh["procs"]]
 
 
+def uninterrupted(root: Path, *extra: str) -> list[dict]:
+    return learning(records(asyncio.run(run(load_topology(TINY, overrides(root, *extra)), progress=False)).path))
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp("baseline")
-    return learning(records(asyncio.run(run(load_topology(TINY, overrides(root)), progress=False)).path))
+    """tiny.yaml's own bounded-async loop (``max_policy_lag: 1``), left alone."""
+    return uninterrupted(tmp_path_factory.mktemp("baseline"))
 
 
 def fault_at_random_step(root: Path, role: str, sig: int, rng: random.Random) -> threading.Thread:
@@ -105,36 +110,34 @@ def fault_at_random_step(root: Path, role: str, sig: int, rng: random.Random) ->
     ],
     ids=lambda v: v if isinstance(v, str) else signal.Signals(v).name,
 )
-async def test_a_run_survives_a_dead_or_hung_actor_and_trains_on_exactly_the_same_samples(
-    tmp_path, baseline, role, sig
-):
+def test_a_run_survives_a_dead_or_hung_actor_and_trains_on_exactly_the_same_samples(tmp_path, baseline, role, sig):
     rng = random.Random(f"{role}/{sig}")
     timeout = 8 if sig == signal.SIGSTOP else 120  # a killed process is reported by Monarch, long before 120 s
-    topology = load_topology(TINY, overrides(tmp_path, f"fault_tolerance.call_timeout={timeout}"))
-    injector = fault_at_random_step(tmp_path, role, sig, rng)
-    run_dir = await run(topology, progress=False)
-    injector.join(timeout=1)
-    rows = records(run_dir.path)
+    process = start_run(tmp_path, f"--set=fault_tolerance.call_timeout={timeout}")
+    fault_at_random_step(tmp_path, role, sig, rng)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    path = only_run(tmp_path)
+    rows = records(path)
     assert learning(rows) == baseline  # every step trained on the samples it would have had
     assert rows[-1]["faults/restarts"] == 1 and rows[-1]["faults/seconds_lost"] > 0
-    events = [json.loads(line) for line in (run_dir.path / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (path / "events.jsonl").read_text().splitlines()]
     (fault,) = [e for e in events if e["event"] == "fault"]
     assert fault["actor"].startswith(role) and fault["restart"] == 1
+    assert f"fault: {fault['actor']} in {fault['endpoint']}: " in err  # one line on the terminal as it happens
     # a stopped process is found by the call timeout; a killed one by Monarch's supervision, whose words vary
     # ("... failed: Killed(sig=9)", "... The process likely crashed")
     assert ("no answer within fault_tolerance.call_timeout" in fault["cause"]) == (sig == signal.SIGSTOP)
 
 
-async def test_out_of_restarts_the_run_fails_naming_the_actor_and_the_cause(tmp_path):
-    from mesh.runtime import RunFailed
-
-    topology = load_topology(TINY, overrides(tmp_path, "fault_tolerance.max_restarts=0"))
+def test_out_of_restarts_the_run_fails_naming_the_actor_and_the_cause(tmp_path):
+    process = start_run(tmp_path, "--set=fault_tolerance.max_restarts=0")
     fault_at_random_step(tmp_path, "generator", signal.SIGKILL, random.Random(0))
-    with pytest.raises(RunFailed) as failed:
-        await run(topology, progress=False)
-    message = str(failed.value)
-    assert "generator (mesh generator" in message and "Killed(sig=9)" in message
-    assert "max_restarts" in message and "Traceback" not in message
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 1
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("error: run ") and "generator (mesh generator, proc 0) failed in " in message
+    assert "max_restarts" in message and "Traceback" not in err
 
 
 # ----------------------------------------------------------------------------- the run as a user starts it
@@ -181,13 +184,17 @@ def test_a_second_signal_stops_at_once_and_still_removes_the_store(tmp_path):
     assert not stores_of(process) and not (only_run(tmp_path) / "control" / "pid").exists()
 
 
-def test_sigkill_of_the_run_then_resume_gives_the_uninterrupted_metrics(tmp_path, baseline):
-    process = start_run(tmp_path / "runs")
+@pytest.mark.parametrize("lag", [0, 1])
+def test_sigkill_of_the_run_then_resume_gives_the_uninterrupted_metrics(tmp_path, baseline, lag):
+    """Synchronous, and bounded-async (whose checkpoint holds the batch it had already collected)."""
+    lagged = f"loop.max_policy_lag={lag}"
+    expected = baseline if lag == 1 else uninterrupted(tmp_path / "baseline", lagged)
+    process = start_run(tmp_path / "runs", f"--set={lagged}")
     path = wait_for_step(tmp_path / "runs", 6)  # checkpoints at steps 3 and 6
     process.kill()
     process.wait(timeout=30)
     checkpoint = max((path / "checkpoints").glob("step_*[0-9]"))
-    resumed = start_run(tmp_path / "resumed", "--resume", str(checkpoint))
+    resumed = start_run(tmp_path / "resumed", f"--set={lagged}", "--resume", str(checkpoint))
     assert resumed.wait(timeout=180) == 0
     trained = int(checkpoint.name.removeprefix("step_"))
-    assert learning(records(path))[:trained] + learning(records(only_run(tmp_path / "resumed"))) == baseline
+    assert learning(records(path))[:trained] + learning(records(only_run(tmp_path / "resumed"))) == expected
