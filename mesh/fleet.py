@@ -22,6 +22,7 @@ the endpoint and the original exception.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -230,10 +231,8 @@ class Fleet:
         host = socket.gethostname()
         for proc in state.where:
             if proc.host == host:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # already gone
                     os.kill(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         if state.procs is not None:
             stopping = asyncio.ensure_future(asyncio.wait_for(state.procs.stop(), STOP_TIMEOUT_S))
             stopping.add_done_callback(_quietly)
