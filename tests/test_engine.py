@@ -33,6 +33,10 @@ def vllm_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_path):
+    """Started in a process that imported ``monarch.job`` (and with it flask's context proxies,
+    which vLLM's CPU kernel scan trips on), as any process that launched a topology has."""
+    import monarch.job  # noqa: F401
+
     from actors.engines.vllm import VLLMEngine
 
     return VLLMEngine(vllm_path, Sampling(max_new_tokens=6))

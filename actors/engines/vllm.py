@@ -21,7 +21,10 @@ import asyncio
 import itertools
 import logging
 import os
+import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -63,19 +66,20 @@ class VLLMEngine:
         self._stepper = ThreadPoolExecutor(
             1, thread_name_prefix="vllm-step", initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
         )
-        self.llm = LLM(
-            model=model_path,
-            dtype=torch.float32 if on_cpu else torch.bfloat16,
-            seed=0,  # every request carries its own seed (``generate``)
-            enforce_eager=on_cpu,  # torch.compile would take minutes on CPU for little gain
-            **(
-                {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
-                if on_cpu
-                else {"gpu_memory_utilization": GPU_MEMORY_SHARE}
-            ),
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,  # the samples of one prompt share its prefill
-        )
+        with _context_proxies_hidden():
+            self.llm = LLM(
+                model=model_path,
+                dtype=torch.float32 if on_cpu else torch.bfloat16,
+                seed=0,  # every request carries its own seed (``generate``)
+                enforce_eager=on_cpu,  # torch.compile would take minutes on CPU for little gain
+                **(
+                    {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+                    if on_cpu
+                    else {"gpu_memory_utilization": GPU_MEMORY_SHARE}
+                ),
+                logprobs_mode="processed_logprobs",
+                enable_prefix_caching=True,  # the samples of one prompt share its prefill
+            )
         # Every in-place reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is
         # built from the config, not trained, so no state dict holds it and vLLM keeps its own (the
         # logprobs after a reload match the new weights; tests/test_engine.py). Set after the engine
@@ -177,6 +181,31 @@ class VLLMEngine:
                     future.set_exception(error if isinstance(error, Exception) else RuntimeError("engine stopped"))
             self._waiting.clear()
             raise
+
+
+@contextmanager
+def _context_proxies_hidden() -> Iterator[None]:
+    """Hide the modules holding werkzeug context proxies while vLLM starts.
+
+    vLLM's CPU backend rebinds its Triton kernels by looking at every attribute of every
+    loaded module, and a werkzeug ``LocalProxy`` (flask's ``current_app``, ``request``, ...)
+    raises ``RuntimeError`` on that look outside a request. ``monarch.job`` imports flask (its
+    dashboard), so without this a process that imported it cannot start the engine.
+    """
+    try:
+        from werkzeug.local import LocalProxy
+    except ImportError:  # then no module holds one
+        LocalProxy = ()  # noqa: N806  isinstance(x, ()) is always False
+
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        if any(isinstance(value, LocalProxy) for value in list(namespace.values())):
+            hidden[name] = sys.modules.pop(name)
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 def _check_cpu_head_size(model_path: str) -> None:
