@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from actors.engines import Sampling
+from actors.engines import Sampling, sampling_seeds
 from actors.engines.hf import HFEngine
 from actors.engines.vllm import VLLMEngine
 from actors.model import TinyModelSpec, build_tiny_model
@@ -46,7 +46,10 @@ async def rollout_tokens(engine, prompts: list[str], requests: int) -> tuple[int
     size = len(prompts) // requests
     start = time.perf_counter()
     replies = await asyncio.gather(
-        *(engine.generate(prompts[i : i + size], SAMPLES, sampling_seeds(0, 'bench', size)) for i in range(0, len(prompts), size))
+        *(
+            engine.generate(prompts[i : i + size], SAMPLES, sampling_seeds(0, f"bench {i}", size))
+            for i in range(0, len(prompts), size)
+        )
     )
     seconds = time.perf_counter() - start
     return sum(len(s.completion_ids) for groups in replies for group in groups for s in group), seconds
@@ -77,7 +80,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, spec in models.items():
-            path = str(build_tiny_model(Path(tmp) / label.replace(" ", "_"), spec, TASK.alphabet))
+            path = str(build_tiny_model(Path(tmp) / label.replace(" ", "_"), spec, TASK.alphabet, seed=0))
             for requests, rate in asyncio.run(measure(path, rounds, patterns)).items():
                 ratio = rate["vllm"] / rate["hf"]
                 print(
