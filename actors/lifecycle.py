@@ -11,6 +11,7 @@ user as the actor's own message.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 from dataclasses import dataclass
@@ -26,3 +27,10 @@ class ProcInfo:
 
 def this_proc() -> ProcInfo:
     return ProcInfo(socket.gethostname(), os.getpid())
+
+
+def import_libraries(names: tuple[str, ...]) -> None:
+    """A process's bootstrap: import ``names`` before any of its actors runs (``mesh/placement.py``
+    says which: libraries whose first import races in the threads of actors sharing the process)."""
+    for name in names:
+        importlib.import_module(name)

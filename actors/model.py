@@ -58,7 +58,7 @@ def _causal_lm(spec: TinyModelSpec, vocab_size: int):
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
-        intermediate_size=4 * spec.hidden_size,
+        intermediate_size=spec.mlp_size,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
@@ -74,21 +74,22 @@ def _causal_lm(spec: TinyModelSpec, vocab_size: int):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one actor's processes compute: CPU threads each, and their GPUs on this host."""
+    """Where one actor's process computes: its CPU threads, and the GPUs it sees. The launcher
+    starts each process seeing exactly its GPUs (``mesh/placement.py``), so they are always
+    ``cuda:0`` .. ``cuda:gpus-1`` here. ``memory_share``: the share of each GPU's memory the
+    actor may take when another process holds the rest (None: all of it)."""
 
-    threads: int
-    first_gpu: int | None = None  # None: CPU
-    gpus_per_proc: int = 0
+    threads: int = 1
+    gpus: int = 0
+    memory_share: float | None = None
 
-
-def proc_device(first_gpu: int | None, gpus_per_proc: int, rank: int) -> torch.device:
-    """The device of flat rank ``rank`` of a mesh whose GPUs start at index ``first_gpu``
-    on this host (``None``: a CPU mesh); made the current CUDA device."""
-    if first_gpu is None:
-        return torch.device("cpu")
-    device = torch.device("cuda", first_gpu + rank * gpus_per_proc)
-    torch.cuda.set_device(device)
-    return device
+    def device(self) -> torch.device:
+        """The process's first GPU, made the current CUDA device; or the CPU."""
+        if not self.gpus:
+            return torch.device("cpu")
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        return device
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):

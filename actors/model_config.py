@@ -27,13 +27,15 @@ class TinyModelSpec:
     heads: int = 4
     kv_heads: int = 2
     max_positions: int = 64
+    intermediate_size: int | None = None  # the MLP's width; None: 4 x hidden_size
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unknown tiny architecture {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}")
-        for name in ("hidden_size", "layers", "heads", "kv_heads", "max_positions"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("hidden_size", "layers", "heads", "kv_heads", "max_positions", "intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}): each key/value head "
@@ -49,10 +51,14 @@ class TinyModelSpec:
     def head_size(self) -> int:
         return self.hidden_size // self.heads
 
+    @property
+    def mlp_size(self) -> int:
+        return 4 * self.hidden_size if self.intermediate_size is None else self.intermediate_size
+
     def tensors(self, vocab_size: int) -> dict[str, tuple[int, ...]]:
         """The built model's state dict, name -> shape (``actors/model.py`` ``_causal_lm``; a test holds them equal)."""
         h, head = self.hidden_size, self.head_size
-        q, kv, mlp = self.heads * head, self.kv_heads * head, 4 * h
+        q, kv, mlp = self.heads * head, self.kv_heads * head, self.mlp_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}
         for i in range(self.layers):
             layer = {

@@ -12,7 +12,6 @@ step on the distillation loss and is saved in (and restored from) checkpoints.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from monarch.actor import Actor, endpoint
 from actors import registry
 from actors.inner_loops import TrainerConfig
 from actors.lifecycle import ProcInfo, this_proc
-from actors.model import Placement, proc_device
+from actors.model import Placement
 from actors.rollout import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion
 from losses import TAIDScheduler
@@ -60,7 +59,9 @@ class Trainer(Actor):
         """Join the trainer mesh's process group, build the inner loop and (rank 0) the weight store."""
         torch.set_num_threads(self.place.threads)
         torch.manual_seed(self.seed)
-        device = proc_device(self.place.first_gpu, self.place.gpus_per_proc, int(os.environ["RANK"]))
+        device = self.place.device()
+        if self.place.memory_share is not None:  # a vLLM generator in another process holds the rest
+            torch.cuda.set_per_process_memory_fraction(self.place.memory_share, device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg = self.cfg

@@ -142,7 +142,7 @@ def _tiny_architecture(spec: TinyModelSpec, vocab_size: int) -> dict:
     return {
         "model_type": spec.arch,
         "hidden_size": spec.hidden_size,
-        "intermediate_size": 4 * spec.hidden_size,
+        "intermediate_size": spec.mlp_size,
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads,

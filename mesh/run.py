@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         help="go on from a checkpoint of an earlier run of this topology, e.g. runs/<run>/checkpoints/step_000125",
     )
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args.topology, args.set)
     try:
         topology = load_topology(args.topology, args.set)
         if args.resume:
@@ -41,9 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        print(describe(topology))
-        return 0
 
     from mesh.interrupts import Interrupted
     from mesh.rundir import RunDirError
@@ -61,6 +60,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
     print(f"run directory: {run_dir.path}")
+    return 0
+
+
+def dry_run(path: str, overrides: list[str]) -> int:
+    """Print the plan; a job that is right but does not fit this machine (a GPU node's topology
+    read on a laptop) is still described, with what this machine lacks."""
+    try:
+        topology = load_topology(path, overrides, placed_here=False)
+    except TopologyError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(describe(topology))
+    try:
+        load_topology(path, overrides)
+    except TopologyError as error:
+        print(f"\n# this machine\ncannot run it: {error}")
     return 0
 
 

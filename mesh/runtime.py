@@ -34,6 +34,7 @@ from actors.bindings import Student  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
 from actors.model import Placement, build_tiny_model  # noqa: E402
+from mesh.placement import trainer_memory_share, vllm_share  # noqa: E402
 from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers import TeacherPool  # noqa: E402
@@ -198,22 +199,27 @@ def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
 def _roles(topology: Topology, model_path: str, stores: _Stores, teachers: TeacherBoard) -> dict[str, list[Role]]:
     """Mesh name -> the actors placed on it, the trainer first on its mesh."""
     cfg, seed = topology.actors, topology.seed
-    place = _placements(topology)
     roles: dict[str, list[Role]] = {name: [] for name in topology.launched_meshes()}
 
     async def trainer(procs: ProcMesh) -> ActorMesh:
         await setup_torch_elastic_env_async(procs)
         slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
-        args = (model_path, cfg.trainer, seed, stores.new(), slots, place[cfg.trainer.mesh], topology.loop.steps)
+        place = _placement(topology, cfg.trainer.mesh, "trainer")
+        args = (model_path, cfg.trainer, seed, stores.new(), slots, place, topology.loop.steps)
         return procs.spawn("trainer", Trainer, *args, topology.weight_transport())
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
     for name in topology.replica_meshes():
-        roles[name].append(Role("generator", _spawner("generator", Generator, model_path, cfg.generator, place[name]), _start_all))
-    roles[cfg.rewarder.mesh].append(Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all))
+        place = _placement(topology, name, "generator")
+        roles[name].append(
+            Role("generator", _spawner("generator", Generator, model_path, cfg.generator, place), _start_all)
+        )
+    roles[cfg.rewarder.mesh].append(
+        Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all)
+    )
     if cfg.teachers is not None:
         student = Student(model_path, cfg.generator.max_new_tokens, seed)
-        spawn = _spawner("teachers", TeacherPool, student, place[cfg.teachers.mesh])
+        spawn = _spawner("teachers", TeacherPool, student, _placement(topology, cfg.teachers.mesh, "teachers"))
 
         async def start_teachers(pool: ActorMesh) -> list[ProcInfo]:  # every binding in use, under its id
             return list((await pool.start.call(teachers.live())).values())
@@ -258,15 +264,16 @@ def _write_procs(run_path: Path, fleet: Fleet) -> None:
     (run_path / PROCS).write_text(json.dumps(where, indent=1) + "\n")
 
 
-def _placements(topology: Topology) -> dict[str, Placement]:
-    """Per launched mesh: CPU threads (the cores shared among the processes that compute, the
-    trainer's and every generator replica's, at least one each) and its GPUs, numbered mesh after mesh on this host."""
+def _placement(topology: Topology, mesh: str, actor: str) -> Placement:
+    """Where ``actor`` computes on ``mesh``: CPU threads (the cores shared among the processes that
+    compute, the trainer's and every generator replica's, at least one each), the GPUs each of
+    the mesh's processes sees, and the share of their memory the actor may take."""
     meshes = topology.launched_meshes()
     compute = {topology.actors.trainer.mesh, *topology.replica_meshes()}
-    procs = sum(meshes[m].procs * meshes[m].hosts for m in compute)
-    threads = max(1, (os.cpu_count() or 1) // procs)
-    places, next_gpu = {}, 0
-    for name, mesh in meshes.items():
-        places[name] = Placement(threads, next_gpu if mesh.gpus else None, mesh.gpus)
-        next_gpu += mesh.gpus * mesh.procs * mesh.hosts
-    return places
+    threads = max(1, (os.cpu_count() or 1) // sum(meshes[m].procs * meshes[m].hosts for m in compute))
+    share = None
+    if actor == "trainer":
+        share = trainer_memory_share(topology)
+    elif actor == "generator" and topology.actors.generator.engine == "vllm":
+        share = vllm_share(topology)
+    return Placement(threads, meshes[mesh].gpus, share)

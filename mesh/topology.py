@@ -24,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from actors import registry
 from actors.generator_config import GeneratorConfig
@@ -35,6 +44,7 @@ from actors.tasks import TaskConfig, build_task
 from actors.teachers_config import TeachersConfig, check_weighted
 from actors.weights_config import choose_transport
 from mesh.faults import FaultTolerance
+from mesh.placement import check_gpus, describe_gpus, describe_memory, gpu_sets, on_publishing_gpu
 from mesh.preflight import describe_store
 
 TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
@@ -102,6 +112,7 @@ class MeshSpec(Section):
     procs: int = Field(1, ge=1, description="processes per host")
     hosts: int = Field(1, ge=1)
     gpus: int = Field(0, ge=0, description="GPUs per process")
+    share_gpus_with: str | None = Field(None, description="run on that mesh's GPUs instead of GPUs of its own")
 
 
 class ActorsSection(Section):
@@ -159,6 +170,7 @@ class Topology(Section):
     launcher: LauncherSection = LauncherSection()
     fault_tolerance: FaultTolerance = FaultTolerance()
     _facts: ModelFacts | None = PrivateAttr(None)
+    _placed_here: bool = PrivateAttr(True)
 
     @field_validator("name")
     @classmethod
@@ -181,6 +193,12 @@ class Topology(Section):
                 "process adds 1000 x its rank to it; pick a smaller seed, e.g. seed: 0"
             )
         return seed
+
+    @property
+    def placed_here(self) -> bool:
+        """Whether the launcher's check also asks if the job fits this machine (processes, GPUs,
+        memory); ``--dry-run`` may describe a job for a bigger machine."""
+        return self._placed_here
 
     def model_facts(self) -> ModelFacts:
         """The policy's head size and state-dict shapes, as far as known without loading it."""
@@ -207,16 +225,18 @@ class Topology(Section):
         Launcher ``local`` puts every mesh on this host. Any other starts each host of each
         mesh apart (``process``: a worker process of its own, standing in for a machine), so
         a follower shares the trainer's host only on the trainer's own single-host mesh.
+        CUDA IPC opens the trainer's GPU memory in place, so it needs every follower on the
+        trainer's publishing GPU (``mesh/placement.py``); followers on other GPUs get shm.
         """
         cfg = self.actors
-        followers = [cfg.generator.mesh] + ([cfg.teachers.mesh] if cfg.teachers else [])
+        followers = [*self.replica_meshes()] + ([cfg.teachers.mesh] if cfg.teachers else [])
         together = cfg.generator.replicas == 1 and self.meshes[cfg.trainer.mesh].hosts == 1
         together = together and all(mesh == cfg.trainer.mesh for mesh in followers)
-        on_gpu = all(self.meshes[mesh].gpus > 0 for mesh in [cfg.trainer.mesh, *followers])
-        return choose_transport(self.launcher.kind == "local" or together, on_gpu)
+        return choose_transport(self.launcher.kind == "local" or together, on_publishing_gpu(self, followers))
 
     @model_validator(mode="after")
-    def _consistent(self) -> Topology:
+    def _consistent(self, info: ValidationInfo) -> Topology:
+        self._placed_here = (info.context or {}).get("placed_here", True)
         for actor, mesh in self.placed_actors().items():
             if mesh not in self.meshes:
                 raise ValueError(
@@ -236,6 +256,7 @@ class Topology(Section):
         gen = self.actors.generator
         if (check := registry.static_check("engine", gen.engine)) is not None:
             check(self._facts, self.meshes[gen.mesh].gpus > 0)
+        check_gpus(self)
         if (check := registry.static_check("launcher", self.launcher.kind)) is not None:
             check(self)
         return self
@@ -298,14 +319,15 @@ MAX_DEPTH = 32
 MAX_TEXT = 4096  # characters in one string: PATH_MAX, the longest value a topology has a use for
 
 
-def load_topology(path: str | Path, overrides: list[str] = ()) -> Topology:
-    """Read, override (``key.path=value``) and validate a topology file."""
+def load_topology(path: str | Path, overrides: list[str] = (), placed_here: bool = True) -> Topology:
+    """Read, override (``key.path=value``) and validate a topology file (``placed_here``: and
+    check that it fits this machine, where launchers ``local`` and ``process`` place it)."""
     path = Path(path)
     raw = _read_mapping(path)
     for override in overrides:
         _apply_override(raw, override, path)
     try:
-        return Topology.model_validate(raw)
+        return Topology.model_validate(raw, context={"placed_here": placed_here})
     except ValidationError as error:
         raise TopologyError(_explain(path, error)) from None
     except (ValueError, TypeError, OSError) as error:  # raised outside a field validator
@@ -506,16 +528,19 @@ def describe(topology: Topology) -> str:
     """The resolved topology, its placement and its actor graph, as ``--dry-run`` prints them."""
     resolved = yaml.safe_dump(topology.model_dump(mode="json"), sort_keys=False).rstrip()
     placement = [f"launcher: {topology.launcher.kind}"]
-    replicas = topology.replica_meshes()
+    replicas, gpus = topology.replica_meshes(), gpu_sets(topology)
     for name, mesh in topology.launched_meshes().items():
         actors = [a for a, m in topology.placed_actors().items() if m == name] or ["(unused)"]
         if name in replicas[1:]:
             actors = ["generator"]  # a replica's copy of the generator's mesh holds only a generator
         if len(replicas) > 1 and name in replicas:
             actors = [f"generator (replica {replicas.index(name)})" if a == "generator" else a for a in actors]
-        gpus = f", {mesh.gpus} gpu/proc" if mesh.gpus else ""
-        placement.append(f"  mesh {name}: {mesh.hosts} host x {mesh.procs} proc{gpus} <- {', '.join(actors)}")
+        on = f" ({describe_gpus(gpus[name])})" if mesh.gpus else ""
+        shape = f"{mesh.hosts} host{'s' * (mesh.hosts > 1)} x {mesh.procs} proc{'s' * (mesh.procs > 1)}"
+        placement.append(f"  mesh {name}: {shape}{on} <- {', '.join(actors)}")
     placement.append(describe_store(topology))
+    if (memory := describe_memory(topology)) is not None:
+        placement.append(memory)
     lag = topology.loop.max_policy_lag
     gen = topology.actors.generator
     targets = len(replicas) * topology.meshes[gen.mesh].procs * topology.meshes[gen.mesh].hosts

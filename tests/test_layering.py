@@ -39,6 +39,8 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
     ("tiny.yaml", ["actors.trainer.inner_loop=torchtitan"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=prime_rl"]),
     ("tiny.yaml", ["actors.generator.engine=vllm", "model.init.hidden_size=128"]),
+    ("gpu_1gpu.yaml", []),
+    ("gpu_node.yaml", []),
 ]
 
 
@@ -47,8 +49,8 @@ def test_every_shipped_topology_is_checked_without_importing_a_backend():
     assert {name for name, _ in CHECKED} == {p.name for p in topologies.glob("*.yaml")}
     for name, overrides in CHECKED:
         statement = (
-            "from mesh.topology import describe, load_topology\n"
-            f"describe(load_topology({str(topologies / name)!r}, {overrides!r}))"
+            "from mesh.topology import describe, load_topology\n"  # GPU topologies as read on a GPU machine
+            f"describe(load_topology({str(topologies / name)!r}, {overrides!r}, placed_here={not name.startswith('gpu')}))"
         )
         assert loaded_after(statement, HEAVY) == [], (name, overrides)
 

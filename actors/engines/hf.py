@@ -14,14 +14,14 @@ import torch
 from torch import Tensor
 
 from actors.engines import Sample, Sampling, request_seed
-from actors.model import load_policy
+from actors.model import Placement, load_policy
 
 
 class HFEngine:
-    def __init__(self, model_path: str, sampling: Sampling, device: torch.device = torch.device("cpu")):
+    def __init__(self, model_path: str, sampling: Sampling, place: Placement = Placement()):
+        self.device = place.device()
         self.model, self.tokenizer = load_policy(model_path)
-        self.model.to(device).eval()
-        self.device = device
+        self.model.to(self.device).eval()
         self.tokenizer.padding_side = "left"
         self.sampling = sampling
         self._one_at_a_time = asyncio.Lock()

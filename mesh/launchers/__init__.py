@@ -8,10 +8,12 @@ where its processes run.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from mesh.placement import ProcStart, gpus_needed, visible_devices
 from mesh.preflight import check_memory
 
 if TYPE_CHECKING:
@@ -38,29 +40,37 @@ class Launcher(Protocol):
         """Stop every process the launcher started (safe to call after a partial start)."""
 
 
-def spawn_procs(host_mesh, procs: int) -> ProcMesh:
-    """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK from it)."""
+def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
+    """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK
+    from it), each seeing exactly its GPUs and with its libraries imported (``mesh/placement.py``)."""
     from monarch.actor import default_bootstrap_cmd  # only a launch needs Monarch, not a check
 
-    return host_mesh.spawn_procs(
-        per_host={"procs": procs}, bootstrap_command=default_bootstrap_cmd().with_env(PROC_ENV)
-    )
+    from actors.lifecycle import import_libraries
+
+    def command(point) -> object:
+        visible = visible_devices(start.gpus[point.rank])
+        return default_bootstrap_cmd().with_env(PROC_ENV | {"CUDA_VISIBLE_DEVICES": visible})
+
+    setup = functools.partial(import_libraries, start.libraries) if start.libraries else None
+    return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap=setup, bootstrap_command=command)
 
 
 def check_local(topology: Topology) -> None:
-    """``local``: every mesh on this one host."""
+    """``local``: every mesh on this one host (which it must fit, unless only described)."""
     for name, mesh in topology.meshes.items():
         if mesh.hosts != 1:
             raise ValueError(
                 f"meshes.{name}.hosts is {mesh.hosts}, but launcher 'local' places every mesh on this one host; "
                 "set hosts: 1, or use launcher.kind: process to stand in for several hosts"
             )
-    check_capacity(topology, "local")
+    if topology.placed_here:
+        check_capacity(topology, "local")
 
 
 def check_process(topology: Topology) -> None:
     """``process``: each host of a mesh is a worker process, all of them on this machine."""
-    check_capacity(topology, "process")
+    if topology.placed_here:
+        check_capacity(topology, "process")
 
 
 def check_capacity(topology: Topology, launcher: str) -> None:
@@ -76,10 +86,10 @@ def check_capacity(topology: Topology, launcher: str) -> None:
             f"machine can hold with launcher {launcher!r} ({PROCS_PER_CORE} per core); lower meshes.*.procs or "
             "actors.generator.replicas, or place the job on a cluster"
         )
-    gpus, have = sum(m.gpus * m.procs * m.hosts for m in meshes), gpu_count()
+    gpus, have = gpus_needed(topology), gpu_count()
     if gpus > have:
         raise ValueError(
-            f"meshes ask for {gpus} GPUs{counted} but this machine has {have}; "
+            f"meshes ask for {gpus} GPU{'s' * (gpus > 1)}{counted} but this machine has {have}; "
             "set meshes.*.gpus to 0 to run on CPU, or place the job on a cluster"
         )
     check_memory(topology)

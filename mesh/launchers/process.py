@@ -10,6 +10,7 @@ from monarch.actor import ProcMesh
 from monarch.job import ProcessJob
 
 from mesh.launchers import spawn_procs
+from mesh.placement import proc_starts
 
 
 class ProcessLauncher:
@@ -17,13 +18,13 @@ class ProcessLauncher:
         self.job: ProcessJob | None = None
 
     def start(self, topology) -> dict[str, ProcMesh]:
-        self.specs = topology.launched_meshes()
+        self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
         self.job = ProcessJob({name: m.hosts for name, m in self.specs.items()})
         self.hosts = self.job.state(cached_path=None)
         return {name: self.respawn(name) for name in self.specs}
 
     def respawn(self, name: str) -> ProcMesh:
-        return spawn_procs(getattr(self.hosts, name), self.specs[name].procs)
+        return spawn_procs(getattr(self.hosts, name), self.specs[name].procs, self.starts[name])
 
     async def stop(self) -> None:
         if self.job is not None:
