@@ -217,7 +217,9 @@ class Fleet:
 
     async def _populate(self, state: _Mesh, procs: ProcMesh) -> None:
         state.procs, state.actors, state.failed = procs, {}, self._loop.create_future()
-        for role in state.roles:  # one after another: actors sharing a process build their models in turn
+        # One after another: actors sharing a process build their models in turn (one load's peak
+        # memory at a time; a vLLM generator sizes its share of a GPU after the trainer has loaded).
+        for role in state.roles:
             try:
                 state.actors[role.name] = actors = await role.spawn(procs)
                 self._names[await actors._name] = (state.name, state.generation)

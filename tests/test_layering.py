@@ -8,10 +8,7 @@ from pathlib import Path
 
 def loaded_after(statement: str, banned: tuple[str, ...]) -> list[str]:
     """Which of ``banned`` (packages and their submodules) a fresh interpreter holds after ``statement``."""
-    code = (
-        f"{statement}\nimport sys\n"
-        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({banned!r})))"
-    )
+    code = f"{statement}\nimport sys\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & set({banned!r})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return ast.literal_eval(out.stdout.strip().splitlines()[-1])
 

@@ -16,7 +16,9 @@ from mesh.launchers import spawn_procs
 from mesh.placement import ProcStart, gpu_sets, proc_starts, trainer_memory_share, visible_devices
 from mesh.topology import TopologyError, load_topology
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors below run in procs that cannot import this file
+cloudpickle.register_pickle_by_value(
+    sys.modules[__name__]
+)  # the actors below run in procs that cannot import this file
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "topologies" / "tiny.yaml"
 ONE_GPU = ROOT / "topologies" / "gpu_1gpu.yaml"
@@ -51,7 +53,9 @@ def test_generator_replicas_each_get_their_own_gpus_and_tensor_parallel_groups()
 def test_a_mesh_sharing_gpus_runs_on_the_other_meshes_gpus():
     sets = gpu_sets(layout(ONE_GPU))
     assert sets["trainer"] == sets["generator"] == ((0,),)
-    two = gpu_sets(layout(NODE, "meshes.generator.share_gpus_with=trainer", "actors.generator.gpu_memory_utilization=0.3"))
+    two = gpu_sets(
+        layout(NODE, "meshes.generator.share_gpus_with=trainer", "actors.generator.gpu_memory_utilization=0.3")
+    )
     assert two["generator"] == ((0,), (1,), (2,), (3,)) and two["trainer"] == ((0,), (1,), (2,), (3,))
 
 
@@ -98,7 +102,10 @@ def test_visible_devices_map_through_the_launchers_own_visible_gpus(monkeypatch,
         (["meshes.trainer.gpus=2"], ["a trainer process drives one GPU", "procs: 2"]),
         (["meshes.generator.share_gpus_with=null", "meshes.generator.gpus=2"], ["engine 'hf'", "engine: vllm"]),
         (["actors.generator.replicas=2"], ["every replica would then land on the same GPUs"]),
-        (["actors.generator.engine=vllm"], ["set actors.generator.gpu_memory_utilization", "the trainer keeps the rest"]),
+        (
+            ["actors.generator.engine=vllm"],
+            ["set actors.generator.gpu_memory_utilization", "the trainer keeps the rest"],
+        ),
         (["actors.generator.gpu_memory_utilization=1.5"], ["in (0, 1), got 1.5"]),
     ],
 )
@@ -143,6 +150,12 @@ class Probe(Actor):
         return os.environ.get("CUDA_VISIBLE_DEVICES")
 
     @endpoint
+    def cuda_devices(self) -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    @endpoint
     def import_from_transformers(self, names: list[str]) -> str:
         try:
             exec(f"from transformers import {', '.join(names)}", {})
@@ -166,10 +179,27 @@ async def test_actors_sharing_a_process_import_transformers_at_once():
     actors' threads at once raises ImportError unless the process imported it first (it did
     here, as every process holding a model does: ``mesh/placement.py`` MODEL_LIBRARIES)."""
     procs = spawn_procs(this_host(), 1, ProcStart(((),), ("transformers",)))
-    wanted = [["AutoModelForCausalLM", "AutoTokenizer"], ["PreTrainedTokenizerFast"], ["Qwen3ForCausalLM"], ["AutoConfig"]]
+    wanted = [
+        ["AutoModelForCausalLM", "AutoTokenizer"],
+        ["PreTrainedTokenizerFast"],
+        ["Qwen3ForCausalLM"],
+        ["AutoConfig"],
+    ]
     try:
         probes = [procs.spawn(f"probe{i}", Probe) for i in range(len(wanted))]
         calls = [probe.import_from_transformers.call_one(names) for probe, names in zip(probes, wanted)]
         assert [await call for call in calls] == ["ok"] * len(wanted)
+    finally:
+        await procs.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not list(Path("/dev").glob("nvidia[0-9]*")), reason="needs a CUDA GPU")
+async def test_a_process_on_a_gpu_sees_only_it_and_a_cpu_process_sees_none(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    procs = spawn_procs(this_host(), 2, ProcStart(((0,), ()), ()))
+    try:
+        seen = await procs.spawn("probe", Probe).cuda_devices.call()
+        assert [count for _, count in sorted(seen.items(), key=lambda kv: kv[0]["procs"])] == [1, 0]
     finally:
         await procs.stop()

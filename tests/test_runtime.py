@@ -111,6 +111,24 @@ async def test_trainer_on_a_gpu(tmp_path):
     assert [r["version"] for r in rows] == [1, 2, 3] and all(r["train/grad_norm"] >= 0 for r in rows)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_gpu_1gpu_topology_learns_with_trainer_and_generator_on_one_gpu(tmp_path):
+    overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
+    rows = records(await run(load_topology(ROOT / "topologies" / "gpu_1gpu.yaml", overrides), progress=False))
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert last >= first + 0.25, (first, last)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_every_actor_in_the_trainers_gpu_process(tmp_path):
+    placed = [f"actors.{actor}.mesh=trainer" for actor in ("generator", "rewarder", "teachers")]
+    rows = records(await run(small(tmp_path, "meshes.trainer.gpus=1", "loop.steps=3", *placed), progress=False))
+    assert [r["version"] for r in rows] == [1, 2, 3]
+
+
 def explode(problem, completion) -> float:
     raise ValueError("the reward service is down")
 
@@ -143,7 +161,10 @@ async def test_an_actor_that_cannot_start_is_named_with_its_own_whole_message(tm
     with pytest.raises(RunFailed) as info:
         await run(topology, progress=False)
     message = str(info.value)
-    assert "before its first step: generator (mesh generator) failed in start: RuntimeError: no memory left for " in message
+    assert (
+        "before its first step: generator (mesh generator) failed in start: RuntimeError: no memory left for "
+        in message
+    )
     assert "the KV cache on this device; lower max_num_seqs" in message  # whole, on one line
     assert "Traceback" not in message and "has failed:." not in message
     log = (next(tmp_path.iterdir()) / "error.log").read_text()  # the remote traceback
