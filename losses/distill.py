@@ -172,6 +172,21 @@ def divergence(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig, t
     return taid(student_logp, teacher_logp, taid_t)
 
 
+def _per_token(student_logits: Tensor, teacher, cfg: DistillConfig, taid_t: float | None):
+    """Per-position divergence, whether the two argmaxes agree, and the teacher's entropy.
+
+    Full-vocabulary JSD strictly between its KL endpoints (the common case) takes the
+    written-out gradient of ``_FullVocabJSD``; every other case goes through autograd.
+    """
+    if cfg.divergence == "jsd" and 0.0 < cfg.jsd_beta < 1.0 and not isinstance(teacher, TeacherTopK):
+        teacher_logits = _teacher_logits(teacher)
+        per_token, teacher_entropy = _FullVocabJSD.apply(student_logits, teacher_logits, cfg.jsd_beta, cfg.temperature)
+        return per_token, student_logits.detach().argmax(-1) == teacher_logits.argmax(-1), teacher_entropy
+    student_logp, teacher_logp = supports(student_logits, teacher, cfg.temperature)
+    per_token = divergence(student_logp, teacher_logp, cfg, taid_t)
+    return per_token, student_logp.detach().argmax(-1) == teacher_logp.argmax(-1), entropy(teacher_logp)
+
+
 def distill_loss(
     student_logits: Tensor, inputs: DistillInputs, cfg: DistillConfig, taid_t: float | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -180,15 +195,7 @@ def distill_loss(
     Metrics are row-additive; ``agreement`` is the share of distilled tokens where the
     student's and teacher's most likely tokens coincide.
     """
-    if cfg.divergence == "jsd" and 0.0 < cfg.jsd_beta < 1.0 and not isinstance(inputs.teacher, TeacherTopK):
-        teacher_logits = _teacher_logits(inputs.teacher)
-        per_token, teacher_entropy = _FullVocabJSD.apply(student_logits, teacher_logits, cfg.jsd_beta, cfg.temperature)
-        agree = student_logits.detach().argmax(-1) == teacher_logits.argmax(-1)  # softmax keeps the order
-    else:
-        student_logp, teacher_logp = supports(student_logits, inputs.teacher, cfg.temperature)
-        per_token = divergence(student_logp, teacher_logp, cfg, taid_t)
-        agree = student_logp.detach().argmax(-1) == teacher_logp.argmax(-1)
-        teacher_entropy = entropy(teacher_logp)
+    per_token, agree, teacher_entropy = _per_token(student_logits, inputs.teacher, cfg, taid_t)
     if cfg.token_clip is not None:
         per_token = per_token.clamp(max=cfg.token_clip)
     mask = inputs.mask.bool()

@@ -160,6 +160,22 @@ class _PrecomputedGrad(torch.autograd.Function):
 RowLoss = Callable[[Tensor, slice], tuple[Tensor, dict[str, Tensor]]]
 
 
+def _chunk_loss(
+    chunk_hidden: Tensor, weight: Tensor, loss_fn: RowLoss, rows: slice, grad_hidden: Tensor, grad_weight: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One chunk's loss, with its gradients added to the buffers: its own function so that every
+    chunk-sized tensor is released when the chunk ends, not when the next one overwrites it."""
+    logits = (chunk_hidden @ weight.T).requires_grad_()
+    with torch.enable_grad():
+        loss, metrics = loss_fn(logits, rows)
+    if loss.requires_grad:
+        (grad_logits,) = torch.autograd.grad(loss, logits)  # in the logits' (input) dtype
+        del logits
+        grad_hidden[rows] = grad_logits @ weight
+        _add_product(grad_weight, grad_logits.flatten(0, -2).T, chunk_hidden.flatten(0, -2))
+    return loss.detach(), {name: value.detach() for name, value in metrics.items()}
+
+
 def fused_linear_loss(
     hidden: Tensor, weight: Tensor, loss_fn: RowLoss, rows_per_chunk: int
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -175,20 +191,13 @@ def fused_linear_loss(
     total = torch.zeros((), dtype=acc, device=hidden.device)
     metrics: dict[str, Tensor] = {}
     with torch.no_grad():
-        flat_weight = weight.detach()
         for start in range(0, hidden.shape[0], rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
             chunk_hidden = hidden[rows].detach()
-            logits = (chunk_hidden @ flat_weight.T).requires_grad_()
-            with torch.enable_grad():
-                loss, chunk_metrics = loss_fn(logits, rows)
-            if loss.requires_grad:
-                (grad_logits,) = torch.autograd.grad(loss, logits)  # in the logits' (input) dtype
-                grad_hidden[rows] = grad_logits @ flat_weight
-                _add_product(grad_weight, grad_logits.flatten(0, -2).T, chunk_hidden.flatten(0, -2))
-            total += loss.detach()
+            loss, chunk_metrics = _chunk_loss(chunk_hidden, weight.detach(), loss_fn, rows, grad_hidden, grad_weight)
+            total += loss
             for name, value in chunk_metrics.items():
-                metrics[name] = metrics.get(name, 0.0) + value.detach()
+                metrics[name] = metrics.get(name, 0.0) + value
     if hidden.requires_grad or weight.requires_grad:
         total = _PrecomputedGrad.apply(total, hidden, weight, grad_hidden, grad_weight.to(weight.dtype))
     return total, metrics

@@ -7,7 +7,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from losses import (
-    Counts, DistillInputs, LinearHead, LossConfig, LossInputs, PolicyInputs, TeacherHidden, compose_loss,
+    Counts,
+    DistillInputs,
+    LinearHead,
+    LossConfig,
+    LossInputs,
+    PolicyInputs,
+    TeacherHidden,
+    compose_loss,
     fused_linear_loss,
 )
 
@@ -23,7 +30,10 @@ BF16_LOSS_BOUND = 2.0**-7
 def problem(channels: tuple[str, ...], dtype: torch.dtype):
     """Inputs rounded to bf16 first, so that a float64 run of the same numbers is the exact reference."""
     g = torch.Generator().manual_seed(0)
-    rounded = lambda x: x.to(torch.bfloat16).to(dtype)  # noqa: E731
+
+    def rounded(x):
+        return x.to(torch.bfloat16).to(dtype)
+
     hidden = rounded(torch.randn(B, T, H, generator=g)).requires_grad_()
     weight = rounded(torch.randn(V, H, generator=g) * 2 / H**0.5).requires_grad_()
     targets = torch.randint(0, V, (B, T), generator=g)
@@ -80,7 +90,7 @@ def test_weight_gradient_sums_chunks_in_fp32():
 class MatmulLog(TorchDispatchMode):
     """Every matrix product that reaches ATen, with its operands' dtypes."""
 
-    PRODUCTS = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
+    PRODUCTS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm"})
 
     def __init__(self):
         super().__init__()
