@@ -1,7 +1,8 @@
 """Benchmark of the loss kernels: memory-lean (chunked) vs naive full-logits paths, fp32 on CPU.
 
-    python bench/kernels.py            # small and large point (about half an hour on 2 cores)
-    python bench/kernels.py --quick    # small point only (a smoke check, under a minute)
+    python bench/kernels.py                  # small and large point (about half an hour on 2 cores)
+    python bench/kernels.py --quick          # small point only (a smoke check, under a minute)
+    python bench/kernels.py --device cuda    # bf16 on one GPU, with Liger-Kernel (bench/kernels_cuda.py)
 
 What is measured: forward + backward (gradients w.r.t. the last hidden states and the
 LM-head weight) of
@@ -44,7 +45,9 @@ import sys
 import time
 from pathlib import Path
 
+import kernels_cuda
 from common import machine  # bench/ is on sys.path when this runs as a script
+from loss_steps import behaviour_logprobs, build_inputs, make_step
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench" / "out"  # git-ignored scratch (results JSON, gradients for the cross-check)
@@ -137,124 +140,6 @@ def _limit_address_space() -> None:
         available_kb = int(re.search(r"^MemAvailable:\s+(\d+) kB", f.read(), re.MULTILINE).group(1))
     limit = int((_status_mb("VmSize") * 1024 + available_kb - 1024 * 1024) * 1024)  # leave 1 GiB
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
-
-
-# --------------------------------------------------------------------------- inputs and variants
-
-
-def behaviour_logprobs(B: int, T: int, H: int, V: int, seed: int = 0):
-    """The policy channel's ``old_logprobs``: the current logprobs plus noise (ratios ~ 1, a few clipped).
-
-    Computed once per point (``--mode prepare``) and loaded by every measuring process:
-    an fp32 matmul's rounding can differ between processes (its kernel depends on memory
-    alignment), and inputs that differ in the 6th digit would blur the cross-check.
-    """
-    import torch
-
-    import losses
-
-    d = build_inputs("jsd", B, T, H, V, seed)  # the same hidden, weight and targets as the policy's
-    with torch.no_grad():
-        current = losses.token_logprobs(d["hidden"], d["weight"], d["targets"])
-    return current + 0.1 * torch.randn(B, T, generator=torch.Generator().manual_seed(seed + 1))
-
-
-def build_inputs(channel: str, B: int, T: int, H: int, V: int, seed: int = 0, old_logprobs=None):
-    """Deterministic inputs (identical in every subprocess for a given point and channel)."""
-    import torch
-
-    import losses
-
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=g)
-    weight = torch.randn(V, H, generator=g).mul_(2.0 / H**0.5)  # logits ~ N(0, 2^2)
-    targets = torch.randint(0, V, (B, T), generator=g)
-    lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
-    mask = torch.arange(T)[None, :] < lengths[:, None]  # ragged, right-padded completions
-    counts = losses.Counts.from_mask(mask)
-    data = {"hidden": hidden, "weight": weight, "targets": targets, "mask": mask, "counts": counts}
-    if channel == "policy":
-        advantages = torch.randn(B, generator=g)
-        if old_logprobs is None:
-            old_logprobs = behaviour_logprobs(B, T, H, V, seed)
-        data["policy"] = losses.PolicyInputs(mask, advantages, counts=counts, old_logprobs=old_logprobs)
-    else:
-        data["teacher_hidden"] = hidden + 0.5 * torch.randn(B, T, H, generator=g)
-        data["teacher_weight"] = weight + (1.0 / H**0.5) * torch.randn(V, H, generator=g)
-    hidden.requires_grad_()
-    weight.requires_grad_()
-    return data
-
-
-def make_step(channel: str, variant: str, d):
-    """A closure running forward + backward of one variant; returns the detached loss."""
-    import torch
-
-    import losses
-
-    hidden, weight, targets = d["hidden"], d["weight"], d["targets"]
-    if channel == "policy":
-        cfg = losses.LossConfig(policy=losses.PolicyConfig(name="dapo"))
-        inputs = losses.LossInputs(targets, policy=d["policy"])
-        if variant == "naive":
-
-            def step():
-                logprobs = torch.log_softmax(hidden @ weight.T, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-                loss, _ = losses.policy_loss(logprobs, d["policy"], cfg.policy)
-                loss.backward()
-                return loss.detach()
-
-        elif variant == "logits_head":
-
-            def step():
-                loss = losses.compose_loss(losses.Logits(hidden @ weight.T), inputs, cfg).loss
-                loss.backward()
-                return loss.detach()
-
-        elif variant == "linear_head":
-
-            def step():
-                loss = losses.compose_loss(losses.LinearHead(hidden, weight), inputs, cfg).loss
-                loss.backward()
-                return loss.detach()
-
-        elif variant == "token_logprobs":
-
-            def step():
-                logprobs = losses.token_logprobs(hidden, weight, targets)
-                loss, _ = losses.policy_loss(logprobs, d["policy"], cfg.policy)
-                loss.backward()
-                return loss.detach()
-
-        else:
-            raise ValueError(variant)
-        return step
-
-    cfg = losses.LossConfig(alpha_sdpo=1.0, distill=losses.DistillConfig(divergence="jsd"))
-    mask, counts = d["mask"], d["counts"]
-    teacher_hidden, teacher_weight = d["teacher_hidden"], d["teacher_weight"]
-    if variant == "naive":
-
-        def step():
-            with torch.no_grad():
-                teacher = losses.TeacherLogits(teacher_hidden @ teacher_weight.T)
-            inputs = losses.LossInputs(targets, distill=losses.DistillInputs(teacher, mask, counts))
-            loss = losses.compose_loss(losses.Logits(hidden @ weight.T), inputs, cfg).loss
-            loss.backward()
-            return loss.detach()
-
-    elif variant == "linear_head":
-        teacher = losses.TeacherHidden(teacher_hidden, teacher_weight)
-        inputs = losses.LossInputs(targets, distill=losses.DistillInputs(teacher, mask, counts))
-
-        def step():
-            loss = losses.compose_loss(losses.LinearHead(hidden, weight), inputs, cfg).loss
-            loss.backward()
-            return loss.detach()
-
-    else:
-        raise ValueError(variant)
-    return step
 
 
 # --------------------------------------------------------------------------- one measurement (child)
@@ -641,6 +526,9 @@ def interleave(point: str, channel: str, rounds: int, threads: int) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small point only (a fast smoke check)")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the bf16 GPU benchmark of bench/kernels_cuda.py"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: the usable cores)")
     p.add_argument(
         "--interleave",
@@ -666,6 +554,8 @@ if __name__ == "__main__":
     _here = Path(__file__).resolve().parent
     sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != _here]
     _args = parse_args()
+    if _args.device == "cuda":
+        sys.exit(kernels_cuda.main(OUT_DIR, losses_fingerprint()))
     if _args.child:
         child(_args)
         sys.exit(0)

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from losses.batch import DistillInputs, TeacherLogits, TeacherTopK, masked_sum_per_row
+from losses.batch import DistillInputs, TeacherHidden, TeacherLogits, TeacherTopK, masked_sum_per_row
 from losses.config import DistillConfig
+from losses.logprobs import backward_keeps_graph, scale_to
 
 LOGP_FLOOR = -1e4  # log-probs are floored so that 0 * log 0 terms stay 0 in value and gradient
 
@@ -100,10 +101,60 @@ def supports(student_logits: Tensor, teacher, temperature: float = 1.0) -> tuple
             raise ValueError("a top-k teacher's logprobs cannot be re-tempered; use temperature 1.0")
         student = _with_tail(student_logp.gather(-1, teacher.ids))
         return student.clamp(min=LOGP_FLOOR), _with_tail(teacher.logprobs.to(acc)).clamp(min=LOGP_FLOOR)
-    with torch.no_grad():  # a self-teacher shares the student's weights; no gradient may reach them
-        logits = teacher.logits if isinstance(teacher, TeacherLogits) else teacher.hidden @ teacher.weight.T
-        teacher_logp = torch.log_softmax(logits.to(acc) / temperature, dim=-1)
+    with torch.no_grad():
+        teacher_logp = torch.log_softmax(_teacher_logits(teacher).to(acc) / temperature, dim=-1)
     return student_logp.clamp(min=LOGP_FLOOR), teacher_logp.clamp(min=LOGP_FLOOR)
+
+
+def _floored_logp(logits: Tensor, temperature: float) -> Tensor:
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        x = x / temperature
+    return torch.log_softmax(x, dim=-1).clamp_(min=LOGP_FLOOR)
+
+
+class _FullVocabJSD(torch.autograd.Function):
+    """``generalized_jsd`` of two full-vocabulary logits, with its gradient written out.
+
+    Autograd through ``generalized_jsd`` keeps a dozen vocabulary-sized tensors and walks
+    each several times; here every pass is in place where it can be, at most four fp32
+    ``[..., V]`` tensors exist at once, and backward forms the gradient from two saved ones:
+    ``d/dz = (1 - beta) / temperature * S * (r - <S, r>)`` with ``S`` the student's
+    probabilities and ``r = log S - log M`` (the teacher's terms cancel). Also returns the
+    teacher's entropy per position, a metric that costs one more pass here.
+    """
+
+    @staticmethod
+    def forward(ctx, student_logits: Tensor, teacher_logits: Tensor, beta: float, temperature: float):
+        student = _floored_logp(student_logits, temperature)
+        teacher = _floored_logp(teacher_logits, temperature)
+        teacher_p = teacher.exp()
+        teacher_entropy = -(teacher_p * teacher).sum(-1)
+        # log M, M = (1 - beta) S + beta T; floored so that 0 * log M stays 0 where both are 0
+        log_mix = student.exp().lerp_(teacher_p, beta).clamp_(min=torch.finfo(student.dtype).tiny).log_()
+        teacher_term = teacher_p.mul_(teacher.sub_(log_mix)).sum(-1)
+        del teacher, teacher_p
+        student_p = student.exp()
+        log_ratio = student.sub_(log_mix)
+        del log_mix
+        student_term = (student_p * log_ratio).sum(-1)
+        ctx.save_for_backward(student_p, log_ratio, student_term)
+        ctx.scale, ctx.dtype = (1 - beta) / temperature, student_logits.dtype
+        ctx.mark_non_differentiable(teacher_entropy)
+        return beta * teacher_term + (1 - beta) * student_term, teacher_entropy
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor, _):
+        student_p, log_ratio, student_term = ctx.saved_tensors
+        mean = student_term.unsqueeze(-1)
+        centered = log_ratio - mean if backward_keeps_graph() else log_ratio.sub_(mean)
+        scale = (grad_out * ctx.scale).unsqueeze(-1).to(centered.dtype)
+        return scale_to(centered.mul_(student_p), scale, ctx.dtype, in_place=True), None, None, None
+
+
+def _teacher_logits(teacher: TeacherLogits | TeacherHidden) -> Tensor:
+    with torch.no_grad():  # a self-teacher shares the student's weights; no gradient may reach them
+        return teacher.logits if isinstance(teacher, TeacherLogits) else teacher.hidden @ teacher.weight.T
 
 
 def divergence(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig, taid_t: float | None) -> Tensor:
@@ -121,6 +172,21 @@ def divergence(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig, t
     return taid(student_logp, teacher_logp, taid_t)
 
 
+def _per_token(student_logits: Tensor, teacher, cfg: DistillConfig, taid_t: float | None):
+    """Per-position divergence, whether the two argmaxes agree, and the teacher's entropy.
+
+    Full-vocabulary JSD strictly between its KL endpoints (the common case) takes the
+    written-out gradient of ``_FullVocabJSD``; every other case goes through autograd.
+    """
+    if cfg.divergence == "jsd" and 0.0 < cfg.jsd_beta < 1.0 and not isinstance(teacher, TeacherTopK):
+        teacher_logits = _teacher_logits(teacher)
+        per_token, teacher_entropy = _FullVocabJSD.apply(student_logits, teacher_logits, cfg.jsd_beta, cfg.temperature)
+        return per_token, student_logits.detach().argmax(-1) == teacher_logits.argmax(-1), teacher_entropy
+    student_logp, teacher_logp = supports(student_logits, teacher, cfg.temperature)
+    per_token = divergence(student_logp, teacher_logp, cfg, taid_t)
+    return per_token, student_logp.detach().argmax(-1) == teacher_logp.argmax(-1), entropy(teacher_logp)
+
+
 def distill_loss(
     student_logits: Tensor, inputs: DistillInputs, cfg: DistillConfig, taid_t: float | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -129,15 +195,13 @@ def distill_loss(
     Metrics are row-additive; ``agreement`` is the share of distilled tokens where the
     student's and teacher's most likely tokens coincide.
     """
-    student_logp, teacher_logp = supports(student_logits, inputs.teacher, cfg.temperature)
-    per_token = divergence(student_logp, teacher_logp, cfg, taid_t)
+    per_token, agree, teacher_entropy = _per_token(student_logits, inputs.teacher, cfg, taid_t)
     if cfg.token_clip is not None:
         per_token = per_token.clamp(max=cfg.token_clip)
     mask = inputs.mask.bool()
-    agree = student_logp.detach().argmax(-1) == teacher_logp.argmax(-1)
     metrics = {
         "agreement": masked_sum_per_row(agree.to(per_token.dtype), mask).sum() / inputs.counts.tokens,
-        "teacher_entropy": masked_sum_per_row(entropy(teacher_logp), mask).sum() / inputs.counts.tokens,
+        "teacher_entropy": masked_sum_per_row(teacher_entropy, mask).sum() / inputs.counts.tokens,
     }
     return masked_sum_per_row(per_token, mask).sum() / inputs.counts.tokens, metrics
 

@@ -9,7 +9,11 @@ Two tools, for two situations:
   (every loss in this library, given global ``Counts``). Each row chunk's logits are
   formed once, the loss and its gradients w.r.t. ``hidden`` and ``weight`` are taken
   right there (as Liger-Kernel does), and backward only scales them. Same matmul FLOPs as
-  the naive path, a fraction of its memory.
+  the naive path (three GEMMs per chunk), a fraction of its memory.
+
+Every GEMM takes its operands in the input dtype (bf16 stays bf16, for the tensor cores);
+softmax and loss math run in at least fp32, and the weight gradient, summed over chunks,
+accumulates in fp32.
 """
 
 from __future__ import annotations
@@ -24,6 +28,22 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in at least fp32 and ``a``, ``b`` in their own dtype.
+
+    A weight gradient summed over many chunks needs fp32 accumulation, but its GEMM should
+    run on bf16 operands: CUDA does both at once (``out_dtype``: bf16 inputs, fp32 sums,
+    fp32 ``acc`` updated in place). CPU has no such kernel; there the operands are upcast,
+    which gives the same sums (CPU bf16 serves tests, not speed).
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
 def _logprob_grad(logits: Tensor, targets: Tensor, log_norm: Tensor, grad_out: Tensor) -> Tensor:
     """``grad_out * (onehot(targets) - softmax(logits))``: the one ``[N, V]`` tensor a backward needs."""
     g = grad_out.unsqueeze(-1).to(log_norm.dtype)
@@ -31,24 +51,49 @@ def _logprob_grad(logits: Tensor, targets: Tensor, log_norm: Tensor, grad_out: T
     return grad.scatter_add_(-1, targets.unsqueeze(-1), g)
 
 
+def backward_keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``, gradcheck): then saved
+    tensors may be read again and must not be overwritten (AOTAutograd asks the same)."""
+    return torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+def scale_to(values: Tensor, scale: Tensor, dtype: torch.dtype, in_place: bool) -> Tensor:
+    """``values * scale`` in ``dtype``: in place when allowed and the dtype matches, else one pass
+    that writes the (narrower) dtype directly, so a bf16 gradient never exists in fp32 as well."""
+    if in_place and values.dtype == dtype:
+        return values.mul_(scale)
+    return torch.mul(values, scale, out=torch.empty_like(values, dtype=dtype))
+
+
 class _SelectiveLogprobs(torch.autograd.Function):
+    """One ``exp`` pass over the logits serves both the logprobs and their gradient: forward keeps
+    the unnormalized ``exp(logits - max)`` (in at least fp32) and backward only scales it."""
+
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
-        log_norm = torch.logsumexp(logits.to(_accumulation_dtype(logits.dtype)), dim=-1)
-        ctx.save_for_backward(logits, targets, log_norm)
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).to(log_norm.dtype) - log_norm
+        acc = _accumulation_dtype(logits.dtype)
+        peak = logits.amax(-1, keepdim=True).to(acc)
+        unnormalized = (logits - peak).exp_()  # the upcast rides on the subtraction
+        total = unnormalized.sum(-1, keepdim=True)
+        logprobs = logits.gather(-1, targets.unsqueeze(-1)).to(acc) - peak - total.log()
+        ctx.save_for_backward(unnormalized, total, targets, logprobs)
+        ctx.dtype = logits.dtype
+        return logprobs.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        logits, targets, log_norm = ctx.saved_tensors
-        return _logprob_grad(logits, targets, log_norm, grad_out).to(logits.dtype), None
+        unnormalized, total, targets, logprobs = ctx.saved_tensors
+        g = grad_out.unsqueeze(-1).to(total.dtype)
+        grad = scale_to(unnormalized, -g / total, ctx.dtype, in_place=not backward_keeps_graph())
+        # The target's entry g * (1 - p) from expm1, exact where p is near 1 (unlike g - g * p in bf16).
+        return grad.scatter_(-1, targets.unsqueeze(-1), (-g * torch.expm1(logprobs)).to(ctx.dtype)), None
 
 
 def selective_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
-    """``log_softmax(logits)[targets]`` in at least fp32.
+    """``log_softmax(logits)[targets]`` in at least fp32; the gradient comes in the logits' dtype.
 
-    Saves only the log-normalizer beside the logits, so backward forms one logits-sized
-    tensor where ``log_softmax`` + ``gather`` keep three.
+    Keeps one logits-sized tensor between forward and backward and makes none in backward
+    (for fp32 logits), where ``log_softmax`` + ``gather`` keep three.
     """
     return _SelectiveLogprobs.apply(logits, targets)
 
@@ -81,7 +126,7 @@ class _TokenLogprobs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.T.to(acc), hidden[rows].to(acc))
+                _add_product(grad_weight, grad_logits.T, hidden[rows])
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
 
 
@@ -115,6 +160,22 @@ class _PrecomputedGrad(torch.autograd.Function):
 RowLoss = Callable[[Tensor, slice], tuple[Tensor, dict[str, Tensor]]]
 
 
+def _chunk_loss(
+    chunk_hidden: Tensor, weight: Tensor, loss_fn: RowLoss, rows: slice, grad_hidden: Tensor, grad_weight: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """One chunk's loss, with its gradients added to the buffers: its own function so that every
+    chunk-sized tensor is released when the chunk ends, not when the next one overwrites it."""
+    logits = (chunk_hidden @ weight.T).requires_grad_()
+    with torch.enable_grad():
+        loss, metrics = loss_fn(logits, rows)
+    if loss.requires_grad:
+        (grad_logits,) = torch.autograd.grad(loss, logits)  # in the logits' (input) dtype
+        del logits
+        grad_hidden[rows] = grad_logits @ weight
+        _add_product(grad_weight, grad_logits.flatten(0, -2).T, chunk_hidden.flatten(0, -2))
+    return loss.detach(), {name: value.detach() for name, value in metrics.items()}
+
+
 def fused_linear_loss(
     hidden: Tensor, weight: Tensor, loss_fn: RowLoss, rows_per_chunk: int
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -130,21 +191,13 @@ def fused_linear_loss(
     total = torch.zeros((), dtype=acc, device=hidden.device)
     metrics: dict[str, Tensor] = {}
     with torch.no_grad():
-        flat_weight = weight.detach()
         for start in range(0, hidden.shape[0], rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
             chunk_hidden = hidden[rows].detach()
-            logits = (chunk_hidden @ flat_weight.T).requires_grad_()
-            with torch.enable_grad():
-                loss, chunk_metrics = loss_fn(logits, rows)
-            if loss.requires_grad:
-                (grad_logits,) = torch.autograd.grad(loss, logits)
-                grad_logits = grad_logits.to(hidden.dtype)
-                grad_hidden[rows] = grad_logits @ flat_weight
-                grad_weight.addmm_(grad_logits.flatten(0, -2).T.to(acc), chunk_hidden.flatten(0, -2).to(acc))
-            total += loss.detach()
+            loss, chunk_metrics = _chunk_loss(chunk_hidden, weight.detach(), loss_fn, rows, grad_hidden, grad_weight)
+            total += loss
             for name, value in chunk_metrics.items():
-                metrics[name] = metrics.get(name, 0.0) + value.detach()
+                metrics[name] = metrics.get(name, 0.0) + value
     if hidden.requires_grad or weight.requires_grad:
         total = _PrecomputedGrad.apply(total, hidden, weight, grad_hidden, grad_weight.to(weight.dtype))
     return total, metrics

@@ -50,6 +50,29 @@ def test_jsd_endpoints_are_the_kls_and_midpoint_is_symmetric(generator):
     assert_close(generalized_jsd(s, t, 1e-6) / 1e-6, kl_teacher_student(s, t), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("beta, temperature", [(0.5, 1.0), (0.2, 2.0)])
+def test_full_vocab_jsd_equals_autograd_through_generalized_jsd(beta, temperature, generator):
+    """The written-out JSD gradient (distill_loss's full-vocabulary path) is autograd's, metrics included."""
+    student, teacher = logits_pair(generator)
+    cfg = DistillConfig(divergence="jsd", jsd_beta=beta, temperature=temperature)
+    loss, metrics = run(student, TeacherLogits(teacher), cfg)
+    s, t = supports(student, TeacherLogits(teacher), temperature)
+    reference = generalized_jsd(s, t, beta).mean()
+    assert_close(loss, reference, atol=1e-13, rtol=0)
+    assert_close(grad_of(loss, student), grad_of(reference, student), atol=1e-13, rtol=0)
+    assert_close(metrics["teacher_entropy"], entropy(t).mean(), atol=1e-13, rtol=0)
+    assert metrics["agreement"] == (s.argmax(-1) == t.argmax(-1)).double().mean()
+
+
+def test_full_vocab_jsd_gradchecks_and_survives_a_kept_graph(generator):
+    student, teacher = logits_pair(generator, (2, 3, 5))
+    cfg = DistillConfig(divergence="jsd", jsd_beta=0.3, temperature=1.5)
+    assert torch.autograd.gradcheck(lambda z: run(z, TeacherLogits(teacher), cfg)[0], (student,))
+    loss, _ = run(student, TeacherLogits(teacher), cfg)
+    first = torch.autograd.grad(loss, student, retain_graph=True)[0]
+    assert_close(torch.autograd.grad(loss, student)[0], first, atol=0, rtol=0)
+
+
 def test_kls_are_named_by_argument_order(generator):
     student, teacher = logits_pair(generator, (1, 1, 4))
     s, t = torch.log_softmax(student, -1), torch.log_softmax(teacher, -1)

@@ -79,3 +79,12 @@ def test_fused_linear_loss_equals_the_unfused_loss(rows_per_chunk, generator):
 def test_fused_linear_loss_gradcheck(generator):
     h, w, _ = head(generator, tokens=(3, 2), hidden=4, vocab=5)
     assert torch.autograd.gradcheck(lambda h, w: fused_linear_loss(h, w, softmax_entropy_rows, 2)[0], (h, w))
+
+
+def test_selective_logprobs_backward_twice_on_a_kept_graph(generator):
+    """Backward scales the saved exponentials in place only when the graph is not kept."""
+    h, w, targets = head(generator)
+    logits = (h @ w.T).detach().requires_grad_()
+    out = selective_logprobs(logits, targets).sum()
+    first = torch.autograd.grad(out, logits, retain_graph=True)[0]
+    assert_close(torch.autograd.grad(out, logits)[0], first, atol=0, rtol=0)
