@@ -59,6 +59,14 @@ class GeneratorConfig:
         return Sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
 
 
+def policy_dtype(engine: str, on_gpu: bool) -> str:
+    """The dtype ``engine`` holds the policy in on a GPU (``on_gpu``) or CPU mesh, which is the
+    dtype the trainer publishes weights in (cast as they are copied into the store), so an
+    engine loads them without a cast of its own: vLLM runs bf16 on GPU; vLLM on CPU and the
+    ``hf`` engine run fp32, and so does an engine given by import path (any engine loads fp32)."""
+    return "bfloat16" if engine == "vllm" and on_gpu else "float32"
+
+
 def check_vllm(model: ModelFacts, on_gpu: bool) -> None:
     """vLLM's CPU attention has kernels for a few head sizes only; another fails deep inside
     the generator's first engine step, so it is refused here."""

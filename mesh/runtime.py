@@ -205,7 +205,7 @@ def _roles(topology: Topology, model_path: str, stores: _Stores, teachers: Teach
         await setup_torch_elastic_env_async(procs)
         slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
         args = (model_path, cfg.trainer, seed, stores.new(), slots, place[cfg.trainer.mesh], topology.loop.steps)
-        return procs.spawn("trainer", Trainer, *args, topology.weight_transport())
+        return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype())
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
     for name in topology.replica_meshes():
