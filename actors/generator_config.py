@@ -71,6 +71,14 @@ class GeneratorConfig:
         return Sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k)
 
 
+def policy_dtype(engine: str, on_gpu: bool) -> str:
+    """The dtype ``engine`` holds the policy in on a GPU (``on_gpu``) or CPU mesh, which is the
+    dtype the trainer publishes weights in (cast as they are copied into the store), so an
+    engine loads them without a cast of its own: ``vllm`` and ``hf`` sample in bf16 on GPUs and
+    fp32 on CPUs (no fast bf16 there); an engine given by import path gets fp32 (any engine loads it)."""
+    return "bfloat16" if engine in ("vllm", "hf") and on_gpu else "float32"
+
+
 def check_vllm(model: ModelFacts, on_gpu: bool) -> None:
     """vLLM's CPU attention has kernels for a few head sizes only; another fails deep inside
     the generator's first engine step, so it is refused here."""

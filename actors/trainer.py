@@ -48,10 +48,11 @@ class Trainer(Actor):
         place: Placement,
         total_steps: int,
         transport: str = "shm",
+        weights_dtype: str = "float32",  # the followers' (Topology.weights_dtype)
     ):
         # built in ``start`` (actors/lifecycle.py)
         self.model_path, self.cfg, self.seed, self.place, self.total_steps = model_path, cfg, seed, place, total_steps
-        self.store, self.slots, self.transport = store, slots, transport
+        self.store, self.slots, self.transport, self.weights_dtype = store, slots, transport, weights_dtype
         self.publisher: WeightPublisher | None = None
 
     @endpoint
@@ -71,7 +72,8 @@ class Trainer(Actor):
         self.taid = TAIDScheduler(self.total_steps) if taid else None
         state = self.loop.state_dict()
         if self.rank == 0:
-            self.publisher = WeightPublisher(self.store, state, self.slots, transport=self.transport)
+            dtype = getattr(torch, self.weights_dtype)
+            self.publisher = WeightPublisher(self.store, state, self.slots, transport=self.transport, dtype=dtype)
         return this_proc()
 
     @endpoint

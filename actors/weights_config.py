@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 SLOT_HEADER_BYTES = 64  # store.py's HEADER_BYTES: the slot header, and the alignment of every tensor
-PUBLISHED_DTYPE_BYTES = 4  # every inner loop holds and publishes the policy in float32
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the dtypes weights are published in (generator_config.policy_dtype)
 
 
 def choose_transport(same_host: bool, on_gpu: bool) -> str:
@@ -26,9 +26,10 @@ def choose_transport(same_host: bool, on_gpu: bool) -> str:
     return "cuda_ipc" if on_gpu else "shm"
 
 
-def slot_bytes(tensors: dict[str, tuple[int, ...]]) -> int:
-    """One slot of the store for a state dict of these shapes: its header, then each tensor at an aligned offset."""
-    data = sum(_aligned(math.prod(shape) * PUBLISHED_DTYPE_BYTES) for shape in tensors.values())
+def slot_bytes(tensors: dict[str, tuple[int, ...]], dtype: str = "float32") -> int:
+    """One slot of the store for a state dict of these shapes published in ``dtype``: its
+    header, then each tensor at an aligned offset."""
+    data = sum(_aligned(math.prod(shape) * DTYPE_BYTES[dtype]) for shape in tensors.values())
     return SLOT_HEADER_BYTES + data
 
 

@@ -10,7 +10,8 @@ costs nothing next to a run.
 
 The seed is left out on purpose: after a resume the weights come from the checkpoint,
 and the seed only chose the initial weights and the prompt stream, which a user may
-change.
+change. So are the trainer's settings (optimizer, loss, ``precision``): a checkpoint holds
+fp32 master weights whatever the precision, so a run may resume in another one.
 """
 
 from __future__ import annotations

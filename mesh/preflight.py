@@ -9,8 +9,9 @@ kill once the run has started, so it is refused when the topology is read. Both
 launchers place every process on this machine, so this machine's memory is what is read.
 
 The slots must also leave RAM for the rest of the run (``RAM_MARGIN``): the trainer's
-own weights, gradients and two AdamW moments (4 x the weights) and, per launched
-process, the Python, torch and transformers runtime (``RUNTIME_BYTES``).
+own weights, gradients and two AdamW moments (4 x the weights in fp32, whatever dtype
+the slots publish them in) and, per launched process, the Python, torch and
+transformers runtime (``RUNTIME_BYTES``).
 """
 
 from __future__ import annotations
@@ -55,17 +56,19 @@ class StorePlan:
     slot_bytes: int | None  # None: unknown (the model directory has no safetensors weights)
     transport: str
     processes: int
+    master_bytes: int | None  # the trainer's fp32 weights (None: unknown, as slot_bytes)
 
     @classmethod
     def of(cls, topology: Topology) -> StorePlan:
         tensors = topology.model_facts().tensors
         processes = sum(m.procs * m.hosts for m in topology.launched_meshes().values())
-        size = None if tensors is None else slot_bytes(tensors)
-        return cls(topology.loop.max_policy_lag + 2, size, topology.weight_transport(), processes)
+        size = None if tensors is None else slot_bytes(tensors, topology.weights_dtype())
+        masters = None if tensors is None else slot_bytes(tensors)
+        return cls(topology.loop.max_policy_lag + 2, size, topology.weight_transport(), processes, masters)
 
     @property
     def ram_margin(self) -> int:
-        return TRAINER_COPIES * (self.slot_bytes or 0) + RUNTIME_BYTES * self.processes
+        return TRAINER_COPIES * (self.master_bytes or 0) + RUNTIME_BYTES * self.processes
 
     def slots_that_fit(self, free: FreeMemory) -> int | None:
         """The most slots this machine holds (None: nothing to check)."""

@@ -206,7 +206,7 @@ def _roles(topology: Topology, model_path: str, stores: _Stores, teachers: Teach
         slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
         place = _placement(topology, cfg.trainer.mesh, "trainer")
         args = (model_path, cfg.trainer, seed, stores.new(), slots, place, topology.loop.steps)
-        return procs.spawn("trainer", Trainer, *args, topology.weight_transport())
+        return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype())
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
     for name in topology.replica_meshes():

@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from actors import registry
-from actors.generator_config import GeneratorConfig
+from actors.generator_config import GeneratorConfig, policy_dtype
 from actors.inner_loops.config import TrainerConfig
 from actors.model_config import ModelFacts, TinyModelSpec
 from actors.rewarder_config import RewarderConfig
@@ -233,6 +233,17 @@ class Topology(Section):
         together = cfg.generator.replicas == 1 and self.meshes[cfg.trainer.mesh].hosts == 1
         together = together and all(mesh == cfg.trainer.mesh for mesh in followers)
         return choose_transport(self.launcher.kind == "local" or together, on_publishing_gpu(self, followers))
+
+    def weights_dtype(self) -> str:
+        """The dtype weights are published in: the generator engine's on its mesh (teachers
+        that follow the policy adopt what the store holds)."""
+        gen = self.actors.generator
+        return policy_dtype(gen.engine, self.meshes[gen.mesh].gpus > 0)
+
+    def trainer_precision(self) -> str:
+        """``actors.trainer.precision`` as the trainer resolves it on its mesh (auto: bf16 with GPUs)."""
+        trainer = self.actors.trainer
+        return trainer.precision_on(self.meshes[trainer.mesh].gpus > 0)
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> Topology:
@@ -551,10 +562,10 @@ def describe(topology: Topology) -> str:
         ),
         "generator -> rewarder: completions + inference logprobs",
         "rewarder -> controller: rewards -> group advantages -> TrainBatch",
-        f"controller -> trainer ({topology.actors.trainer.inner_loop}): TrainBatch; "
+        f"controller -> trainer ({topology.actors.trainer.inner_loop}, {topology.trainer_precision()}): TrainBatch; "
         + ("synchronous" if lag == 0 else f"bounded-async, max_policy_lag {lag}"),
-        f"trainer -> every generator: weights over {TRANSPORT_WORDS[topology.weight_transport()]} (versioned, "
-        + "checksummed), pushed after each step",
+        f"trainer -> every generator: {topology.weights_dtype()} weights over "
+        f"{TRANSPORT_WORDS[topology.weight_transport()]} (versioned, checksummed), pushed after each step",
     ]
     if topology.loop.warm_start.steps:
         graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")

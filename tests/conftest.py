@@ -1,10 +1,12 @@
-"""Shared builders of random loss inputs (float64 by default, for exact comparisons)."""
+"""Shared builders of random loss inputs (float64 by default, for exact comparisons), and a
+one-process torch.distributed world."""
 
 from __future__ import annotations
 
 import hypothesis  # noqa: F401  import before Monarch starts threads; a late import in pytest's summary hook hit a CPython 3.11 parser SystemError
 import pytest
 import torch
+import torch.distributed as dist
 
 from losses import Counts, DistillConfig, PolicyInputs
 
@@ -41,3 +43,12 @@ def random_policy(
 @pytest.fixture
 def generator() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def process_group():
+    """A ``torch.distributed`` world of this one process (gloo), as a one-process trainer mesh
+    has: the torchtitan loop shards its model with FSDP2 for bf16 even on one rank."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

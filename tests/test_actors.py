@@ -71,12 +71,18 @@ ALL_CHANNELS = LossConfig(
 
 
 async def train_once(
-    model_dir: str, procs: int, store: Path, batch, loss: LossConfig = LossConfig(), inner_loop: str = "native"
+    model_dir: str,
+    procs: int,
+    store: Path,
+    batch,
+    loss: LossConfig = LossConfig(),
+    inner_loop: str = "native",
+    precision: str = "auto",
 ):
     mesh = this_host().spawn_procs(per_host={"procs": procs})
     await setup_torch_elastic_env_async(mesh)
     optimizer = OptimizerConfig(lr=1e-2)
-    cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3)
+    cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3, precision=precision)
     trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, Placement(threads=1), 10)
     try:
         await trainer.start.call()

@@ -2,7 +2,8 @@
 
 Each loop is built from the same tiny HF model directory and runs ``forward_backward`` on
 the same ``TrainBatch`` (ragged rows, micro-batches of 3, and with all three channels on:
-teacher top-k on every other row and replayed-trace pairs). ``native`` is the reference.
+teacher top-k on every other row and replayed-trace pairs). ``native`` in fp32 is the
+reference: every loop matches it to float error in fp32, and to bf16 error in bf16.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from test_actors import ALL_CHANNELS, TASK, a_batch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors import registry
+from actors.checkpoint import load_checkpoint
 from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
-from actors.model import TinyModelSpec, build_tiny_model
+from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from losses import LossConfig, PolicyConfig, prime_rl
 from losses.logprobs import token_logprobs
 
@@ -34,6 +37,11 @@ POLICIES = {  # beyond the plain methods: the sampler corrected apart from the r
 POLICY_LOSSES = ["dapo", "grpo", "dr_grpo", "gspo", "cispo", "dppo", *POLICIES]
 LOOPS = ["trl", "prime_rl", "torchtitan"]
 TOLERANCE = 1e-5  # fp32; the loops differ only in summation order (measured: <= 3e-8 for trl and prime_rl)
+# bf16 against the fp32 reference (measured over every policy loss, with and without all channels: loss
+# <= 7e-5 off, gradients <= 0.8% off in L2 and <= 6e-4 per entry where the largest is ~0.1). The first
+# AdamW update is compared in L2 too (measured <= 11% off): that step is lr * g / |g| per entry, so an
+# entry whose gradient lies within bf16 noise of 0 may move the other way.
+BF16_LOSS, BF16_GRADIENT, BF16_GRADIENT_ENTRY, BF16_UPDATE = 2e-4, 0.015, 2e-3, 0.2
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +121,90 @@ def test_tis_inside_the_loop_weights_each_token_by_trainer_over_sampler(model_di
     assert metrics["policy/mismatch_k3"] == pytest.approx(float((log_r.exp() - 1 - log_r)[mask].mean()), abs=1e-6)
     for name, grad in loop.gradients().items():
         torch.testing.assert_close(grad, by_hand.gradients()[name], atol=TOLERANCE, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------------------------------ bf16
+
+
+def stepped(loop_name: str, model_dir: str, cfg: TrainerConfig, batch):
+    """A fresh loop after one step on ``batch``, with the step's metrics and gradients."""
+    loop = registry.load("inner_loop", loop_name)(model_dir, replace(cfg, inner_loop=loop_name), rank=0, world=1)
+    metrics = loop.forward_backward(batch, taid_t=0.6)
+    grads = {name: grad.clone() for name, grad in loop.gradients().items()}
+    loop.optimizer_step()
+    return loop, metrics, grads
+
+
+def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """||got - want|| / ||want|| over all the tensors together."""
+    diff = sum(float((got[name] - want[name]).norm() ** 2) for name in want)
+    return (diff / sum(float(tensor.norm() ** 2) for tensor in want.values())) ** 0.5
+
+
+@pytest.fixture
+def bf16_ready(request):
+    """What a loop in bf16 needs here: the torchtitan loop's FSDP2 needs a process group, even of one."""
+
+    def ready(loop: str) -> None:
+        if loop == "torchtitan":
+            request.getfixturevalue("process_group")
+
+    return ready
+
+
+@pytest.mark.parametrize("channels", [False, True], ids=["policy", "all_channels"])
+@pytest.mark.parametrize("loop", ["native", *LOOPS])
+def test_every_loop_in_bf16_takes_the_fp32_step_to_bf16_error(loop, channels, model_dir, bf16_ready):
+    batch = a_batch(model_dir, channels=channels)
+    initial = load_policy(model_dir)[0].state_dict()
+    reference, want_metrics, want = stepped("native", model_dir, config("dapo", channels, precision="fp32"), batch)
+    bf16_ready(loop)
+    trained, metrics, grads = stepped(loop, model_dir, config("dapo", channels, precision="bf16"), batch)
+    assert metrics["loss"] == pytest.approx(want_metrics["loss"], abs=BF16_LOSS)
+    assert relative_error(grads, want) <= BF16_GRADIENT
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, atol=BF16_GRADIENT_ENTRY, rtol=0, msg=name)
+    moved = {name: tensor - initial[name] for name, tensor in trained.state_dict().items()}
+    want_moved = {name: tensor - initial[name] for name, tensor in reference.state_dict().items()}
+    assert relative_error(moved, want_moved) <= BF16_UPDATE
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the matrix products and attention kernels torch runs under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "bmm", "baddbmm") or name.startswith("_scaled_dot_product"):
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("auto", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("loop", ["native", *LOOPS])
+def test_precision_is_the_dtype_of_the_models_matmuls_and_masters_stay_fp32(
+    loop, precision, dtype, model_dir, bf16_ready, tmp_path
+):
+    """On CPU, auto is fp32 and bf16 computes in bf16: every matrix product and attention of the
+    policy's forward (counted in torch's dispatcher); weights, gradients, AdamW's moments and
+    the checkpoint stay fp32."""
+    bf16_ready(loop)
+    cfg = replace(config("dapo", channels=False, precision=precision), inner_loop=loop)
+    trained = registry.load("inner_loop", loop)(model_dir, cfg, rank=0, world=1)
+    batch = a_batch(model_dir)
+    with MatmulDtypes() as seen:
+        trained.head(batch)
+    assert seen.dtypes == {dtype}
+    trained.train_step(batch)
+    assert {grad.dtype for grad in trained.gradients().values()} == {torch.float32}
+    trained.save(tmp_path / "ckpt", {"step": 1})
+    weights, optimizer, _ = load_checkpoint(tmp_path / "ckpt")
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float32}
+    moments = [value for slots in optimizer["state"].values() for key, value in slots.items() if key != "step"]
+    assert moments and {tensor.dtype for tensor in moments} == {torch.float32}
 
 
 # ------------------------------------------------------------------------------------ trl

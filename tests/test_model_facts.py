@@ -29,11 +29,13 @@ def test_the_spec_gives_the_built_models_state_dict_and_the_stores_slot_size(tmp
     facts = ModelFacts.of_spec(spec, ALPHABET)
     assert facts.tensors == shapes(model) and facts.head_size == model.config.head_dim == 8
 
-    publisher = WeightPublisher(tmp_path / "store", model.state_dict(), slots=1)
-    try:
-        assert os.path.getsize(slot_file(publisher.store, 0)) == slot_bytes(facts.tensors)
-    finally:
-        publisher.close()
+    for dtype in ("float32", "bfloat16"):
+        store = tmp_path / f"store-{dtype}"
+        publisher = WeightPublisher(store, model.state_dict(), slots=1, dtype=getattr(torch, dtype))
+        try:
+            assert os.path.getsize(slot_file(publisher.store, 0)) == slot_bytes(facts.tensors, dtype)
+        finally:
+            publisher.close()
     assert SLOT_HEADER_BYTES == HEADER_BYTES
 
 

@@ -1,4 +1,5 @@
-"""The PRIME-RL custom-loss adapter: contract, default-loss equivalence, import by path."""
+"""The PRIME-RL custom-loss adapter: contract, default-loss equivalence, import by path, and
+what the prime_rl loop hands it in bf16."""
 
 from __future__ import annotations
 
@@ -7,9 +8,15 @@ import sys
 
 import pytest
 import torch
+from test_actors import TASK, a_batch
 from torch.testing import assert_close
 
-from losses.prime_rl import LossInputs, composer_loss
+from actors.inner_loops import CustomLossConfig, TrainerConfig
+from actors.inner_loops.prime_rl import PrimeRLLoop
+from actors.model import TinyModelSpec, build_tiny_model
+from losses.prime_rl import LossInputs, LossOutputs, composer_loss
+
+SEEN: list[torch.dtype] = []  # what ``recording`` was handed
 
 
 def sample(generator, length=9):
@@ -75,3 +82,27 @@ def test_importable_by_path_without_prime_rl():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "composer_loss"
+
+
+def recording(inputs: LossInputs, **kwargs) -> LossOutputs:
+    """A PRIME-RL custom loss (imported by path below) that notes the dtype of its logprobs."""
+    SEEN.append(inputs.trainer_logprobs.dtype)
+    return composer_loss(inputs, **kwargs)
+
+
+def test_in_bf16_prime_rls_loss_gets_fp32_logprobs_and_the_fp32_loss_to_bf16_error(tmp_path):
+    """As PRIME-RL's trainer upcasts its bf16 model's logits, the loop in bf16 hands the loss
+    function fp32 logprobs (taken from bf16 matmuls), and the loss is the fp32 run's to bf16 error."""
+    model_dir = str(build_tiny_model(tmp_path / "tiny", TinyModelSpec(), TASK.alphabet, seed=0))
+    batch = a_batch(model_dir)
+    custom = CustomLossConfig(import_path="test_prime_rl.recording", kwargs={"name": "dppo"})
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        SEEN.clear()
+        cfg = TrainerConfig(
+            mesh="t", inner_loop="prime_rl", custom_loss=custom, micro_batch_size=3, precision=precision
+        )
+        losses[precision] = PrimeRLLoop(model_dir, cfg, rank=0, world=1).forward_backward(batch)["policy/loss"]
+        assert SEEN and set(SEEN) == {torch.float32}
+    assert losses["bf16"] == pytest.approx(losses["fp32"], abs=2e-4)
+    assert losses["bf16"] != losses["fp32"]  # really another computation

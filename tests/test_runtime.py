@@ -197,12 +197,17 @@ async def test_every_actor_on_one_mesh_learns_like_the_default_placement(tmp_pat
     assert first <= 0.25 and last >= first + 0.25, (first, last)
 
 
-@pytest.mark.parametrize("inner_loop", ["native", "trl", "prime_rl", "torchtitan"])
-async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop):
-    """tiny.yaml as shipped, cut to 60 steps, with each inner loop: the policy's own reward
-    climbs well clear of its start."""
+@pytest.mark.parametrize(
+    ("inner_loop", "precision"),
+    [("native", "auto"), ("native", "bf16"), ("trl", "auto"), ("prime_rl", "auto"), ("torchtitan", "auto")],
+    ids=["native", "native-bf16", "trl", "prime_rl", "torchtitan"],
+)
+async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop, precision):
+    """tiny.yaml as shipped, cut to 60 steps, with each inner loop (auto: fp32 on CPU) and with
+    the native one in bf16: the policy's own reward climbs well clear of its start."""
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
-    topology = load_topology(TINY, [*overrides, f"actors.trainer.inner_loop={inner_loop}"])
+    overrides += [f"actors.trainer.inner_loop={inner_loop}", f"actors.trainer.precision={precision}"]
+    topology = load_topology(TINY, overrides)
     rewards = [r["reward/mean"] for r in records(await run(topology, progress=False))]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)

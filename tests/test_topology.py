@@ -14,12 +14,13 @@ import yaml
 
 from actors.checkpoint import save_checkpoint
 from actors.generator_config import VLLM_CPU_HEAD_SIZES
+from actors.inner_loops import TrainerConfig
 from actors.weights_config import slot_bytes
 from mesh import launchers
 from mesh.fingerprint import topology_fingerprint
 from mesh.preflight import FreeMemory, StorePlan, check_memory, describe_store, size
 from mesh.run import main
-from mesh.topology import TopologyError, load_topology
+from mesh.topology import TopologyError, describe, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -101,6 +102,10 @@ def test_set_overrides_any_field_with_yaml_typed_values():
             ["hf teacher path '/no/such'", "save_pretrained"],
         ),
         (lambda t: t["actors"]["generator"].update(router="fastest"), ["unknown router 'fastest'", "least_loaded"]),
+        (
+            lambda t: t["actors"]["trainer"].update(precision="fp16"),
+            ["actors.trainer.precision", "'auto', 'bf16' or 'fp32'", "(got 'fp16')"],
+        ),
         (lambda t: t["actors"]["generator"].update(replicas=0), ["actors.generator", "replicas must be >= 1"]),
         (
             lambda t: t["actors"]["generator"].update(replicas=100),
@@ -167,7 +172,8 @@ def test_dry_run_prints_topology_placement_and_graph_and_spawns_nothing(tmp_path
     out = result.stdout
     assert "# resolved topology" in out and "max_policy_lag: 0" in out
     assert "mesh service: 1 host x 1 proc <- rewarder, teachers" in out
-    assert "controller -> trainer (native): TrainBatch; synchronous" in out
+    assert "controller -> trainer (native, fp32): TrainBatch; synchronous" in out
+    assert "trainer -> every generator: float32 weights over shared memory" in out
     assert list(tmp_path.iterdir()) == []  # no run directory, no job state: nothing was placed
 
 
@@ -264,6 +270,33 @@ def test_vllm_on_a_gpu_mesh_or_with_a_supported_head_size_is_accepted():
     assert load_topology(TINY, ["actors.generator.engine=vllm", "meshes.generator.gpus=1"], placed_here=False)
 
 
+def test_precision_auto_is_bf16_on_a_trainer_mesh_with_gpus_and_fp32_on_cpu(monkeypatch):
+    monkeypatch.setattr(launchers, "gpu_count", lambda: 8)
+    assert load_topology(TINY).trainer_precision() == "fp32"
+    assert load_topology(TINY, ["meshes.trainer.gpus=1"]).trainer_precision() == "bf16"
+    assert load_topology(TINY, ["meshes.generator.gpus=1"]).trainer_precision() == "fp32"  # the trainer's mesh decides
+    assert load_topology(TINY, ["meshes.trainer.gpus=1", "actors.trainer.precision=fp32"]).trainer_precision() == "fp32"
+    assert load_topology(TINY, ["actors.trainer.precision=bf16"]).trainer_precision() == "bf16"  # asked for, on CPU
+    assert [TrainerConfig("t").precision_on(on_gpu) for on_gpu in (False, True)] == ["fp32", "bf16"]
+    with pytest.raises(ValueError, match="precision must be one of auto, bf16, fp32, got 'half'; auto is bf16 on"):
+        TrainerConfig("t", precision="half")
+
+
+def test_weights_are_published_in_the_generator_engines_dtype(monkeypatch):
+    """fp32 where the engine runs on CPU; bf16 for hf and vLLM on GPUs, whose slots then take half the bytes."""
+    monkeypatch.setattr(launchers, "gpu_count", lambda: 8)
+    for overrides in ([], ["actors.generator.engine=vllm", "model.init.hidden_size=128"]):
+        assert load_topology(TINY, overrides).weights_dtype() == "float32"
+    assert load_topology(TINY, ["meshes.generator.gpus=1"]).weights_dtype() == "bfloat16"
+    topology = load_topology(TINY, ["actors.generator.engine=vllm", "meshes.generator.gpus=1", "meshes.trainer.gpus=1"])
+    assert topology.weights_dtype() == "bfloat16"
+    tensors = topology.model_facts().tensors
+    assert StorePlan.of(topology).slot_bytes == slot_bytes(tensors, "bfloat16") < slot_bytes(tensors)
+    assert StorePlan.of(topology).master_bytes == slot_bytes(tensors)  # the trainer's RAM margin stays fp32's
+    assert "trainer -> every generator: bfloat16 weights over" in describe(topology)
+    assert "controller -> trainer (native, bf16)" in describe(topology)
+
+
 def test_vllm_cpu_head_sizes_are_vllms_own():
     cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn", reason="vllm is not installed")
     assert list(VLLM_CPU_HEAD_SIZES) == list(cpu_attn.CPUAttentionBackend.get_supported_head_sizes())
@@ -338,7 +371,7 @@ def test_an_impossible_lag_is_refused_at_load_and_the_dry_run_prints_the_pre_fli
     result = _cli(str(TINY), "--dry-run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     line = r"^weight store: 3 slots x [\d.]+ kB = [\d.]+ MB of [\d.]+ GB free in /dev/shm$"
-    assert re.search(line, result.stdout, re.M)
+    assert re.search(line, result.stdout, re.MULTILINE)
 
 
 # ----------------------------------------------------------------------------- any file, one line

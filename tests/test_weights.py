@@ -16,6 +16,7 @@ import cloudpickle
 import pytest
 import torch
 from monarch.actor import Actor, endpoint, this_host
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import actors.weights.store as weights
 from actors.weights import (
@@ -305,6 +306,40 @@ def test_tensors_are_64_byte_aligned_in_manifest_order(pair) -> None:
     assert [e.name for e in entries] == list(state_dict())
     assert all(e.offset % 64 == 0 for e in entries)
     assert all(a.offset + a.nbytes <= b.offset for a, b in itertools.pairwise(entries))
+
+
+class OpsSeen(TorchDispatchMode):
+    """The names of the torch ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_store_in_the_followers_dtype_casts_each_tensor_as_it_copies_it(store: Path) -> None:
+    """``dtype``: floating tensors are published in it (rounded as ``.to`` rounds), others as they
+    are; the manifest records it, the checksum covers the published bytes, and no cast copy of a
+    tensor is made on the way (a cast ``copy_`` into the slot's view, never ``.to``)."""
+    pub = WeightPublisher(store, state_dict(0), slots=2, dtype=torch.bfloat16)
+    sub = WeightSubscriber(store)
+    published = state_dict(1)
+    with OpsSeen() as seen:
+        want = pub.publish(published, 0)
+    assert "copy_" in seen.names and "_to_copy" not in seen.names
+    views = sub.load(want)
+    sub.check_intact(want)  # the background hash of the bf16 bytes matches the record
+    cast = {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in published.items()}
+    assert_same(views, cast)
+    assert {e.name: e.dtype for e in sub.manifest.tensors}["embed.weight"] == "bfloat16"
+    assert {e.name: e.dtype for e in sub.manifest.tensors}["step"] == "int64"
+    with pytest.raises(WeightSyncError, match=r"key 'embed.weight' is float64\[7, 5\], the store takes float32"):
+        pub.publish(state_dict(2) | {"embed.weight": state_dict(2)["embed.weight"].double()}, 1)  # as the first came
+    sub.close()
+    pub.close()
 
 
 # ------------------------------------------------------------------- transports, followers

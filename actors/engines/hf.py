@@ -14,13 +14,15 @@ import torch
 from torch import Tensor
 
 from actors.engines import Sample, Sampling, request_seed
+from actors.generator_config import policy_dtype
 from actors.model import Placement, load_policy
 
 
 class HFEngine:
     def __init__(self, model_path: str, sampling: Sampling, place: Placement = Placement()):
         self.device = place.device()
-        self.model, self.tokenizer = load_policy(model_path)
+        dtype = getattr(torch, policy_dtype("hf", on_gpu=bool(place.gpus)))  # the dtype weights are published in
+        self.model, self.tokenizer = load_policy(model_path, dtype)
         self.model.to(self.device).eval()
         self.tokenizer.padding_side = "left"
         self.sampling = sampling

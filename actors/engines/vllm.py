@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from actors.engines import Sample, Sampling
-from actors.generator_config import VLLM_OWN_GPU_SHARE
+from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype
 from actors.model import Placement
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process
@@ -66,7 +66,7 @@ class VLLMEngine:
         with _context_proxies_hidden():
             self.llm = LLM(
                 model=model_path,
-                dtype=torch.float32 if on_cpu else torch.bfloat16,
+                dtype=policy_dtype("vllm", on_gpu=not on_cpu),  # the dtype the trainer publishes in
                 seed=0,  # every request carries its own seed (``generate``)
                 enforce_eager=on_cpu,  # torch.compile would take minutes on CPU for little gain
                 **(

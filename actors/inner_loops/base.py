@@ -7,6 +7,12 @@ sequence and pair counts, so summing micro-batches and ranks gives exactly the
 full-batch loss whatever the split. That is what makes the four inner loops agree to
 float error: they differ only in the hooks below (how the model computes the policy's
 distribution, how gradients sync, which optimizer steps).
+
+Precision: ``compute_dtype`` is the dtype of the model's matmuls (``TrainerConfig.precision``
+resolved for this loop's device). In bf16 every loop keeps fp32 weights, gradients and
+optimizer state (mixed precision, each the way its library does it), so checkpoints hold
+fp32 masters whatever the precision, and the loss kernels, which upcast to fp32, run
+outside any autocast region on whatever dtype the head hands them.
 """
 
 from __future__ import annotations
@@ -70,6 +76,15 @@ class MicroBatchLoop(ABC):
 
     def __init__(self, cfg: TrainerConfig, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        bf16 = cfg.precision_on(device.type == "cuda") == "bf16"
+        self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def autocast(self) -> AbstractContextManager:
+        """The model's forward in ``compute_dtype`` (AMP: torch casts each matmul's inputs; the
+        parameters stay fp32). A no-op in fp32."""
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     # -- backend hooks -------------------------------------------------------------------
 

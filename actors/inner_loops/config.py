@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from actors import registry
 from losses.config import LossConfig
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+Precision = Literal["auto", "bf16", "fp32"]
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,17 @@ class TrainerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 64  # rows per forward/backward on one rank
     custom_loss: CustomLossConfig | None = None
+    # The dtype of the matmuls; weights, gradients and optimizer state stay fp32 either way.
+    # auto: bf16 where the trainer has GPUs, fp32 on CPU (a CPU without native bf16 runs bf16 matmuls slowly).
+    precision: Precision = "auto"
 
     def __post_init__(self) -> None:
         registry.resolve("inner_loop", self.inner_loop)
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}; auto is bf16 on a "
+                "trainer mesh with GPUs and fp32 on CPU"
+            )
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.custom_loss is not None and self.inner_loop != "prime_rl":
@@ -74,3 +84,9 @@ class TrainerConfig:
                 f"loss.policy.kl_coef is {self.loss.policy.kl_coef}, but the trainer has no reference model yet to "
                 "take a KL penalty against; set kl_coef: 0"
             )
+
+    def precision_on(self, on_gpu: bool) -> Literal["bf16", "fp32"]:
+        """``precision`` with ``auto`` resolved for a trainer on GPUs (``on_gpu``) or on CPU."""
+        if self.precision == "auto":
+            return "bf16" if on_gpu else "fp32"
+        return self.precision

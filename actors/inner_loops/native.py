@@ -2,6 +2,13 @@
 
 The loss sees the last hidden states and the LM-head weight (``LinearHead``), so
 ``[rows, tokens, vocab]`` logits never exist.
+
+bf16 is automatic mixed precision, as TRL and Accelerate do it with ``bf16=True``: fp32
+weights and AdamW state, the decoder's forward under ``torch.autocast`` (on CPU too).
+Not bf16 weights with fp32 master copies: autocast keeps the one fp32 parameter set
+that DDP, the optimizer, checkpoints and the weight publisher already use, with no
+second copy to keep in step. The LM head's inputs are cast to bf16 as autocast casts an
+``nn.Linear``'s, so the loss kernel's head matmul runs in bf16 and its softmax in fp32.
 """
 
 from __future__ import annotations
@@ -47,7 +54,10 @@ class NativeLoop(HFModelLoop):
         )
 
     def head(self, batch: TrainBatch) -> LinearHead:
-        return LinearHead(self.hidden(batch), self.model.get_output_embeddings().weight)
+        with self.autocast():
+            hidden = self.hidden(batch)
+        weight = self.model.get_output_embeddings().weight
+        return LinearHead(hidden.to(self.compute_dtype), weight.to(self.compute_dtype))
 
     def no_sync(self) -> AbstractContextManager:
         return self.hidden.no_sync() if self.world > 1 else nullcontext()

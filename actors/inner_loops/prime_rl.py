@@ -14,7 +14,9 @@ constant) ride on its per-token weight stream, ``loss_weights``. Its contract se
 sampled tokens' logprobs only, so channels 2 and 3 (which need the whole distribution
 or summed sequences) are separate components here, as PRIME-RL's ``ce``/``ref_kl`` are:
 ``compose_loss`` with their own normalizers. The model, DDP and AdamW are the native
-loop's (PRIME-RL's FSDP2 trainer is CUDA-only and not installable here).
+loop's (PRIME-RL's FSDP2 trainer is CUDA-only and not installable here), and so is bf16:
+autocast over fp32 weights, where PRIME-RL's trainer gathers bf16 parameters with FSDP2's
+``MixedPrecisionPolicy`` over fp32 shards; either way the loss function gets fp32 logprobs.
 
 Each sample's tensors cover its completion positions (prompt tokens carry no loss).
 """

@@ -30,6 +30,15 @@ Fixes that make it run on CPU and over gloo, and why:
 FSDP2 gathers a layer's parameters in every forward (and again in backward), so the loop
 runs in ``lockstep``: ranks whose share of the rows is smaller run idle passes, and every
 rank joins the same gathers in the same order.
+
+bf16 is TorchTitan's mixed precision: ``TrainingConfig(mixed_precision_param="bfloat16",
+mixed_precision_reduce="float32")``, which its ``parallelize_*`` turn into FSDP2's
+``MixedPrecisionPolicy``: fp32 sharded parameters and AdamW state, bf16 copies gathered
+for each forward and backward, gradients taken in bf16 then reduced and kept in fp32,
+bf16 logits. The policy lives in ``fully_shard``, so in bf16 the model is sharded even
+over a trainer mesh of one process (as TorchTitan itself does: a shard degree of 1
+gathers nothing but casts); that needs ``torch.distributed`` initialized, which the
+Trainer does. It works over gloo on CPU. In fp32 a one-process mesh stays a plain module.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -301,20 +311,28 @@ class _Job:
 
 
 PARALLELISM = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=-1)
+TITAN_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # TrainingConfig's names
 
 
-def fully_shard_over(model: Decoder, family: Family, world: int) -> None:
-    """FSDP2 over the whole trainer mesh, by TorchTitan's own ``parallelize_*`` (fp32, no
-    compile, no activation checkpointing), then the gloo-safe reductions."""
+def fully_shard_over(model: Decoder, family: Family, world: int, dtype: torch.dtype) -> None:
+    """FSDP2 over the whole trainer mesh, by TorchTitan's own ``parallelize_*`` (parameters
+    gathered in ``dtype``, gradients reduced in fp32, no compile, no activation
+    checkpointing), then the gloo-safe reductions."""
     if torchtitan_device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             "torchtitan was imported before actors.inner_loops.torchtitan on a host without CUDA, so it "
             "builds CUDA meshes; import actors.inner_loops.torchtitan first"
         )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "the torchtitan inner loop shards its model with FSDP2 (over several ranks, or for bf16 mixed "
+            "precision even on one), which needs torch.distributed initialized; call "
+            "torch.distributed.init_process_group first (the Trainer actor does), or train in fp32 on one process"
+        )
     family.parallelize(
         model,
         parallel_dims=ParallelDims.from_config(PARALLELISM, world),
-        training=TrainingConfig(mixed_precision_param="float32"),
+        training=TrainingConfig(mixed_precision_param=TITAN_DTYPES[dtype], mixed_precision_reduce="float32"),
         parallelism=PARALLELISM,
         compile_config=CompileConfig(),
         ac_config=None,
@@ -340,7 +358,7 @@ NO_DECAY = 2**62  # the LR schedule's length: TorchTitan's schedule is constant 
 
 
 class TorchTitanLoop(MicroBatchLoop):
-    """``MicroBatchLoop`` over a TorchTitan model, FSDP2 (world > 1), and TorchTitan's AdamW.
+    """``MicroBatchLoop`` over a TorchTitan model, FSDP2 (world > 1, or bf16), and TorchTitan's AdamW.
 
     The head is ``Logits`` (the completion positions of the model's own output): the
     forward must run through the FSDP2 root so that the LM head's parameters are gathered,
@@ -357,8 +375,8 @@ class TorchTitanLoop(MicroBatchLoop):
         config.update_from_config(config=_Job(PARALLELISM))
         with torch.device("meta"):
             self.model: Decoder = config.build()
-        if world > 1:
-            fully_shard_over(self.model, family, world)
+        if world > 1 or self.compute_dtype != torch.float32:  # mixed precision is FSDP2's
+            fully_shard_over(self.model, family, world, self.compute_dtype)
         self.model.to_empty(device=device)
         self.model.init_states(buffer_device=device)
         self.adapter = family.adapter(config, None)

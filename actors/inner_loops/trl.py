@@ -4,7 +4,9 @@ TRL prepares the model (dtype, its fused LM head, Accelerate and DDP), computes 
 policy's token logprobs with its own ``_get_per_token_logps_and_entropies`` and builds
 the optimizer and LR schedule from its ``GRPOConfig``; the loss is ours, plugged in by
 ``ComposerGRPOTrainer``, a ``GRPOTrainer`` subclass overriding ``_compute_loss``. Rollouts
-come from our Generator: TRL's generation and dataloader are never used here.
+come from our Generator: TRL's generation and dataloader are never used here. Precision
+``bf16`` is TRL's own ``bf16=True``: Accelerate's autocast around TRL's forward, over fp32
+weights and optimizer state (on CPU too).
 
 ``ComposerGRPOTrainer`` is also a public API for people who train with TRL directly::
 
@@ -83,7 +85,10 @@ class ComposerGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         if distribution:
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.get("position_ids"))
+            with self.accelerator.autocast():  # as TRL wraps its own forward (a no-op unless bf16)
+                logits = model(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.get("position_ids")
+                )
             return Logits(logits.logits[:, prompt_ids.shape[1] - 1 : -1] / self.temperature)
         logprobs, _, _ = self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, completion_ids.shape[1]
@@ -127,7 +132,7 @@ class TRLLoop(HFModelLoop):
             report_to="none",
             save_strategy="no",
             use_cpu=device.type == "cpu",
-            bf16=False,  # TRL's default on CPU too: autocast to bfloat16
+            bf16=self.compute_dtype == torch.bfloat16,  # Accelerate's autocast; fp32 weights and optimizer
             model_init_kwargs={"dtype": torch.float32},
             learning_rate=opt.lr,
             adam_beta1=opt.betas[0],

@@ -64,14 +64,18 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
 
     @classmethod
-    def of_state_dict(cls, state_dict: dict[str, Tensor], slots: int, chunk_bytes: int) -> Manifest:
-        """Layout fixed from the first state dict: every tensor 64-byte aligned, in dict order."""
+    def of_state_dict(
+        cls, state_dict: dict[str, Tensor], slots: int, chunk_bytes: int, dtype: torch.dtype | None = None
+    ) -> Manifest:
+        """Layout fixed from the first state dict: every tensor 64-byte aligned, in dict order;
+        floating-point tensors held in ``dtype`` (None: their own), the others as they are."""
         entries, offset = [], 0
         for name, tensor in state_dict.items():
             if not isinstance(tensor, Tensor) or tensor.layout != torch.strided:
                 raise WeightSyncError(f"{name!r}: only dense (strided) tensors can be published")
-            nbytes = tensor.numel() * tensor.element_size()
-            entries.append(TensorEntry(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+            held = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            nbytes = tensor.numel() * held.itemsize
+            entries.append(TensorEntry(name, dtype_name(held), tuple(tensor.shape), offset, nbytes))
             offset = _align(offset + nbytes)
         if offset == 0:
             raise WeightSyncError("the state dict holds no bytes to publish")
@@ -139,8 +143,11 @@ class Manifest:
             for e in self.tensors
         }
 
-    def mismatch(self, state_dict: dict[str, Tensor]) -> str | None:
-        """Why ``state_dict`` does not fit this layout (naming the first bad key), or None."""
+    def mismatch(self, state_dict: dict[str, Tensor], sources: dict[str, torch.dtype] | None = None) -> str | None:
+        """Why ``state_dict`` does not fit this layout (naming the first bad key), or None.
+
+        ``sources``: the dtype each tensor must arrive in where the store holds another
+        (the publisher casts as it copies); by default the store's own."""
         for e in self.tensors:
             if e.name not in state_dict:
                 return f"key {e.name!r} is missing"
@@ -149,9 +156,10 @@ class Manifest:
                 return f"key {e.name!r} is a {type(t).__name__}, not a tensor"
             if t.layout != torch.strided:
                 return f"key {e.name!r} is not a dense tensor ({t.layout})"
-            have, held = f"{dtype_name(t.dtype)}{list(t.shape)}", f"{e.dtype}{list(e.shape)}"
-            if have != held:
-                return f"key {e.name!r} is {have}, the store holds {held}"
+            want = (sources or {}).get(e.name, _dtype(e.dtype, e.name))
+            have, takes = f"{dtype_name(t.dtype)}{list(t.shape)}", f"{dtype_name(want)}{list(e.shape)}"
+            if have != takes:
+                return f"key {e.name!r} is {have}, the store takes {takes}"
         if len(state_dict) != len(self.tensors):
             known = {e.name for e in self.tensors}
             extra = next(name for name in state_dict if name not in known)

@@ -343,12 +343,14 @@ def _stage(source: Tensor, view: Tensor) -> int | None:
     no OpenMP region per tensor (on a host whose cores are busy, every such region waits
     for a preempted thread, which made a per-tensor ``copy_`` publish 5-10x slower than
     one memcpy). Anything else -- non-contiguous, on an accelerator, a lazy conj/neg
-    view, a tensor subclass -- goes through torch's ``copy_``, which knows how to read it.
+    view, a tensor subclass, another dtype than the store holds (a cast) -- goes through
+    torch's ``copy_``, which knows how to read it.
     """
     plain = type(source) in (Tensor, torch.nn.Parameter) and source.device.type == "cpu"
-    if plain and source.is_contiguous() and not source.is_conj() and not source.is_neg():
+    same = source.dtype == view.dtype
+    if plain and same and source.is_contiguous() and not source.is_conj() and not source.is_neg():
         return source.data_ptr()
-    view.copy_(source)
+    view.copy_(source)  # casts into the store's dtype as it copies
     return None
 
 
@@ -372,6 +374,9 @@ class WeightPublisher:
     The layout is fixed by the state dict given here; every published state dict must
     have the same names, dtypes and shapes. One publisher per store (no writer locking).
     ``transport`` says where the slots live and how followers reach them (module docstring).
+    ``dtype``: the followers' dtype, which floating-point tensors are published in: each is
+    cast as it is copied into its slot (never a whole cast copy of the state dict first),
+    the manifest records it and the checksum covers the bytes as published.
     """
 
     def __init__(
@@ -383,6 +388,7 @@ class WeightPublisher:
         transport: str = "shm",
         chunk_bytes: int = CHUNK_BYTES,
         threads: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -391,7 +397,8 @@ class WeightPublisher:
         if transport not in TRANSPORTS:
             raise ValueError(f"weight transport {transport!r} is unknown; use one of {', '.join(TRANSPORTS)}")
         self.store, self.transport = _store_path(store), transport
-        self.manifest = Manifest.of_state_dict(state_dict, slots, chunk_bytes)
+        self.manifest = Manifest.of_state_dict(state_dict, slots, chunk_bytes, dtype)
+        self._sources = {name: tensor.dtype for name, tensor in state_dict.items()}  # every version's, before the cast
         self._manifest_bytes = self.manifest.encode()
         self.layout = layout_digest(self._manifest_bytes)  # folded into every version's checksum
         self.slots = slots
@@ -471,7 +478,7 @@ class WeightPublisher:
             raise WeightSyncError("publisher is closed")
         if not 0 <= version <= _MAX_VERSION:
             raise ValueError(f"version must be in [0, 2**61), got {version}")
-        problem = self.manifest.mismatch(state_dict)
+        problem = self.manifest.mismatch(state_dict, self._sources)
         if problem is not None:
             raise WeightSyncError(f"state dict does not match the store's manifest: {problem}")
         index = version % self.slots
