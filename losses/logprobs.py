@@ -18,6 +18,7 @@ accumulates in fp32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -33,15 +34,28 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
     A weight gradient summed over many chunks needs fp32 accumulation, but its GEMM should
     run on bf16 operands: CUDA does both at once (``out_dtype``: bf16 inputs, fp32 sums,
-    fp32 ``acc`` updated in place). CPU has no such kernel; there the operands are upcast,
-    which gives the same sums (CPU bf16 serves tests, not speed).
+    fp32 ``acc`` updated in place). Where that kernel is missing (CPU; an older PyTorch) the
+    operands are upcast, which gives the same sums more slowly.
     """
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
+    elif _sums_narrow_products(acc.device, a.dtype, acc.dtype):
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+@functools.cache
+def _sums_narrow_products(device: torch.device, operands: torch.dtype, sums: torch.dtype) -> bool:
+    """Whether ``addmm`` on ``device`` takes ``operands``-dtype matrices into a ``sums``-dtype
+    accumulator in place (``out_dtype``); tried once on 1x1 tensors."""
+    acc = torch.zeros(1, 1, dtype=sums, device=device)
+    one = torch.ones(1, 1, dtype=operands, device=device)
+    try:
+        torch.addmm(acc, one, one, out_dtype=sums, out=acc)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+    return acc.item() == 1.0
 
 
 def _logprob_grad(logits: Tensor, targets: Tensor, log_norm: Tensor, grad_out: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.dry_run:
-        return dry_run(args.topology, args.set)
+        return dry_run(args.topology, args.set, args.resume)
     try:
         topology = load_topology(args.topology, args.set)
         if args.resume:
@@ -63,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def dry_run(path: str, overrides: list[str]) -> int:
+def dry_run(path: str, overrides: list[str], resume: str | None) -> int:
     """Print the plan; a job that is right but does not fit this machine (a GPU node's topology
     read on a laptop) is still described, with what this machine lacks."""
     try:
         topology = load_topology(path, overrides, placed_here=False)
+        if resume:
+            check_resume(topology, Path(resume))
     except TopologyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

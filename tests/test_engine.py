@@ -7,6 +7,7 @@ needs a head size of 32 or more, hence the wider tiny model for it.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import torch
@@ -24,6 +25,17 @@ LOGPROB_TOLERANCE = 1e-4  # vLLM's fp32 CPU kernels vs transformers' eager fp32 
 def engine(tmp_path_factory) -> HFEngine:
     path = build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), ALPHABET, seed=0)
     return HFEngine(str(path), Sampling(max_new_tokens=6))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_left():
+    """vLLM in-process initializes torch.distributed's default group (world size 1); tests after
+    these, in this process, build their own."""
+    yield
+    if "vllm" in sys.modules:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +109,9 @@ async def test_same_seed_same_samples_and_new_weights_change_them(tmp_path):
     )  # adopted, not copied
     assert ids(await a.generate(["abc="], 8, seeds_for(["abc="], "other"))) != first  # the seeds are the randomness
     assert ids(await a.generate(["abc="], 8, seeds_for(["abc="]))) == first  # and nothing else: no stream runs on
-    assert ids(await a.generate(["abc="], 8, seeds_for(["abc="]))) != ids(await b.generate(["abc="], 8, seeds_for(["abc="])))
+    assert ids(await a.generate(["abc="], 8, seeds_for(["abc="]))) != ids(
+        await b.generate(["abc="], 8, seeds_for(["abc="]))
+    )
 
 
 async def test_hf_sampling_parameters_shape_the_distribution_and_its_logprobs(tmp_path):
