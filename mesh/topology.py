@@ -155,6 +155,20 @@ class Logging(Section):
 
 class LauncherSection(Section):
     kind: str = "local"
+    # slurm only (``mesh/launchers/slurm.py``): each becomes an #SBATCH line of every mesh's job
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    exclusive: bool = False
+    overcommit: bool = False
+
+    def sbatch_options(self) -> dict[str, object]:
+        names = ("partition", "account", "qos", "time", "gpus_per_node", "cpus_per_task", "mem", "exclusive", "overcommit")
+        return {name.replace("_", "-"): getattr(self, name) for name in names}
 
 
 class Topology(Section):

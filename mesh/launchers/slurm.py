@@ -1,0 +1,149 @@
+"""``slurm``: each mesh is a Slurm job of ``hosts`` nodes, one Monarch worker per node.
+
+One job per mesh, not one for the whole topology: a job's nodes are exactly its mesh's
+hosts, and jobs that are not exclusive may share a node, so the default three-mesh
+topology runs on a one-node cluster. Each worker listens on a port of its own (the run's
+base port plus the mesh's index, so meshes sharing a node never collide); the controller
+attaches to the workers and spawns the mesh's processes inside them, that is inside the
+job's allocation, where Slurm accounts for them and ``scancel`` ends them.
+
+Job state is read with ``squeue --format`` (the same on every Slurm version, unlike
+``squeue --json``, whose schema changed after 22.05) and node lists are expanded by
+``scontrol show hostnames``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from monarch.actor import ProcMesh, attach_to_workers, enable_transport
+
+from mesh.launchers import spawn_procs
+from mesh.placement import proc_starts
+
+WORKER = (
+    "import os, socket; from monarch.actor import run_worker_loop_forever; "
+    'run_worker_loop_forever(address="tcp://%s:%s" % (socket.gethostname(), os.environ["CM_WORKER_PORT"]), '
+    'ca="trust_all_connections")'
+)
+PORTS = (20000, 60000)  # a run's base port is drawn from here
+START_TIMEOUT_S = 300
+POLL_S = 0.5
+
+
+class SlurmError(RuntimeError):
+    """A job that could not be submitted, did not start, or ended under the run."""
+
+
+@dataclass
+class SlurmJob:
+    """One submitted mesh: its job id, its port on every node, and its nodes once running."""
+
+    mesh: str
+    job_id: str
+    port: int
+    nodes: list[str]
+
+
+def sbatch_script(name: str, hosts: int, port: int, options: dict[str, object], python: str = sys.executable) -> str:
+    """The batch script of one mesh: ``hosts`` nodes, one worker task on each."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={hosts}", "#SBATCH --ntasks-per-node=1"]
+    for key, value in options.items():
+        if value is True:
+            lines.append(f"#SBATCH --{key}")
+        elif value not in (None, False):
+            lines.append(f"#SBATCH --{key}={value}")
+    lines += [f"export CM_WORKER_PORT={port}", f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -c {shlex.quote(WORKER)}"]
+    return "\n".join(lines) + "\n"
+
+
+def job_state(job_id: str) -> tuple[str | None, str]:
+    """(state, node list) of a job in the queue; (None, "") once it has left it."""
+    out = _run(["squeue", "--noheader", "--jobs", job_id, "--format", "%T|%N"], check=False).strip()
+    if not out or "|" not in out:
+        return None, ""
+    state, nodes = out.splitlines()[0].split("|", 1)
+    return state, nodes
+
+
+def final_state(job_id: str) -> str:
+    """How a job that left the queue ended (``sacct``), or "unknown" without accounting."""
+    out = _run(["sacct", "--noheader", "--parsable2", "--jobs", job_id, "--format", "State"], check=False).split()
+    return out[0] if out else "unknown"
+
+
+def expand_nodes(nodelist: str) -> list[str]:
+    return _run(["scontrol", "show", "hostnames", nodelist]).split()
+
+
+def _run(command: list[str], check: bool = True) -> str:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise SlurmError(f"`{' '.join(command)}` failed: {result.stderr.strip() or result.returncode}")
+    return result.stdout
+
+
+class SlurmLauncher:
+    def __init__(self) -> None:
+        self.jobs: dict[str, SlurmJob] = {}
+        loopback = socket.gethostbyname(socket.gethostname()).startswith("127.")
+        # a node whose name resolves only to loopback (a one-node test cluster) cannot advertise itself
+        from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
+
+        enable_transport(ChannelTransport.TcpWithLocalhost if loopback else ChannelTransport.TcpWithHostname)
+
+    def start(self, topology) -> dict[str, ProcMesh]:
+        self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
+        base = random.randrange(*PORTS)
+        options = topology.launcher.sbatch_options()
+        for index, (name, spec) in enumerate(self.specs.items()):
+            port = base + index
+            script = sbatch_script(f"{topology.name}-{name}", spec.hosts, port, options)
+            job_id = self._submit(script)
+            self.jobs[name] = SlurmJob(name, job_id, port, [])
+        self._wait_running()
+        self.hosts = {
+            name: attach_to_workers(
+                name=name, ca="trust_all_connections", workers=[f"tcp://{node}:{job.port}" for node in job.nodes]
+            )
+            for name, job in self.jobs.items()
+        }
+        return {name: self.respawn(name) for name in self.specs}
+
+    def _submit(self, script: str) -> str:
+        result = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SlurmError(f"sbatch refused a mesh's job: {result.stderr.strip()}")
+        return result.stdout.strip().split(";")[0]
+
+    def _wait_running(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = dict(self.jobs)
+        while waiting:
+            for name, job in list(waiting.items()):
+                state, nodes = job_state(job.job_id)
+                if state == "RUNNING":
+                    job.nodes = expand_nodes(nodes)
+                    del waiting[name]
+                elif state is None or state not in ("PENDING", "CONFIGURING"):
+                    ended = state or final_state(job.job_id)
+                    raise SlurmError(f"Slurm job {job.job_id} (mesh {name}) ended before it ran: {ended}")
+            if waiting and time.monotonic() > deadline:
+                pending = ", ".join(f"{j.job_id} ({n})" for n, j in waiting.items())
+                raise SlurmError(f"Slurm jobs {pending} did not start within {START_TIMEOUT_S} s")
+            time.sleep(POLL_S)
+
+    def respawn(self, name: str) -> ProcMesh:
+        return spawn_procs(self.hosts[name], self.specs[name].procs, self.starts[name])
+
+    async def stop(self) -> None:
+        ids = [job.job_id for job in self.jobs.values()]
+        if ids:
+            await asyncio.to_thread(_run, ["scancel", *ids], False)
