@@ -153,6 +153,19 @@ class Logging(Section):
     tensorboard: bool = True
 
 
+SBATCH_OPTIONS = (
+    "partition",
+    "account",
+    "qos",
+    "time",
+    "gpus_per_node",
+    "cpus_per_task",
+    "mem",
+    "exclusive",
+    "overcommit",
+)
+
+
 class LauncherSection(Section):
     kind: str = "local"
     # slurm only (``mesh/launchers/slurm.py``): each becomes an #SBATCH line of every mesh's job
@@ -166,9 +179,16 @@ class LauncherSection(Section):
     exclusive: bool = False
     overcommit: bool = False
 
+    @model_validator(mode="after")
+    def _options_of_its_kind(self) -> LauncherSection:
+        given = [name for name in SBATCH_OPTIONS if getattr(self, name) not in (None, False)]
+        if given and self.kind != "slurm":
+            raise ValueError(f"{given[0]} is a Slurm option, but kind is {self.kind!r}; drop it, or set kind: slurm")
+        return self
+
     def sbatch_options(self) -> dict[str, object]:
-        names = ("partition", "account", "qos", "time", "gpus_per_node", "cpus_per_task", "mem", "exclusive", "overcommit")
-        return {name.replace("_", "-"): getattr(self, name) for name in names}
+        """The Slurm options, keyed as sbatch spells them."""
+        return {name.replace("_", "-"): getattr(self, name) for name in SBATCH_OPTIONS}
 
 
 class Topology(Section):

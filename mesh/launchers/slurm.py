@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from monarch.actor import ProcMesh, attach_to_workers, enable_transport
 
@@ -35,6 +36,7 @@ WORKER = (
 )
 PORTS = (20000, 60000)  # a run's base port is drawn from here
 START_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 30
 POLL_S = 0.5
 
 
@@ -52,15 +54,21 @@ class SlurmJob:
     nodes: list[str]
 
 
-def sbatch_script(name: str, hosts: int, port: int, options: dict[str, object], python: str = sys.executable) -> str:
-    """The batch script of one mesh: ``hosts`` nodes, one worker task on each."""
+def sbatch_script(
+    name: str, hosts: int, port: int, options: dict[str, object], logs: str, python: str = sys.executable
+) -> str:
+    """The batch script of one mesh: ``hosts`` nodes, one worker task on each; its output in ``logs``."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={hosts}", "#SBATCH --ntasks-per-node=1"]
+    lines.append(f"#SBATCH --output={logs}/%x-%j.out")
     for key, value in options.items():
         if value is True:
             lines.append(f"#SBATCH --{key}")
         elif value not in (None, False):
             lines.append(f"#SBATCH --{key}={value}")
-    lines += [f"export CM_WORKER_PORT={port}", f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -c {shlex.quote(WORKER)}"]
+    lines += [
+        f"export CM_WORKER_PORT={port}",
+        f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -c {shlex.quote(WORKER)}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -103,9 +111,11 @@ class SlurmLauncher:
         self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
         base = random.randrange(*PORTS)
         options = topology.launcher.sbatch_options()
+        logs = Path(topology.logging.root).resolve() / "slurm"
+        logs.mkdir(parents=True, exist_ok=True)
         for index, (name, spec) in enumerate(self.specs.items()):
             port = base + index
-            script = sbatch_script(f"{topology.name}-{name}", spec.hosts, port, options)
+            script = sbatch_script(f"{topology.name}-{name}", spec.hosts, port, options, str(logs))
             job_id = self._submit(script)
             self.jobs[name] = SlurmJob(name, job_id, port, [])
         self._wait_running()
@@ -141,9 +151,33 @@ class SlurmLauncher:
             time.sleep(POLL_S)
 
     def respawn(self, name: str) -> ProcMesh:
+        """Fresh processes in the mesh's workers, which live as long as its job: a job that was
+        cancelled, preempted or timed out ends the run, named."""
+        job = self.jobs[name]
+        state, _ = job_state(job.job_id)
+        if state is not None and state != "RUNNING":
+            raise SlurmError(
+                f"Slurm job {job.job_id} of mesh {name} is {state}, so its nodes are gone; rerun, or resume from "
+                "the last checkpoint"
+            )
+        if state is None:
+            ended = final_state(job.job_id)
+            how = "cancelled, preempted or out of time" if ended == "unknown" else ended
+            raise SlurmError(
+                f"Slurm job {job.job_id} of mesh {name} left the queue ({how}), so its nodes are gone; rerun, "
+                "or resume from the last checkpoint"
+            )
         return spawn_procs(self.hosts[name], self.specs[name].procs, self.starts[name])
 
     async def stop(self) -> None:
+        """Cancel every job the run submitted and wait (bounded) until Slurm has ended them."""
         ids = [job.job_id for job in self.jobs.values()]
         if ids:
-            await asyncio.to_thread(_run, ["scancel", *ids], False)
+            await asyncio.to_thread(_cancel, ids)
+
+
+def _cancel(ids: list[str]) -> None:
+    _run(["scancel", *ids], check=False)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(job_state(job_id)[0] is not None for job_id in ids) and time.monotonic() < deadline:
+        time.sleep(POLL_S)

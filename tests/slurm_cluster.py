@@ -1,0 +1,84 @@
+"""A real one-node Slurm cluster on this machine (munged, slurmctld, slurmd), for the slurm launcher's tests.
+
+Debian's ``slurm-wlm`` (installed by ``.ci/setup``) runs as root from a generated
+``slurm.conf`` in a temporary directory; client commands find it through ``SLURM_CONF``.
+The partition lets jobs share the node (``OverSubscribe=FORCE``), as a topology's meshes do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+START_TIMEOUT_S = 60
+
+CONF = """\
+ClusterName=composer
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+MpiDefault=none
+NodeName={host} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
+"""
+
+
+def start_cluster(root: Path) -> str | None:
+    """Start the cluster with its files under ``root`` and point ``SLURM_CONF`` at it; the reason
+    it cannot start (for a skip) or None."""
+    missing = [d for d in DAEMONS if shutil.which(d, path="/usr/sbin:/usr/bin:/sbin") is None]
+    if missing:
+        return f"Slurm is not installed ({', '.join(missing)} missing: .ci/setup installs slurm-wlm and munge)"
+    if os.geteuid() != 0:
+        return "a one-node Slurm cluster needs root (slurmd runs jobs as any user)"
+    for sub in ("state", "spool"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    conf = root / "slurm.conf"
+    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 * 3 // 4
+    conf.write_text(CONF.format(host=socket.gethostname(), root=root, cpus=os.cpu_count(), memory_mb=memory_mb))
+    os.environ["SLURM_CONF"] = str(conf)
+    for command in (_munged(), ["/usr/sbin/slurmctld", "-f", str(conf)], ["/usr/sbin/slurmd", "-f", str(conf)]):
+        started = subprocess.run(command, capture_output=True, text=True)
+        if started.returncode != 0:
+            return f"`{' '.join(command)}` failed: {started.stderr.strip()}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = subprocess.run(["sinfo", "--noheader", "--format", "%T"], capture_output=True, text=True).stdout
+        if state.strip() == "idle":
+            return None
+        time.sleep(0.5)
+    return f"the one-node cluster did not become idle in {START_TIMEOUT_S} s (see {root}/slurmctld.log)"
+
+
+def stop_cluster(root: Path) -> None:
+    subprocess.run(["scancel", "--user", "root"], capture_output=True)
+    for pid_file in ("slurmd.pid", "slurmctld.pid"):
+        if (root / pid_file).exists():
+            subprocess.run(["kill", (root / pid_file).read_text().strip()], capture_output=True)
+
+
+def _munged() -> list[str]:
+    """munged as its own user when it is not running yet (``true`` when it is)."""
+    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
+        return ["true"]
+    Path("/run/munge").mkdir(exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    return ["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"]

@@ -1,0 +1,83 @@
+"""The ``slurm`` launcher on a real one-node Slurm cluster (``tests/slurm_cluster.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mesh.launchers.slurm import sbatch_script
+from mesh.runtime import RunFailed, run
+from mesh.topology import TopologyError, load_topology
+from slurm_cluster import start_cluster, stop_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "topologies" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slurm")
+    reason = start_cluster(root)
+    if reason is not None:
+        pytest.skip(reason)
+    yield root
+    stop_cluster(root)
+
+
+def queued() -> list[str]:
+    return subprocess.run(["squeue", "--noheader", "--format", "%i"], capture_output=True, text=True).stdout.split()
+
+
+def test_a_meshs_job_runs_one_worker_per_node_on_the_meshs_port():
+    script = sbatch_script(
+        "tiny-trainer", 2, 23456, {"partition": "gpu", "exclusive": True, "qos": None}, "/runs/slurm"
+    )
+    assert "#SBATCH --output=/runs/slurm/%x-%j.out\n" in script
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in script
+    assert "#SBATCH --partition=gpu\n#SBATCH --exclusive\n" in script and "qos" not in script
+    assert "export CM_WORKER_PORT=23456\nsrun --kill-on-bad-exit=1 " in script
+
+
+def test_slurm_options_under_another_launcher_are_refused():
+    with pytest.raises(TopologyError, match="launcher: partition is a Slurm option, but kind is 'local'"):
+        load_topology(TINY, ["launcher.partition=gpu"])
+    assert (
+        load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).launcher.sbatch_options()["partition"]
+        == "gpu"
+    )
+
+
+async def test_tiny_learns_on_slurm_and_leaves_no_job_behind(cluster, tmp_path):
+    overrides = ["launcher.kind=slurm", "loop.steps=40", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
+    run_dir = await run(load_topology(TINY, overrides), progress=False)
+    rewards = [json.loads(line)["reward/mean"] for line in run_dir.metrics_file.read_text().splitlines()]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert first <= 0.25 and last >= first + 0.2, (first, last)
+    assert queued() == []
+
+
+async def test_a_job_cancelled_from_outside_ends_the_run_naming_it(cluster, tmp_path):
+    topology = load_topology(TINY, ["launcher.kind=slurm", "loop.steps=2000", f"logging.root={tmp_path}"])
+
+    async def cancel_the_generator_after_a_few_steps() -> str:
+        while (
+            not any(tmp_path.glob("*/metrics.jsonl"))
+            or len(next(tmp_path.glob("*/metrics.jsonl")).read_text().splitlines()) < 3
+        ):
+            await asyncio.sleep(0.2)
+        job = subprocess.run(
+            ["squeue", "--noheader", "--name", "tiny-generator", "--format", "%i"], capture_output=True, text=True
+        ).stdout.strip()
+        subprocess.run(["scancel", job], check=True)
+        return job
+
+    canceller = asyncio.create_task(cancel_the_generator_after_a_few_steps())
+    with pytest.raises(RunFailed) as info:
+        await run(topology, progress=False)
+    job = await canceller
+    assert f"Slurm job {job} of mesh generator left the queue (cancelled, preempted or out of time)" in str(info.value)
+    assert queued() == []
