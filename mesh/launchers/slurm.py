@@ -130,7 +130,10 @@ class SlurmLauncher:
     def _submit(self, script: str) -> str:
         result = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
         if result.returncode != 0:
-            raise SlurmError(f"sbatch refused a mesh's job: {result.stderr.strip()}")
+            raise SlurmError(
+                f"sbatch refused a mesh's job: {result.stderr.strip()}; check launcher.partition, account, qos and "
+                "the other launcher.* options against the cluster's limits (sinfo, sacctmgr)"
+            )
         return result.stdout.strip().split(";")[0]
 
     def _wait_running(self) -> None:
@@ -144,10 +147,16 @@ class SlurmLauncher:
                     del waiting[name]
                 elif state is None or state not in ("PENDING", "CONFIGURING"):
                     ended = state or final_state(job.job_id)
-                    raise SlurmError(f"Slurm job {job.job_id} (mesh {name}) ended before it ran: {ended}")
+                    raise SlurmError(
+                        f"Slurm job {job.job_id} (mesh {name}) ended before it ran: {ended}; its output is in the "
+                        "launcher's log directory (<logging.root>/slurm)"
+                    )
             if waiting and time.monotonic() > deadline:
                 pending = ", ".join(f"{j.job_id} ({n})" for n, j in waiting.items())
-                raise SlurmError(f"Slurm jobs {pending} did not start within {START_TIMEOUT_S} s")
+                raise SlurmError(
+                    f"Slurm jobs {pending} did not start within {START_TIMEOUT_S} s: the cluster is busy or cannot "
+                    "meet the request (see `squeue` for the reason); lower meshes.*.hosts or change launcher.partition"
+                )
             time.sleep(POLL_S)
 
     def respawn(self, name: str) -> ProcMesh:
