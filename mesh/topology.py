@@ -613,4 +613,11 @@ def describe(topology: Topology) -> str:
             graph.append(
                 f"teachers.{name} ({binding.kind}) -> trainer: traces vs the policy's samples as pairs (channel 3)"
             )
-    return "\n".join(["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph])
+    jobs: list[str] = []
+    if topology.launcher.kind == "slurm":
+        from mesh.launchers.slurm import describe_jobs  # no Monarch import: the scripts are plain text
+
+        jobs = describe_jobs(topology)
+    return "\n".join(
+        ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
+    )

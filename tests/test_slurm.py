@@ -11,7 +11,7 @@ import pytest
 
 from mesh.launchers.slurm import sbatch_script
 from mesh.runtime import RunFailed, run
-from mesh.topology import TopologyError, load_topology
+from mesh.topology import TopologyError, describe, load_topology
 from slurm_cluster import start_cluster, stop_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,15 @@ def test_a_meshs_job_runs_one_worker_per_node_on_the_meshs_port():
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in script
     assert "#SBATCH --partition=gpu\n#SBATCH --exclusive\n" in script and "qos" not in script
     assert "export CM_WORKER_PORT=23456\nsrun --kill-on-bad-exit=1 " in script
+
+
+def test_dry_run_shows_each_meshs_job_script():
+    out = describe(load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=debug"]))
+    jobs = out[out.index("# slurm jobs (one per mesh)") :]
+    for index, mesh in enumerate(("trainer", "generator", "service")):
+        assert f"## mesh {mesh}: 1 node(s), one worker each\n#!/bin/bash\n#SBATCH --job-name=tiny-{mesh}\n" in jobs
+        assert f"export CM_WORKER_PORT=$((BASE_PORT + {index}))" in jobs
+    assert jobs.count("#SBATCH --partition=debug") == 3
 
 
 def test_slurm_options_under_another_launcher_are_refused():

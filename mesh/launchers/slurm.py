@@ -23,11 +23,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from monarch.actor import ProcMesh, attach_to_workers, enable_transport
+from typing import TYPE_CHECKING
 
 from mesh.launchers import spawn_procs
 from mesh.placement import proc_starts
+
+if TYPE_CHECKING:
+    from monarch.actor import ProcMesh
+
+    from mesh.topology import Topology
 
 WORKER = (
     "import os, socket; from monarch.actor import run_worker_loop_forever; "
@@ -55,7 +59,7 @@ class SlurmJob:
 
 
 def sbatch_script(
-    name: str, hosts: int, port: int, options: dict[str, object], logs: str, python: str = sys.executable
+    name: str, hosts: int, port: int | str, options: dict[str, object], logs: str, python: str = sys.executable
 ) -> str:
     """The batch script of one mesh: ``hosts`` nodes, one worker task on each; its output in ``logs``."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={hosts}", "#SBATCH --ntasks-per-node=1"]
@@ -70,6 +74,20 @@ def sbatch_script(
         f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -c {shlex.quote(WORKER)}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def describe_jobs(topology: Topology) -> list[str]:
+    """What ``--dry-run`` shows of a slurm placement: each mesh's job, its nodes and its batch script
+    (the port is drawn when the run starts)."""
+    lines, options = ["", "# slurm jobs (one per mesh)"], topology.launcher.sbatch_options()
+    logs = str(Path(topology.logging.root).resolve() / "slurm")
+    for index, (name, spec) in enumerate(topology.launched_meshes().items()):
+        port = f"$((BASE_PORT + {index}))"
+        lines += [
+            f"## mesh {name}: {spec.hosts} node(s), one worker each",
+            sbatch_script(f"{topology.name}-{name}", spec.hosts, port, options, logs),
+        ]
+    return lines
 
 
 def job_state(job_id: str) -> tuple[str | None, str]:
@@ -100,14 +118,15 @@ def _run(command: list[str], check: bool = True) -> str:
 
 class SlurmLauncher:
     def __init__(self) -> None:
+        from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
+        from monarch.actor import enable_transport
+
         self.jobs: dict[str, SlurmJob] = {}
         loopback = socket.gethostbyname(socket.gethostname()).startswith("127.")
         # a node whose name resolves only to loopback (a one-node test cluster) cannot advertise itself
-        from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
-
         enable_transport(ChannelTransport.TcpWithLocalhost if loopback else ChannelTransport.TcpWithHostname)
 
-    def start(self, topology) -> dict[str, ProcMesh]:
+    def start(self, topology: Topology) -> dict[str, ProcMesh]:
         self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
         base = random.randrange(*PORTS)
         options = topology.launcher.sbatch_options()
@@ -119,6 +138,8 @@ class SlurmLauncher:
             job_id = self._submit(script)
             self.jobs[name] = SlurmJob(name, job_id, port, [])
         self._wait_running()
+        from monarch.actor import attach_to_workers  # a launch needs Monarch; a --dry-run only the scripts
+
         self.hosts = {
             name: attach_to_workers(
                 name=name, ca="trust_all_connections", workers=[f"tcp://{node}:{job.port}" for node in job.nodes]
