@@ -81,7 +81,7 @@ BACKENDS: dict[str, dict[str, Backend]] = {
     "launcher": {
         "local": Backend("mesh.launchers.local:LocalLauncher", check="mesh.launchers:check_local"),
         "process": Backend("mesh.launchers.process:ProcessLauncher", check="mesh.launchers:check_process"),
-        "slurm": Backend("mesh.launchers.slurm:SlurmLauncher"),
+        "slurm": Backend("mesh.launchers.slurm:SlurmLauncher", check="mesh.launchers:check_slurm"),
     },
 }
 

@@ -51,6 +51,11 @@ def test_dry_run_shows_each_meshs_job_script():
     assert jobs.count("#SBATCH --partition=debug") == 3
 
 
+def test_gpu_meshes_are_refused_on_slurm_until_it_places_gpus_per_node():
+    with pytest.raises(TopologyError, match="launcher 'slurm' does not place GPUs yet"):
+        load_topology(TINY, ["launcher.kind=slurm", "meshes.trainer.gpus=1"])
+
+
 def test_slurm_options_under_another_launcher_are_refused():
     with pytest.raises(TopologyError, match="launcher: partition is a Slurm option, but kind is 'local'"):
         load_topology(TINY, ["launcher.partition=gpu"])

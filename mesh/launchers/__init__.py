@@ -73,6 +73,17 @@ def check_process(topology: Topology) -> None:
         check_capacity(topology, "process")
 
 
+def check_slurm(topology: Topology) -> None:
+    """``slurm``: GPUs are numbered for one machine (``mesh/placement.py``), not per Slurm node, so a
+    mesh with GPUs is refused until per-node placement exists rather than placed on wrong devices."""
+    with_gpus = [name for name, mesh in topology.meshes.items() if mesh.gpus]
+    if with_gpus:
+        raise ValueError(
+            f"meshes.{with_gpus[0]}.gpus is {topology.meshes[with_gpus[0]].gpus}, but launcher 'slurm' does not "
+            "place GPUs yet (it runs CPU meshes only); set meshes.*.gpus to 0, or use launcher.kind: local on a GPU node"
+        )
+
+
 def check_capacity(topology: Topology, launcher: str) -> None:
     """Refuse more processes, GPUs or weight-store memory than this machine holds (generator replicas counted)."""
     meshes = topology.launched_meshes().values()
