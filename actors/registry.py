@@ -1,7 +1,8 @@
 """The one table that maps backend names to the code implementing them.
 
 Every pluggable piece of a topology (an inner loop, a generator engine, a teacher
-binding, a task, a launcher) is named in YAML and looked up here. Entries are import
+binding, a task) is named in YAML and looked up here (launchers, whose sections carry
+options of their own, are named in ``mesh/launchers``). Entries are import
 paths, not imported objects, so reading the table imports nothing: a backend's
 dependencies (TRL, vLLM, Monarch) load only inside the actor that runs it. What the
 topology check needs to know of a backend is data in its entry (``Backend``), or a
@@ -32,7 +33,7 @@ class Backend:
     - ``target``: ``"package.module:attr"``, imported only where the backend runs.
     - ``check``: ``"package.module:function"`` in a module without heavy imports, the
       backend's static check, run when a topology is read; its arguments are its kind's:
-      launcher ``check(topology)``, engine ``check(model: ModelFacts, on_gpu: bool)``,
+      engine ``check(model: ModelFacts, on_gpu: bool)``,
       teacher ``check(cfg: BindingConfig)``. It raises ``ValueError`` naming the fix.
     - ``uses``: teachers only: ``distill`` if it scores the student's tokens, ``replay``
       if it writes traces (a test holds these equal to what the class implements).
@@ -78,11 +79,7 @@ BACKENDS: dict[str, dict[str, Backend]] = {
         "reverse": Backend("actors.tasks.strings:Reverse"),
         "sort": Backend("actors.tasks.strings:Sort"),
     },
-    "launcher": {
-        "local": Backend("mesh.launchers.local:LocalLauncher", check="mesh.launchers:check_local"),
-        "process": Backend("mesh.launchers.process:ProcessLauncher", check="mesh.launchers:check_process"),
-        "slurm": Backend("mesh.launchers.slurm:SlurmLauncher", check="mesh.launchers:check_slurm"),
-    },
+    "launcher": {},  # user launchers, by import path only: the built-in ones are named in mesh/launchers
 }
 
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -146,7 +143,7 @@ def find_module(name: str) -> bool:
 def load(kind: str, name: str) -> Any:
     """Import and return the object a registered name or import path points to."""
     backend = resolve(kind, name)
-    return _load_target(kind, name, name if backend is None else backend.target)
+    return load_target(kind, name, name if backend is None else backend.target)
 
 
 def static_check(kind: str, name: str) -> Any:
@@ -154,10 +151,10 @@ def static_check(kind: str, name: str) -> Any:
     backend = resolve(kind, name)
     if backend is None or backend.check is None:
         return None
-    return _load_target(kind, name, backend.check)
+    return load_target(kind, name, backend.check)
 
 
-def _load_target(kind: str, name: str, path: str) -> Any:
+def load_target(kind: str, name: str, path: str) -> Any:
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)

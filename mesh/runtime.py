@@ -29,7 +29,6 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
-from actors import registry  # noqa: E402
 from actors.bindings import Student  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
@@ -88,7 +87,7 @@ async def run(
             stopper.install()
             cleanup.callback(stopper.remove)
             monarch.actor.unhandled_fault_hook = faults.monarch  # recorded; once the fleet exists its calls fail over
-            launcher = registry.load("launcher", topology.launcher.kind)()
+            launcher = topology.launcher.launcher()
             cleanup.push_async_callback(_stop, launcher)
             stores = _Stores(SHM if SHM.is_dir() else run_dir.path)
             cleanup.callback(stores.remove_all)

@@ -44,6 +44,8 @@ from actors.tasks import TaskConfig, build_task
 from actors.teachers_config import TeachersConfig, check_weighted
 from actors.weights_config import choose_transport
 from mesh.faults import FaultTolerance
+from mesh.launchers import LauncherOptions, launcher_options
+from mesh.launchers.local import LocalOptions
 from mesh.placement import check_gpus, describe_gpus, describe_memory, gpu_sets, on_publishing_gpu
 from mesh.preflight import describe_store
 
@@ -153,44 +155,6 @@ class Logging(Section):
     tensorboard: bool = True
 
 
-SBATCH_OPTIONS = (
-    "partition",
-    "account",
-    "qos",
-    "time",
-    "gpus_per_node",
-    "cpus_per_task",
-    "mem",
-    "exclusive",
-    "overcommit",
-)
-
-
-class LauncherSection(Section):
-    kind: str = "local"
-    # slurm only (``mesh/launchers/slurm.py``): each becomes an #SBATCH line of every mesh's job
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str | None = None
-    gpus_per_node: int | None = None
-    cpus_per_task: int | None = None
-    mem: str | None = None
-    exclusive: bool = False
-    overcommit: bool = False
-
-    @model_validator(mode="after")
-    def _options_of_its_kind(self) -> LauncherSection:
-        given = [name for name in SBATCH_OPTIONS if getattr(self, name) not in (None, False)]
-        if given and self.kind != "slurm":
-            raise ValueError(f"{given[0]} is a Slurm option, but kind is {self.kind!r}; drop it, or set kind: slurm")
-        return self
-
-    def sbatch_options(self) -> dict[str, object]:
-        """The Slurm options, keyed as sbatch spells them."""
-        return {name.replace("_", "-"): getattr(self, name) for name in SBATCH_OPTIONS}
-
-
 class Topology(Section):
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
     seed: int = 0
@@ -201,7 +165,7 @@ class Topology(Section):
     loop: LoopSection
     checkpointing: Checkpointing = Checkpointing()
     logging: Logging = Logging()
-    launcher: LauncherSection = LauncherSection()
+    launcher: LauncherOptions = LocalOptions()
     fault_tolerance: FaultTolerance = FaultTolerance()
     _facts: ModelFacts | None = PrivateAttr(None)
     _placed_here: bool = PrivateAttr(True)
@@ -216,6 +180,11 @@ class Topology(Section):
                 "shorten the name"
             )
         return name
+
+    @field_validator("launcher", mode="before")
+    @classmethod
+    def _launcher_of_its_kind(cls, raw: Any) -> Any:
+        return launcher_options(raw)
 
     @field_validator("seed")
     @classmethod
@@ -302,8 +271,7 @@ class Topology(Section):
         if (check := registry.static_check("engine", gen.engine)) is not None:
             check(self._facts, self.meshes[gen.mesh].gpus > 0)
         check_gpus(self)
-        if (check := registry.static_check("launcher", self.launcher.kind)) is not None:
-            check(self)
+        self.launcher.check(self)
         return self
 
     def _check_teachers(self) -> None:
@@ -613,11 +581,7 @@ def describe(topology: Topology) -> str:
             graph.append(
                 f"teachers.{name} ({binding.kind}) -> trainer: traces vs the policy's samples as pairs (channel 3)"
             )
-    jobs: list[str] = []
-    if topology.launcher.kind == "slurm":
-        from mesh.launchers.slurm import describe_jobs  # no Monarch import: the scripts are plain text
-
-        jobs = describe_jobs(topology)
+    jobs = topology.launcher.describe(topology)
     return "\n".join(
         ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
     )

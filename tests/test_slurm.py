@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.launchers.slurm import sbatch_script
+from mesh.launchers.slurm import SlurmOptions, sbatch_script
 from mesh.runtime import RunFailed, run
 from mesh.topology import TopologyError, describe, load_topology
 from slurm_cluster import start_cluster, stop_cluster
@@ -33,12 +33,12 @@ def queued() -> list[str]:
 
 
 def test_a_meshs_job_runs_one_worker_per_node_on_the_meshs_port():
-    script = sbatch_script(
-        "tiny-trainer", 2, 23456, {"partition": "gpu", "exclusive": True, "qos": None}, "/runs/slurm"
-    )
+    options = SlurmOptions(partition="gpu", exclusive=True, sbatch_args=("--constraint=h100",))
+    script = sbatch_script("tiny-trainer", 2, 23456, options, "/runs/slurm")
     assert "#SBATCH --output=/runs/slurm/%x-%j.out\n" in script
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in script
-    assert "#SBATCH --partition=gpu\n#SBATCH --exclusive\n" in script and "qos" not in script
+    assert "#SBATCH --partition=gpu\n#SBATCH --exclusive\n#SBATCH --constraint=h100\n" in script
+    assert "qos" not in script
     assert "export CM_WORKER_PORT=23456\nsrun --kill-on-bad-exit=1 " in script
 
 
@@ -56,13 +56,19 @@ def test_gpu_meshes_are_refused_on_slurm_until_it_places_gpus_per_node():
         load_topology(TINY, ["launcher.kind=slurm", "meshes.trainer.gpus=1"])
 
 
-def test_slurm_options_under_another_launcher_are_refused():
-    with pytest.raises(TopologyError, match="launcher: partition is a Slurm option, but kind is 'local'"):
-        load_topology(TINY, ["launcher.partition=gpu"])
-    assert (
-        load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).launcher.sbatch_options()["partition"]
-        == "gpu"
-    )
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (["launcher.partition=gpu"], "launcher: partition is an option of launcher 'slurm', but kind is 'local'"),
+        (["launcher.kind=slurm", "launcher.partiton=gpu"], "unknown key 'partiton'; launcher 'slurm' takes account,"),
+        (["launcher.kind=slurm", "launcher.sbatch_args=[-N 2]"], "'-N 2' is not one sbatch long option"),
+        (["launcher.kind=slurmm"], "unknown launcher kind 'slurmm': launchers are local, process, slurm"),
+    ],
+)
+def test_launcher_options_belong_to_their_kind(overrides, reason):
+    with pytest.raises(TopologyError, match=reason):
+        load_topology(TINY, overrides)
+    assert load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).launcher.partition == "gpu"
 
 
 async def test_tiny_learns_on_slurm_and_leaves_no_job_behind(cluster, tmp_path):

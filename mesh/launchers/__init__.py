@@ -1,9 +1,11 @@
 """Launchers turn a topology's meshes into Monarch ProcMeshes, one ``monarch.job`` each.
 
-A launcher is one file implementing ``Launcher`` plus one registry line, which may name
-its static check (here, for ``local`` and ``process``: this module imports no Monarch and
-no torch, so a topology is checked without loading either); the controller never knows
-where its processes run.
+A launcher is one file plus one line in ``LAUNCHERS``. The file holds the launcher's
+``launcher:`` section as a ``LauncherOptions`` model (its keys, its static check, what
+``--dry-run`` shows of it) and the ``Launcher`` that places processes. Reading a topology
+imports the options model only, so each launcher file imports Monarch, and any client
+library it drives, inside the launcher, never at module level: a topology is checked
+without loading either. The controller never knows where its processes run.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from pydantic import BaseModel, ConfigDict
+
+from actors import registry
 from mesh.placement import ProcStart, gpus_needed, visible_devices
 from mesh.preflight import check_memory
 
@@ -27,6 +32,13 @@ PROC_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "fals
 PROCS_PER_CORE = 4
 DEV = Path("/dev")
 
+# launcher.kind -> the options model of its ``launcher:`` section (which names its Launcher)
+LAUNCHERS: dict[str, str] = {
+    "local": "mesh.launchers.local:LocalOptions",
+    "process": "mesh.launchers.process:ProcessOptions",
+    "slurm": "mesh.launchers.slurm:SlurmOptions",
+}
+
 
 class Launcher(Protocol):
     def start(self, topology: Topology) -> dict[str, ProcMesh]:
@@ -38,6 +50,57 @@ class Launcher(Protocol):
 
     async def stop(self) -> None:
         """Stop every process the launcher started (safe to call after a partial start)."""
+
+
+class LauncherOptions(BaseModel):
+    """A topology's ``launcher:`` section: ``kind`` and that launcher's own keys.
+
+    This base is also the whole section of a user's launcher named by import path
+    (``kind: package.module:Launcher``), which takes no options.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: str = "local"
+
+    def check(self, topology: Topology) -> None:
+        """Refuse, with the fix, a topology this launcher cannot place (``ValueError``)."""
+
+    def describe(self, topology: Topology) -> list[str]:
+        """Lines ``--dry-run`` adds about what the launcher would submit or create."""
+        return []
+
+    def launcher(self) -> Launcher:
+        """A fresh launcher for one run."""
+        return registry.load("launcher", self.kind)()
+
+
+def launcher_options(raw: Any) -> Any:
+    """The options model of a ``launcher:`` mapping, chosen by its ``kind``; a key that belongs
+    to another launcher is refused naming that launcher."""
+    if not isinstance(raw, dict):
+        return raw  # pydantic reports the wrong type
+    kind = raw.get("kind", "local")
+    model = _options_model(kind) if isinstance(kind, str) else LauncherOptions
+    for key in raw:
+        if key not in model.model_fields:
+            owners = [k for k in LAUNCHERS if key in _options_model(k).model_fields]
+            own = f"; launcher {kind!r} takes {', '.join(sorted(model.model_fields))}"
+            if owners:
+                raise ValueError(f"{key} is an option of launcher {owners[0]!r}, but kind is {kind!r}{own}")
+            raise ValueError(f"unknown key {key!r}{own}; fix the spelling or remove the key")
+    return model.model_validate(raw)
+
+
+def _options_model(kind: str) -> type[LauncherOptions]:
+    if kind in LAUNCHERS:
+        return registry.load_target("launcher", kind, LAUNCHERS[kind])
+    if not registry.is_import_path(kind):
+        raise ValueError(
+            f"unknown launcher kind {kind!r}: launchers are {', '.join(LAUNCHERS)}; "
+            "or give your own as 'package.module:Launcher'"
+        )
+    registry.resolve("launcher", kind)  # found, not run
+    return LauncherOptions
 
 
 def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
@@ -53,35 +116,6 @@ def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
 
     setup = functools.partial(import_libraries, start.libraries) if start.libraries else None
     return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap=setup, bootstrap_command=command)
-
-
-def check_local(topology: Topology) -> None:
-    """``local``: every mesh on this one host (which it must fit, unless only described)."""
-    for name, mesh in topology.meshes.items():
-        if mesh.hosts != 1:
-            raise ValueError(
-                f"meshes.{name}.hosts is {mesh.hosts}, but launcher 'local' places every mesh on this one host; "
-                "set hosts: 1, or use launcher.kind: process to stand in for several hosts"
-            )
-    if topology.placed_here:
-        check_capacity(topology, "local")
-
-
-def check_process(topology: Topology) -> None:
-    """``process``: each host of a mesh is a worker process, all of them on this machine."""
-    if topology.placed_here:
-        check_capacity(topology, "process")
-
-
-def check_slurm(topology: Topology) -> None:
-    """``slurm``: GPUs are numbered for one machine (``mesh/placement.py``), not per Slurm node, so a
-    mesh with GPUs is refused until per-node placement exists rather than placed on wrong devices."""
-    with_gpus = [name for name, mesh in topology.meshes.items() if mesh.gpus]
-    if with_gpus:
-        raise ValueError(
-            f"meshes.{with_gpus[0]}.gpus is {topology.meshes[with_gpus[0]].gpus}, but launcher 'slurm' does not "
-            "place GPUs yet (it runs CPU meshes only); set meshes.*.gpus to 0, or use launcher.kind: local on a GPU node"
-        )
 
 
 def check_capacity(topology: Topology, launcher: str) -> None:

@@ -6,18 +6,37 @@ in for a multi-host placement in tests and on one box.
 
 from __future__ import annotations
 
-from monarch.actor import ProcMesh
-from monarch.job import ProcessJob
+from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers import spawn_procs
+from mesh.launchers import LauncherOptions, check_capacity, spawn_procs
 from mesh.placement import proc_starts
+
+if TYPE_CHECKING:
+    from monarch.actor import ProcMesh
+    from monarch.job import ProcessJob
+
+    from mesh.topology import Topology
+
+
+class ProcessOptions(LauncherOptions):
+    kind: Literal["process"] = "process"
+
+    def check(self, topology: Topology) -> None:
+        """All the worker processes run on this machine, which they must fit (unless only described)."""
+        if topology.placed_here:
+            check_capacity(topology, "process")
+
+    def launcher(self) -> ProcessLauncher:
+        return ProcessLauncher()
 
 
 class ProcessLauncher:
     def __init__(self) -> None:
         self.job: ProcessJob | None = None
 
-    def start(self, topology) -> dict[str, ProcMesh]:
+    def start(self, topology: Topology) -> dict[str, ProcMesh]:
+        from monarch.job import ProcessJob
+
         self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
         self.job = ProcessJob({name: m.hosts for name, m in self.specs.items()})
         self.hosts = self.job.state(cached_path=None)

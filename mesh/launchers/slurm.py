@@ -23,9 +23,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers import spawn_procs
+from pydantic import field_validator
+
+from mesh.launchers import LauncherOptions, spawn_procs
 from mesh.placement import proc_starts
 
 if TYPE_CHECKING:
@@ -48,6 +50,59 @@ class SlurmError(RuntimeError):
     """A job that could not be submitted, did not start, or ended under the run."""
 
 
+class SlurmOptions(LauncherOptions):
+    """Each option becomes an ``#SBATCH`` line of every mesh's job; ``sbatch_args`` are
+    further ones, given as sbatch spells them (``--constraint=h100``)."""
+
+    kind: Literal["slurm"] = "slurm"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    exclusive: bool = False
+    overcommit: bool = False
+    sbatch_args: tuple[str, ...] = ()
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _long_options(cls, args: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in args:
+            if not arg.startswith("--") or "\n" in arg:
+                raise ValueError(
+                    f"{arg!r} is not one sbatch long option; write each as sbatch spells it, e.g. '--constraint=h100'"
+                )
+        return args
+
+    def check(self, topology: Topology) -> None:
+        """GPUs are numbered for one machine (``mesh/placement.py``), not per Slurm node, so a mesh
+        with GPUs is refused until per-node placement exists rather than placed on wrong devices."""
+        with_gpus = [name for name, mesh in topology.meshes.items() if mesh.gpus]
+        if with_gpus:
+            raise ValueError(
+                f"meshes.{with_gpus[0]}.gpus is {topology.meshes[with_gpus[0]].gpus}, but launcher 'slurm' does "
+                "not place GPUs yet (it runs CPU meshes only); set meshes.*.gpus to 0, or use launcher.kind: local "
+                "on a GPU node"
+            )
+
+    def sbatch_lines(self) -> list[str]:
+        """The options as ``#SBATCH`` lines, spelled as sbatch spells them."""
+        lines = []
+        for name in ("partition", "account", "qos", "time", "gpus_per_node", "cpus_per_task", "mem"):
+            if (value := getattr(self, name)) is not None:
+                lines.append(f"#SBATCH --{name.replace('_', '-')}={value}")
+        lines += [f"#SBATCH --{name}" for name in ("exclusive", "overcommit") if getattr(self, name)]
+        return lines + [f"#SBATCH {arg}" for arg in self.sbatch_args]
+
+    def describe(self, topology: Topology) -> list[str]:
+        return describe_jobs(topology, self)
+
+    def launcher(self) -> SlurmLauncher:
+        return SlurmLauncher(self)
+
+
 @dataclass
 class SlurmJob:
     """One submitted mesh: its job id, its port on every node, and its nodes once running."""
@@ -59,16 +114,12 @@ class SlurmJob:
 
 
 def sbatch_script(
-    name: str, hosts: int, port: int | str, options: dict[str, object], logs: str, python: str = sys.executable
+    name: str, hosts: int, port: int | str, options: SlurmOptions, logs: str, python: str = sys.executable
 ) -> str:
     """The batch script of one mesh: ``hosts`` nodes, one worker task on each; its output in ``logs``."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={hosts}", "#SBATCH --ntasks-per-node=1"]
     lines.append(f"#SBATCH --output={logs}/%x-%j.out")
-    for key, value in options.items():
-        if value is True:
-            lines.append(f"#SBATCH --{key}")
-        elif value not in (None, False):
-            lines.append(f"#SBATCH --{key}={value}")
+    lines += options.sbatch_lines()
     lines += [
         f"export CM_WORKER_PORT={port}",
         f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -c {shlex.quote(WORKER)}",
@@ -76,10 +127,10 @@ def sbatch_script(
     return "\n".join(lines) + "\n"
 
 
-def describe_jobs(topology: Topology) -> list[str]:
+def describe_jobs(topology: Topology, options: SlurmOptions) -> list[str]:
     """What ``--dry-run`` shows of a slurm placement: each mesh's job, its nodes and its batch script
     (the port is drawn when the run starts)."""
-    lines, options = ["", "# slurm jobs (one per mesh)"], topology.launcher.sbatch_options()
+    lines = ["", "# slurm jobs (one per mesh)"]
     logs = str(Path(topology.logging.root).resolve() / "slurm")
     for index, (name, spec) in enumerate(topology.launched_meshes().items()):
         port = f"$((BASE_PORT + {index}))"
@@ -117,10 +168,11 @@ def _run(command: list[str], check: bool = True) -> str:
 
 
 class SlurmLauncher:
-    def __init__(self) -> None:
+    def __init__(self, options: SlurmOptions) -> None:
         from monarch._rust_bindings.monarch_hyperactor.channel import ChannelTransport
         from monarch.actor import enable_transport
 
+        self.options = options
         self.jobs: dict[str, SlurmJob] = {}
         loopback = socket.gethostbyname(socket.gethostname()).startswith("127.")
         # a node whose name resolves only to loopback (a one-node test cluster) cannot advertise itself
@@ -129,12 +181,11 @@ class SlurmLauncher:
     def start(self, topology: Topology) -> dict[str, ProcMesh]:
         self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
         base = random.randrange(*PORTS)
-        options = topology.launcher.sbatch_options()
         logs = Path(topology.logging.root).resolve() / "slurm"
         logs.mkdir(parents=True, exist_ok=True)
         for index, (name, spec) in enumerate(self.specs.items()):
             port = base + index
-            script = sbatch_script(f"{topology.name}-{name}", spec.hosts, port, options, str(logs))
+            script = sbatch_script(f"{topology.name}-{name}", spec.hosts, port, self.options, str(logs))
             job_id = self._submit(script)
             self.jobs[name] = SlurmJob(name, job_id, port, [])
         self._wait_running()
