@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -107,7 +108,7 @@ async def run(
             if actors.teachers is not None:
                 await teachers.attach(actors.teachers)
             controller = Controller(topology, actors, task, run_dir, bar, teachers, control, fleet, stopper)
-            await controller.train(Path(resume) if resume else None)
+            await _watched(controller.train(Path(resume) if resume else None), launcher)
     except Interrupted:
         raise
     except asyncio.CancelledError:  # a second signal, or one before the first step
@@ -130,6 +131,23 @@ def _failure_message(run_dir: RunDir, error: Exception, step: int | None, faults
         f"metrics up to the failure are in {run_dir.metrics_file} and checkpoints in {run_dir.path / 'checkpoints'}. "
         "Fix the cause and rerun (or resume from the last checkpoint with --resume)."
     )
+
+
+async def _watched(work: Awaitable[object], launcher) -> None:
+    """Await ``work``, stopped early by the launcher's ``watch`` (if it has one) raising that the
+    placement is gone."""
+    if not hasattr(launcher, "watch"):
+        await work
+        return
+    tasks = [asyncio.ensure_future(work), asyncio.ensure_future(launcher.watch())]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _stop(launcher) -> None:

@@ -1,8 +1,12 @@
-"""A real one-node Slurm cluster on this machine (munged, slurmctld, slurmd), for the slurm launcher's tests.
+"""A real two-node Slurm cluster on this machine (munged, slurmctld, a slurmd per node), for the slurm
+launcher's tests.
 
 Debian's ``slurm-wlm`` (installed by ``.ci/setup``) runs as root from a generated
 ``slurm.conf`` in a temporary directory; client commands find it through ``SLURM_CONF``.
-The partition lets jobs share the node (``OverSubscribe=FORCE``), as a topology's meshes do.
+Its build allows several slurmd on one machine (``slurmd -N <node>``, each node with a port
+of its own), so ``node1`` and ``node2`` both run here and a mesh of two hosts is a real
+two-node job. The partition lets jobs share a node (``OverSubscribe=FORCE``), as a
+topology's meshes do.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+NODES = ("node1", "node2")
 START_TIMEOUT_S = 60
 
 CONF = """\
@@ -24,11 +29,11 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
@@ -36,7 +41,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
-NodeName={host} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+NodeName=node1 NodeHostname={host} NodeAddr={address} Port=17001 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+NodeName=node2 NodeHostname={host} NodeAddr={address} Port=17002 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 """
 
@@ -49,20 +55,23 @@ def start_cluster(root: Path) -> str | None:
         return f"Slurm is not installed ({', '.join(missing)} missing: .ci/setup installs slurm-wlm and munge)"
     if os.geteuid() != 0:
         return "a one-node Slurm cluster needs root (slurmd runs jobs as any user)"
-    for sub in ("state", "spool"):
+    for sub in ("state", *(f"spool-{node}" for node in NODES)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     conf = root / "slurm.conf"
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 * 3 // 4
-    conf.write_text(CONF.format(host=socket.gethostname(), root=root, cpus=os.cpu_count(), memory_mb=memory_mb))
+    host = socket.gethostname()
+    address = socket.gethostbyname(host)
+    conf.write_text(CONF.format(host=host, address=address, root=root, cpus=os.cpu_count(), memory_mb=memory_mb))
     os.environ["SLURM_CONF"] = str(conf)
-    for command in (_munged(), ["/usr/sbin/slurmctld", "-f", str(conf)], ["/usr/sbin/slurmd", "-f", str(conf)]):
+    slurmds = [["/usr/sbin/slurmd", "-f", str(conf), "-N", node] for node in NODES]
+    for command in (_munged(), ["/usr/sbin/slurmctld", "-f", str(conf)], *slurmds):
         started = subprocess.run(command, capture_output=True, text=True)
         if started.returncode != 0:
             return f"`{' '.join(command)}` failed: {started.stderr.strip()}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         state = subprocess.run(["sinfo", "--noheader", "--format", "%T"], capture_output=True, text=True).stdout
-        if state.strip() == "idle":
+        if state.split() == ["idle"]:
             return None
         time.sleep(0.5)
     return f"the one-node cluster did not become idle in {START_TIMEOUT_S} s (see {root}/slurmctld.log)"
@@ -70,7 +79,7 @@ def start_cluster(root: Path) -> str | None:
 
 def stop_cluster(root: Path) -> None:
     subprocess.run(["scancel", "--user", "root"], capture_output=True)
-    for pid_file in ("slurmd.pid", "slurmctld.pid"):
+    for pid_file in (*(f"slurmd-{node}.pid" for node in NODES), "slurmctld.pid"):
         if (root / pid_file).exists():
             subprocess.run(["kill", (root / pid_file).read_text().strip()], capture_output=True)
 

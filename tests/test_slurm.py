@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,15 +42,20 @@ def test_a_meshs_job_runs_one_worker_per_node_on_the_meshs_port():
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in script
     assert "#SBATCH --partition=gpu\n#SBATCH --exclusive\n#SBATCH --constraint=h100\n" in script
     assert "qos" not in script
-    assert "export CM_WORKER_PORT=23456\nsrun --kill-on-bad-exit=1 " in script
+    assert "export CM_WORKER_PORT=23456  # node SLURM_NODEID listens on this port + SLURM_NODEID\nsrun " in script
 
 
-def test_dry_run_shows_each_meshs_job_script():
-    out = describe(load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=debug"]))
+def test_dry_run_shows_the_node_split_and_each_meshs_job_script():
+    out = describe(load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=debug", "meshes.trainer.hosts=2"]))
     jobs = out[out.index("# slurm jobs (one per mesh)") :]
-    for index, mesh in enumerate(("trainer", "generator", "service")):
-        assert f"## mesh {mesh}: 1 node(s), one worker each\n#!/bin/bash\n#SBATCH --job-name=tiny-{mesh}\n" in jobs
-        assert f"export CM_WORKER_PORT=$((BASE_PORT + {index}))" in jobs
+    assert jobs.startswith("# slurm jobs (one per mesh): 4 node(s) in all, jobs may share nodes")
+    assert "\nnode split: trainer 2, generator 1, service 1\n" in jobs
+    for first_port, mesh in zip((0, 2, 3), ("trainer", "generator", "service"), strict=True):
+        hosts = 2 if mesh == "trainer" else 1
+        assert (
+            f"## mesh {mesh}: {hosts} node(s), one worker each\n#!/bin/bash\n#SBATCH --job-name=tiny-{mesh}\n" in jobs
+        )
+        assert f"export CM_WORKER_PORT=$((BASE_PORT + {first_port}))" in jobs
     assert jobs.count("#SBATCH --partition=debug") == 3
 
 
@@ -71,13 +79,43 @@ def test_launcher_options_belong_to_their_kind(overrides, reason):
     assert load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).launcher.partition == "gpu"
 
 
-async def test_tiny_learns_on_slurm_and_leaves_no_job_behind(cluster, tmp_path):
-    overrides = ["launcher.kind=slurm", "loop.steps=40", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
+async def test_tiny_learns_on_slurm_with_its_three_meshes_on_one_node_and_leaves_no_job_behind(cluster, tmp_path):
+    overrides = ["launcher.kind=slurm", "launcher.sbatch_args=[--nodelist=node1]", "loop.steps=40"]
+    overrides += ["loop.evaluation.every=0", f"logging.root={tmp_path}"]
     run_dir = await run(load_topology(TINY, overrides), progress=False)
     rewards = [json.loads(line)["reward/mean"] for line in run_dir.metrics_file.read_text().splitlines()]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.2, (first, last)
     assert queued() == []
+
+
+async def test_a_mesh_of_two_hosts_is_one_job_on_two_nodes(cluster, tmp_path):
+    topology = load_topology(
+        TINY, ["launcher.kind=slurm", "meshes.trainer.hosts=2", "loop.steps=4", f"logging.root={tmp_path}"]
+    )
+    seen: set[str] = set()
+
+    async def watch_the_trainers_nodes() -> None:
+        while True:
+            seen.update(job_nodes("tiny-trainer").split())
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(watch_the_trainers_nodes())
+    try:
+        run_dir = await run(topology, progress=False)
+    finally:
+        watcher.cancel()
+    assert seen == {"node[1-2]"}
+    assert len(run_dir.metrics_file.read_text().splitlines()) == 4
+    assert queued() == []
+
+
+def job_nodes(name: str) -> str:
+    return subprocess.run(
+        ["squeue", "--noheader", "--name", name, "--states", "RUNNING", "--format", "%N"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 async def test_a_job_cancelled_from_outside_ends_the_run_naming_it(cluster, tmp_path):
@@ -99,5 +137,21 @@ async def test_a_job_cancelled_from_outside_ends_the_run_naming_it(cluster, tmp_
     with pytest.raises(RunFailed) as info:
         await run(topology, progress=False)
     job = await canceller
-    assert f"Slurm job {job} of mesh generator left the queue (cancelled, preempted or out of time)" in str(info.value)
+    assert f"Slurm job {job} of mesh generator ended (" in str(info.value), str(info.value)
+    assert queued() == []
+
+
+def test_a_signal_stops_the_cli_run_and_cancels_its_jobs(cluster, tmp_path):
+    command = [sys.executable, "-m", "mesh.run", str(TINY), "--set", "launcher.kind=slurm"]
+    command += ["--set", "loop.steps=2000", "--set", f"logging.root={tmp_path}"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(len(m.read_text().splitlines()) >= 3 for m in tmp_path.glob("*/metrics.jsonl")):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    assert len(queued()) == 3  # one job per mesh
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("stopped: SIGTERM: the run stopped at a step boundary")
     assert queued() == []

@@ -52,6 +52,11 @@ class Launcher(Protocol):
         """Stop every process the launcher started (safe to call after a partial start)."""
 
 
+# A launcher whose placement can vanish under the run (a cluster's job cancelled or preempted)
+# also defines ``async watch() -> None``: it never returns, and raises, naming what was lost,
+# as soon as that happens; the run stops with that error (``mesh/runtime.py``).
+
+
 class LauncherOptions(BaseModel):
     """A topology's ``launcher:`` section: ``kind`` and that launcher's own keys.
 

@@ -2,20 +2,23 @@
 
 One job per mesh, not one for the whole topology: a job's nodes are exactly its mesh's
 hosts, and jobs that are not exclusive may share a node, so the default three-mesh
-topology runs on a one-node cluster. Each worker listens on a port of its own (the run's
-base port plus the mesh's index, so meshes sharing a node never collide); the controller
+topology runs on a one-node cluster. Each worker listens on a port of its own: the run draws
+a base port, each mesh gets the next ``hosts`` ports and node ``SLURM_NODEID`` of its job
+takes the mesh's first port plus that id, so no two workers of a run share a port even
+where Slurm places several "nodes" on one machine (the tests' two-node cluster); the controller
 attaches to the workers and spawns the mesh's processes inside them, that is inside the
 job's allocation, where Slurm accounts for them and ``scancel`` ends them.
 
 Job state is read with ``squeue --format`` (the same on every Slurm version, unlike
 ``squeue --json``, whose schema changed after 22.05) and node lists are expanded by
-``scontrol show hostnames``.
+``scontrol show hostnames``; the controller dials each node at its ``NodeAddr``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import shlex
 import socket
 import subprocess
@@ -33,17 +36,19 @@ from mesh.placement import proc_starts
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
 
-    from mesh.topology import Topology
+    from mesh.topology import MeshSpec, Topology
 
 WORKER = (
     "import os, socket; from monarch.actor import run_worker_loop_forever; "
-    'run_worker_loop_forever(address="tcp://%s:%s" % (socket.gethostname(), os.environ["CM_WORKER_PORT"]), '
-    'ca="trust_all_connections")'
+    'port = int(os.environ["CM_WORKER_PORT"]) + int(os.environ["SLURM_NODEID"]); '
+    'address = "tcp://%s:%d@tcp://0.0.0.0:%d" % (socket.gethostname(), port, port); '
+    'run_worker_loop_forever(address=address, ca="trust_all_connections")'
 )
 PORTS = (20000, 60000)  # a run's base port is drawn from here
 START_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 30
 POLL_S = 0.5
+WATCH_S = 2.0
 
 
 class SlurmError(RuntimeError):
@@ -105,12 +110,13 @@ class SlurmOptions(LauncherOptions):
 
 @dataclass
 class SlurmJob:
-    """One submitted mesh: its job id, its port on every node, and its nodes once running."""
+    """One submitted mesh: its job id, the port of its first node, and, once it runs, its nodes'
+    worker addresses in ``SLURM_NODEID`` order."""
 
     mesh: str
     job_id: str
     port: int
-    nodes: list[str]
+    workers: list[str]
 
 
 def sbatch_script(
@@ -121,7 +127,7 @@ def sbatch_script(
     lines.append(f"#SBATCH --output={logs}/%x-%j.out")
     lines += options.sbatch_lines()
     lines += [
-        f"export CM_WORKER_PORT={port}",
+        f"export CM_WORKER_PORT={port}  # node SLURM_NODEID listens on this port + SLURM_NODEID",
         f"srun --kill-on-bad-exit=1 {shlex.quote(python)} -c {shlex.quote(WORKER)}",
     ]
     return "\n".join(lines) + "\n"
@@ -130,15 +136,28 @@ def sbatch_script(
 def describe_jobs(topology: Topology, options: SlurmOptions) -> list[str]:
     """What ``--dry-run`` shows of a slurm placement: each mesh's job, its nodes and its batch script
     (the port is drawn when the run starts)."""
-    lines = ["", "# slurm jobs (one per mesh)"]
+    meshes = topology.launched_meshes()
+    nodes = sum(spec.hosts for spec in meshes.values())
+    shared = "each its own" if options.exclusive else "jobs may share nodes (launcher.exclusive: true keeps them apart)"
+    split = ", ".join(f"{name} {spec.hosts}" for name, spec in meshes.items())
+    lines = ["", f"# slurm jobs (one per mesh): {nodes} node(s) in all, {shared}", f"node split: {split}"]
     logs = str(Path(topology.logging.root).resolve() / "slurm")
-    for index, (name, spec) in enumerate(topology.launched_meshes().items()):
-        port = f"$((BASE_PORT + {index}))"
+    for name, spec in meshes.items():
+        port = f"$((BASE_PORT + {first_ports(meshes)[name]}))"
         lines += [
             f"## mesh {name}: {spec.hosts} node(s), one worker each",
             sbatch_script(f"{topology.name}-{name}", spec.hosts, port, options, logs),
         ]
     return lines
+
+
+def first_ports(meshes: dict[str, MeshSpec]) -> dict[str, int]:
+    """Each mesh's first port as an offset from the run's base port: the meshes before it
+    take one port per node."""
+    offsets, taken = {}, 0
+    for name, spec in meshes.items():
+        offsets[name], taken = taken, taken + spec.hosts
+    return offsets
 
 
 def job_state(job_id: str) -> tuple[str | None, str]:
@@ -156,8 +175,12 @@ def final_state(job_id: str) -> str:
     return out[0] if out else "unknown"
 
 
-def expand_nodes(nodelist: str) -> list[str]:
-    return _run(["scontrol", "show", "hostnames", nodelist]).split()
+def node_addresses(nodelist: str) -> list[str]:
+    """The ``NodeAddr`` of each node of a job's node list, in ``SLURM_NODEID`` order."""
+    names = _run(["scontrol", "show", "hostnames", nodelist]).split()
+    described = _run(["scontrol", "show", "node", "--oneliner", nodelist])
+    addresses = dict(re.findall(r"NodeName=(\S+).*?NodeAddr=(\S+)", described))
+    return [addresses.get(name, name) for name in names]
 
 
 def _run(command: list[str], check: bool = True) -> str:
@@ -183,8 +206,8 @@ class SlurmLauncher:
         base = random.randrange(*PORTS)
         logs = Path(topology.logging.root).resolve() / "slurm"
         logs.mkdir(parents=True, exist_ok=True)
-        for index, (name, spec) in enumerate(self.specs.items()):
-            port = base + index
+        for name, spec in self.specs.items():
+            port = base + first_ports(self.specs)[name]
             script = sbatch_script(f"{topology.name}-{name}", spec.hosts, port, self.options, str(logs))
             job_id = self._submit(script)
             self.jobs[name] = SlurmJob(name, job_id, port, [])
@@ -192,9 +215,7 @@ class SlurmLauncher:
         from monarch.actor import attach_to_workers  # a launch needs Monarch; a --dry-run only the scripts
 
         self.hosts = {
-            name: attach_to_workers(
-                name=name, ca="trust_all_connections", workers=[f"tcp://{node}:{job.port}" for node in job.nodes]
-            )
+            name: attach_to_workers(name=name, ca="trust_all_connections", workers=job.workers)
             for name, job in self.jobs.items()
         }
         return {name: self.respawn(name) for name in self.specs}
@@ -215,7 +236,7 @@ class SlurmLauncher:
             for name, job in list(waiting.items()):
                 state, nodes = job_state(job.job_id)
                 if state == "RUNNING":
-                    job.nodes = expand_nodes(nodes)
+                    job.workers = [f"tcp://{a}:{job.port + i}" for i, a in enumerate(node_addresses(nodes))]
                     del waiting[name]
                 elif state is None or state not in ("PENDING", "CONFIGURING"):
                     ended = state or final_state(job.job_id)
@@ -232,23 +253,33 @@ class SlurmLauncher:
             time.sleep(POLL_S)
 
     def respawn(self, name: str) -> ProcMesh:
-        """Fresh processes in the mesh's workers, which live as long as its job: a job that was
-        cancelled, preempted or timed out ends the run, named."""
+        """Fresh processes in the mesh's workers, which live as long as its job."""
+        if (lost := self._lost(name)) is not None:
+            raise lost
+        return spawn_procs(self.hosts[name], self.specs[name].procs, self.starts[name])
+
+    async def watch(self) -> None:
+        """Return never; raise once a job stops running (cancelled, preempted, out of time, its node
+        failed), seconds after Slurm says so rather than when Monarch next misses its workers."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            for name in self.jobs:
+                if (lost := await asyncio.to_thread(self._lost, name)) is not None:
+                    raise lost
+
+    def _lost(self, name: str) -> SlurmError | None:
+        """Why mesh ``name``'s job no longer holds its nodes, or None while it runs."""
         job = self.jobs[name]
         state, _ = job_state(job.job_id)
-        if state is not None and state != "RUNNING":
-            raise SlurmError(
-                f"Slurm job {job.job_id} of mesh {name} is {state}, so its nodes are gone; rerun, or resume from "
-                "the last checkpoint"
-            )
+        if state == "RUNNING":
+            return None
         if state is None:
             ended = final_state(job.job_id)
-            how = "cancelled, preempted or out of time" if ended == "unknown" else ended
-            raise SlurmError(
-                f"Slurm job {job.job_id} of mesh {name} left the queue ({how}), so its nodes are gone; rerun, "
-                "or resume from the last checkpoint"
-            )
-        return spawn_procs(self.hosts[name], self.specs[name].procs, self.starts[name])
+            state = "cancelled, preempted or out of time" if ended == "unknown" else ended
+        return SlurmError(
+            f"Slurm job {job.job_id} of mesh {name} ended ({state}), so its nodes are gone; rerun, or resume from "
+            "the last checkpoint with --resume"
+        )
 
     async def stop(self) -> None:
         """Cancel every job the run submitted and wait (bounded) until Slurm has ended them."""
