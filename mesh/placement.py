@@ -5,9 +5,10 @@ starts every process with ``CUDA_VISIBLE_DEVICES`` naming exactly its GPUs, so i
 process its GPUs are always ``cuda:0`` .. ``cuda:k-1`` and no engine guesses an index
 (vLLM in-process drives the first visible GPU; with tensor parallelism, the first k).
 
-GPUs are numbered across the meshes (in topology order, the generator's replica copies
-after them) and across the hosts of each mesh, since ``local`` and ``process`` place every
-host on this one machine. A mesh with ``share_gpus_with: <mesh>`` takes no GPUs of its
+Where every host is this one machine (``local``, ``process``), GPUs are numbered across
+the meshes (in topology order, the generator's replica copies after them) and across the
+hosts of each mesh. Where each host is a machine of its own (a Slurm node, a Kubernetes
+pod), each host numbers its GPUs from 0, among those its worker was given. A mesh with ``share_gpus_with: <mesh>`` takes no GPUs of its
 own: its processes run on that mesh's GPUs, proc after proc (a one-GPU machine runs a
 trainer process and a generator process on GPU 0). When a vLLM generator shares GPUs with
 the trainer, vLLM takes ``actors.generator.gpu_memory_utilization`` of each and the trainer
@@ -17,7 +18,6 @@ first leaves the other its share.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,8 @@ def proc_starts(topology: Topology) -> dict[str, ProcStart]:
 def gpu_sets(topology: Topology) -> dict[str, ProcGpus]:
     """Launched mesh -> the GPUs of each of its processes (by flat rank, hosts x procs)."""
     meshes = topology.launched_meshes()
+    if not topology.launcher.one_machine:
+        return {name: _per_host(spec.hosts, spec.procs, spec.gpus) for name, spec in meshes.items()}
     sets: dict[str, ProcGpus] = {}
     next_gpu = 0
     for name, spec in meshes.items():
@@ -70,6 +72,10 @@ def gpu_sets(topology: Topology) -> dict[str, ProcGpus]:
             count = spec.procs * spec.hosts
             sets[name] = tuple(tuple(pool[i * spec.gpus : (i + 1) * spec.gpus]) for i in range(count))
     return sets
+
+
+def _per_host(hosts: int, procs: int, gpus: int) -> ProcGpus:
+    return tuple(tuple(range(proc * gpus, (proc + 1) * gpus)) for _ in range(hosts) for proc in range(procs))
 
 
 def gpus_needed(topology: Topology) -> int:
@@ -108,6 +114,12 @@ def _check_sharing(topology: Topology, name: str) -> None:
     spec, meshes = topology.meshes[name], topology.meshes
     owner = spec.share_gpus_with
     key = f"meshes.{name}.share_gpus_with"
+    if not topology.launcher.one_machine:
+        raise ValueError(
+            f"{key} is {owner!r}, but launcher {topology.launcher.kind!r} starts each mesh on machines of its own, "
+            f"so no mesh can use another's GPUs; place the actors on one mesh instead (e.g. actors.generator.mesh: "
+            f"{owner}) and drop share_gpus_with"
+        )
     if owner not in meshes or owner == name:
         others = sorted(set(meshes) - {name})
         raise ValueError(f"{key} is {owner!r}, but it must name another mesh: one of {others}")
@@ -143,6 +155,8 @@ def _check_vllm_share(topology: Topology) -> None:
 
 
 def _trainer_shares_generator_gpus(topology: Topology) -> bool:
+    if not topology.launcher.one_machine:  # each mesh on machines of its own
+        return topology.actors.trainer.mesh in topology.replica_meshes()
     sets = gpu_sets(topology)
     trainer = {gpu for proc in sets[topology.actors.trainer.mesh] for gpu in proc}
     return any(gpu in trainer for name in topology.replica_meshes() for proc in sets[name] for gpu in proc)
@@ -170,22 +184,31 @@ def on_publishing_gpu(topology: Topology, followers: list[str]) -> bool:
     """Whether every process of the ``followers`` meshes sees the GPU the trainer publishes from
     (its rank 0's) as its own first GPU, as CUDA IPC needs: an IPC handle names the device by
     the index the trainer sees it under, and the follower opens it under that index."""
+    trainer = topology.actors.trainer.mesh
+    if not topology.launcher.one_machine and any(mesh != trainer for mesh in followers):
+        return False  # each mesh on machines of its own
     sets = gpu_sets(topology)
-    publisher = sets[topology.actors.trainer.mesh][0]
+    publisher = sets[trainer][0]
     if not publisher:
         return False
     return all(proc and proc[0] == publisher[0] for mesh in followers for proc in sets[mesh])
 
 
-def visible_devices(gpus: tuple[int, ...]) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for a process that sees ``gpus`` (indices among the GPUs this
-    launcher sees: the entries of its own ``CUDA_VISIBLE_DEVICES`` when that is set). An
-    empty value hides every GPU from a CPU process, so no library starts a CUDA context there."""
-    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if not inherited:
-        return ",".join(map(str, gpus))
-    entries = [entry.strip() for entry in inherited.split(",")]
-    return ",".join(entries[gpu] for gpu in gpus)
+def visible_devices_command(gpus: tuple[int, ...]) -> str:
+    """A shell command that exports ``CUDA_VISIBLE_DEVICES`` for a process that sees ``gpus``,
+    run where the process starts: the indices are positions among the GPUs its host's worker
+    sees (the entries of the worker's own ``CUDA_VISIBLE_DEVICES`` when that is set: a Slurm
+    allocation, a GPU-limited launcher), so the mapping happens on the right machine. An empty
+    value hides every GPU from a CPU process, so no library starts a CUDA context there."""
+    if not gpus:
+        return "export CUDA_VISIBLE_DEVICES="
+    fields = ",".join(str(gpu + 1) for gpu in gpus)
+    indices = ",".join(map(str, gpus))
+    return (
+        'if [ -n "$CUDA_VISIBLE_DEVICES" ]; then '
+        f'CUDA_VISIBLE_DEVICES=$(printf %s "$CUDA_VISIBLE_DEVICES" | tr -d " " | cut -d, -f{fields}); '
+        f"else CUDA_VISIBLE_DEVICES={indices}; fi; export CUDA_VISIBLE_DEVICES"
+    )
 
 
 def describe_gpus(gpus: ProcGpus) -> str:

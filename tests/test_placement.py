@@ -3,6 +3,7 @@ processes that start seeing exactly those GPUs with their libraries imported."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ import pytest
 from monarch.actor import Actor, endpoint, this_host
 
 from mesh.launchers import spawn_procs
-from mesh.placement import ProcStart, gpu_sets, proc_starts, trainer_memory_share, visible_devices
+from mesh.placement import ProcStart, gpu_sets, proc_starts, trainer_memory_share, visible_devices_command
 from mesh.topology import TopologyError, load_topology
 
 cloudpickle.register_pickle_by_value(
@@ -80,14 +81,19 @@ def test_only_meshes_holding_models_import_the_model_libraries():
 
 @pytest.mark.parametrize(
     ("inherited", "gpus", "visible"),
-    [(None, (4, 5), "4,5"), (None, (), ""), ("2,3,6,7", (1, 3), "3,7"), ("GPU-a,GPU-b", (1,), "GPU-b")],
+    [
+        (None, (4, 5), "4,5"),
+        (None, (), ""),
+        ("2,3,6,7", (1, 3), "3,7"),
+        ("2, 3", (0, 1), "2,3"),
+        ("GPU-a,GPU-b", (1,), "GPU-b"),
+        ("0,1", (), ""),
+    ],
 )
-def test_visible_devices_map_through_the_launchers_own_visible_gpus(monkeypatch, inherited, gpus, visible):
-    if inherited is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", inherited)
-    assert visible_devices(gpus) == visible
+def test_visible_devices_map_through_the_workers_own_visible_gpus(inherited, gpus, visible):
+    env = {"PATH": os.environ["PATH"]} | ({} if inherited is None else {"CUDA_VISIBLE_DEVICES": inherited})
+    script = f'{visible_devices_command(gpus)}; printf %s "$CUDA_VISIBLE_DEVICES"'
+    assert subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True).stdout == visible
 
 
 # ----------------------------------------------------------------------------- refusals

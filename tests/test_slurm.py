@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -11,14 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_cluster import start_cluster, stop_cluster
 
 from mesh.launchers.slurm import SlurmOptions, sbatch_script
+from mesh.placement import gpu_sets
 from mesh.runtime import RunFailed, run
-from mesh.topology import TopologyError, describe, load_topology
-from slurm_cluster import start_cluster, stop_cluster
+from mesh.topology import MeshSpec, TopologyError, describe, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
+GPU_NODE = ROOT / "topologies" / "gpu_node.yaml"
+GPU_1GPU = ROOT / "topologies" / "gpu_1gpu.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +41,9 @@ def queued() -> list[str]:
 
 def test_a_meshs_job_runs_one_worker_per_node_on_the_meshs_port():
     options = SlurmOptions(partition="gpu", exclusive=True, sbatch_args=("--constraint=h100",))
-    script = sbatch_script("tiny-trainer", 2, 23456, options, "/runs/slurm")
+    script = sbatch_script("tiny-trainer", MeshSpec(hosts=2, procs=4, gpus=1), 23456, options, "/runs/slurm")
     assert "#SBATCH --output=/runs/slurm/%x-%j.out\n" in script
-    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in script
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --gpus-per-node=4\n" in script
     assert "#SBATCH --partition=gpu\n#SBATCH --exclusive\n#SBATCH --constraint=h100\n" in script
     assert "qos" not in script
     assert "export CM_WORKER_PORT=23456  # node SLURM_NODEID listens on this port + SLURM_NODEID\nsrun " in script
@@ -59,9 +63,28 @@ def test_dry_run_shows_the_node_split_and_each_meshs_job_script():
     assert jobs.count("#SBATCH --partition=debug") == 3
 
 
-def test_gpu_meshes_are_refused_on_slurm_until_it_places_gpus_per_node():
-    with pytest.raises(TopologyError, match="launcher 'slurm' does not place GPUs yet"):
-        load_topology(TINY, ["launcher.kind=slurm", "meshes.trainer.gpus=1"])
+def test_each_meshs_job_asks_for_the_gpus_of_its_node_and_numbers_them_from_zero():
+    overrides = ["launcher.kind=slurm", "launcher.gpus_per_node=8", "meshes.generator.procs=2"]
+    overrides += ["meshes.generator.gpus=2", "actors.generator.replicas=2"]
+    topology = load_topology(GPU_NODE, overrides, placed_here=False)
+    jobs = describe(topology).split("## mesh ")[1:]
+    requests = {job.split(":")[0]: re.findall(r"--gpus-per-node=(\d+)", job) for job in jobs}
+    assert requests == {"trainer": ["4"], "generator": ["4"], "service": [], "generator1": ["4"]}
+    sets = gpu_sets(topology)
+    assert sets["trainer"] == ((0,), (1,), (2,), (3,)) and sets["generator1"] == ((0, 1), (2, 3))
+    assert topology.weight_transport() == "rdma"  # every mesh on nodes of its own
+
+
+@pytest.mark.parametrize(
+    ("topology", "overrides", "reason"),
+    [
+        (GPU_NODE, ["launcher.gpus_per_node=2"], "mesh trainer needs 4 GPUs on each node"),
+        (GPU_1GPU, [], "starts each mesh on machines of its own, so no mesh can use another's GPUs"),
+    ],
+)
+def test_gpu_layouts_slurm_cannot_place_are_refused(topology, overrides, reason):
+    with pytest.raises(TopologyError, match=reason):
+        load_topology(topology, ["launcher.kind=slurm", *overrides], placed_here=False)
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,12 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from actors import registry
-from mesh.placement import ProcStart, gpus_needed, visible_devices
+from mesh.placement import ProcStart, gpus_needed, visible_devices_command
 from mesh.preflight import check_memory
 
 if TYPE_CHECKING:
@@ -65,6 +65,9 @@ class LauncherOptions(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # whether every host of every mesh is this one machine (GPUs numbered across all of them),
+    # or each host is a machine of its own (GPUs numbered from 0 on each): ``mesh/placement.py``
+    one_machine: ClassVar[bool] = True
     kind: str = "local"
 
     def check(self, topology: Topology) -> None:
@@ -111,13 +114,17 @@ def _options_model(kind: str) -> type[LauncherOptions]:
 def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
     """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK
     from it), each seeing exactly its GPUs and with its libraries imported (``mesh/placement.py``)."""
+    from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
     from monarch.actor import default_bootstrap_cmd  # only a launch needs Monarch, not a check
 
     from actors.lifecycle import import_libraries
 
+    proc = default_bootstrap_cmd()
+
     def command(point) -> object:
-        visible = visible_devices(start.gpus[point.rank])
-        return default_bootstrap_cmd().with_env(PROC_ENV | {"CUDA_VISIBLE_DEVICES": visible})
+        # through sh, so the GPUs are chosen on the proc's own host, from what its worker sees
+        script = f'{visible_devices_command(start.gpus[point.rank])}; exec "$0" "$@"'
+        return BootstrapCommand("/bin/sh", None, ["-c", script, proc.program, *proc.args], PROC_ENV)
 
     setup = functools.partial(import_libraries, start.libraries) if start.libraries else None
     return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap=setup, bootstrap_command=command)

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import field_validator
 
@@ -57,8 +57,11 @@ class SlurmError(RuntimeError):
 
 class SlurmOptions(LauncherOptions):
     """Each option becomes an ``#SBATCH`` line of every mesh's job; ``sbatch_args`` are
-    further ones, given as sbatch spells them (``--constraint=h100``)."""
+    further ones, given as sbatch spells them (``--constraint=h100``). ``gpus_per_node`` is
+    what each node of the partition has: a mesh's job asks for the GPUs its node runs
+    (procs x gpus), so CPU meshes take none."""
 
+    one_machine: ClassVar[bool] = False
     kind: Literal["slurm"] = "slurm"
     partition: str | None = None
     account: str | None = None
@@ -82,20 +85,21 @@ class SlurmOptions(LauncherOptions):
         return args
 
     def check(self, topology: Topology) -> None:
-        """GPUs are numbered for one machine (``mesh/placement.py``), not per Slurm node, so a mesh
-        with GPUs is refused until per-node placement exists rather than placed on wrong devices."""
-        with_gpus = [name for name, mesh in topology.meshes.items() if mesh.gpus]
-        if with_gpus:
-            raise ValueError(
-                f"meshes.{with_gpus[0]}.gpus is {topology.meshes[with_gpus[0]].gpus}, but launcher 'slurm' does "
-                "not place GPUs yet (it runs CPU meshes only); set meshes.*.gpus to 0, or use launcher.kind: local "
-                "on a GPU node"
-            )
+        """With ``gpus_per_node`` (the GPUs each node of the partition has), every mesh's node must fit."""
+        if self.gpus_per_node is None:
+            return
+        for name, mesh in topology.meshes.items():
+            if mesh.share_gpus_with is None and mesh.procs * mesh.gpus > self.gpus_per_node:
+                raise ValueError(
+                    f"mesh {name} needs {mesh.procs * mesh.gpus} GPUs on each node (procs {mesh.procs} x gpus "
+                    f"{mesh.gpus}), but launcher.gpus_per_node is {self.gpus_per_node}; lower meshes.{name}.procs "
+                    f"and raise meshes.{name}.hosts, or pick a partition with bigger nodes"
+                )
 
     def sbatch_lines(self) -> list[str]:
         """The options as ``#SBATCH`` lines, spelled as sbatch spells them."""
         lines = []
-        for name in ("partition", "account", "qos", "time", "gpus_per_node", "cpus_per_task", "mem"):
+        for name in ("partition", "account", "qos", "time", "cpus_per_task", "mem"):
             if (value := getattr(self, name)) is not None:
                 lines.append(f"#SBATCH --{name.replace('_', '-')}={value}")
         lines += [f"#SBATCH --{name}" for name in ("exclusive", "overcommit") if getattr(self, name)]
@@ -120,11 +124,14 @@ class SlurmJob:
 
 
 def sbatch_script(
-    name: str, hosts: int, port: int | str, options: SlurmOptions, logs: str, python: str = sys.executable
+    name: str, spec: MeshSpec, port: int | str, options: SlurmOptions, logs: str, python: str = sys.executable
 ) -> str:
-    """The batch script of one mesh: ``hosts`` nodes, one worker task on each; its output in ``logs``."""
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={hosts}", "#SBATCH --ntasks-per-node=1"]
-    lines.append(f"#SBATCH --output={logs}/%x-%j.out")
+    """The batch script of one mesh: ``hosts`` nodes, one worker task on each, with the GPUs of its
+    processes; its output in ``logs``."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={spec.hosts}"]
+    lines += ["#SBATCH --ntasks-per-node=1", f"#SBATCH --output={logs}/%x-%j.out"]
+    if spec.gpus:
+        lines.append(f"#SBATCH --gpus-per-node={spec.procs * spec.gpus}")
     lines += options.sbatch_lines()
     lines += [
         f"export CM_WORKER_PORT={port}  # node SLURM_NODEID listens on this port + SLURM_NODEID",
@@ -146,7 +153,7 @@ def describe_jobs(topology: Topology, options: SlurmOptions) -> list[str]:
         port = f"$((BASE_PORT + {first_ports(meshes)[name]}))"
         lines += [
             f"## mesh {name}: {spec.hosts} node(s), one worker each",
-            sbatch_script(f"{topology.name}-{name}", spec.hosts, port, options, logs),
+            sbatch_script(f"{topology.name}-{name}", spec, port, options, logs),
         ]
     return lines
 
@@ -208,7 +215,7 @@ class SlurmLauncher:
         logs.mkdir(parents=True, exist_ok=True)
         for name, spec in self.specs.items():
             port = base + first_ports(self.specs)[name]
-            script = sbatch_script(f"{topology.name}-{name}", spec.hosts, port, self.options, str(logs))
+            script = sbatch_script(f"{topology.name}-{name}", spec, port, self.options, str(logs))
             job_id = self._submit(script)
             self.jobs[name] = SlurmJob(name, job_id, port, [])
         self._wait_running()
