@@ -177,6 +177,15 @@ def test_dry_run_prints_topology_placement_and_graph_and_spawns_nothing(tmp_path
     assert list(tmp_path.iterdir()) == []  # no run directory, no job state: nothing was placed
 
 
+def test_a_launcher_named_by_import_path_takes_no_options_and_is_loaded_where_the_run_starts():
+    topology = load_topology(TINY, ["launcher.kind=mesh.launchers.process:ProcessLauncher"])
+    assert type(topology.launcher.launcher()).__name__ == "ProcessLauncher"
+    with pytest.raises(TopologyError, match="unknown key 'colour'; launcher 'mesh.launchers.process:ProcessLauncher' takes kind"):
+        load_topology(TINY, ["launcher.kind=mesh.launchers.process:ProcessLauncher", "launcher.colour=x"])
+    with pytest.raises(TopologyError, match="cannot import module 'nowhere'"):
+        load_topology(TINY, ["launcher.kind=nowhere:Launcher"])
+
+
 def test_generator_replicas_are_copies_of_its_mesh_behind_one_router(tmp_path):
     topology = load_topology(ROOT / "topologies" / "tiny_replicas.yaml", ["meshes.generator.procs=2"])
     assert topology.replica_meshes() == ["generator", "generator1"]

@@ -141,13 +141,13 @@ def check_capacity(topology: Topology, launcher: str) -> None:
         raise ValueError(
             f"meshes ask for {procs} processes in all{counted}, more than the {limit} this {os.cpu_count()}-core "
             f"machine can hold with launcher {launcher!r} ({PROCS_PER_CORE} per core); lower meshes.*.procs or "
-            "actors.generator.replicas, or place the job on a cluster"
+            "actors.generator.replicas, or place the job on a cluster (launcher.kind: slurm or k8s)"
         )
     gpus, have = gpus_needed(topology), gpu_count()
     if gpus > have:
         raise ValueError(
             f"meshes ask for {gpus} GPU{'s' * (gpus > 1)}{counted} but this machine has {have}; "
-            "set meshes.*.gpus to 0 to run on CPU, or place the job on a cluster"
+            "set meshes.*.gpus to 0 to run on CPU, or place the job on a cluster (launcher.kind: slurm or k8s)"
         )
     check_memory(topology)
 
