@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -73,7 +74,9 @@ class K8sLauncher:
         from monarch.job.kubernetes import KubernetesJob  # only a launch needs Monarch
 
         kubeconfig = cluster_config()
-        self.job = KubernetesJob(self.options.namespace, timeout=int(self.ready_timeout_s), kubeconfig=kubeconfig)
+        # its own wait (in ``state``) finds every pod ready already: ours waited first
+        timeout = max(1, math.ceil(self.ready_timeout_s))
+        self.job = KubernetesJob(self.options.namespace, timeout=timeout, kubeconfig=kubeconfig)
         for mesh, name in self.names.items():
             hosts = self.specs[mesh].hosts
             if self.exists(name):
