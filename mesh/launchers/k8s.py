@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +60,7 @@ class K8sOptions(LauncherOptions):
     volume holding run directories (``run_volume``)."""
 
     kind: Literal["k8s"] = "k8s"
+    one_machine: ClassVar[bool] = False  # each pod is a host of its own: GPUs are numbered per pod (mesh/placement.py)
     namespace: str = "default"
     image: str | None = None
     queue: str | None = None
