@@ -16,6 +16,7 @@ import yaml
 
 from mesh.launchers.k8s import mesh_names
 from mesh.launchers.k8s_objects import GPU, SHM_BASE_BYTES, mebibytes
+from mesh.placement import gpu_sets
 from mesh.preflight import StorePlan
 from mesh.run import main
 from mesh.topology import TopologyError, load_topology
@@ -176,8 +177,16 @@ def test_a_topology_kubernetes_cannot_take_is_refused_with_the_fix(overrides, re
 
 
 def test_meshes_sharing_gpus_are_refused_since_pods_cannot_share_one():
-    with pytest.raises(TopologyError, match="meshes.generator.share_gpus_with is 'trainer', but on Kubernetes"):
+    with pytest.raises(TopologyError, match="share_gpus_with is 'trainer', but launcher 'k8s' starts each mesh on"):
         load_topology(ROOT / "topologies" / "gpu_1gpu.yaml", ["launcher.kind=k8s"], placed_here=False)
+
+
+def test_each_pods_processes_see_that_pods_gpus_from_0():
+    topology = load_topology(
+        ROOT / "topologies" / "gpu_node.yaml", [*IMAGE, "meshes.trainer.hosts=2"], placed_here=False
+    )
+    assert gpu_sets(topology)["trainer"] == ((0,), (1,), (2,), (3,)) * 2
+    assert gpu_sets(topology)["generator"] == ((0,), (1,), (2,), (3,))
 
 
 def test_render_writes_one_file_per_object_in_apply_order(tmp_path, capsys):

@@ -70,16 +70,9 @@ class K8sOptions(LauncherOptions):
     run_volume: RunVolume = RunVolume()
 
     def check(self, topology: Topology) -> None:
-        """Names that Kubernetes takes, GPUs each pod holds itself, and (when the run starts
-        here) the ``kubernetes`` client installed."""
+        """Names that Kubernetes takes and (when the run starts here) the ``kubernetes`` client
+        installed; ``share_gpus_with`` is refused by the placement (``one_machine`` is False)."""
         mesh_names(topology)
-        for name, mesh in topology.meshes.items():
-            if mesh.share_gpus_with is not None:
-                raise ValueError(
-                    f"meshes.{name}.share_gpus_with is {mesh.share_gpus_with!r}, but on Kubernetes every mesh's pods "
-                    "hold GPUs of their own and pods cannot share a GPU; remove share_gpus_with and give "
-                    f"meshes.{name} GPUs (gpus: 1), or place both meshes' actors on one mesh"
-                )
         if topology.placed_here and importlib.util.find_spec("kubernetes") is None:
             raise ValueError(
                 f"launcher 'k8s' drives the cluster through the kubernetes client, which is not installed; "
