@@ -1,4 +1,4 @@
-"""``python -m mesh.run TOPOLOGY [--set key.path=value ...] [--dry-run] [--resume CHECKPOINT]``
+"""``python -m mesh.run TOPOLOGY [--set key.path=value ...] [--dry-run | --render DIR] [--resume CHECKPOINT]``
 
 Exit codes: 0 done, 1 the run failed (the message says where its results are), 2 the
 topology or the command line is wrong (nothing was spawned).
@@ -11,6 +11,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from mesh.launchers.k8s_objects import write_objects
 from mesh.topology import Topology, TopologyError, describe, load_topology
 
 
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="print the resolved topology, placement and actor graph; spawn nothing"
     )
+    parser.add_argument(
+        "--render",
+        metavar="DIR",
+        help="launcher k8s: write the run's Kubernetes objects into DIR (for kubectl apply -f DIR); spawn nothing",
+    )
     parser.add_argument("--run-root", help="where run directories go (default: the topology's logging.root)")
     parser.add_argument(
         "--resume",
@@ -36,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dry_run:
         return dry_run(args.topology, args.set, args.resume)
+    if args.render:
+        return render(args.topology, args.set, Path(args.render))
     try:
         topology = load_topology(args.topology, args.set)
         if args.resume:
@@ -78,6 +86,25 @@ def dry_run(path: str, overrides: list[str], resume: str | None) -> int:
         load_topology(path, overrides)
     except TopologyError as error:
         print(f"\n# this machine\ncannot run it: {error}")
+    return 0
+
+
+def render(path: str, overrides: list[str], directory: Path) -> int:
+    """Write the objects a cluster needs to run the topology (they are not placed here)."""
+    try:
+        topology = load_topology(path, overrides, placed_here=False)
+        if topology.launcher.kind != "k8s":
+            raise TopologyError(
+                f"--render writes Kubernetes objects, but launcher.kind is {topology.launcher.kind!r}; "
+                "add --set launcher.kind=k8s (or set it in the topology)"
+            )
+        text = Path(path).read_text(encoding="utf-8-sig")
+        written = write_objects(topology.launcher.render(topology, text, overrides), directory)
+    except (TopologyError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for file in written:
+        print(f"wrote {file}")
     return 0
 
 

@@ -37,6 +37,7 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
     ("tiny.yaml", ["actors.trainer.inner_loop=prime_rl"]),
     ("tiny.yaml", ["actors.generator.engine=vllm", "model.init.hidden_size=128"]),
     ("tiny.yaml", ["launcher.kind=slurm"]),
+    ("tiny.yaml", ["launcher.kind=k8s"]),
     ("gpu_1gpu.yaml", []),
     ("gpu_node.yaml", []),
 ]

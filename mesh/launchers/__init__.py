@@ -37,6 +37,7 @@ LAUNCHERS: dict[str, str] = {
     "local": "mesh.launchers.local:LocalOptions",
     "process": "mesh.launchers.process:ProcessOptions",
     "slurm": "mesh.launchers.slurm:SlurmOptions",
+    "k8s": "mesh.launchers.k8s:K8sOptions",
 }
 
 

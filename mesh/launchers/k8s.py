@@ -1,0 +1,130 @@
+"""``k8s``: each mesh is a ``MonarchMesh`` (the MonarchMesh operator's custom resource) of
+``hosts`` pods, one Monarch worker per pod, driven through Monarch's ``KubernetesJob``.
+
+The controller runs in the cluster (the Job that ``--render`` writes, ``k8s/README.md``):
+for each launched mesh it attaches to a ``MonarchMesh`` that already exists (applied by
+hand from ``--render``) or creates one from the same pod template, waits until every pod
+is ready, and deletes what it created when the run ends. This file holds what reading a
+topology needs (the options, the name rules, the static check); the objects are built in
+``k8s_objects.py`` and the run-time launcher, which imports ``kubernetes`` and Monarch,
+lives in ``k8s_launcher.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mesh.launchers import LauncherOptions
+from mesh.launchers import k8s_objects as objects
+
+if TYPE_CHECKING:
+    from mesh.launchers.k8s_launcher import K8sLauncher
+    from mesh.topology import Topology
+
+# The operator names a StatefulSet after the mesh and labels each of its pods
+# "<name>-<10-character revision hash>", a label value of at most 63 characters.
+NAME_MAX = 52
+INSTALL_HINT = "pip install -e .[k8s]"
+
+
+class Toleration(BaseModel):
+    """One pod toleration (Kubernetes' own fields, spelled as in a pod spec)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    key: str | None = None
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+    def as_k8s(self) -> dict[str, str]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class RunVolume(BaseModel):
+    """The ReadWriteMany claim that holds run directories (default name ``<topology>-runs``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    claim: str | None = None
+    size: str = "20Gi"
+    storage_class: str | None = None
+
+
+class K8sOptions(LauncherOptions):
+    """Where the meshes' pods go: ``namespace``, the ``image`` every pod runs, the Kueue
+    ``queue`` that admits them, the controller's ``service_account`` (default
+    ``<topology>-controller``), the nodes (``node_selector``, ``tolerations``) and the
+    volume holding run directories (``run_volume``)."""
+
+    kind: Literal["k8s"] = "k8s"
+    one_machine: ClassVar[bool] = False  # each pod is a host of its own: GPUs are numbered per pod (mesh/placement.py)
+    namespace: str = "default"
+    image: str | None = None
+    queue: str | None = None
+    service_account: str | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: tuple[Toleration, ...] = ()
+    run_volume: RunVolume = RunVolume()
+
+    def check(self, topology: Topology) -> None:
+        """Names that Kubernetes takes and (when the run starts here) the ``kubernetes`` client
+        installed; ``share_gpus_with`` is refused by the placement (``one_machine`` is False)."""
+        mesh_names(topology)
+        if topology.placed_here and importlib.util.find_spec("kubernetes") is None:
+            raise ValueError(
+                f"launcher 'k8s' drives the cluster through the kubernetes client, which is not installed; "
+                f"run `{INSTALL_HINT}`"
+            )
+
+    def describe(self, topology: Topology) -> list[str]:
+        lines = ["", f"# kubernetes objects (namespace {self.namespace}; --render DIR writes them)"]
+        return lines + [f"{o['kind']}/{o['metadata']['name']}" for o in self._objects(topology, "", [])]
+
+    def render(self, topology: Topology, topology_text: str, overrides: list[str]) -> list[dict[str, Any]]:
+        """Every object of the run, in the order to apply them: the controller's, then the meshes.
+        ``topology_text`` and ``overrides`` are what the controller Job runs."""
+        if not self.image:
+            raise ValueError(
+                "launcher.image is not set, but every pod of the run (controller and workers) runs that image; "
+                "build k8s/Dockerfile, push it where the cluster pulls from, and pass "
+                "--set launcher.image=<registry>/composer-mesh:<tag>"
+            )
+        return self._objects(topology, topology_text, overrides)
+
+    def _objects(self, topology: Topology, topology_text: str, overrides: list[str]) -> list[dict[str, Any]]:
+        meshes = [objects.monarch_mesh(topology, self, mesh, name) for mesh, name in mesh_names(topology).items()]
+        return objects.controller_objects(topology, self, topology_text, overrides) + meshes
+
+    def launcher(self) -> K8sLauncher:
+        from mesh.launchers.k8s_launcher import K8sLauncher  # imports kubernetes and Monarch
+
+        return K8sLauncher(self)
+
+
+def k8s_name(name: str) -> str:
+    """A name as Kubernetes and ``KubernetesJob`` take a mesh name: lowercase alphanumeric only."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def mesh_names(topology: Topology) -> dict[str, str]:
+    """Launched mesh -> its ``MonarchMesh`` name, ``<topology><mesh>`` made valid for Kubernetes
+    (the topology's name keeps two topologies' meshes apart in one namespace)."""
+    names: dict[str, str] = {}
+    for mesh in topology.launched_meshes():
+        name = k8s_name(topology.name + mesh)
+        if not name[:1].isalpha() or len(name) > NAME_MAX:
+            raise ValueError(
+                f"mesh {mesh!r} of topology {topology.name!r} is named {name!r} on Kubernetes (the topology's name, "
+                f"then the mesh's, lowercase alphanumeric only), which must start with a letter and have at most "
+                f"{NAME_MAX} characters; shorten the topology's name or rename the mesh"
+            )
+        if clash := [other for other, taken in names.items() if taken == name]:
+            raise ValueError(
+                f"meshes {clash[0]!r} and {mesh!r} are both named {name!r} on Kubernetes, which keeps only lowercase "
+                "letters and digits of a mesh's name; rename one of them"
+            )
+        names[mesh] = name
+    return names
