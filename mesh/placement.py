@@ -155,11 +155,24 @@ def _check_vllm_share(topology: Topology) -> None:
 
 
 def _trainer_shares_generator_gpus(topology: Topology) -> bool:
-    if not topology.launcher.one_machine:  # each mesh on machines of its own
-        return topology.actors.trainer.mesh in topology.replica_meshes()
-    sets = gpu_sets(topology)
-    trainer = {gpu for proc in sets[topology.actors.trainer.mesh] for gpu in proc}
-    return any(gpu in trainer for name in topology.replica_meshes() for proc in sets[name] for gpu in proc)
+    devices = _physical_gpus(topology)
+    trainer = {gpu for proc in devices[topology.actors.trainer.mesh] for gpu in proc}
+    return any(gpu in trainer for name in topology.replica_meshes() for proc in devices[name] for gpu in proc)
+
+
+def _physical_gpus(topology: Topology) -> dict[str, tuple[tuple[tuple[object, int], ...], ...]]:
+    """``gpu_sets`` with each index named by its machine, ``(machine, index)``, so that GPUs are
+    equal only where they are one device: on one machine every index is this machine's; on
+    machines of their own, a mesh's host ``h`` is machine ``(mesh, h)``."""
+    meshes = topology.launched_meshes()
+
+    def machine(mesh: str, rank: int) -> object:
+        return "here" if topology.launcher.one_machine else (mesh, rank // meshes[mesh].procs)
+
+    return {
+        mesh: tuple(tuple((machine(mesh, rank), gpu) for gpu in proc) for rank, proc in enumerate(procs))
+        for mesh, procs in gpu_sets(topology).items()
+    }
 
 
 def vllm_share(topology: Topology) -> float:
@@ -184,14 +197,11 @@ def on_publishing_gpu(topology: Topology, followers: list[str]) -> bool:
     """Whether every process of the ``followers`` meshes sees the GPU the trainer publishes from
     (its rank 0's) as its own first GPU, as CUDA IPC needs: an IPC handle names the device by
     the index the trainer sees it under, and the follower opens it under that index."""
-    trainer = topology.actors.trainer.mesh
-    if not topology.launcher.one_machine and any(mesh != trainer for mesh in followers):
-        return False  # each mesh on machines of its own
-    sets = gpu_sets(topology)
-    publisher = sets[trainer][0]
+    devices = _physical_gpus(topology)
+    publisher = devices[topology.actors.trainer.mesh][0]
     if not publisher:
         return False
-    return all(proc and proc[0] == publisher[0] for mesh in followers for proc in sets[mesh])
+    return all(proc and proc[0] == publisher[0] for mesh in followers for proc in devices[mesh])
 
 
 def visible_devices_command(gpus: tuple[int, ...]) -> str:

@@ -14,7 +14,14 @@ import pytest
 from monarch.actor import Actor, endpoint, this_host
 
 from mesh.launchers import spawn_procs
-from mesh.placement import ProcStart, gpu_sets, proc_starts, trainer_memory_share, visible_devices_command
+from mesh.placement import (
+    ProcStart,
+    gpu_sets,
+    on_publishing_gpu,
+    proc_starts,
+    trainer_memory_share,
+    visible_devices_command,
+)
 from mesh.topology import TopologyError, load_topology
 
 cloudpickle.register_pickle_by_value(
@@ -63,6 +70,17 @@ def test_a_mesh_sharing_gpus_runs_on_the_other_meshes_gpus():
 def test_hosts_of_a_mesh_on_this_machine_take_gpus_of_their_own():
     topology = layout(TINY, "launcher.kind=process", "meshes.trainer.hosts=2", "meshes.trainer.gpus=1")
     assert gpu_sets(topology)["trainer"] == ((0,), (1,))
+
+
+@pytest.mark.parametrize("kind", ["process", "slurm"])
+def test_only_a_follower_on_the_publishing_gpu_itself_counts_as_on_it(kind):
+    """Under slurm each host numbers its GPUs from 0: rank 1's GPU 0 is another machine's."""
+    topology = layout(TINY, f"launcher.kind={kind}", "meshes.trainer.hosts=2", "meshes.trainer.gpus=1")
+    assert on_publishing_gpu(topology, ["trainer"]) is False
+    one_host = layout(TINY, f"launcher.kind={kind}", "meshes.trainer.gpus=1", "actors.generator.mesh=trainer")
+    assert on_publishing_gpu(one_host, ["trainer"]) is True
+    apart = layout(TINY, f"launcher.kind={kind}", "meshes.trainer.gpus=1", "meshes.generator.gpus=1")
+    assert on_publishing_gpu(apart, ["generator"]) is False
 
 
 def test_vllm_sharing_the_trainers_gpu_takes_its_share_and_caps_the_trainer():

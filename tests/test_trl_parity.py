@@ -171,21 +171,30 @@ ADVANTAGES = [0.9, -0.6, 1.3, -1.1, 0.4, -0.3, 0.8]
 SEQUENCE_LOG_RATIOS = [0.03, -0.35, 0.4, -0.04, -0.5, 0.3, 0.0]
 
 
+def _grpo_args(tmp_path_factory, name: str, **changes) -> GRPOConfig:
+    """The parity tests' GRPO job: 2 prompts x 2 completions of up to 8 tokens."""
+    args = _common_args(tmp_path_factory, name) | {
+        "per_device_train_batch_size": 2,
+        "num_generations": 2,
+        "max_completion_length": 8,
+        "temperature": 0.7,  # the fused head divides logits by it; so do we
+    }
+    return GRPOConfig(**(args | changes))
+
+
+def _grpo_inputs(model_dir, args: GRPOConfig) -> dict:
+    """A GRPO trainer's arguments besides its loss: the model, a zero reward and four prompts."""
+    return {
+        "model": model_dir,
+        "reward_funcs": lambda completions, **kwargs: [0.0] * len(completions),
+        "args": args,
+        "train_dataset": datasets.Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}),
+    }
+
+
 @pytest.fixture(scope="module")
 def grpo(model_dir, tmp_path_factory):
-    args = GRPOConfig(
-        **_common_args(tmp_path_factory, "grpo"),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=8,
-        temperature=0.7,  # the fused head divides logits by it; so do we
-    )
-    trainer = GRPOTrainer(
-        model=model_dir,
-        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-        args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}),
-    )
+    trainer = GRPOTrainer(**_grpo_inputs(model_dir, _grpo_args(tmp_path_factory, "grpo")))
     model = _float64_train(trainer)
 
     g = torch.Generator().manual_seed(1234)
@@ -345,22 +354,8 @@ def test_grpo_family_matches_trl_compute_loss(grpo, case, kl, accumulation):
 @pytest.fixture(scope="module")
 def grpo_bf16(model_dir, tmp_path_factory):
     """TRL's GRPOTrainer and ours under TRL's own ``bf16=True`` (Accelerate's autocast over fp32 weights)."""
-    args = GRPOConfig(
-        **(_common_args(tmp_path_factory, "grpo_bf16") | {"bf16": True}),
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=8,
-        temperature=0.7,
-        loss_type="dapo",
-        epsilon=0.2,
-        epsilon_high=0.28,
-    )
-    common = {
-        "model": model_dir,
-        "reward_funcs": lambda completions, **kwargs: [0.0] * len(completions),
-        "args": args,
-        "train_dataset": datasets.Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}),
-    }
+    args = _grpo_args(tmp_path_factory, "grpo_bf16", bf16=True, loss_type="dapo", epsilon=0.2, epsilon_high=0.28)
+    common = _grpo_inputs(model_dir, args)
     loss = LossConfig(policy=PolicyConfig(name="dapo", clip_low=0.2, clip_high=0.28))
     trainers = GRPOTrainer(**common), ComposerGRPOTrainer(loss=loss, **common)
     for trainer in trainers:

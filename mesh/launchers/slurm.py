@@ -149,8 +149,8 @@ def describe_jobs(topology: Topology, options: SlurmOptions) -> list[str]:
     split = ", ".join(f"{name} {spec.hosts}" for name, spec in meshes.items())
     lines = ["", f"# slurm jobs (one per mesh): {nodes} node(s) in all, {shared}", f"node split: {split}"]
     logs = str(Path(topology.logging.root).resolve() / "slurm")
-    for name, spec in meshes.items():
-        port = f"$((BASE_PORT + {first_ports(meshes)[name]}))"
+    for (name, spec), offset in zip(meshes.items(), first_ports(meshes).values(), strict=True):
+        port = f"$((BASE_PORT + {offset}))"
         lines += [
             f"## mesh {name}: {spec.hosts} node(s), one worker each",
             sbatch_script(f"{topology.name}-{name}", spec, port, options, logs),
@@ -205,16 +205,16 @@ class SlurmLauncher:
         self.options = options
         self.jobs: dict[str, SlurmJob] = {}
         loopback = socket.gethostbyname(socket.gethostname()).startswith("127.")
-        # a node whose name resolves only to loopback (a one-node test cluster) cannot advertise itself
+        # a node whose name resolves only to loopback (the tests' cluster on one machine) cannot advertise itself
         enable_transport(ChannelTransport.TcpWithLocalhost if loopback else ChannelTransport.TcpWithHostname)
 
     def start(self, topology: Topology) -> dict[str, ProcMesh]:
         self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
-        base = random.randrange(*PORTS)
+        base, offsets = random.randrange(*PORTS), first_ports(self.specs)
         logs = Path(topology.logging.root).resolve() / "slurm"
         logs.mkdir(parents=True, exist_ok=True)
         for name, spec in self.specs.items():
-            port = base + first_ports(self.specs)[name]
+            port = base + offsets[name]
             script = sbatch_script(f"{topology.name}-{name}", spec, port, self.options, str(logs))
             job_id = self._submit(script)
             self.jobs[name] = SlurmJob(name, job_id, port, [])
