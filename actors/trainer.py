@@ -6,6 +6,12 @@ its share; rank 0 reports the metrics and publishes the new weights to the
 weight store over the transport the runtime chose from placement (shared memory, RDMA
 or CUDA IPC: ``actors/weights``), returning only the small ``WeightVersion``.
 
+Rank 0 also owns the store's directory, on its own host: only a process there can create
+it where its followers look (``WeightVersion.store``) and remove it. It creates a fresh
+one when it starts (first reclaiming those that dead trainers on the host left behind,
+a replaced trainer's included) and removes it in ``__cleanup__``, which runs when the
+runtime stops the trainer's actors before their processes.
+
 The trainer also owns the loss's own state: TAID's schedule for t advances once per
 step on the distillation loss and is saved in (and restored from) checkpoints.
 """
@@ -25,7 +31,8 @@ from actors.inner_loops import TrainerConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
 from actors.rollout import TrainBatch
-from actors.weights import WeightPublisher, WeightVersion
+from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store
+from actors.weights_config import store_root
 from losses import TAIDScheduler
 
 
@@ -43,7 +50,6 @@ class Trainer(Actor):
         model_path: str,
         cfg: TrainerConfig,
         seed: int,
-        store: str,
         slots: int,
         place: Placement,
         total_steps: int,
@@ -52,7 +58,8 @@ class Trainer(Actor):
     ):
         # built in ``start`` (actors/lifecycle.py)
         self.model_path, self.cfg, self.seed, self.place, self.total_steps = model_path, cfg, seed, place, total_steps
-        self.store, self.slots, self.transport, self.weights_dtype = store, slots, transport, weights_dtype
+        self.slots, self.transport, self.weights_dtype = slots, transport, weights_dtype
+        self.store: str | None = None  # rank 0's, made in ``start``
         self.publisher: WeightPublisher | None = None
 
     @endpoint
@@ -72,6 +79,8 @@ class Trainer(Actor):
         self.taid = TAIDScheduler(self.total_steps) if taid else None
         state = self.loop.state_dict()
         if self.rank == 0:
+            reclaim_dead_stores(store_root())
+            self.store = str(create_store(store_root()))
             dtype = getattr(torch, self.weights_dtype)
             self.publisher = WeightPublisher(self.store, state, self.slots, transport=self.transport, dtype=dtype)
         return this_proc()
@@ -119,5 +128,7 @@ class Trainer(Actor):
     def __cleanup__(self, exc: Exception | None) -> None:
         if self.publisher is not None:
             self.publisher.close()
+        if self.store is not None:
+            remove_store(self.store)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,15 +1,26 @@
 """What the topology check needs of the weight store (``actors/weights/``) without importing it.
 
-Which transport a placement gets, and how many bytes one slot of the store takes for a
-given state dict: the same layout ``actors/weights/store.py`` writes (a test holds them equal).
+Which transport a placement gets, where a host keeps its store, and how many bytes one
+slot of the store takes for a given state dict: the same layout ``actors/weights/store.py``
+writes (a test holds them equal).
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 
 SLOT_HEADER_BYTES = 64  # store.py's HEADER_BYTES: the slot header, and the alignment of every tensor
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the dtypes weights are published in (generator_config.policy_dtype)
+SHM = Path("/dev/shm")
+
+
+def store_root() -> Path:
+    """Where this host's trainer creates its weight store: ``/dev/shm`` (tmpfs, so the slots
+    followers map are RAM with no disk behind them) where the host has one, else its
+    temporary directory."""
+    return SHM if SHM.is_dir() else Path(tempfile.gettempdir())
 
 
 def choose_transport(same_host: bool, on_gpu: bool) -> str:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
     from monarch._src.actor.actor_mesh import ActorMesh
 
 T = TypeVar("T")
-STOP_TIMEOUT_S = 10.0  # a broken mesh's stop is best effort: its processes are already killed
+STOP_TIMEOUT_S = 10.0  # waited for a stop: a broken mesh's is best effort (its processes are already killed)
 
 
 class ActorFailed(RuntimeError):
@@ -115,6 +115,13 @@ class Fleet:
     def handle(self, role: str, mesh: str, proc: int | None = None) -> Handle:
         """``role`` on ``mesh`` (one process of it, or all), called through the fleet."""
         return Handle(self, role, mesh, proc)
+
+    async def stop_role(self, role: str, mesh: str) -> None:
+        """Stop ``role``'s actors on ``mesh`` (each runs its ``__cleanup__`` after the call it is in),
+        waiting at most ``STOP_TIMEOUT_S``; nothing to stop on a mesh that failed or never got them."""
+        state = self.meshes[mesh]
+        if role in state.actors and not state.failed.done():
+            await asyncio.wait_for(state.actors[role].stop("the run ended"), STOP_TIMEOUT_S)
 
     def where(self) -> dict[str, list[ProcInfo]]:
         """The processes of every mesh now: mesh name -> one ``ProcInfo`` per process."""
@@ -279,4 +286,6 @@ class _Endpoint:
 
     def _call(self, send: Callable[[Any], Awaitable[Any]]) -> Awaitable[Any]:
         h = self.handle
-        return h.fleet.call(h.role, h.mesh, self.name, lambda actors: send(getattr(h.select(actors), self.name)), h.proc)
+        return h.fleet.call(
+            h.role, h.mesh, self.name, lambda actors: send(getattr(h.select(actors), self.name)), h.proc
+        )

@@ -5,8 +5,10 @@ The trainer publishes every policy version into a ring of ``max_policy_lag + 2``
 all reserved when the run starts: in ``/dev/shm`` for the ``shm`` transport (tmpfs, so
 its pages are RAM as well), in the trainer's memory for ``rdma``, on its GPU for
 ``cuda_ipc`` (not checked here). A lag whose slots do not fit would be an out-of-memory
-kill once the run has started, so it is refused when the topology is read. Both
-launchers place every process on this machine, so this machine's memory is what is read.
+kill once the run has started, so it is refused when the topology is read. Only the
+launchers that place every process on this machine (``local``, ``process``) check: the
+trainer of a cluster launcher creates its store on a node of its own, whose memory this
+machine cannot read (a full ``/dev/shm`` there fails the trainer's start, naming it).
 
 The slots must also leave RAM for the rest of the run (``RAM_MARGIN``): the trainer's
 own weights, gradients and two AdamW moments (4 x the weights in fp32, whatever dtype
@@ -21,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.weights_config import slot_bytes
+from actors.weights_config import SHM, slot_bytes
 
 if TYPE_CHECKING:
     from mesh.topology import Topology
 
-SHM = Path("/dev/shm")  # where the runtime puts the weight store when the directory exists (else the run directory)
 MEMINFO = Path("/proc/meminfo")
 TRAINER_COPIES = 4  # weights, gradients, AdamW's two moments
 RUNTIME_BYTES = 512 * 2**20  # a process with torch and transformers loaded, before any model
@@ -115,8 +116,10 @@ def describe_store(topology: Topology, free: FreeMemory | None = None) -> str:
     if plan.slot_bytes is None:
         return f"weight store: {plan.slots} slots (size unknown: model.path has no safetensors weights)"
     line = f"weight store: {plan.slots} slots x {size(plan.slot_bytes)} = {size(plan.slots * plan.slot_bytes)}"
+    if not topology.launcher.one_machine:
+        return f"{line} ({_where(plan.transport)} on the trainer's node; its memory is not checked from here)"
     if plan.transport == "shm" and free.shm is None:
-        return f"{line} (no /dev/shm here: the slots go in the run directory; not checked)"
+        return f"{line} (no /dev/shm here: the slots go in the temporary directory; not checked)"
     if plan.transport == "shm":
         return f"{line} of {size(free.shm)} free in /dev/shm"
     if plan.transport == "rdma" and free.ram is not None:

@@ -39,13 +39,11 @@ from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers import TeacherPool  # noqa: E402
 from actors.trainer import Trainer  # noqa: E402
-from actors.weights import create_store, reclaim_dead_stores, remove_store  # noqa: E402
 from mesh.control import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import Actors, Controller  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.interrupts import Interrupted, Stopper  # noqa: E402
-from mesh.preflight import SHM  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
 from mesh.router import Router  # noqa: E402
 from mesh.rundir import RunDir  # noqa: E402
@@ -82,7 +80,7 @@ async def run(
     if progress:
         print(f"run directory: {run_dir.path} (change its teachers: python -m mesh.ctl {run_dir.path} teachers)")
     try:
-        async with AsyncExitStack() as cleanup:  # undone in reverse: the weight store goes before the meshes stop
+        async with AsyncExitStack() as cleanup:  # undone in reverse: the trainer (its weight store) before the meshes
             cleanup.callback(run_dir.close)
             cleanup.callback(bar.close)
             stopper.install()
@@ -90,16 +88,15 @@ async def run(
             monarch.actor.unhandled_fault_hook = faults.monarch  # recorded; once the fleet exists its calls fail over
             launcher = topology.launcher.launcher()
             cleanup.push_async_callback(_stop, launcher)
-            stores = _Stores(SHM if SHM.is_dir() else run_dir.path)
-            cleanup.callback(stores.remove_all)
             control = ControlChannel.create(run_dir.path)
             cleanup.callback(control.close)
             task = build_task(topology.task.config)
             model_path = _prepare_model(topology, task.alphabet, run_dir)
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
             teachers = TeacherBoard(bindings, topology.actors.trainer.loss)
-            roles = _roles(topology, model_path, stores, teachers)
+            roles = _roles(topology, model_path, teachers)
             fleet = Fleet(launcher, roles, topology.fault_tolerance, topology.actors.trainer.mesh, faults.record)
+            cleanup.push_async_callback(_stop_trainer, fleet)
             monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
             fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))
             await fleet.start(launcher.start(topology))
@@ -157,26 +154,17 @@ async def _stop(launcher) -> None:
         print(f"warning: stopping the meshes: {paragraph(str(error))}", file=sys.stderr)
 
 
-class _Stores:
-    """The weight stores of this run: one per (re)start of the trainer, each created exclusively
-    under an unguessable name (``actors/weights/storedir.py``), all removed at the end. Stores
-    that runs of this user left behind (a SIGKILL) are reclaimed first."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.paths: list[Path] = []
-        reclaim_dead_stores(root)
-
-    def new(self) -> str:
-        self.paths.append(create_store(self.root))
-        return str(self.paths[-1])
-
-    def remove_all(self) -> None:
-        for path in self.paths:
-            try:
-                remove_store(path)
-            except OSError as error:  # never in place of the run's own outcome
-                print(f"warning: could not remove the weight store {path}: {error}", file=sys.stderr)
+async def _stop_trainer(fleet: Fleet) -> None:
+    """Stop the trainer's actors before the meshes: rank 0's ``__cleanup__`` removes the weight
+    store on its host, which only a process there can (``actors/trainer.py``)."""
+    try:
+        await fleet.stop_role("trainer", fleet.trainer_mesh)
+    except Exception as error:  # never in place of the run's own outcome
+        print(
+            f"warning: stopping the trainer: {paragraph(str(error))}; its weight store stays on its host until "
+            "the next trainer that starts there reclaims it",
+            file=sys.stderr,
+        )
 
 
 class _FaultLog:
@@ -213,7 +201,7 @@ def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
     return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))
 
 
-def _roles(topology: Topology, model_path: str, stores: _Stores, teachers: TeacherBoard) -> dict[str, list[Role]]:
+def _roles(topology: Topology, model_path: str, teachers: TeacherBoard) -> dict[str, list[Role]]:
     """Mesh name -> the actors placed on it, the trainer first on its mesh."""
     cfg, seed = topology.actors, topology.seed
     roles: dict[str, list[Role]] = {name: [] for name in topology.launched_meshes()}
@@ -222,7 +210,7 @@ def _roles(topology: Topology, model_path: str, stores: _Stores, teachers: Teach
         await setup_torch_elastic_env_async(procs)
         slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
         place = _placement(topology, cfg.trainer.mesh, "trainer")
-        args = (model_path, cfg.trainer, seed, stores.new(), slots, place, topology.loop.steps)
+        args = (model_path, cfg.trainer, seed, slots, place, topology.loop.steps)
         return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype())
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))

@@ -7,11 +7,17 @@ Its build allows several slurmd on one machine (``slurmd -N <node>``, each node 
 of its own), so ``node1`` and ``node2`` both run here and a mesh of two hosts is a real
 two-node job. The partition lets jobs share a node (``OverSubscribe=FORCE``), as a
 topology's meshes do.
+
+``node2`` runs in a mount namespace of its own whose ``/dev/shm`` is the directory
+``<root>/node2-shm`` (where mount namespaces are allowed), so like a real second machine it
+does not share this machine's ``/dev/shm``: a weight store there must be made and removed
+by a process on node2.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -20,6 +26,7 @@ from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 NODES = ("node1", "node2")
+NODE2_SHM = "node2-shm"
 START_TIMEOUT_S = 60
 
 CONF = """\
@@ -64,6 +71,7 @@ def start_cluster(root: Path) -> str | None:
     conf.write_text(CONF.format(host=host, address=address, root=root, cpus=os.cpu_count(), memory_mb=memory_mb))
     os.environ["SLURM_CONF"] = str(conf)
     slurmds = [["/usr/sbin/slurmd", "-f", str(conf), "-N", node] for node in NODES]
+    slurmds[1] = _with_own_shm(slurmds[1], root / NODE2_SHM)
     for command in (_munged(), ["/usr/sbin/slurmctld", "-f", str(conf)], *slurmds):
         started = subprocess.run(command, capture_output=True, text=True)
         if started.returncode != 0:
@@ -82,6 +90,23 @@ def stop_cluster(root: Path) -> None:
     for pid_file in (*(f"slurmd-{node}.pid" for node in NODES), "slurmctld.pid"):
         if (root / pid_file).exists():
             subprocess.run(["kill", (root / pid_file).read_text().strip()], capture_output=True)
+
+
+def node2_shm(root: Path) -> Path | None:
+    """node2's own ``/dev/shm`` as this machine sees it (None: node2 shares this machine's)."""
+    return root / NODE2_SHM if (root / NODE2_SHM).is_dir() else None
+
+
+def _with_own_shm(command: list[str], shm: Path) -> list[str]:
+    """``command`` in a new mount namespace with ``shm`` bound on ``/dev/shm`` (unchanged where
+    mount namespaces are not allowed: ``node2_shm`` then says so)."""
+    probe = ["unshare", "--mount", "--propagation", "private", "true"]
+    if subprocess.run(probe, capture_output=True).returncode != 0:
+        return command
+    shm.mkdir(mode=0o1777)
+    shm.chmod(0o1777)  # like /dev/shm: everyone may create, only owners may remove
+    bind = f"mount --bind {shlex.quote(str(shm))} /dev/shm && exec {shlex.join(command)}"
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", bind]
 
 
 def _munged() -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from actors.rollout import Rollout, build_train_batch
 from actors.tasks.strings import Reverse
 from actors.trainer import Trainer
 from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
+from actors.weights.storedir import OWNER, StoreOwner
+from actors.weights_config import store_root
 from losses import DistillConfig, LossConfig, PreferenceConfig, compose_loss, group_advantages, preference_loss
 from losses.batch import PreferenceInputs
 
@@ -73,7 +77,6 @@ ALL_CHANNELS = LossConfig(
 async def train_once(
     model_dir: str,
     procs: int,
-    store: Path,
     batch,
     loss: LossConfig = LossConfig(),
     inner_loop: str = "native",
@@ -83,13 +86,13 @@ async def train_once(
     await setup_torch_elastic_env_async(mesh)
     optimizer = OptimizerConfig(lr=1e-2)
     cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3, precision=precision)
-    trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, str(store), 2, Placement(threads=1), 10)
+    trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, 2, Placement(threads=1), 10)
     try:
         await trainer.start.call()
         await trainer.publish.call()
         reports = (await trainer.train_step.call(batch)).values()
         (report,) = [r for r in reports if r is not None]  # rank 0 alone reports and publishes
-        weights = {k: v.clone() for k, v in WeightSubscriber(store).load(report.weights).items()}
+        weights = {k: v.clone() for k, v in WeightSubscriber(report.weights.store).load(report.weights).items()}
         return report, weights
     finally:
         await mesh.stop()
@@ -107,10 +110,10 @@ async def train_once(
     ],
     ids=lambda value: value if isinstance(value, str) else ("all_channels" if value is ALL_CHANNELS else "policy"),
 )
-async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, tmp_path, inner_loop, loss):
+async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, inner_loop, loss):
     batch = a_batch(model_dir, channels=loss is ALL_CHANNELS)
-    one, weights_one = await train_once(model_dir, 1, tmp_path / "one", batch, loss, inner_loop)
-    two, weights_two = await train_once(model_dir, 2, tmp_path / "two", batch, loss, inner_loop)
+    one, weights_one = await train_once(model_dir, 1, batch, loss, inner_loop)
+    two, weights_two = await train_once(model_dir, 2, batch, loss, inner_loop)
     initial, _ = load_policy(model_dir)
     moved = max((weights_one[k] - v).abs().max().item() for k, v in initial.state_dict().items())
     assert moved > 1e-3  # the step really changed the weights
@@ -125,6 +128,24 @@ async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, tmp_path
         assert one.metrics["policy/skipped"] == one.metrics["distill/skipped"] == one.metrics["preference/skipped"] == 0
         for name in ("policy/loss", "distill/loss", "preference/loss", "preference/accuracy"):
             assert two.metrics[name] == pytest.approx(one.metrics[name], abs=1e-6)
+
+
+async def test_the_trainer_keeps_its_weight_store_on_its_host_and_removes_it_when_stopped(model_dir):
+    """Only a process on the trainer's host can make the store its followers open there, and remove it."""
+    (abandoned := store_root() / f"composer-mesh-{os.getuid()}-{'d' * 32}").mkdir(mode=0o700)
+    (abandoned / OWNER).write_bytes(StoreOwner(2**22 + 1, None, socket.gethostname()).encode())  # a dead trainer's
+    mesh = this_host().spawn_procs(per_host={"procs": 1})
+    await setup_torch_elastic_env_async(mesh)
+    trainer = mesh.spawn("trainer", Trainer, model_dir, TrainerConfig("trainer"), 0, 2, Placement(threads=1), 10)
+    try:
+        proc = await trainer.start.call_one()
+        assert not abandoned.exists()  # reclaimed as the trainer started
+        store = Path((await trainer.publish.call_one()).store)
+        assert store.parent == store_root() and StoreOwner.decode((store / OWNER).read_bytes()).pid == proc.pid
+        await trainer.stop("the run ended")
+        assert not store.exists()
+    finally:
+        await mesh.stop()
 
 
 def test_pair_loss_by_gradient_caching_equals_the_whole_graph(model_dir):

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.weights.storedir import OWNER
+from actors.weights.storedir import OWNER, StoreOwner
+from actors.weights_config import store_root
 from mesh.runtime import run
 from mesh.topology import load_topology
 
@@ -121,6 +122,7 @@ def test_a_run_survives_a_dead_or_hung_actor_and_trains_on_exactly_the_same_samp
     rows = records(path)
     assert learning(rows) == baseline  # every step trained on the samples it would have had
     assert rows[-1]["faults/restarts"] == 1 and rows[-1]["faults/seconds_lost"] > 0
+    assert not abandoned_stores()  # a replaced trainer's store too: its successor reclaimed it
     events = [json.loads(line) for line in (path / "events.jsonl").read_text().splitlines()]
     (fault,) = [e for e in events if e["event"] == "fault"]
     # the process also holds the actors placed beside ``role``: whichever is called first reports it
@@ -152,17 +154,31 @@ def start_run(root: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def stores_of(process: subprocess.Popen) -> list[Path]:
-    """The weight stores ``process`` created that are still there (each records its creator)."""
-    shm = Path("/dev/shm")
-    stores = shm.glob(f"composer-mesh-{os.getuid()}-*") if shm.is_dir() else []
-    return [s for s in stores if json.loads((s / OWNER).read_text())["pid"] == process.pid]
+def stores_of(run: Path) -> list[Path]:
+    """The weight stores the run's trainer created that are still there (each records its creator)."""
+    trainers = set(procs_of(run, "trainer"))
+    return [s for s in our_stores() if creator(s).pid in trainers]
+
+
+def abandoned_stores() -> list[Path]:
+    """Stores whose creator has exited: after a run, what it failed to remove (every trainer that
+    starts reclaims those that were there before)."""
+    return [s for s in our_stores() if creator(s).is_gone()]
+
+
+def our_stores() -> list[Path]:
+    return list(store_root().glob(f"composer-mesh-{os.getuid()}-*"))
+
+
+def creator(store: Path) -> StoreOwner:
+    return StoreOwner.decode((store / OWNER).read_bytes())
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
 def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(tmp_path, baseline, sig):
     process = start_run(tmp_path / "runs")
     path = wait_for_step(tmp_path / "runs", 4)
+    assert len(stores_of(path)) == 1  # on the trainer's host, created by the trainer
     process.send_signal(sig)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + sig
@@ -174,7 +190,7 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly
     checkpoint = Path(last.split("--resume ")[1])
     steps = len(records(path))
     assert checkpoint == path / "checkpoints" / f"step_{steps:06d}" and checkpoint.is_dir()
-    assert not (path / "control" / "pid").exists() and (path / "reward.png").is_file() and not stores_of(process)
+    assert not (path / "control" / "pid").exists() and (path / "reward.png").is_file() and not stores_of(path)
 
     resumed = start_run(tmp_path / "resumed", "--resume", str(checkpoint))
     assert resumed.wait(timeout=180) == 0
@@ -184,11 +200,12 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly
 def test_a_second_signal_stops_at_once_and_still_removes_the_store(tmp_path):
     process = start_run(tmp_path)
     wait_for_step(tmp_path, 1)
+    assert stores_of(only_run(tmp_path))
     process.send_signal(signal.SIGINT)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130 and "Traceback" not in err
-    assert not stores_of(process) and not (only_run(tmp_path) / "control" / "pid").exists()
+    assert not stores_of(only_run(tmp_path)) and not (only_run(tmp_path) / "control" / "pid").exists()
 
 
 @pytest.mark.parametrize("lag", [0, 1])

@@ -9,13 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from slurm_cluster import start_cluster, stop_cluster
+from slurm_cluster import node2_shm, start_cluster, stop_cluster
 
 from mesh.launchers.slurm import SlurmOptions, sbatch_script
 from mesh.placement import gpu_sets
+from mesh.rundir import RunDir
 from mesh.runtime import RunFailed, run
 from mesh.topology import MeshSpec, TopologyError, describe, load_topology
 
@@ -61,6 +63,10 @@ def test_dry_run_shows_the_node_split_and_each_meshs_job_script():
         )
         assert f"export CM_WORKER_PORT=$((BASE_PORT + {first_port}))" in jobs
     assert jobs.count("#SBATCH --partition=debug") == 3
+    assert (
+        "weight store: 3 slots x" in out
+        and "(in the trainer's RAM on the trainer's node; its memory is not checked" in out
+    )
 
 
 def test_each_meshs_job_asks_for_the_gpus_of_its_node_and_numbers_them_from_zero():
@@ -117,20 +123,52 @@ async def test_a_mesh_of_two_hosts_is_one_job_on_two_nodes(cluster, tmp_path):
         TINY, ["launcher.kind=slurm", "meshes.trainer.hosts=2", "loop.steps=4", f"logging.root={tmp_path}"]
     )
     seen: set[str] = set()
-
-    async def watch_the_trainers_nodes() -> None:
-        while True:
-            seen.update(job_nodes("tiny-trainer").split())
-            await asyncio.sleep(0.2)
-
-    watcher = asyncio.create_task(watch_the_trainers_nodes())
-    try:
-        run_dir = await run(topology, progress=False)
-    finally:
-        watcher.cancel()
+    run_dir = await run_watching(topology, lambda: seen.update(job_nodes("tiny-trainer").split()))
     assert seen == {"node[1-2]"}
     assert len(run_dir.metrics_file.read_text().splitlines()) == 4
     assert queued() == []
+
+
+async def test_the_weight_store_lives_on_the_trainers_node_and_goes_with_the_run(cluster, tmp_path):
+    """node2 has a /dev/shm of its own, as another machine would: the trainer creates its store
+    there, its generator on the same node opens it, and it is gone when the run ends; this
+    machine's /dev/shm never holds it."""
+    shm = node2_shm(cluster)
+    if shm is None:
+        pytest.skip("node2 shares this machine's /dev/shm: mount namespaces (unshare --mount) are not allowed here")
+    overrides = ["launcher.kind=slurm", "launcher.sbatch_args=[--nodelist=node2]", "actors.generator.mesh=trainer"]
+    overrides += ["actors.teachers.mesh=trainer", "loop.steps=6", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
+    topology = load_topology(TINY, overrides)
+    assert topology.weight_transport() == "shm"  # the followers read the trainer's node's /dev/shm
+    here_before, on_node2, here = set(stores_in(Path("/dev/shm"))), set(), set()
+
+    def look() -> None:
+        on_node2.update(stores_in(shm))
+        here.update(stores_in(Path("/dev/shm")))
+
+    run_dir = await run_watching(topology, look)
+    assert len(run_dir.metrics_file.read_text().splitlines()) == 6
+    assert len(on_node2) == 1 and here == here_before
+    assert stores_in(shm) == []
+
+
+async def run_watching(topology, look: Callable[[], None]) -> RunDir:
+    """Run ``topology``, calling ``look`` every 0.1 s while it runs."""
+
+    async def keep_looking() -> None:
+        while True:
+            look()
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(keep_looking())
+    try:
+        return await run(topology, progress=False)
+    finally:
+        watcher.cancel()
+
+
+def stores_in(root: Path) -> list[str]:
+    return [p.name for p in root.glob("composer-mesh-*")]
 
 
 def job_nodes(name: str) -> str:

@@ -158,14 +158,12 @@ def test_bf16_without_a_process_group_says_what_to_do(model_dirs):
         TorchTitanLoop(model_dirs["qwen2"], config(precision="bf16"), 0, 1)
 
 
-async def test_bf16_over_two_gloo_ranks_makes_the_one_rank_step(model_dirs, tmp_path):
+async def test_bf16_over_two_gloo_ranks_makes_the_one_rank_step(model_dirs):
     """FSDP2 mixed precision over gloo on CPU: two ranks gather bf16 copies of their fp32
     shards and reduce fp32 gradients; their update is the one-rank update, published fp32."""
     batch = a_batch(model_dirs["qwen2"])
     runs = [
-        await train_once(
-            model_dirs["qwen2"], procs, tmp_path / str(procs), batch, inner_loop="torchtitan", precision="bf16"
-        )
+        await train_once(model_dirs["qwen2"], procs, batch, inner_loop="torchtitan", precision="bf16")
         for procs in (1, 2)
     ]
     (one, weights_one), (two, weights_two) = runs

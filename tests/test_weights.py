@@ -34,6 +34,7 @@ from actors.weights import (
     slot_file,
 )
 from mesh.topology import load_topology
+from tmpfs import tmpfs
 
 cloudpickle.register_pickle_by_value(
     sys.modules[__name__]
@@ -295,9 +296,22 @@ def test_a_deleted_store_is_refused(store: Path) -> None:
     pub = WeightPublisher(store, state_dict(), slots=2)
     assert sorted(p.name for p in store.iterdir()) == ["manifest.json", "owner.json", "slot-0.bin", "slot-1.bin"]
     pub.close()
-    assert remove_store(store)  # what the runtime does at the end of a run
+    assert remove_store(store)  # what the trainer does when the run stops it
     with pytest.raises(WeightSyncError, match="no weight store"):
         WeightSubscriber(store)
+
+
+def test_a_store_that_does_not_fit_its_filesystem_is_refused_naming_the_free_space(tmp_path: Path) -> None:
+    """A node's full /dev/shm fails the trainer's start with a cause and a fix, never SIGBUS mid-publish."""
+    big = {"w": torch.zeros(300_000)}  # 1.2 MB a slot: the second of two does not fit in 2 MiB
+    with tmpfs(tmp_path / "shm", size="2m") as shm:
+        with pytest.raises(WeightSyncError) as info:
+            WeightPublisher(shm / "store", big, slots=2)
+    message = str(info.value)
+    assert (
+        f"cannot reserve the weight store's 2 slots of {HEADER_BYTES + 1_200_000} bytes in {shm / 'store'}" in message
+    )
+    assert "No space left on device (ENOSPC;" in message and "lower loop.max_policy_lag" in message
 
 
 def test_tensors_are_64_byte_aligned_in_manifest_order(pair) -> None:

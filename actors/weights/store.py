@@ -89,6 +89,7 @@ import torch
 import xxhash
 from torch import Tensor
 
+from actors.disk import DISK_FULL, errno_of, write_cause
 from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError
 from actors.weights.manifest import HEADER_BYTES, Manifest, TensorEntry, layout_digest
 from actors.weights.storedir import StoreDir
@@ -439,7 +440,17 @@ class WeightPublisher:
         size, name = HEADER_BYTES + self.nbytes, _slot_name(index)
         fd = store.create(name)
         try:
-            os.posix_fallocate(fd, 0, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as error:
+                if errno_of(error) not in DISK_FULL:
+                    raise
+                raise WeightSyncError(
+                    f"cannot reserve the weight store's {self.slots} slots of {size} bytes in {self.store}: "
+                    f"{write_cause(error, Path(self.store))}. The store must hold max_policy_lag + 2 versions of the "
+                    "weights on the trainer's host: free space there (a node's /dev/shm, a pod's shm volume) or "
+                    "lower loop.max_policy_lag"
+                ) from None
             os.pwrite(fd, header_words(self.nbytes), 0)
             return _Slot.mapped(fd, size, writable=True, where=store.where(name))
         finally:
