@@ -19,13 +19,13 @@ changed after publishing is refused like changed bytes, before any view is built
 The store directory (``storedir.py``) is created exclusively under an unguessable name,
 mode 0700; the publisher and every follower check its owner and mode when they open it
 and never follow a link inside it, so another local user can neither plant the files a
-follower reads nor redirect the publisher's writes. The runtime, not the publisher,
-owns the directory's life:
+follower reads nor redirect the publisher's writes. Trainer rank 0 (``actors/trainer.py``),
+not the publisher, owns the directory's life, on its own host:
 
-    reclaim_dead_stores(root)       # at start: stores this user's killed runs left behind
-    store = create_store(root)      # before spawning the trainer; pass str(store) to it
-    ...                             # WeightPublisher(store, ...) on trainer rank 0
-    remove_store(store)             # at the end, whatever happened
+    reclaim_dead_stores(root)       # as it starts: stores that dead trainers on this host left behind
+    store = create_store(root)      # root: weights_config.store_root()
+    ...                             # WeightPublisher(store, ...)
+    remove_store(store)             # in __cleanup__, when the run stops the trainer
 """
 
 from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError

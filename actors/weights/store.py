@@ -532,7 +532,7 @@ class WeightPublisher:
         return device_checksum(slot.data)
 
     def close(self) -> None:
-        """Stop the threads and drop the slots; shm files stay for subscribers (the runtime deletes the store).
+        """Stop the threads and drop the slots; shm files stay for subscribers (the trainer deletes the store).
 
         RDMA registrations are withdrawn first, so that a follower's late pull fails
         instead of reading memory that is about to be freed.

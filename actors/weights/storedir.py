@@ -21,7 +21,7 @@ can write. So:
   store at the end of a run; neither follows a link.
 
 Only the directory's final component is opened without following links: the root
-(``/dev/shm`` or the run directory) is the caller's choice and trusted like any path the
+(``/dev/shm`` or the temporary directory) is the caller's choice and trusted like any path the
 user typed. Root can still do anything; the checks keep other users out, not root.
 """
 
