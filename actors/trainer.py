@@ -36,6 +36,17 @@ from actors.weights_config import store_root
 from losses import TAIDScheduler
 
 
+_IN_THIS_PROCESS: dict[str, Trainer] = {}  # the trainer actor started in this process, if any
+
+
+def local_trainer() -> Trainer:
+    """The trainer started in this process. An actor spawned on the trainer's processes (the
+    DiLoCo syncer) works on its parameters in place through it, copying nothing through messages."""
+    if "trainer" not in _IN_THIS_PROCESS:
+        raise RuntimeError("no trainer has started in this process; spawn this actor on the trainer's mesh after it")
+    return _IN_THIS_PROCESS["trainer"]
+
+
 @dataclass
 class StepReport:
     metrics: dict[str, float]
@@ -83,6 +94,7 @@ class Trainer(Actor):
             self.store = str(create_store(store_root()))
             dtype = getattr(torch, self.weights_dtype)
             self.publisher = WeightPublisher(self.store, state, self.slots, transport=self.transport, dtype=dtype)
+        _IN_THIS_PROCESS["trainer"] = self
         return this_proc()
 
     @endpoint

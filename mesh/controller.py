@@ -67,6 +67,7 @@ class Actors:
     generators: Router  # every proc of every generator replica; requests are routed among them
     rewarder: ActorMesh
     teachers: ActorMesh | None
+    syncer: ActorMesh | None = None  # DiLoCo's outer loop, beside the trainer's ranks
 
 
 @dataclass
@@ -148,6 +149,8 @@ class Controller:
         step, restored = 0, []
         if checkpoint is not None:
             state = next(iter((await self.actors.trainer.load.call(str(checkpoint))).values()))
+            if self.actors.syncer is not None:
+                await self.actors.syncer.load.call(str(checkpoint))
             step, restored = state["step"], collected_from_json(state["inflight"]) if "inflight" in state else []
             self.last_checkpoint = checkpoint
         self.weights = next(w for w in (await self.actors.trainer.publish.call()).values() if w is not None)
@@ -223,8 +226,8 @@ class Controller:
 
     async def _collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
         loop = self.topology.loop
-        problems = self.task.problems(self.topology.seed, step, loop.prompts_per_step)
-        seeds = sampling_seeds(self.topology.seed, f"step {step}", len(problems))
+        problems = self.task.problems(self.topology.prompt_seed(), step, loop.prompts_per_step)
+        seeds = sampling_seeds(self.topology.prompt_seed(), f"step {step}", len(problems))
         warm = teachers.get(loop.warm_start.teacher) if step < loop.warm_start.steps else None
         replay = [t for t in teachers.values() if "replay" in t.config.use] if self.loss.beta_replay > 0 else []
         tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
@@ -332,8 +335,23 @@ class Controller:
         reports = await self.actors.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)
         self.weights = report.weights
+        metrics = self._step_metrics(step, collected, batch, report, ages)
+        if self.actors.syncer is not None and (step + 1) % self.topology.diloco.sync_every == 0:
+            metrics |= await self._outer_step()
         self.actors.generators.publish(self.weights)  # pushed to every replica, off the critical path
-        return self._step_metrics(step, collected, batch, report, ages)
+        return metrics
+
+    async def _outer_step(self) -> dict:
+        """DiLoCo: average the replicas' pseudo-gradients and take the outer step (``actors/diloco``), then
+        publish the result under the step's version, which no generator holds yet."""
+        sync = next(r for r in (await self.actors.syncer.sync.call()).values() if r is not None)
+        self.weights = next(w for w in (await self.actors.trainer.publish.call()).values() if w is not None)
+        return {
+            "diloco/round": sync.round,
+            "diloco/replicas_in_round": sync.replicas_in_round,
+            "diloco/sync_s": sync.seconds,
+            "diloco/bytes": sync.bytes,
+        }
 
     def _step_metrics(
         self, step: int, collected: Collected, batch: TrainBatch, report: StepReport, ages: list[int]
@@ -389,6 +407,8 @@ class Controller:
         if collected:
             extra["inflight"] = collected_to_json(collected)
         await self.actors.trainer.save.call(str(self.run.checkpoint_dir(step)), step, extra)
+        if self.actors.syncer is not None:
+            await self.actors.syncer.save.call(str(self.run.checkpoint_dir(step)))
         self.last_checkpoint = self.run.checkpoint_dir(step)
 
     async def evaluate(self) -> float:

@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="launcher k8s: write the run's Kubernetes objects into DIR (for kubectl apply -f DIR); spawn nothing",
     )
+    parser.add_argument(
+        "--replica",
+        type=int,
+        metavar="I",
+        help="diloco: run replica I alone, as run <name>-r<I>; it meets the others through diloco.store or "
+        "diloco.lighthouse",
+    )
     parser.add_argument("--run-root", help="where run directories go (default: the topology's logging.root)")
     parser.add_argument(
         "--resume",
@@ -40,12 +47,21 @@ def main(argv: list[str] | None = None) -> int:
         help="go on from a checkpoint of an earlier run of this topology, e.g. runs/<run>/checkpoints/step_000125",
     )
     args = parser.parse_args(argv)
+    if args.replica is not None:
+        args.set = [*args.set, f"diloco.replica={args.replica}"]
     if args.dry_run:
         return dry_run(args.topology, args.set, args.resume)
     if args.render:
         return render(args.topology, args.set, Path(args.render))
     try:
-        topology = load_topology(args.topology, args.set)
+        topology = replica_named(load_topology(args.topology, args.set), args.topology, args.set)
+        if topology.starts_replicas():
+            raise TopologyError(
+                f"diloco.replicas is {topology.diloco.replicas}: start each replica as its own run, "
+                f"python -m mesh.run {args.topology} --replica I for I in 0..{topology.diloco.replicas - 1}, all "
+                "with the same diloco.store (object_store) or diloco.lighthouse (torchft); one command that starts "
+                "them all is not built yet"
+            )
         if args.resume:
             check_resume(topology, Path(args.resume))
     except TopologyError as error:
@@ -69,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         return stopped.exit_code
     print(f"run directory: {run_dir.path}")
     return 0
+
+
+def replica_named(topology: Topology, path: str, overrides: list[str]) -> Topology:
+    """A DiLoCo replica's run is named ``<name>-r<i>`` (its run directory, jobs and meshes)."""
+    if topology.diloco is None or topology.diloco.replica is None:
+        return topology
+    return load_topology(path, [*overrides, f"name={topology.name}-r{topology.diloco.replica}"])
 
 
 def dry_run(path: str, overrides: list[str], resume: str | None) -> int:

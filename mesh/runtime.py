@@ -31,6 +31,7 @@ import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
 from actors.bindings import Student  # noqa: E402
+from actors.diloco.syncer import DiLoCoSyncer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
 from actors.model import Placement, build_tiny_model  # noqa: E402
@@ -94,7 +95,7 @@ async def run(
             model_path = _prepare_model(topology, task.alphabet, run_dir)
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
             teachers = TeacherBoard(bindings, topology.actors.trainer.loss)
-            roles = _roles(topology, model_path, teachers)
+            roles = _roles(topology, model_path, teachers, _diloco_store(topology, run_dir))
             fleet = Fleet(launcher, roles, topology.fault_tolerance, topology.actors.trainer.mesh, faults.record)
             cleanup.push_async_callback(_stop_trainer, fleet)
             monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
@@ -201,8 +202,10 @@ def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
     return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))
 
 
-def _roles(topology: Topology, model_path: str, teachers: TeacherBoard) -> dict[str, list[Role]]:
-    """Mesh name -> the actors placed on it, the trainer first on its mesh."""
+def _roles(
+    topology: Topology, model_path: str, teachers: TeacherBoard, diloco_store: str | None
+) -> dict[str, list[Role]]:
+    """Mesh name -> the actors placed on it, the trainer first on its mesh (then DiLoCo's syncer)."""
     cfg, seed = topology.actors, topology.seed
     roles: dict[str, list[Role]] = {name: [] for name in topology.launched_meshes()}
 
@@ -214,6 +217,9 @@ def _roles(topology: Topology, model_path: str, teachers: TeacherBoard) -> dict[
         return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype())
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
+    if (replica := topology.diloco_replica()) is not None:
+        syncer = _spawner("syncer", DiLoCoSyncer, topology.diloco, replica, diloco_store)
+        roles[cfg.trainer.mesh].append(Role("syncer", syncer, _start_all))
     for name in topology.replica_meshes():
         place = _placement(topology, name, "generator")
         roles[name].append(
@@ -231,6 +237,14 @@ def _roles(topology: Topology, model_path: str, teachers: TeacherBoard) -> dict[
 
         roles[cfg.teachers.mesh].append(Role("teachers", spawn, start_teachers))
     return roles
+
+
+def _diloco_store(topology: Topology, run_dir: RunDir) -> str | None:
+    """Where the object-store transport keeps rounds: the topology's store, else the run's own directory."""
+    diloco = topology.diloco
+    if diloco is None or diloco.transport != "object_store":
+        return None
+    return diloco.store or (run_dir.path / "diloco").resolve().as_uri()
 
 
 def _spawner(name: str, actor_class, *args):
@@ -255,8 +269,13 @@ def _actors(topology: Topology, fleet: Fleet) -> Actors:
     router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
     teachers = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
+    syncer = fleet.handle("syncer", cfg.trainer.mesh) if topology.diloco_replica() is not None else None
     return Actors(
-        fleet.handle("trainer", cfg.trainer.mesh), router, fleet.handle("rewarder", cfg.rewarder.mesh, 0), teachers
+        fleet.handle("trainer", cfg.trainer.mesh),
+        router,
+        fleet.handle("rewarder", cfg.rewarder.mesh, 0),
+        teachers,
+        syncer,
     )
 
 

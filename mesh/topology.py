@@ -36,6 +36,7 @@ from pydantic import (
 )
 
 from actors import registry
+from actors.diloco.config import DiLoCoConfig
 from actors.generator_config import GeneratorConfig, policy_dtype
 from actors.inner_loops.config import TrainerConfig
 from actors.model_config import ModelFacts, TinyModelSpec
@@ -167,6 +168,7 @@ class Topology(Section):
     logging: Logging = Logging()
     launcher: LauncherOptions = LocalOptions()
     fault_tolerance: FaultTolerance = FaultTolerance()
+    diloco: DiLoCoConfig | None = None
     _facts: ModelFacts | None = PrivateAttr(None)
     _placed_here: bool = PrivateAttr(True)
 
@@ -210,6 +212,24 @@ class Topology(Section):
     def placed_actors(self) -> dict[str, str]:
         """Actor name -> mesh name, for every actor the topology runs."""
         return {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name))}
+
+    def starts_replicas(self) -> bool:
+        """Whether this run starts the DiLoCo replicas, each its own run (``mesh/replicas.py``),
+        rather than being one of them."""
+        return self.diloco is not None and self.diloco.replicas > 1 and self.diloco.replica is None
+
+    def diloco_replica(self) -> int | None:
+        """Which DiLoCo replica this run trains (a run of one replica is replica 0); None: not DiLoCo,
+        or the run that starts the replicas."""
+        if self.diloco is None or self.starts_replicas():
+            return None
+        return self.diloco.replica or 0
+
+    def prompt_seed(self) -> int:
+        """The seed of the training prompts and their sampling: each DiLoCo replica draws a stream of
+        its own (evaluation prompts stay the topology's, the same for every replica)."""
+        replica = self.diloco_replica()
+        return self.seed if not replica else (self.seed + replica * 1_000_003) % 2**31
 
     def replica_meshes(self) -> list[str]:
         """The generator's meshes, one per replica: its own ``mesh``, then copies of it named
@@ -259,6 +279,7 @@ class Topology(Section):
                 )
         self._check_replicas()
         self._check_teachers()
+        self._check_diloco()
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
         if rows < trainer_procs:
@@ -273,6 +294,25 @@ class Topology(Section):
         check_gpus(self)
         self.launcher.check(self)
         return self
+
+    def _check_diloco(self) -> None:
+        diloco = self.diloco
+        if diloco is None:
+            return
+        if diloco.sync_every > self.loop.steps:
+            raise ValueError(
+                f"diloco.sync_every is {diloco.sync_every} but loop.steps is {self.loop.steps}, so the replicas would "
+                "never sync; lower sync_every (e.g. 16) or train longer"
+            )
+        alone = diloco.replica is not None and diloco.replicas > 1
+        meeting = diloco.store if diloco.transport == "object_store" else diloco.lighthouse
+        if alone and meeting is None:
+            key = "store: s3://bucket/prefix" if diloco.transport == "object_store" else "lighthouse: http://host:port"
+            raise ValueError(
+                f"--replica {diloco.replica} runs one replica on its own, and it meets the others only through "
+                f"diloco.{key.split(':')[0]}, which is not set; set diloco.{key} (the same for every replica), or "
+                "drop --replica to start all replicas from this run"
+            )
 
     def _check_teachers(self) -> None:
         bound = self.actors.teachers.bindings if self.actors.teachers else {}

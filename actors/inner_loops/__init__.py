@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
+    from actors.inner_loops.base import ParameterShard
+
     from actors.rollout import TrainBatch
 
 __all__ = ["CustomLossConfig", "InnerLoop", "OptimizerConfig", "TrainerConfig"]
@@ -40,6 +42,9 @@ class InnerLoop(Protocol):
 
     def state_dict(self) -> dict[str, Tensor]:
         """The policy's full weights under the names the generator engines load (HF naming)."""
+
+    def parameter_shards(self) -> dict[str, ParameterShard]:
+        """This rank's part of every parameter (``base.ParameterShard``), changed in place by DiLoCo's outer step."""
 
     def save(self, directory: Path, state: dict) -> None:
         """Policy, optimizer and the caller's ``state`` (rank 0 writes; every rank must call)."""

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
@@ -64,6 +65,15 @@ class PairGradients:
 RowInputs = Callable[[slice], LossInputs]
 
 
+@dataclass(frozen=True)
+class ParameterShard:
+    """A parameter's values on this rank: a sharded (FSDP2) parameter's local shard, or a whole
+    replicated (DDP) parameter, which every rank of the trainer mesh holds the same."""
+
+    values: Tensor  # changing it in place changes the parameter
+    sharded: bool
+
+
 class MicroBatchLoop(ABC):
     """An ``InnerLoop`` whose backends supply the model's head, gradient sync and optimizer.
 
@@ -73,6 +83,7 @@ class MicroBatchLoop(ABC):
     """
 
     lockstep = False
+    model: nn.Module
 
     def __init__(self, cfg: TrainerConfig, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -85,6 +96,14 @@ class MicroBatchLoop(ABC):
         if self.compute_dtype == torch.float32:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def parameter_shards(self) -> dict[str, ParameterShard]:
+        """This rank's part of every parameter, to change in place between steps (DiLoCo's outer step)."""
+        shards = {}
+        for name, param in self.model.named_parameters():
+            sharded = isinstance(param, DTensor)
+            shards[name] = ParameterShard((param.to_local() if sharded else param).detach(), sharded)
+        return shards
 
     # -- backend hooks -------------------------------------------------------------------
 

@@ -1,0 +1,84 @@
+"""The ``diloco`` section of a topology: replicas, how often they sync, and over what (no torch).
+
+A DiLoCo run is ``replicas`` whole pipelines, each its own run (``<name>-r<i>``) with its
+own meshes, prompt stream and weight store, that average their pseudo-gradients every
+``sync_every`` inner steps and apply the outer optimizer (``actors/diloco/syncer.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlparse
+
+Transport = Literal["torchft", "object_store"]
+STORE_SCHEMES = {"file": None, "s3": "s3fs"}  # fsspec protocols the object store is tested on -> the module they need
+
+
+@dataclass(frozen=True)
+class OuterOptimizerConfig:
+    """The outer optimizer: SGD on the pseudo-gradient, Nesterov momentum by default (the DiLoCo paper's)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"outer_optimizer.lr must be a number > 0, got {self.lr}; the DiLoCo paper uses 0.7")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer_optimizer.momentum must be in [0, 1), got {self.momentum}; the paper uses 0.9")
+        if self.nesterov and self.momentum == 0:
+            raise ValueError(
+                "outer_optimizer.nesterov needs momentum > 0 (Nesterov is a kind of momentum); "
+                "set momentum (e.g. 0.9) or nesterov: false"
+            )
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    replicas: int
+    sync_every: int
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    transport: Transport = "torchft"
+    # object_store: where rounds go (s3://bucket/prefix or file:///path); default: <the run's directory>/diloco
+    store: str | None = None
+    # torchft: a running lighthouse's http://host:port; default: the run starts one
+    lighthouse: str | None = None
+    round_timeout: float = 60.0  # seconds a round waits for the other replicas before closing without them
+    replica: int | None = None  # which replica this run is (--replica i); None: the run starts them all
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.sync_every < 1:
+            raise ValueError(
+                f"replicas and sync_every must be >= 1, got {self.replicas} and {self.sync_every}; "
+                "e.g. replicas: 2, sync_every: 16"
+            )
+        if self.replica is not None and not 0 <= self.replica < self.replicas:
+            raise ValueError(
+                f"replica {self.replica} is outside this run's replicas 0..{self.replicas - 1} "
+                f"(diloco.replicas is {self.replicas}); give --replica a number in that range"
+            )
+        if not (math.isfinite(self.round_timeout) and self.round_timeout > 0):
+            raise ValueError(f"round_timeout must be a number of seconds > 0, got {self.round_timeout}")
+        if self.store is not None:
+            _check_store(self.store)
+        if self.transport == "torchft" and self.store is not None:
+            raise ValueError("diloco.store is where the object_store transport keeps rounds; with torchft, drop it")
+        if self.transport == "object_store" and self.lighthouse is not None:
+            raise ValueError("diloco.lighthouse is torchft's; with the object_store transport, drop it")
+
+
+def _check_store(url: str) -> None:
+    scheme = urlparse(url).scheme
+    if scheme not in STORE_SCHEMES:
+        raise ValueError(
+            f"diloco.store {url!r} is not a URL this system runs on; give s3://bucket/prefix or file:///absolute/path"
+        )
+    module = STORE_SCHEMES[scheme]
+    if module is not None and importlib.util.find_spec(module) is None:
+        raise ValueError(
+            f"diloco.store {url!r} needs {module}, which is not installed: pip install 'composer-mesh[diloco]'"
+        )
