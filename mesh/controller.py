@@ -114,6 +114,7 @@ class Controller:
         self.collecting: deque[asyncio.Future[Collected]] = deque()  # the steps after ``step``, sampled ahead
         self.scheduled = 0  # the next step to start collecting
         self.trainer_seconds_lost = 0.0
+        self.synced_to: int | None = None  # DiLoCo: the step the replicas' last sync stands for
         self.fingerprint = topology_fingerprint(topology).to_json()
 
     async def train(self, checkpoint: Path | None = None) -> list[dict]:
@@ -135,6 +136,8 @@ class Controller:
                 last_end = time.perf_counter()
                 history.append(metrics)
                 self.step += 1
+                if self.synced_to is not None and self.synced_to > self.step:
+                    await self._skip_to(self.synced_to)
                 if self.stopper is not None and self.stopper.requested is not None and self.step < loop.steps:
                     await self._stop(self.stopper.requested)
             await self.actors.generators.settle()  # every replica ends holding the final version
@@ -146,7 +149,7 @@ class Controller:
     async def _begin(self, checkpoint: Path | None) -> int:
         """The trainer's state from ``checkpoint`` (or its initial weights), published; its in-flight batches
         back in flight; the step to train next."""
-        step, restored = 0, []
+        step, restored, self.synced_to = 0, [], None
         if checkpoint is not None:
             state = next(iter((await self.actors.trainer.load.call(str(checkpoint))).values()))
             if self.actors.syncer is not None:
@@ -343,15 +346,25 @@ class Controller:
 
     async def _outer_step(self) -> dict:
         """DiLoCo: average the replicas' pseudo-gradients and take the outer step (``actors/diloco``), then
-        publish the result under the step's version, which no generator holds yet."""
+        publish the result under the step's version, which no generator holds yet. A replica that caught
+        up with the others (it was restarted from an older checkpoint) goes on from their step."""
         sync = next(r for r in (await self.actors.syncer.sync.call()).values() if r is not None)
         self.weights = next(w for w in (await self.actors.trainer.publish.call()).values() if w is not None)
+        self.synced_to = sync.round * self.topology.diloco.sync_every
         return {
             "diloco/round": sync.round,
             "diloco/replicas_in_round": sync.replicas_in_round,
             "diloco/sync_s": sync.seconds,
             "diloco/bytes": sync.bytes,
+            "diloco/rounds_caught_up": sync.caught_up,
         }
+
+    async def _skip_to(self, step: int) -> None:
+        """Go on from ``step``: the inner steps before it were taken by the replicas this one caught up with."""
+        await self._cancel_collections()
+        self.progress.note(f"diloco: caught up with the other replicas; skipping to step {step}")
+        self.step = self.scheduled = min(step, self.topology.loop.steps)
+        self.progress.move_to(self.step)
 
     def _step_metrics(
         self, step: int, collected: Collected, batch: TrainBatch, report: StepReport, ages: list[int]

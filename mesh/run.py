@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         "diloco.lighthouse",
     )
     parser.add_argument("--run-root", help="where run directories go (default: the topology's logging.root)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (output going to a log file)")
     parser.add_argument(
         "--resume",
         metavar="CHECKPOINT",
@@ -55,25 +56,28 @@ def main(argv: list[str] | None = None) -> int:
         return render(args.topology, args.set, Path(args.render))
     try:
         topology = replica_named(load_topology(args.topology, args.set), args.topology, args.set)
-        if topology.starts_replicas():
+        if args.resume and topology.starts_replicas():
             raise TopologyError(
-                f"diloco.replicas is {topology.diloco.replicas}: start each replica as its own run, "
-                f"python -m mesh.run {args.topology} --replica I for I in 0..{topology.diloco.replicas - 1}, all "
-                "with the same diloco.store (object_store) or diloco.lighthouse (torchft); one command that starts "
-                "them all is not built yet"
+                f"a DiLoCo run of {topology.diloco.replicas} replicas is resumed replica by replica: "
+                f"python -m mesh.run {args.topology} --replica I --resume <replica I's checkpoint>, with the "
+                "diloco.store or diloco.lighthouse the replicas met through (--set diloco.store=...)"
             )
         if args.resume:
             check_resume(topology, Path(args.resume))
     except TopologyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if topology.starts_replicas():
+        from mesh.replicas import run_replicas
+
+        return run_replicas(topology, args.topology, args.set, args.run_root, progress=not args.no_progress)
 
     from mesh.interrupts import Interrupted
     from mesh.rundir import RunDirError
     from mesh.runtime import RunFailed, run
 
     try:
-        run_dir = asyncio.run(run(topology, args.run_root, resume=args.resume))
+        run_dir = asyncio.run(run(topology, args.run_root, progress=not args.no_progress, resume=args.resume))
     except RunDirError as error:  # raised before anything is spawned
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -88,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def replica_named(topology: Topology, path: str, overrides: list[str]) -> Topology:
-    """A DiLoCo replica's run is named ``<name>-r<i>`` (its run directory, jobs and meshes)."""
-    if topology.diloco is None or topology.diloco.replica is None:
+    """A DiLoCo replica's run is named ``<name>-r<i>`` (its run directory, jobs and meshes); a replica's
+    own topology.yaml, resumed, already has its name."""
+    diloco = topology.diloco
+    if diloco is None or diloco.replica is None or topology.name.endswith(suffix := f"-r{diloco.replica}"):
         return topology
-    return load_topology(path, [*overrides, f"name={topology.name}-r{topology.diloco.replica}"])
+    return load_topology(path, [*overrides, f"name={topology.name}{suffix}"])
 
 
 def dry_run(path: str, overrides: list[str], resume: str | None) -> int:

@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -120,18 +121,20 @@ class RunDir:
         """Draw reward.png from metrics.jsonl. This runs after a failed run too, often on the same
         full disk, where an exception would replace the run's own error: so it never raises, and
         a failure is printed to stderr as one line and returned."""
-        out = self.path / "reward.png"
-        try:
-            records = read_metrics(self.metrics_file)
-            if records:
-                plot_reward(records, out)
-        except Exception as error:  # whatever it is, the run's own outcome must stay the one reported
-            with contextlib.suppress(OSError):
-                out.unlink(missing_ok=True)
-            message = f"warning: {out} was not drawn: {write_cause(error, out)}"
-            print(message, file=sys.stderr)
-            return message
-        return None
+        return draw(self.path / "reward.png", lambda out: plot_reward(read_metrics(self.metrics_file), out))
+
+
+def draw(out: Path, plot: Callable[[Path], None]) -> str | None:
+    """``plot(out)``, never raising: a failure is printed to stderr as one line and returned."""
+    try:
+        plot(out)
+    except Exception as error:  # whatever it is, the run's own outcome must stay the one reported
+        with contextlib.suppress(OSError):
+            out.unlink(missing_ok=True)
+        message = f"warning: {out} was not drawn: {write_cause(error, out)}"
+        print(message, file=sys.stderr)
+        return message
+    return None
 
 
 def _append(path: Path, data: bytes) -> None:
@@ -173,11 +176,10 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_reward(records: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The reward curve of one run (nothing when it has no metrics)."""
+    if not records:
+        return
+    plt = _pyplot()
     rows = [r for r in records if REWARD_KEY in r]
     steps = [r["step"] for r in rows]
     mean = [r[REWARD_KEY] for r in rows]
@@ -191,6 +193,32 @@ def plot_reward(records: list[dict], out: Path) -> None:
     warm = [r["step"] for r in rows if r.get("warm_start")]
     if warm:
         ax.axvspan(min(warm) - 0.5, max(warm) + 0.5, color="orange", alpha=0.15, label="warm start (oracle traces)")
+    _save(plt, fig, ax, out)
+
+
+def plot_replica_rewards(curves: dict[str, list[dict]], out: Path) -> None:
+    """The reward curves of a DiLoCo run's replicas on one plot, their sync rounds marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    for label, records in curves.items():
+        rows = [r for r in records if REWARD_KEY in r]
+        (line,) = ax.plot([r["step"] for r in rows], [r[REWARD_KEY] for r in rows], label=label)
+        synced = [r for r in rows if "diloco/round" in r]
+        ax.plot([r["step"] for r in synced], [r[REWARD_KEY] for r in synced], "o", color=line.get_color(), ms=3)
+    ax.plot([], [], "o", color="gray", ms=3, label="after a sync")
+    _save(plt, fig, ax, out)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, ax, out: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)

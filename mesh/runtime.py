@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Awaitable
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
 from actors.bindings import Student  # noqa: E402
+from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import DiLoCoSyncer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
@@ -46,6 +48,7 @@ from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.interrupts import Interrupted, Stopper  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
+from mesh.replicas import serve_lighthouse  # noqa: E402
 from mesh.router import Router  # noqa: E402
 from mesh.rundir import RunDir  # noqa: E402
 from mesh.teachers import TeacherBoard  # noqa: E402
@@ -95,7 +98,7 @@ async def run(
             model_path = _prepare_model(topology, task.alphabet, run_dir)
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
             teachers = TeacherBoard(bindings, topology.actors.trainer.loss)
-            roles = _roles(topology, model_path, teachers, _diloco_store(topology, run_dir))
+            roles = _roles(topology, model_path, teachers, _diloco_meeting(topology, run_dir, cleanup))
             fleet = Fleet(launcher, roles, topology.fault_tolerance, topology.actors.trainer.mesh, faults.record)
             cleanup.push_async_callback(_stop_trainer, fleet)
             monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
@@ -203,7 +206,7 @@ def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
 
 
 def _roles(
-    topology: Topology, model_path: str, teachers: TeacherBoard, diloco_store: str | None
+    topology: Topology, model_path: str, teachers: TeacherBoard, diloco: DiLoCoConfig | None
 ) -> dict[str, list[Role]]:
     """Mesh name -> the actors placed on it, the trainer first on its mesh (then DiLoCo's syncer)."""
     cfg, seed = topology.actors, topology.seed
@@ -217,8 +220,8 @@ def _roles(
         return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype())
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
-    if (replica := topology.diloco_replica()) is not None:
-        syncer = _spawner("syncer", DiLoCoSyncer, topology.diloco, replica, diloco_store)
+    if diloco is not None:
+        syncer = _spawner("syncer", DiLoCoSyncer, diloco, topology.diloco_replica())
         roles[cfg.trainer.mesh].append(Role("syncer", syncer, _start_all))
     for name in topology.replica_meshes():
         place = _placement(topology, name, "generator")
@@ -239,12 +242,20 @@ def _roles(
     return roles
 
 
-def _diloco_store(topology: Topology, run_dir: RunDir) -> str | None:
-    """Where the object-store transport keeps rounds: the topology's store, else the run's own directory."""
+def _diloco_meeting(topology: Topology, run_dir: RunDir, cleanup: AsyncExitStack) -> DiLoCoConfig | None:
+    """This replica's ``diloco`` section with where the replicas meet filled in: the object store (the
+    topology's, else ``<run>/diloco``), or a torchft lighthouse (the topology's, else one this run serves
+    until it ends: a run of one replica)."""
     diloco = topology.diloco
-    if diloco is None or diloco.transport != "object_store":
+    if topology.diloco_replica() is None:
         return None
-    return diloco.store or (run_dir.path / "diloco").resolve().as_uri()
+    if diloco.transport == "object_store":
+        return replace(diloco, store=diloco.store or (run_dir.path / "diloco").resolve().as_uri())
+    if diloco.lighthouse is not None:
+        return diloco
+    lighthouse = serve_lighthouse(run_dir.path)
+    cleanup.callback(lighthouse.stop)
+    return replace(diloco, lighthouse=lighthouse.address)
 
 
 def _spawner(name: str, actor_class, *args):
@@ -289,12 +300,12 @@ def _write_procs(run_path: Path, fleet: Fleet) -> None:
 
 
 def _placement(topology: Topology, mesh: str, actor: str) -> Placement:
-    """Where ``actor`` computes on ``mesh``: CPU threads (the cores shared among the processes that
-    compute, the trainer's and every generator replica's, at least one each), the GPUs each of
-    the mesh's processes sees, and the share of their memory the actor may take."""
+    """Where ``actor`` computes on ``mesh``: CPU threads (the cores this run may use, shared among
+    the processes that compute, the trainer's and every generator replica's, at least one each),
+    the GPUs each of the mesh's processes sees, and the share of their memory the actor may take."""
     meshes = topology.launched_meshes()
     compute = {topology.actors.trainer.mesh, *topology.replica_meshes()}
-    threads = max(1, (os.cpu_count() or 1) // sum(meshes[m].procs * meshes[m].hosts for m in compute))
+    threads = max(1, len(os.sched_getaffinity(0)) // sum(meshes[m].procs * meshes[m].hosts for m in compute))
     share = None
     if actor == "trainer":
         share = trainer_memory_share(topology)

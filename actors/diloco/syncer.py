@@ -1,19 +1,19 @@
 """The DiLoCoSyncer actor: a replica's outer loop, on its trainer's processes.
 
 One syncer runs beside each trainer rank (spawned on the trainer's mesh after the trainer),
-so it changes the trainer's parameters in place, copying nothing through messages. It keeps
-the parameters of the last sync, θ₀, in float32, and every ``sync_every`` inner steps the
-controller calls ``sync``:
+so it changes the trainer's parameters in place, copying nothing through messages. Every
+``sync_every`` inner steps the controller calls ``sync``, which takes one outer step
+(``outer.py``) with the pseudo-gradients averaged over the replicas present by the transport.
 
-    Δ = θ₀ − θ                      (the pseudo-gradient: where the inner steps moved, reversed)
-    Δ̄ = mean of Δ over the replicas present   (the transport: torchft or an object store)
-    θ₀ ← outer optimizer step on θ₀ with gradient Δ̄   (Nesterov SGD by default)
-    θ ← θ₀
-
-With outer SGD at lr 1 and no momentum this makes θ the mean of the replicas' parameters.
 Each rank exchanges what it alone holds: its shard of each sharded (FSDP2) parameter, and on
 rank 0 the replicated (DDP) parameters, which it then broadcasts to the other ranks. The
 inner optimizer's state is left as it is, as in the DiLoCo paper.
+
+A replica that fell behind (restarted from an older checkpoint) catches up before it averages:
+over torchft, the quorum heals it from a live replica (θ₀, the outer optimizer, the rounds);
+over an object store, it replays the rounds closed without it from the stored deltas, which
+gives exactly the state the others reached. ``sync`` reports the round it ends at, so the
+controller can skip the inner steps the others already took.
 """
 
 from __future__ import annotations
@@ -25,108 +25,163 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from monarch.actor import Actor, endpoint
-from torch import Tensor
 
 from actors.diloco.config import DiLoCoConfig
+from actors.diloco.outer import OuterLoop
 from actors.diloco.transport import Transport
 from actors.inner_loops.base import ParameterShard
 from actors.lifecycle import ProcInfo, this_proc
 from actors.trainer import local_trainer
+
+COMMIT_ATTEMPTS = 3  # torchft rounds a member's failure may abort before the sync gives up
+NO_SHARE = 2**62  # what a rank with nothing to exchange contributes to a MIN over the ranks
 
 
 @dataclass(frozen=True)
 class SyncReport:
     """One round, as rank 0 saw it (the metrics ``diloco/*``)."""
 
-    round: int
+    round: int  # the outer steps this replica has taken, after this sync
     replicas_in_round: int
     seconds: float
     bytes: int  # sent and received
+    caught_up: int  # rounds adopted from the others (healed or replayed) rather than averaged
 
 
 class DiLoCoSyncer(Actor):
-    def __init__(self, cfg: DiLoCoConfig, replica: int, store: str | None):
-        """``store``: the object store's URL (the topology's, or the one the run chose)."""
-        self.cfg, self.replica, self.store = cfg, replica, store
+    def __init__(self, cfg: DiLoCoConfig, replica: int):
+        """``cfg`` names where the replicas meet: ``store`` (object_store) or ``lighthouse`` (torchft)."""
+        self.cfg, self.replica = cfg, replica
         self.transport: Transport | None = None
 
     @endpoint
     def start(self) -> ProcInfo:
         """Take θ₀ from the trainer's current parameters and join the transport."""
-        self.rank = dist.get_rank()
-        self.shards = local_trainer().loop.parameter_shards()
-        self.exchanged = exchanged_shards(self.shards, self.rank)
-        self.global_params = {n: v.detach().float().clone() for n, v in self.exchanged.items()}
-        outer = self.cfg.outer_optimizer
-        self.optimizer = torch.optim.SGD(
-            list(self.global_params.values()), lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov
-        )
-        self.rounds = 0
-        if self.exchanged:
-            self.transport = self._transport()
-        return this_proc()
-
-    def _transport(self) -> Transport:
-        if self.cfg.transport == "object_store":
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        loop = local_trainer().loop
+        self.shards, self.device = loop.parameter_shards(), loop.device  # collectives run on the trainer's device
+        exchanged = exchanged_shards(self.shards, self.rank)
+        # a rank with nothing to exchange (a DDP rank but 0) only takes part in rank 0's broadcasts
+        self.outer = OuterLoop(exchanged, self.cfg.outer_optimizer) if exchanged else None
+        if self.cfg.transport == "torchft":
+            self.transport = self._torchft()
+        elif self.outer is not None:
             from actors.diloco.object_store import ObjectStoreTransport
 
-            return ObjectStoreTransport(
-                self.store, self.cfg.replicas, self.replica, rank=self.rank, round_timeout=self.cfg.round_timeout
+            self.transport = ObjectStoreTransport(
+                self.cfg.store, self.cfg.replicas, self.replica, rank=self.rank, round_timeout=self.cfg.round_timeout
             )
-        raise ValueError(f"diloco.transport {self.cfg.transport!r} is not wired into the syncer yet")
+        return this_proc()
+
+    def _torchft(self) -> Transport | None:
+        """A Manager per exchanging rank; rank 0 hosts the replica's store and tells the others its address."""
+        from actors.diloco.torchft import TorchFTTransport, host_replica_store
+
+        sharded = any(s.sharded for s in self.shards.values())
+        world = self.world if sharded else 1  # the ranks that exchange: all of them, or rank 0 alone
+        store = host_replica_store() if self.rank == 0 else None
+        address = (store.host, store.port) if store else None
+        if world > 1:
+            address = self._from_rank0(address)
+        if self.outer is None:
+            return None
+        return TorchFTTransport(
+            self.cfg.lighthouse,
+            self.replica,
+            self.rank if world > 1 else 0,
+            world,
+            *address,
+            self.outer.state_dict,
+            self.outer.load_state_dict,
+            timeout_s=self.cfg.round_timeout,
+            store=store,
+        )
 
     @endpoint
     def sync(self) -> SyncReport | None:
-        """One outer step: average the pseudo-gradients, step θ₀, load it into the trainer."""
+        """One outer step: catch up if behind, average the pseudo-gradients, step θ₀, load it into the trainer."""
         start = time.perf_counter()
-        self.rounds += 1
-        result = None
-        if self.transport is not None:
-            delta = {n: self.global_params[n] - v.float() for n, v in self.exchanged.items()}
-            result = self.transport.average(self.rounds, delta)
-            self._outer_step(result.mean)
+        rounds_before = self.outer.rounds if self.outer else 0
+        replayed = self._replay_closed_rounds()
+        members, moved = (), 0
+        if not replayed and self.outer is not None:
+            members, moved = self._average()
         self._broadcast_replicated()
-        if self.rank != 0 or result is None:
+        if self.rank != 0:
             return None
-        moved = result.bytes_sent + result.bytes_received
-        return SyncReport(self.rounds, len(result.members), time.perf_counter() - start, moved)
+        averaged = 0 if replayed else 1
+        caught_up = self.outer.rounds - rounds_before - averaged
+        return SyncReport(self.outer.rounds, len(members), time.perf_counter() - start, moved, caught_up)
 
-    def _outer_step(self, mean: dict[str, Tensor]) -> None:
-        for name, param in self.global_params.items():
-            param.grad = mean[name].to(param.dtype)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for name, values in self.exchanged.items():
-                values.copy_(self.global_params[name])
+    def _average(self) -> tuple[tuple[int, ...], int]:
+        """Average this rank's pseudo-gradient with the other replicas' and take the outer step."""
+        from actors.diloco.torchft import RoundNotCommitted
+
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                result = self.transport.average(self.outer.rounds + 1, self.outer.pseudo_gradient())
+                break
+            except RoundNotCommitted:
+                if attempt == COMMIT_ATTEMPTS:
+                    raise
+        self.outer.step(result.mean)  # a heal during ``average`` replaced θ₀ and the rounds
+        return result.members, result.bytes_sent + result.bytes_received
+
+    def _replay_closed_rounds(self) -> bool:
+        """Object store: the rounds the others closed while this replica was away, replayed from the
+        store in order (each rank its own share), so this replica ends exactly where they are."""
+        if self.cfg.transport != "object_store" or self.cfg.replicas == 1:
+            return False
+        latest = self._closed_on_every_rank()
+        if self.outer is None or latest <= self.outer.rounds:
+            return False
+        for round in range(self.outer.rounds + 1, latest + 1):
+            self.outer.step(self.transport.mean_of(round))
+        return True
+
+    def _closed_on_every_rank(self) -> int:
+        """The newest round every exchanging rank of this replica has seen closed (0: none); ranks
+        close a round each on their own, so one rank may see it closed before another."""
+        mine = (self.transport.latest_round() or 0) if self.transport is not None else None
+        if self.world == 1:
+            return mine
+        newest = torch.tensor([NO_SHARE if mine is None else mine], dtype=torch.int64, device=self.device)
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+        return int(newest.item())
+
+    def _from_rank0(self, value: object) -> object:
+        """Rank 0's ``value``, on every rank of this replica."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _broadcast_replicated(self) -> None:
         """Rank 0's new values of the replicated parameters, to every rank of this replica."""
         replicated = [s.values for s in self.shards.values() if not s.sharded]
-        if replicated and dist.get_world_size() > 1:
+        if replicated and self.world > 1:
             for values in replicated:
                 dist.broadcast(values, src=0)
 
     @endpoint
     def save(self, directory: str) -> None:
-        """θ₀, the outer optimizer's state and the round count of this rank, beside the trainer's checkpoint."""
-        state = {"rounds": self.rounds, "global": self.global_params, "optimizer": self.optimizer.state_dict()}
-        torch.save(state, Path(directory) / f"diloco_rank{self.rank}.pt")
+        """θ₀, the outer optimizer's state and the rounds of this rank, beside the trainer's checkpoint."""
+        if self.outer is not None:
+            torch.save(self.outer.state_dict(), Path(directory) / checkpoint_name(self.rank))
 
     @endpoint
     def load(self, directory: str) -> None:
-        state = torch.load(Path(directory) / f"diloco_rank{self.rank}.pt", weights_only=True)
-        with torch.no_grad():
-            for name, param in self.global_params.items():
-                param.copy_(state["global"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.rounds = state["rounds"]
+        if self.outer is not None:
+            self.outer.load_state_dict(torch.load(Path(directory) / checkpoint_name(self.rank), weights_only=True))
 
     def __cleanup__(self, exc: Exception | None) -> None:
         if self.transport is not None:
             self.transport.close()
 
 
-def exchanged_shards(shards: dict[str, ParameterShard], rank: int) -> dict[str, Tensor]:
+def checkpoint_name(rank: int) -> str:
+    return f"diloco_rank{rank}.pt"
+
+
+def exchanged_shards(shards: dict[str, ParameterShard], rank: int) -> dict[str, torch.Tensor]:
     """The parameters ``rank`` exchanges with the other replicas."""
     return {n: s.values for n, s in shards.items() if s.sharded or rank == 0}

@@ -28,6 +28,8 @@ __all__ = ["CustomLossConfig", "InnerLoop", "OptimizerConfig", "TrainerConfig"]
 class InnerLoop(Protocol):
     """Built inside a trainer process after ``torch.distributed`` is initialized."""
 
+    device: torch.device  # where the policy's parameters live
+
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device) -> None: ...
 
     def train_step(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
