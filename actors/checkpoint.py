@@ -205,8 +205,7 @@ def _write_failure(directory: Path, error: BaseException) -> str:
     cause = write_cause(error, directory.parent)
     if errno_of(error) in DISK_FULL:
         fix = (
-            "free space there (or move older checkpoints elsewhere), then resume from the last checkpoint "
-            "with --resume"
+            "free space there (or move older checkpoints elsewhere), then resume from the last checkpoint with --resume"
         )
     else:
         fix = "make that directory writable (or set logging.root / --run-root elsewhere) and resume with --resume"

@@ -98,8 +98,10 @@ class Trainer(Actor):
         return this_proc()
 
     @endpoint
-    def publish(self) -> WeightVersion | None:
-        """Publish the current weights as the current version (the run's version 0, or after a resume)."""
+    def publish(self, version: int | None = None) -> WeightVersion | None:
+        """Publish the current weights as the current version (the run's version 0, after a resume), or
+        as ``version`` from now on (a DiLoCo replica that caught up goes on from the others' step)."""
+        self.version = self.version if version is None else version
         state = self.loop.state_dict()
         return self.publisher.publish(state, self.version) if self.publisher else None
 

@@ -364,6 +364,8 @@ class Controller:
         await self._cancel_collections()
         self.progress.note(f"diloco: caught up with the other replicas; skipping to step {step}")
         self.step = self.scheduled = min(step, self.topology.loop.steps)
+        self.weights = next(w for w in (await self.actors.trainer.publish.call(self.step)).values() if w is not None)
+        self.actors.generators.publish(self.weights)
         self.progress.move_to(self.step)
 
     def _step_metrics(

@@ -94,4 +94,3 @@ def name_actor(actor: str, mesh: str, proc: int | None = None) -> str:
     """How messages name an actor: ``generator (mesh generator1, proc 0)``."""
     where = f"mesh {mesh}" + ("" if proc is None else f", proc {proc}")
     return f"{actor} ({where})"
-

@@ -79,7 +79,7 @@ def run_replicas(topology: Topology, path: str, overrides: list[str], run_root: 
     )
     lighthouse = None
     if diloco.transport == "torchft" and diloco.lighthouse is None:
-        lighthouse = serve_lighthouse(parent.path)
+        lighthouse = serve_lighthouse(parent.path, diloco.round_timeout)
         meeting = f"diloco.lighthouse={lighthouse.address}"
     elif diloco.transport == "object_store" and diloco.store is None:
         meeting = f"diloco.store={(parent.path / 'diloco').resolve().as_uri()}"
@@ -107,12 +107,13 @@ def run_replicas(topology: Topology, path: str, overrides: list[str], run_root: 
     return next((r.process.returncode for r in replicas if r.process.returncode != 0), 0)
 
 
-def serve_lighthouse(run_path: Path):
+def serve_lighthouse(run_path: Path, round_timeout: float):
     """A torchft lighthouse served from this process for the run's replicas; its address is written
-    to ``<run>/lighthouse`` for replicas started by hand (``--set diloco.lighthouse=...``)."""
+    to ``<run>/lighthouse`` for replicas started by hand (``--set diloco.lighthouse=...``). A quorum
+    that has a majority waits ``round_timeout`` for the other live replicas."""
     from actors.diloco.torchft import Lighthouse
 
-    lighthouse = Lighthouse.start()
+    lighthouse = Lighthouse.start(join_timeout_ms=int(round_timeout * 1000))
     (run_path / LIGHTHOUSE_FILE).write_text(lighthouse.address + "\n")
     return lighthouse
 

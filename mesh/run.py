@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.replica is not None:
-        args.set = [*args.set, f"diloco.replica={args.replica}"]
+        try:
+            args.set = replica_overrides(args.topology, args.set, args.replica)
+        except TopologyError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     if args.dry_run:
         return dry_run(args.topology, args.set, args.resume)
     if args.render:
@@ -89,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         return stopped.exit_code
     print(f"run directory: {run_dir.path}")
     return 0
+
+
+def replica_overrides(path: str, overrides: list[str], replica: int) -> list[str]:
+    """``overrides`` that make the run DiLoCo replica ``replica`` of the topology, which must have a diloco section."""
+    if load_topology(path, overrides, placed_here=False).diloco is None:
+        raise TopologyError(
+            f"--replica {replica} runs one replica of a DiLoCo topology, but {path} has no diloco section; add one "
+            "(see topologies/tiny_diloco.yaml) or drop --replica"
+        )
+    return [*overrides, f"diloco.replica={replica}"]
 
 
 def replica_named(topology: Topology, path: str, overrides: list[str]) -> Topology:

@@ -253,7 +253,7 @@ def _diloco_meeting(topology: Topology, run_dir: RunDir, cleanup: AsyncExitStack
         return replace(diloco, store=diloco.store or (run_dir.path / "diloco").resolve().as_uri())
     if diloco.lighthouse is not None:
         return diloco
-    lighthouse = serve_lighthouse(run_dir.path)
+    lighthouse = serve_lighthouse(run_dir.path, diloco.round_timeout)
     cleanup.callback(lighthouse.stop)
     return replace(diloco, lighthouse=lighthouse.address)
 

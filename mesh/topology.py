@@ -621,7 +621,36 @@ def describe(topology: Topology) -> str:
             graph.append(
                 f"teachers.{name} ({binding.kind}) -> trainer: traces vs the policy's samples as pairs (channel 3)"
             )
+    if topology.diloco is not None:
+        graph += describe_diloco(topology)
     jobs = topology.launcher.describe(topology)
     return "\n".join(
         ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
     )
+
+
+def describe_diloco(topology: Topology) -> list[str]:
+    """What ``--dry-run`` says about a DiLoCo run: its replicas' runs, and how and where they sync."""
+    diloco, meshes = topology.diloco, ", ".join(topology.launched_meshes())
+    outer = diloco.outer_optimizer
+    sgd = f"SGD lr {outer.lr:g}" + (f", momentum {outer.momentum:g}" if outer.momentum else "")
+    sgd += ", Nesterov" if outer.nesterov else ""
+    if diloco.transport == "torchft":
+        where = f"torchft lighthouse {diloco.lighthouse or '(served by the run that starts the replicas)'}"
+    else:
+        where = f"object store {diloco.store or '<run directory>/diloco'}"
+    if topology.starts_replicas():
+        runs = [
+            f"diloco: this run starts {diloco.replicas} replicas, each its own run {topology.name}-r<I> "
+            f"(I = 0..{diloco.replicas - 1}) with its own meshes ({meshes}), prompt stream and weight store; "
+            "their output goes to replica_<I>.log"
+        ]
+    else:
+        runs = [
+            f"diloco: this run is replica {topology.diloco_replica()} of {diloco.replicas} (prompt seed {topology.prompt_seed()})"
+        ]
+    return [
+        *runs,
+        f"syncer <-> every replica's syncer, every {diloco.sync_every} steps: the mean of Δ = θ₀ − θ over the "
+        f"replicas present, then the outer step ({sgd}) on every trainer rank, over the {where}",
+    ]

@@ -47,7 +47,9 @@ class DiLoCoConfig:
     store: str | None = None
     # torchft: a running lighthouse's http://host:port; default: the run starts one
     lighthouse: str | None = None
-    round_timeout: float = 60.0  # seconds a round waits for the other replicas before closing without them
+    # seconds a round waits for missing replicas: object_store closes it without them; torchft (where a dead
+    # replica leaves at once, on its heartbeat) waits this long for live stragglers once a majority is in
+    round_timeout: float = 60.0
     replica: int | None = None  # which replica this run is (--replica i); None: the run starts them all
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ class OuterLoop:
     def step(self, mean: dict[str, Tensor]) -> None:
         """Step θ₀ with the replicas' mean pseudo-gradient and load it into the live parameters."""
         for name, param in self.global_params.items():
-            param.grad = mean[name].to(param.device, param.dtype)
+            param.grad = mean[name].to(param.device, param.dtype, copy=True)  # SGD may change it in place
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
+from actors.checkpoint import CheckpointError
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.outer import OuterLoop
 from actors.diloco.transport import Transport
@@ -34,6 +35,9 @@ from actors.lifecycle import ProcInfo, this_proc
 from actors.trainer import local_trainer
 
 COMMIT_ATTEMPTS = 3  # torchft rounds a member's failure may abort before the sync gives up
+# torchft: how long a quorum may wait for a live replica to reach the sync point (a restarted one retrains
+# up to sync_every steps first); a dead replica leaves the quorum within the lighthouse's heartbeat timeout
+QUORUM_TIMEOUT_S = 1800.0
 NO_SHARE = 2**62  # what a rank with nothing to exchange contributes to a MIN over the ranks
 
 
@@ -95,6 +99,7 @@ class DiLoCoSyncer(Actor):
             self.outer.load_state_dict,
             timeout_s=self.cfg.round_timeout,
             store=store,
+            quorum_timeout_s=QUORUM_TIMEOUT_S,
         )
 
     @endpoint
@@ -115,8 +120,10 @@ class DiLoCoSyncer(Actor):
 
     def _average(self) -> tuple[tuple[int, ...], int]:
         """Average this rank's pseudo-gradient with the other replicas' and take the outer step."""
-        from actors.diloco.torchft import RoundNotCommitted
+        from actors.diloco.torchft import RoundNotCommitted, TorchFTTransport
 
+        if self.outer.rounds == 0 and isinstance(self.transport, TorchFTTransport):
+            self.transport.wait_for_replicas(self.cfg.replicas, self.cfg.round_timeout)
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             try:
                 result = self.transport.average(self.outer.rounds + 1, self.outer.pseudo_gradient())
@@ -164,14 +171,33 @@ class DiLoCoSyncer(Actor):
 
     @endpoint
     def save(self, directory: str) -> None:
-        """θ₀, the outer optimizer's state and the rounds of this rank, beside the trainer's checkpoint."""
+        """θ₀, the outer optimizer's state and the rounds of this rank, beside the trainer's checkpoint
+        (written whole or not at all; the controller records the checkpoint only once this returns)."""
         if self.outer is not None:
-            torch.save(self.outer.state_dict(), Path(directory) / checkpoint_name(self.rank))
+            path = Path(directory) / checkpoint_name(self.rank)
+            partial = path.with_name(path.name + ".partial")
+            torch.save(self.outer.state_dict(), partial)
+            partial.replace(path)
 
     @endpoint
     def load(self, directory: str) -> None:
-        if self.outer is not None:
-            self.outer.load_state_dict(torch.load(Path(directory) / checkpoint_name(self.rank), weights_only=True))
+        if self.outer is None:
+            return
+        path = Path(directory) / checkpoint_name(self.rank)
+        try:
+            state = torch.load(path, weights_only=True)
+            self.outer.load_state_dict(state)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint {directory} has no DiLoCo outer state ({path.name}): it was written by a run without "
+                "a diloco section, or by a trainer of another size; resume it without diloco, or from a checkpoint "
+                "of this DiLoCo run"
+            ) from None
+        except Exception as error:  # a damaged file: torch's unpickler raises many kinds
+            raise CheckpointError(
+                f"checkpoint {directory}: the DiLoCo outer state {path.name} cannot be read ({error}); resume from "
+                "another checkpoint of this run"
+            ) from None
 
     def __cleanup__(self, exc: Exception | None) -> None:
         if self.transport is not None:

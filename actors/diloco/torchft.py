@@ -33,6 +33,7 @@ checkpoint heals exactly when it is behind; after that torchft's count is author
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
 import time
@@ -41,10 +42,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Self
 from urllib.parse import urlsplit
+from urllib.request import urlopen
 
 import torch
 from torch import Tensor
 from torch.distributed import ReduceOp, TCPStore
+
+# torchft's Rust side logs every quorum tick and commit at info; read once, when it is first imported
+os.environ.setdefault("RUST_LOG", "warn")
 from torchft.coordination import LighthouseServer
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -54,6 +59,7 @@ from actors.diloco.transport import RoundResult
 log = logging.getLogger(__name__)
 
 _REPLICA_ID = re.compile(r"replica_(\d+)")
+_HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
 
 
 class TorchFTError(RuntimeError):
@@ -302,6 +308,24 @@ class TorchFTTransport:
         self._healed = True
         self._user_load_state_dict(state)
 
+    def wait_for_replicas(self, count: int, timeout_s: float) -> int:
+        """Wait until ``count`` replicas heartbeat to the lighthouse (or ``timeout_s`` passes); returns how
+        many do. Call it before the first round: a replica that asks for a quorum while the others have not
+        started yet gets a quorum of its own, and torchft then forms each one's next quorum from the same
+        members at once ("fast quorum"), so replicas that started apart would never meet."""
+        deadline = time.monotonic() + timeout_s
+        while (beating := _heartbeating(self.lighthouse)) < count and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if beating < count:
+            log.warning(
+                "replica %d: %d of %d replicas heartbeat to the lighthouse after %g s; syncing with those",
+                self.replica,
+                beating,
+                count,
+                timeout_s,
+            )
+        return beating
+
     # -- the Transport protocol
 
     @property
@@ -463,6 +487,18 @@ def _check_lighthouse(address: str, replica: int, rank: int, timeout_s: float) -
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as e:
         raise LighthouseUnreachable(_unreachable(address, replica, rank, str(e), timeout_s)) from None
+
+
+def _heartbeating(address: str) -> int:
+    """The replicas the lighthouse hears from, as its status page counts them ("[N heartbeating]")."""
+    with urlopen(f"{address}/status", timeout=5) as page:
+        match = _HEARTBEATING.search(page.read().decode())
+    if match is None:
+        raise TorchFTError(
+            f"the lighthouse at {address} has a status page this transport cannot read (written against torchft "
+            "0.2.0, which the diloco extra pins)"
+        )
+    return int(match.group(1))
 
 
 def _unreachable(address: str, replica: int, rank: int, reason: str, timeout_s: float) -> str:
