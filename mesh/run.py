@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         return render(args.topology, args.set, Path(args.render))
     try:
-        topology = replica_named(load_topology(args.topology, args.set), args.topology, args.set)
+        topology = load_topology(args.topology, args.set)
         if args.resume and topology.starts_replicas():
             raise TopologyError(
                 f"a DiLoCo run of {topology.diloco.replicas} replicas is resumed replica by replica: "
@@ -96,22 +96,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def replica_overrides(path: str, overrides: list[str], replica: int) -> list[str]:
-    """``overrides`` that make the run DiLoCo replica ``replica`` of the topology, which must have a diloco section."""
-    if load_topology(path, overrides, placed_here=False).diloco is None:
+    """``overrides`` that make the run DiLoCo replica ``replica`` of the topology, named ``<name>-r<replica>``
+    (its run directory, jobs and meshes; a replica's own topology.yaml, resumed, already has that name)."""
+    topology = load_topology(path, overrides, placed_here=False)
+    if topology.diloco is None:
         raise TopologyError(
             f"--replica {replica} runs one replica of a DiLoCo topology, but {path} has no diloco section; add one "
             "(see topologies/tiny_diloco.yaml) or drop --replica"
         )
-    return [*overrides, f"diloco.replica={replica}"]
-
-
-def replica_named(topology: Topology, path: str, overrides: list[str]) -> Topology:
-    """A DiLoCo replica's run is named ``<name>-r<i>`` (its run directory, jobs and meshes); a replica's
-    own topology.yaml, resumed, already has its name."""
-    diloco = topology.diloco
-    if diloco is None or diloco.replica is None or topology.name.endswith(suffix := f"-r{diloco.replica}"):
-        return topology
-    return load_topology(path, [*overrides, f"name={topology.name}{suffix}"])
+    suffix = f"-r{replica}"
+    named = [] if topology.name.endswith(suffix) else [f"name={topology.name}{suffix}"]
+    return [*overrides, f"diloco.replica={replica}", *named]
 
 
 def dry_run(path: str, overrides: list[str], resume: str | None) -> int:

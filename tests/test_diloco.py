@@ -9,6 +9,7 @@ closed without it) and syncs with it again, while the other kept training and sy
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -20,6 +21,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from mesh.runtime import run as run_topology
+from mesh.topology import load_topology
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DILOCO = ROOT / "topologies" / "tiny_diloco.yaml"
 SMALL = [
@@ -30,6 +34,7 @@ SMALL = [
     "diloco.sync_every=5",
     "checkpointing.every=5",
 ]
+TIMING = ("time/", "samples_per_s", "generator/", "diloco/sync_s", "diloco/bytes")
 TRANSPORTS = {
     "torchft": [],
     "object_store": ["diloco.transport=object_store"],
@@ -139,3 +144,36 @@ def trainer_pid(run: Path) -> int:
     meshes = json.loads((run / "procs.json").read_text())
     (pid,) = [p["pid"] for mesh in meshes.values() if "trainer" in mesh["roles"] for p in mesh["procs"]]
     return pid
+
+
+def test_a_resumed_diloco_run_continues_exactly(tmp_path):
+    """A checkpoint between two syncs holds the outer state (θ₀, Nesterov momentum, rounds): resumed, the
+    run trains the same steps, takes the same second outer step and ends with the same weights."""
+    sets = [*SMALL, "loop.steps=10", "checkpointing.every=3", "diloco.replicas=1", f"logging.root={tmp_path}"]
+    topology = load_topology(TINY_DILOCO, sets)
+    whole = asyncio.run(run_topology(topology, progress=False)).path
+    checkpoint = whole / "checkpoints" / "step_000006"
+    assert (checkpoint / "diloco_rank0.pt").is_file()
+    resumed = asyncio.run(run_topology(topology, progress=False, resume=str(checkpoint))).path
+    assert learning(records(resumed)) == learning(records(whole)[6:])
+    assert [r["diloco/round"] for r in records(resumed) if "diloco/round" in r] == [2]
+    assert_identical(weights(whole, 10), weights(resumed, 10))
+
+
+def learning(rows: list[dict]) -> list[dict]:
+    """What training did at each step, without timings."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def test_a_signal_to_the_run_stops_every_replica_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    process = start(tmp_path, 200, "torchft")
+    runs = [wait_for_run(tmp_path, i) for i in (0, 1)]
+    for run in runs:
+        wait_for_step(run, 2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGINT, err
+    for i, run in enumerate(runs):
+        step = records(run)[-1]["step"] + 1
+        assert step < 200 and (run / "checkpoints" / f"step_{step:06d}" / "diloco_rank0.pt").is_file()
+        assert f"replica {i}: exit 130: stopped: SIGINT: the run stopped at a step boundary" in err
