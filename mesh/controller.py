@@ -339,7 +339,7 @@ class Controller:
         report = next(r for r in reports.values() if r is not None)
         self.weights = report.weights
         metrics = self._step_metrics(step, collected, batch, report, ages)
-        if self.actors.syncer is not None and (step + 1) % self.topology.diloco.sync_every == 0:
+        if self.actors.syncer is not None and (step + 1) % self.topology.diloco.interval == 0:
             metrics |= await self._outer_step()
         self.actors.generators.publish(self.weights)  # pushed to every replica, off the critical path
         return metrics
@@ -350,7 +350,7 @@ class Controller:
         up with the others (it was restarted from an older checkpoint) goes on from their step."""
         sync = next(r for r in (await self.actors.syncer.sync.call()).values() if r is not None)
         self.weights = next(w for w in (await self.actors.trainer.publish.call()).values() if w is not None)
-        self.synced_to = sync.round * self.topology.diloco.sync_every
+        self.synced_to = sync.round * self.topology.diloco.interval
         return {
             "diloco/round": sync.round,
             "diloco/replicas_in_round": sync.replicas_in_round,

@@ -649,8 +649,11 @@ def describe_diloco(topology: Topology) -> list[str]:
         runs = [
             f"diloco: this run is replica {topology.diloco_replica()} of {diloco.replicas} (prompt seed {topology.prompt_seed()})"
         ]
+    when = f"every {diloco.sync_every} steps"
+    if diloco.fragments > 1:
+        when = f"one of {diloco.fragments} fragments every {diloco.interval} steps (streaming; each fragment {when})"
     return [
         *runs,
-        f"syncer <-> every replica's syncer, every {diloco.sync_every} steps: the mean of Δ = θ₀ − θ over the "
-        f"replicas present, then the outer step ({sgd}) on every trainer rank, over the {where}",
+        f"syncer <-> every replica's syncer, {when}: the mean of Δ = θ₀ − θ over the replicas present, then the "
+        f"outer step ({sgd}) on every trainer rank, over the {where}",
     ]

@@ -43,6 +43,8 @@ def test_each_replica_draws_its_own_prompt_stream_and_replica_0_the_topologys():
         (["diloco.outer_optimizer.lr=0"], "lr must be a number > 0"),
         (["diloco.round_timeout=0"], "round_timeout"),
         (["diloco.replicas=0"], "must be >= 1"),
+        (["diloco.fragments=3", "diloco.transport=object_store"], "divide sync_every (10)"),
+        (["diloco.fragments=2"], "object_store only"),
     ],
 )
 def test_diloco_mistakes_are_refused_naming_the_fix(overrides, words):
@@ -65,6 +67,8 @@ def test_dry_run_lists_the_replicas_runs_and_how_they_sync(capsys):
     assert "this run starts 2 replicas, each its own run tiny-diloco-r<I>" in out
     assert "every 10 steps" in out and "SGD lr 0.7, momentum 0.9, Nesterov" in out
     assert "syncer" not in describe(load_topology(TINY))
+    streaming = describe(load_topology(TINY_DILOCO, ["diloco.fragments=2", "diloco.transport=object_store"]))
+    assert "one of 2 fragments every 5 steps (streaming; each fragment every 10 steps)" in streaming
 
 
 def test_a_run_of_replicas_is_resumed_replica_by_replica(capsys, tmp_path):

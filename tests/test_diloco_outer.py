@@ -38,7 +38,7 @@ import transformers
 
 from actors.diloco.config import OuterOptimizerConfig
 from actors.diloco.object_store import ObjectStoreTransport
-from actors.diloco.outer import OuterLoop
+from actors.diloco.outer import OuterLoop, fragments_of
 
 POLL = 0.05
 VOCAB, SEQ, PER_REPLICA = 48, 8, 2  # token ids, sequence length, sequences in each replica's batch
@@ -348,3 +348,42 @@ def test_replaying_closed_rounds_equals_taking_part(tmp_path, missed: str) -> No
     for got, want in zip(momentum_buffers(back.outer), momentum_buffers(took_part.outer), strict=True):
         assert torch.equal(got, want)
     assert_equal(live(back.model), live(took_part.model))
+
+
+# --- 5. streaming: one fragment per round -----------------------------------------------------
+
+
+def test_fragments_are_contiguous_and_cut_the_same_on_every_rank() -> None:
+    names = [f"layers.{i}.{p}" for i in range(3) for p in ("q", "k", "mlp")] + ["head"]
+    cut = fragments_of(names, 3)
+    assert [n for fragment in cut for n in fragment] == names and [len(f) for f in cut] == [3, 4, 3]
+    assert fragments_of(names, 1) == [names]
+    with pytest.raises(ValueError, match="at most 10"):
+        fragments_of(names, 11)
+
+
+def test_streaming_rounds_sync_one_fragment_each_in_turn_with_momentum_per_fragment() -> None:
+    """Two replicas, two fragments ("w" then "b"), outer Nesterov SGD: a round steps only its fragment's
+    θ₀ and live values, leaving the other fragment's training and momentum untouched until its turn."""
+    replicas = [start_params(), start_params()]
+    loops = [OuterLoop(p, NESTEROV, fragments=2) for p in replicas]
+    means = {}
+    for round in (1, 2, 3):
+        for i, params in enumerate(replicas):
+            inner_move(params, 10 * i + round)
+        before = [snapshot(p) for p in replicas]
+        deltas = [loop.pseudo_gradient() for loop in loops]
+        assert all(list(d) == [["w"], ["b"]][(round - 1) % 2] for d in deltas)
+        mean = means[round] = {n: (deltas[0][n] + deltas[1][n]) / 2 for n in deltas[0]}
+        for loop in loops:
+            loop.step(mean)
+        (synced,) = mean
+        (waiting,) = {"w", "b"} - {synced}
+        assert torch.equal(replicas[0][synced], replicas[1][synced])
+        for params, old in zip(replicas, before):
+            assert torch.equal(params[waiting], old[waiting])  # the other fragment trains on, unsynced
+        assert all(loop.rounds == round for loop in loops)
+    # "w" synced in rounds 1 and 3, "b" in round 2: each fragment's momentum saw only its own rounds
+    momentum = {n: loops[0].optimizer.state[p]["momentum_buffer"] for n, p in loops[0].global_params.items()}
+    torch.testing.assert_close(momentum["w"], 0.9 * means[1]["w"] + means[3]["w"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(momentum["b"], means[2]["b"], atol=0, rtol=0)

@@ -51,12 +51,28 @@ class DiLoCoConfig:
     # replica leaves at once, on its heartbeat) waits this long for live stragglers once a majority is in
     round_timeout: float = 60.0
     replica: int | None = None  # which replica this run is (--replica i); None: the run starts them all
+    fragments: int = 1  # streaming DiLoCo: > 1 syncs one fragment of the model every sync_every / fragments steps
+
+    @property
+    def interval(self) -> int:
+        """Inner steps between two rounds (one fragment each, with streaming)."""
+        return self.sync_every // self.fragments
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.sync_every < 1:
             raise ValueError(
                 f"replicas and sync_every must be >= 1, got {self.replicas} and {self.sync_every}; "
                 "e.g. replicas: 2, sync_every: 16"
+            )
+        if self.fragments < 1 or self.sync_every % self.fragments:
+            raise ValueError(
+                f"fragments ({self.fragments}) must be >= 1 and divide sync_every ({self.sync_every}): each fragment "
+                "syncs every sync_every steps, one of them every sync_every / fragments steps"
+            )
+        if self.fragments > 1 and self.transport == "torchft":
+            raise ValueError(
+                "fragments > 1 (streaming DiLoCo) runs over transport: object_store only: a torchft heal can move a "
+                "replica to a round of another fragment in the middle of its exchange; use object_store or fragments: 1"
             )
         if self.replica is not None and not 0 <= self.replica < self.replicas:
             raise ValueError(

@@ -66,7 +66,7 @@ class DiLoCoSyncer(Actor):
         self.shards, self.device = loop.parameter_shards(), loop.device  # collectives run on the trainer's device
         exchanged = exchanged_shards(self.shards, self.rank)
         # a rank with nothing to exchange (a DDP rank but 0) only takes part in rank 0's broadcasts
-        self.outer = OuterLoop(exchanged, self.cfg.outer_optimizer) if exchanged else None
+        self.outer = OuterLoop(exchanged, self.cfg.outer_optimizer, self.cfg.fragments) if exchanged else None
         if self.cfg.transport == "torchft":
             self.transport = self._torchft()
         elif self.outer is not None:
