@@ -71,13 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from mesh.rundir import RunDirError
+
     if topology.starts_replicas():
         from mesh.replicas import run_replicas
 
-        return run_replicas(topology, args.topology, args.set, args.run_root, progress=not args.no_progress)
+        try:
+            return run_replicas(topology, args.topology, args.set, args.run_root, progress=not args.no_progress)
+        except RunDirError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
 
     from mesh.interrupts import Interrupted
-    from mesh.rundir import RunDirError
     from mesh.runtime import RunFailed, run
 
     try:

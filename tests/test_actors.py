@@ -267,7 +267,16 @@ def weights_of(results) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in WeightSubscriber(version.store).load(version).items()}
 
 
-@pytest.mark.parametrize("inner_loop, procs", [("native", 2), ("trl", 1), ("prime_rl", 1), ("torchtitan", 2)], ids=str)
+@pytest.mark.parametrize(
+    "inner_loop, procs",
+    [
+        ("native", 2),
+        pytest.param("trl", 1, marks=pytest.mark.slow),
+        pytest.param("prime_rl", 1, marks=pytest.mark.slow),
+        ("torchtitan", 2),
+    ],
+    ids=str,
+)
 async def test_diloco_sync_averages_every_parameter_on_every_rank_of_every_inner_loop(
     model_dir, tmp_path, inner_loop, procs
 ):

@@ -32,6 +32,8 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
     ("tiny_distill.yaml", []),
     ("tiny_replicas.yaml", []),
     ("tiny_vllm.yaml", []),
+    ("tiny_diloco.yaml", []),
+    ("tiny_diloco.yaml", ["diloco.transport=object_store", "diloco.store=s3://bucket/run", "diloco.replica=1"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=trl"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=torchtitan"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=prime_rl"]),
