@@ -80,7 +80,9 @@ def assert_identical(a: dict, b: dict) -> None:
     assert all((a[k] == b[k]).all() for k in a), "replicas hold different weights right after a sync"
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize(
+    "transport", [pytest.param(t, marks=[pytest.mark.slow] if t == "object_store" else []) for t in TRANSPORTS]
+)
 def test_two_replicas_sync_every_h_steps_and_hold_the_same_weights_after_each_sync(tmp_path, transport):
     parent = finish(start(tmp_path, 10, transport), tmp_path)
     runs = [replica_run(parent, i) for i in (0, 1)]
@@ -150,6 +152,7 @@ def trainer_pid(run: Path) -> int:
     return pid
 
 
+@pytest.mark.slow
 def test_a_resumed_diloco_run_continues_exactly(tmp_path):
     """A checkpoint between two syncs holds the outer state (θ₀, Nesterov momentum, rounds): resumed, the
     run trains the same steps, takes the same second outer step and ends with the same weights."""

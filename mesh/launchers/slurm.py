@@ -44,7 +44,9 @@ WORKER = (
     'address = "tcp://%s:%d@tcp://0.0.0.0:%d" % (socket.gethostname(), port, port); '
     'run_worker_loop_forever(address=address, ca="trust_all_connections")'
 )
-PORTS = (20000, 60000)  # a run's base port is drawn from here
+# a run's base port is drawn from here: below Linux's ephemeral range (32768-60999), so no outgoing connection
+# on a node (gloo, a TCPStore, Monarch's own) already holds a worker's port
+PORTS = (20000, 32000)
 START_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 30
 POLL_S = 0.5
