@@ -30,7 +30,7 @@ def build_tiny_model(path: Path, spec: TinyModelSpec, alphabet: str, seed: int) 
     tokenizer.save_pretrained(path)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        _causal_lm(spec, vocab_size=len(tokenizer)).save_pretrained(path)
+        causal_lm(spec, vocab_size=len(tokenizer)).save_pretrained(path)
     marker.write_text(json.dumps(recipe))
     return path
 
@@ -47,7 +47,8 @@ def char_tokenizer(alphabet: str):
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def _causal_lm(spec: TinyModelSpec, vocab_size: int):
+def causal_lm(spec: TinyModelSpec, vocab_size: int):
+    """A random-init causal LM of ``spec``'s shape (seed torch first for the same weights)."""
     import transformers
 
     config_class, model_class = {

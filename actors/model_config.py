@@ -56,7 +56,7 @@ class TinyModelSpec:
         return 4 * self.hidden_size if self.intermediate_size is None else self.intermediate_size
 
     def tensors(self, vocab_size: int) -> dict[str, tuple[int, ...]]:
-        """The built model's state dict, name -> shape (``actors/model.py`` ``_causal_lm``; a test holds them equal)."""
+        """The built model's state dict, name -> shape (``actors/model.py`` ``causal_lm``; a test holds them equal)."""
         h, head = self.hidden_size, self.head_size
         q, kv, mlp = self.heads * head, self.kv_heads * head, self.mlp_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}

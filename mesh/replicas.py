@@ -18,6 +18,7 @@ threads each replica's meshes start match the cores it has.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from mesh.interrupts import SIGNALS
-from mesh.rundir import REWARD_KEY, RunDir, draw, plot_replica_rewards, read_metrics
+from mesh.rundir import METRICS_FILE, REWARD_KEY, RunDir, draw, plot_replica_rewards
 from mesh.topology import Topology
 
 POLL_S = 0.5
@@ -46,14 +47,30 @@ class Replica:
     runs: Path  # where its run directory appears
     name: str
     records: list[dict] = field(default_factory=list)
+    _run: Path | None = None
+    _read_to: tuple[int, int] = (0, 0)  # (inode, offset) of metrics.jsonl read so far
 
     @property
     def run_dir(self) -> Path | None:
-        return next(iter(sorted(self.runs.glob(f"{self.name}-*"))), None)
+        if self._run is None:
+            self._run = next(iter(sorted(self.runs.glob(f"{self.name}-*"))), None)
+        return self._run
 
     def read(self) -> None:
-        if (run := self.run_dir) is not None:
-            self.records = read_metrics(run / "metrics.jsonl")
+        """Add the metrics lines written since the last read; all of them again when the file was
+        replaced (a restarted trainer's run rewinds it to its checkpoint)."""
+        metrics = self.run_dir / METRICS_FILE if self.run_dir is not None else None
+        if metrics is None or not metrics.exists():
+            return
+        inode, offset = self._read_to
+        with metrics.open("rb") as f:
+            if os.fstat(f.fileno()).st_ino != inode:
+                inode, offset, self.records = os.fstat(f.fileno()).st_ino, 0, []
+            f.seek(offset)
+            data = f.read()
+        whole = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next read
+        self.records += [json.loads(line) for line in whole.splitlines() if line.strip()]
+        self._read_to = (inode, offset + len(whole))
 
     @property
     def step(self) -> int:

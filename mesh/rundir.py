@@ -35,6 +35,7 @@ from actors.disk import DISK_FULL, errno_of, write_cause
 from mesh import events
 
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
+METRICS_FILE = "metrics.jsonl"
 ROOT_HINT = "--run-root (or the topology's logging.root)"
 
 
@@ -46,7 +47,7 @@ class RunDir:
     def __init__(self, path: Path, tensorboard: bool):
         """Open the run directory ``path``, which exists (``create`` makes a new one)."""
         self.path = path
-        self.metrics_file = path / "metrics.jsonl"
+        self.metrics_file = path / METRICS_FILE
         self.events_file = None
         if tensorboard:
             (path / "tensorboard").mkdir(exist_ok=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mesh.replicas import Replica
 from mesh.run import main
 from mesh.topology import TopologyError, describe, load_topology
 
@@ -74,3 +75,22 @@ def test_dry_run_lists_the_replicas_runs_and_how_they_sync(capsys):
 def test_a_run_of_replicas_is_resumed_replica_by_replica(capsys, tmp_path):
     assert main([str(TINY_DILOCO), "--resume", str(tmp_path)]) == 2
     assert "resumed replica by replica" in capsys.readouterr().err
+
+
+def test_the_parent_reads_only_new_metrics_lines_and_rereads_a_rewound_file(tmp_path):
+    run = tmp_path / "replicas" / "tiny-diloco-r1-20261123-000000"
+    run.mkdir(parents=True)
+    metrics = run / "metrics.jsonl"
+    replica = Replica(1, None, tmp_path / "replica_1.log", tmp_path / "replicas", "tiny-diloco-r1")
+    metrics.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rew')  # the last line is being written
+    replica.read()
+    assert replica.step == 2
+    with metrics.open("a") as f:
+        f.write('ard/mean": 0.5}\n')
+    replica.read()
+    assert [r["step"] for r in replica.records] == [0, 1, 2] and replica.records[-1]["reward/mean"] == 0.5
+    rewound = run / "metrics.jsonl.partial"  # a restarted trainer's run rewinds the file by replacing it
+    rewound.write_text('{"step": 0}\n')
+    rewound.replace(metrics)
+    replica.read()
+    assert [r["step"] for r in replica.records] == [0]

@@ -39,6 +39,8 @@ import transformers
 from actors.diloco.config import OuterOptimizerConfig
 from actors.diloco.object_store import ObjectStoreTransport
 from actors.diloco.outer import OuterLoop, fragments_of
+from actors.model import causal_lm
+from actors.model_config import TinyModelSpec
 
 POLL = 0.05
 VOCAB, SEQ, PER_REPLICA = 48, 8, 2  # token ids, sequence length, sequences in each replica's batch
@@ -53,21 +55,10 @@ Params = dict[str, torch.Tensor]
 
 
 def tiny_model(seed: int = 0) -> transformers.PreTrainedModel:
-    """A random-init two-layer Qwen2 (hidden 32), float32, eager attention, no dropout."""
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
+    """The project's random-init two-layer Qwen2 at hidden 32, float32, in training mode."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = transformers.Qwen2ForCausalLM(config)
+        model = causal_lm(TinyModelSpec(hidden_size=32, intermediate_size=64), VOCAB)
     return model.float().train()
 
 

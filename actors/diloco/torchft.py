@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Self
+from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import urlopen
 
@@ -139,12 +139,6 @@ class Lighthouse:
         if self._server is not None:
             self._server.shutdown()
             self._server = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return f"Lighthouse({self.address}{'' if self._server else ', stopped'})"
@@ -453,12 +447,6 @@ class TorchFTTransport:
         finally:
             self._pg.shutdown()
             self._store = None
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # --------------------------------------------------------------------------- helpers
