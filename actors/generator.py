@@ -23,26 +23,26 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
-from actors.engines import Sample
 from actors.generator_config import GeneratorConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
-from actors.rollout import Rollout
+from actors.rollout import Trajectory
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
 
 
 @dataclass
 class Generation:
-    """Samples in prompt order, ``per_prompt`` of each, as columns.
+    """Trajectories in prompt order, ``per_prompt`` of each, as columns.
 
-    A few large lists pickle several times faster than one object per sample, and this
-    reply sits on every step's critical path; ``rollouts`` rebuilds the objects on arrival.
+    A few large lists pickle several times faster than one object per trajectory, and this
+    reply sits on every step's critical path; ``trajectories`` rebuilds the objects on arrival.
     """
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
+    loss_masks: list[list[bool]]
     texts: list[str]
     per_prompt: int
     version: int
@@ -50,17 +50,14 @@ class Generation:
     load_seconds: float  # of which adopting a new weight version (0 when already held)
 
     @classmethod
-    def of(cls, samples: list[Sample], per_prompt: int, version: int, seconds: float, load_seconds: float):
-        columns = ([s.prompt_ids for s in samples], [s.completion_ids for s in samples], [s.logprobs for s in samples])
-        return cls(*columns, [s.text for s in samples], per_prompt, version, seconds, load_seconds)
+    def of(cls, rows: list[Trajectory], per_prompt: int, version: int, seconds: float, load_seconds: float):
+        columns = ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "text")
+        return cls(*([getattr(t, c) for t in rows] for c in columns), per_prompt, version, seconds, load_seconds)
 
-    def rollouts(self, problems: list[Problem], first_group: int) -> list[Rollout]:
-        """Row i answers ``problems[i // per_prompt]`` and joins group ``first_group + i // per_prompt``."""
-        rows = zip(self.prompt_ids, self.completion_ids, self.logprobs, self.texts)
-        return [
-            Rollout(problems[i // self.per_prompt], first_group + i // self.per_prompt, p, c, lp, text, self.version)
-            for i, (p, c, lp, text) in enumerate(rows)
-        ]
+    def trajectories(self) -> list[list[Trajectory]]:
+        """Per prompt, its ``per_prompt`` trajectories."""
+        rows = list(map(Trajectory, self.prompt_ids, self.completion_ids, self.logprobs, self.loss_masks, self.texts))
+        return [rows[i : i + self.per_prompt] for i in range(0, len(rows), self.per_prompt)]
 
 
 class VersionGate:
@@ -131,17 +128,22 @@ class Generator(Actor):
         async with self.gate.use(weights, self._switch) as load_seconds:
             groups = await self.engine.generate([p.prompt for p in problems], group_size, seeds)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
-        samples = [s for group in groups for s in group]
-        return Generation.of(samples, group_size, weights.version, time.perf_counter() - start, load_seconds)
+        return Generation.of(
+            [t for group in groups for t in group],
+            group_size,
+            weights.version,
+            time.perf_counter() - start,
+            load_seconds,
+        )
 
     @concurrent_endpoint
-    async def score(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:
+    async def logprobs_of(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:
         """Completions this policy did not sample (teacher traces), with this version's logprobs."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
-            samples = await self.engine.score([p.prompt for p in problems], texts)
+            traces = await self.engine.logprobs_of([p.prompt for p in problems], texts)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
-        return Generation.of(samples, 1, weights.version, time.perf_counter() - start, load_seconds)
+        return Generation.of(traces, 1, weights.version, time.perf_counter() - start, load_seconds)
 
     @concurrent_endpoint
     async def hold(self, weights: WeightVersion) -> float:

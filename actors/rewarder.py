@@ -1,7 +1,7 @@
 """The Rewarder actor: the task's verifier, plus user reward functions by import path.
 
 A user function is ``fn(problem: Problem, completion: str) -> float``; its value is added
-to the task's score and reported as its own reward part, so a curve shows which part moved.
+to the task's reward and reported as its own reward part, so a curve shows which part moved.
 
 Besides a reward, each completion the verifier does not accept gets a *hint*, the
 context a self-hinting teacher (SDPO) reads: the task's ``feedback`` when it has one,
@@ -18,17 +18,29 @@ from monarch.actor import Actor, endpoint
 from actors import registry
 from actors.lifecycle import ProcInfo, this_proc
 from actors.rewarder_config import RewarderConfig
+from actors.rollout import Reward
 from actors.tasks import Problem, TaskConfig, build_task
 
 
 @dataclass
-class Scores:
-    """Per-completion rewards (the sum of the parts), each part and hints, in the order given."""
+class RewardReply:
+    """Per completion, in the order given: the reward (the sum of the parts), each part and the hint.
 
-    rewards: list[float]
+    Columns, not one object per completion: the reply sits on every step's critical path.
+    """
+
+    totals: list[float]
     parts: dict[str, list[float]]
     hints: list[str | None]
     seconds: float
+
+    def rewards(self) -> list[Reward]:
+        names = list(self.parts)
+        per_row = zip(*self.parts.values()) if names else ([()] * len(self.totals))
+        return [
+            Reward(total, dict(zip(names, values)), hint)
+            for total, values, hint in zip(self.totals, per_row, self.hints)
+        ]
 
 
 class Rewarder(Actor):
@@ -47,18 +59,18 @@ class Rewarder(Actor):
         return this_proc()
 
     @endpoint
-    def score(self, problems: list[Problem], completions: list[str]) -> Scores:
+    def reward(self, problems: list[Problem], completions: list[str]) -> RewardReply:
         """Only problems and texts travel (not whole rollouts): the call sits on every step's critical path."""
         start = time.perf_counter()
-        parts = {"task": [self.task.score(p, c) for p, c in zip(problems, completions)]}
+        parts = {"task": [self.task.reward(p, c) for p, c in zip(problems, completions)]}
         for name, fn in self.functions.items():
             parts[name] = [float(fn(p, c)) for p, c in zip(problems, completions)]
-        rewards = [sum(values) for values in zip(*parts.values())]
+        totals = [sum(values) for values in zip(*parts.values())]
         hints = [self._hint(p, c, s) for p, c, s in zip(problems, completions, parts["task"])]
-        return Scores(rewards, parts, hints, time.perf_counter() - start)
+        return RewardReply(totals, parts, hints, time.perf_counter() - start)
 
-    def _hint(self, problem: Problem, completion: str, task_score: float) -> str | None:
-        if task_score >= 1.0:
+    def _hint(self, problem: Problem, completion: str, task_reward: float) -> str | None:
+        if task_reward >= 1.0:
             return None
         feedback = getattr(self.task, "feedback", None)
         return feedback(problem, completion) if feedback else (problem.answer or None)

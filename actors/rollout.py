@@ -1,192 +1,110 @@
-"""The data contract between actors: ``Rollout`` (one sampled completion) and
-``TrainBatch`` (the padded tensors one optimizer step consumes).
+"""The rollout contract: what a step's sampling produces, row by row and group by group.
 
-Both are plain dataclasses of lists and small tensors: they travel as endpoint
-arguments, which is fine at kilobytes to megabytes (weights never do).
+    Problem ─ generators ─▶ Trajectory (the policy's samples)  ┐
+            ─ teachers ──▶ Trajectory (a teacher's trace)      ├─▶ Row ─▶ RolloutGroup ─▶ TrainBatch
+                             rewarder ─▶ Reward, teacher ─▶ top-k ┘
+
+A ``RolloutGroup`` is one prompt and every row written for it. A row says what it is
+(``RowKind``) instead of being known by its position: the policy's own samples, a
+warm-start teacher's trace (which joins the group in channel 1) and replayed teacher
+traces (channel 3's preference pairs only). Advantages are relative within a group and
+pairs never cross one, so membership is the group itself, kept once.
+
+A ``Trajectory`` is tokens after the prompt with a per-token loss mask: in a
+multi-turn episode the environment's turns sit between the model's and are context,
+never trained on. Everything here is plain data (lists, small arrays), cheap to send
+between actors and to save with a checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-import numpy as np
-import torch
-from torch import Tensor
-
-from actors.bindings import TokenScores
+from actors.bindings import TopK
 from actors.tasks import Problem
 
 
-@dataclass
-class Rollout:
-    problem: Problem
-    group: int  # rollouts of one prompt share a group; advantages are relative within it
-    prompt_ids: list[int]
-    completion_ids: list[int]  # ends with EOS unless the length limit cut it
-    logprobs: list[float]  # the sampler's per-token logprobs of completion_ids
-    text: str  # the decoded completion, without special tokens
-    version: int  # the policy version that sampled (or, for a teacher trace, scored) it
-    reward: float = 0.0
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    teacher: str | None = None  # the teacher binding that wrote it; None for the policy's own samples
-    trains_policy: bool = True  # in channel 1 (a replayed trace only enters channel 3's pairs)
-    hint: str | None = None  # the Rewarder's feedback for a wrong completion (a self-hinting teacher's context)
-    distill: TokenScores | None = None  # the distill teacher's top-k at each completion token (channel 2)
-
-
-@dataclass
-class TrainBatch:
-    """One optimizer step's samples: prompts left-padded to a common length ``prompt_len``,
-    completions right-padded after it, so every row's completion starts at the same column.
-
-    ``position_ids`` count real tokens only, as the sampler saw them under left padding.
-    The ``distill_*`` fields (channel 2) and ``pairs`` (channel 3) are present only when
-    the step has them; ``pairs`` index rows, so a row slice leaves them out.
-    """
-
-    input_ids: Tensor  # [B, P + T] long
-    attention_mask: Tensor  # [B, P + T] long
-    position_ids: Tensor  # [B, P + T] long
-    prompt_len: int  # P
-    completion_mask: Tensor  # [B, T] bool, the tokens that carry loss
-    advantages: Tensor  # [B] float
-    inference_logprobs: Tensor  # [B, T] float
-    versions: Tensor  # [B] long, the policy version that sampled each row
-    max_completion_len: int  # the generator's limit (Dr. GRPO's normalizer)
-    policy_rows: Tensor  # [B] bool, rows in channel 1
-    distill_ids: Tensor | None = None  # [B, T, K] long, the teacher's top-k (student ids)
-    distill_logprobs: Tensor | None = None  # [B, T, K] float
-    distill_mask: Tensor | None = None  # [B, T] bool, the distilled tokens
-    pairs: Tensor | None = None  # [P, 2] long, (chosen row, rejected row)
+class RowKind(StrEnum):
+    SAMPLE = "sample"  # the policy's own sample: channels 1 and 2, and one side of channel 3's pairs
+    WARM_START = "warm_start"  # a teacher's trace that joins its prompt's group in channel 1
+    REPLAY = "replay"  # a teacher's trace that only enters channel 3's pairs
 
     @property
-    def targets(self) -> Tensor:
-        return self.input_ids[:, self.prompt_len :]
-
-    def rows(self, rows: slice | Tensor) -> TrainBatch:
-        """Some rows (a rank's share, a micro-batch); the caller keeps the global counts."""
-        return dataclasses.replace(self._map(lambda t: t[rows], skip=("pairs",)), pairs=None)
-
-    def to(self, device: torch.device) -> TrainBatch:
-        return self._map(lambda t: t.to(device))
-
-    def __reduce__(self):
-        # Monarch pickles each tensor storage through torch.save (about 2 ms for a batch's
-        # seven tensors, on every step's critical path); numpy arrays travel as raw bytes.
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        arrays = {k: v.cpu().numpy() if isinstance(v, Tensor) else v for k, v in fields.items()}
-        return _train_batch_from_arrays, (arrays,)
-
-    def _map(self, fn, skip: tuple[str, ...] = ()) -> TrainBatch:
-        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
-        return dataclasses.replace(self, **{k: fn(v) for k, v in tensors.items() if isinstance(v, Tensor)})
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
+    def trains_policy(self) -> bool:
+        """In channel 1: its group-relative advantage is trained on."""
+        return self is not RowKind.REPLAY
 
 
-def _train_batch_from_arrays(fields: dict) -> TrainBatch:
-    return TrainBatch(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()})
+@dataclass(frozen=True)
+class Trajectory:
+    """The tokens after a prompt: the model's and, in an episode, the environment's in between."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]  # the model's last turn ends with EOS unless the length limit cut it
+    logprobs: list[float]  # the sampler's per token (0.0 at the environment's tokens)
+    loss_mask: list[bool]  # True at the model's own tokens, the only ones trained on
+    text: str  # the model's text without special tokens: what the rewarder reads
+
+    @classmethod
+    def single_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], text: str):
+        """A completion the model wrote in one go: every token is its own."""
+        return cls(prompt_ids, completion_ids, logprobs, [True] * len(completion_ids), text)
 
 
-def build_train_batch(
-    rollouts: list[Rollout],
-    advantages: Tensor,
-    pad_id: int,
-    max_completion_len: int,
-    pairs: list[tuple[int, int]] = (),
-) -> TrainBatch:
-    """Rows in the order given; ``pairs`` are (chosen, rejected) indices into ``rollouts``."""
-    prompt_len = max(len(r.prompt_ids) for r in rollouts)
-    completion_len = max(max(len(r.completion_ids) for r in rollouts), 1)
-    # padded Python rows, then one tensor per field: a per-row tensor copy costs more than the rest of a step
-    ids, attention, logprobs = [], [], []
-    for r in rollouts:
-        left, right = prompt_len - len(r.prompt_ids), completion_len - len(r.completion_ids)
-        ids.append([pad_id] * left + r.prompt_ids + r.completion_ids + [pad_id] * right)
-        attention.append([0] * left + [1] * (len(r.prompt_ids) + len(r.completion_ids)) + [0] * right)
-        logprobs.append(r.logprobs + [0.0] * right)
-    attention_mask = torch.tensor(attention)
-    completion_mask = attention_mask[:, prompt_len:].bool()
-    return TrainBatch(
-        input_ids=torch.tensor(ids),
-        attention_mask=attention_mask,
-        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
-        prompt_len=prompt_len,
-        completion_mask=completion_mask,
-        advantages=advantages.float(),
-        inference_logprobs=torch.tensor(logprobs),
-        versions=torch.tensor([r.version for r in rollouts]),
-        max_completion_len=max_completion_len,
-        policy_rows=torch.tensor([r.trains_policy for r in rollouts]),
-        **_distill_fields(rollouts, completion_mask),
-        pairs=torch.tensor(pairs, dtype=torch.long).reshape(-1, 2) if pairs else None,
-    )
+@dataclass(frozen=True)
+class Reward:
+    """The rewarder's verdict on one row."""
+
+    total: float  # the sum of the parts
+    parts: dict[str, float] = field(default_factory=dict)  # per reward function, each logged on its own
+    hint: str | None = None  # feedback on a wrong answer: the context a self-hinting teacher reads
 
 
-def _distill_fields(rollouts: list[Rollout], completion_mask: Tensor) -> dict[str, Tensor]:
-    """The teacher's top-k per token as ``[B, T, K]``; rows without a teacher signal are masked out."""
-    scored = [r.distill for r in rollouts if r.distill is not None]
-    if not scored:
-        return {}
-    rows, width, k = len(rollouts), completion_mask.shape[1], scored[0].ids.shape[1]
-    ids = torch.arange(k).expand(rows, width, k).clone()  # distinct ids keep a masked row's support valid
-    logprobs = torch.full((rows, width, k), float("-inf"))
-    has_teacher = torch.zeros(rows, width, dtype=torch.bool)
-    for row, rollout in enumerate(rollouts):
-        if rollout.distill is not None:
-            length = len(rollout.completion_ids)
-            if rollout.distill.ids.shape != (length, k):
-                raise ValueError(
-                    f"teacher scores of shape {rollout.distill.ids.shape} for a completion of {length} tokens "
-                    f"(expected ({length}, {k})): a binding returned misaligned scores"
-                )
-            ids[row, :length] = torch.from_numpy(rollout.distill.ids)
-            logprobs[row, :length] = torch.from_numpy(rollout.distill.logprobs)
-            has_teacher[row, :length] = True
-    return {"distill_ids": ids, "distill_logprobs": logprobs, "distill_mask": completion_mask & has_teacher}
+@dataclass(frozen=True)
+class Row:
+    kind: RowKind
+    trajectory: Trajectory
+    version: int  # the policy version that sampled it (for a teacher's trace: that scored it)
+    teacher: str | None = None  # the teacher binding that wrote it; None for the policy's samples
+    reward: Reward | None = None  # None only while the step is being collected
+    distill: TopK | None = None  # the distill teacher's top-k at each completion token (channel 2)
 
 
-def preference_pairs(rollouts: list[Rollout]) -> list[tuple[int, int]]:
-    """Channel 3's pairs: per prompt, each replayed teacher trace against each of the policy's samples.
+@dataclass(frozen=True)
+class RolloutGroup:
+    problem: Problem
+    index: int  # the prompt's place in its step, which fixes its sampling seed
+    rows: tuple[Row, ...]
 
-    The rule: the one with the higher verified reward is chosen; ties make no pair.
-    Duplicates are removed first: the policy's samples count once per distinct text, a
-    trace once per distinct text (credited to the first teacher that wrote it), and a
-    trace the policy itself sampled is dropped (channel 1 already learns from it).
-    Returns (chosen, rejected) indices into ``rollouts``.
-    """
-    groups: dict[int, list[int]] = {}
-    for i, rollout in enumerate(rollouts):
-        groups.setdefault(rollout.group, []).append(i)
-    pairs = []
-    for members in groups.values():
-        own = _first_per_text(rollouts, [i for i in members if rollouts[i].teacher is None])
-        traces = _first_per_text(rollouts, [i for i in members if not rollouts[i].trains_policy])
-        for trace in traces.values():
-            if rollouts[trace].text in own:
+    def of_kind(self, kind: RowKind) -> list[Row]:
+        return [row for row in self.rows if row.kind is kind]
+
+    def preference_pairs(self) -> list[tuple[int, int]]:
+        """Channel 3's pairs: each replayed trace against each of the policy's samples, as
+        (chosen, rejected) indices into ``rows``.
+
+        The one with the higher reward is chosen; ties make no pair. The policy's samples
+        count once per distinct text, a trace once per distinct text (credited to the first
+        teacher that wrote it), and a trace the policy itself sampled is dropped (channel 1
+        already learns from it).
+        """
+        samples = self._first_per_text(RowKind.SAMPLE)
+        pairs = []
+        for trace in self._first_per_text(RowKind.REPLAY).values():
+            if self.rows[trace].trajectory.text in samples:
                 continue
-            for sample in own.values():
-                if rollouts[trace].reward > rollouts[sample].reward:
+            for sample in samples.values():
+                trace_reward, sample_reward = self.rows[trace].reward.total, self.rows[sample].reward.total
+                if trace_reward > sample_reward:
                     pairs.append((trace, sample))
-                elif rollouts[sample].reward > rollouts[trace].reward:
+                elif sample_reward > trace_reward:
                     pairs.append((sample, trace))
-    return pairs
+        return pairs
 
-
-def _first_per_text(rollouts: list[Rollout], indices: list[int]) -> dict[str, int]:
-    first: dict[str, int] = {}
-    for i in indices:
-        first.setdefault(rollouts[i].text, i)
-    return first
-
-
-def split_rows(rows: int, parts: int) -> list[slice]:
-    """Contiguous near-equal shares of ``rows`` (a rank's rows, a generator's prompts);
-    the first ``rows % parts`` shares are one larger."""
-    base, extra = divmod(rows, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (i < extra))
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    def _first_per_text(self, kind: RowKind) -> dict[str, int]:
+        first: dict[str, int] = {}
+        for i, row in enumerate(self.rows):
+            if row.kind is kind:
+                first.setdefault(row.trajectory.text, i)
+        return first

@@ -17,7 +17,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from actors import registry
-from actors.bindings import Binding, BindingConfig, ScoreRequest, Student, TokenScores, check_binding_class
+from actors.bindings import Binding, BindingConfig, Student, TopK, TopKRequest, check_binding_class
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
 from actors.tasks import Problem
@@ -26,7 +26,7 @@ from actors.weights import WeightFollower, WeightVersion
 
 @dataclass
 class Bound:
-    """The answer to ``bind``: the new binding's id and whether its scoring reads the
+    """The answer to ``bind``: the new binding's id and whether its top_k reads the
     rewarder's hint (known only here, where its class is loaded), or why it was refused."""
 
     binding_id: str | None
@@ -41,9 +41,9 @@ class TraceReply:
 
 
 @dataclass
-class ScoreReply:
-    scores: list[TokenScores]
-    seconds: float  # scoring, without adopting new policy weights
+class TopKReply:
+    top_k: list[TopK]
+    seconds: float  # computing them, without adopting new policy weights
     load_seconds: float
 
 
@@ -64,7 +64,7 @@ class TeacherPool(Actor):
 
     @endpoint
     def needs_hints(self) -> dict[str, bool]:
-        """Per binding id: whether its scoring reads the rewarder's hint (known here, where its class is loaded)."""
+        """Per binding id: whether its top_k reads the rewarder's hint (known here, where its class is loaded)."""
         return {binding_id: binding.needs_hint for binding_id, binding in self.bindings.items()}
 
     @endpoint
@@ -90,14 +90,14 @@ class TeacherPool(Actor):
         return TraceReply(texts, seconds)
 
     @endpoint
-    def score(self, binding_id: str, requests: list[ScoreRequest], weights: WeightVersion) -> ScoreReply:
+    def top_k(self, binding_id: str, requests: list[TopKRequest], weights: WeightVersion) -> TopKReply:
         binding, follower = self.bindings[binding_id], self.followers.get(binding_id)
         load_seconds = follower.hold(weights, binding.load_weights) if follower else 0.0
         start = time.perf_counter()
-        scores = binding.score(requests)
+        top_k = binding.top_k(requests)
         if follower:
             follower.check_intact(weights)
-        return ScoreReply(scores, time.perf_counter() - start, load_seconds)
+        return TopKReply(top_k, time.perf_counter() - start, load_seconds)
 
     def _build(self, binding_id: str, cfg: BindingConfig) -> Bound:
         """Load the kind's class (a user's import path runs here first), check it is a ``Binding``, build it."""

@@ -30,11 +30,10 @@ from actors import registry
 from actors.inner_loops import TrainerConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
-from actors.rollout import TrainBatch
+from actors.train_batch import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store
 from actors.weights_config import store_root
 from losses import TAIDScheduler
-
 
 _IN_THIS_PROCESS: dict[str, Trainer] = {}  # the trainer actor started in this process, if any
 

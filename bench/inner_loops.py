@@ -15,7 +15,9 @@ paired with each of its group's samples).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import itertools
 import json
 import statistics
 import tempfile
@@ -26,12 +28,13 @@ import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 
 from actors import registry
-from actors.bindings import top_k_scores
+from actors.bindings import top_k_of
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from actors.rollout import Rollout, TrainBatch, build_train_batch
+from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
-from losses import DistillConfig, LossConfig, PreferenceConfig, group_advantages
+from actors.train_batch import TrainBatch, build_train_batch, row_advantages
+from losses import DistillConfig, LossConfig, PreferenceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -59,26 +62,28 @@ def step_batch(model_dir: Path, channels: bool, seed: int = 0) -> TrainBatch:
     gen = torch.Generator().manual_seed(seed)
     vocab = len(tokenizer)
 
-    def rollout(problem, group: int, **fields) -> Rollout:
+    texts = itertools.count()  # distinct texts: no row is a duplicate of another
+
+    def row(problem, kind=RowKind.SAMPLE, teacher=None) -> Row:
         prompt = tokenizer(problem.prompt, add_special_tokens=False).input_ids
         length = int(torch.randint(1, MAX_NEW_TOKENS, (1,), generator=gen))
         completion = torch.randint(3, vocab, (length,), generator=gen).tolist() + [tokenizer.eos_token_id]
         logprobs = (-torch.rand(len(completion), generator=gen) * 2).tolist()
-        reward = float(torch.rand(1, generator=gen))
-        return Rollout(problem, group, prompt, completion, logprobs, "", 0, reward=reward, **fields)
+        reward = Reward(float(torch.rand(1, generator=gen)))
+        return Row(kind, Trajectory.single_turn(prompt, completion, logprobs, str(next(texts))), 0, teacher, reward)
 
-    problems = TASK.problems(seed, 0, PROMPTS)
-    rollouts = [rollout(p, g) for g, p in enumerate(problems) for _ in range(GROUP)]
-    advantages = group_advantages(torch.tensor([r.reward for r in rollouts]), GROUP)
-    if not channels:
-        return build_train_batch(rollouts, advantages, pad_id=0, max_completion_len=MAX_NEW_TOKENS)
-    for row in rollouts[::2]:
-        logits = torch.randn(len(row.completion_ids), vocab, generator=gen).log_softmax(-1)
-        row.distill = top_k_scores(logits, 8, vocab, None)
-    traces = [rollout(p, g, teacher="oracle", trains_policy=False) for g, p in enumerate(problems)]
-    pairs = [(len(rollouts) + g, g * GROUP + i) for g in range(PROMPTS) for i in range(GROUP)]
-    advantages = torch.cat([advantages, torch.zeros(len(traces))])
-    return build_train_batch(rollouts + traces, advantages, pad_id=0, max_completion_len=MAX_NEW_TOKENS, pairs=pairs)
+    def teacher_top_k(sample: Row) -> Row:
+        logits = torch.randn(len(sample.trajectory.completion_ids), vocab, generator=gen).log_softmax(-1)
+        return dataclasses.replace(sample, distill=top_k_of(logits, 8, vocab, None))
+
+    groups = []
+    for index, problem in enumerate(TASK.problems(seed, 0, PROMPTS)):
+        rows = [row(problem) for _ in range(GROUP)]
+        if channels:
+            rows = [teacher_top_k(r) if i % 2 == 0 else r for i, r in enumerate(rows)]
+            rows.append(row(problem, RowKind.REPLAY, teacher="oracle"))
+        groups.append(RolloutGroup(problem, index, tuple(rows)))
+    return build_train_batch(groups, row_advantages(groups), pad_id=0, max_completion_len=MAX_NEW_TOKENS)
 
 
 def time_loops(model_dir: Path, loss: LossConfig, batch: TrainBatch, loops: tuple[str, ...], rounds: int) -> dict:

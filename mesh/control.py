@@ -118,7 +118,7 @@ class ControlChannel:
             f.write(json.dumps(event) + "\n")
         self._reply(command.id, ok, message, step)
 
-    def publish_teachers(self, view: dict[str, dict]) -> None:
+    def write_teachers(self, view: dict[str, dict]) -> None:
         """Write the bound teachers (name -> {"spec", "bound_at_step", ...}) for ``mesh.ctl teachers list``, which
         reads them from the file so it works during and after the run, without a round trip to it."""
         _write_atomic(self.run_path / TEACHERS, json.dumps(view, indent=2) + "\n", 0o644)

@@ -1,11 +1,17 @@
 """The controller: one asyncio loop that drives the actor graph step by step.
 
-    prompts -> Router -> Generator replicas (G completions each) -> Rewarder -> group advantages
-            -> TrainBatch -> Trainer (one optimizer step, publishes version v+1) -> ...
+A step's data, in the order ``_collect`` and ``_train`` make it:
 
-with the TeacherPool alongside: traces of replay teachers (channel 3's pairs, and the
-warm start's extra group member) and a distill teacher's scores of the policy's own
-tokens (channel 2). Teachers change only at step boundaries (``mesh.ctl``).
+    problems (the task's, by seed and step)
+      -> Router -> Generator replicas: G trajectories per prompt         } in parallel
+      -> TeacherPool: tracing teachers' traces, with the policy's logprobs }
+      -> Rewarder: a Reward per row (and a hint for a wrong answer)
+      -> TeacherPool: the distill teacher's top-k at the policy's own tokens (channel 2)
+      -> one RolloutGroup per prompt, its rows tagged SAMPLE, WARM_START or REPLAY (``actors/rollout.py``)
+      -> advantages and pairs per group -> TrainBatch -> Trainer (one optimizer step, publishes version v+1)
+
+A warm-start trace joins its prompt's group in channel 1; replayed traces enter only
+channel 3's pairs. Teachers change only at step boundaries (``mesh.ctl``).
 
 The router (``mesh/router.py``) cuts a step's prompts into requests over every generator
 proc of every replica and pushes each published version to all of them.
@@ -40,13 +46,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors.bindings import ScoreRequest
+from actors.bindings import TopK, TopKRequest
 from actors.engines import sampling_seeds
-from actors.rollout import Rollout, TrainBatch, build_train_batch, preference_pairs
-from actors.tasks import Task
+from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.tasks import Problem, Task
+from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
-from losses import group_advantages
 from mesh.control import ControlChannel
 from mesh.fingerprint import topology_fingerprint
 from mesh.fleet import Fleet, TrainerLost
@@ -66,23 +72,32 @@ class Actors:
     trainer: ActorMesh
     generators: Router  # every proc of every generator replica; requests are routed among them
     rewarder: ActorMesh
-    teachers: ActorMesh | None
+    teacher_pool: ActorMesh | None
     syncer: ActorMesh | None = None  # DiLoCo's outer loop, beside the trainer's ranks
 
 
 @dataclass
 class Collected:
-    """One step's scored samples: ``grouped`` rows, ``group_size`` per prompt (the policy's
-    samples, plus a warm-start trace), then the replayed teacher traces of channel 3."""
+    """One step's rollout groups, complete (rewarded, with the distill teacher's top-k where it
+    gave them), and what collecting them took."""
 
-    rollouts: list[Rollout]
-    grouped: int
-    group_size: int
-    pairs: list[tuple[int, int]]
-    distill_teacher: str | None
+    groups: list[RolloutGroup]
+    distill_teacher: str | None  # the teacher whose top-k the rows carry (channel 2), if any did
     seconds: dict[str, float]  # generate, load, reward, teachers
-    teachers: dict[str, dict[str, float]]  # per-teacher metrics
+    teacher_metrics: dict[str, dict[str, float]]  # per teacher name
     generators: list[TargetLoad] = dataclasses.field(default_factory=list)  # per generator target
+
+    def rows(self, kind: RowKind | None = None) -> list[Row]:
+        """Every row in batch order, or those of ``kind``."""
+        return [row for group in self.groups for row in group.rows if kind is None or row.kind is kind]
+
+
+@dataclass
+class Traces:
+    """Each tracing teacher's completion of each prompt (None where it has none) and its latency."""
+
+    texts: dict[str, list[str | None]]  # teacher name -> per prompt
+    seconds: dict[str, float]
 
 
 class StalenessError(RuntimeError):
@@ -97,14 +112,14 @@ class Controller:
         task: Task,
         run: RunDir,
         progress,
-        teachers: TeacherBoard,
+        board: TeacherBoard,
         control: ControlChannel | None = None,
         fleet: Fleet | None = None,
         stopper: Stopper | None = None,
     ):
         self.topology, self.actors, self.task, self.run = topology, actors, task, run
         self.progress = progress
-        self.teachers, self.control = teachers, control
+        self.board, self.control = board, control
         self.fleet, self.stopper = fleet, stopper
         self.max_new_tokens = topology.actors.generator.max_new_tokens
         self.loss = topology.actors.trainer.loss
@@ -122,7 +137,7 @@ class Controller:
         history, loop = [], self.topology.loop
         last_end = time.perf_counter()
         self.step = await self._begin(checkpoint)
-        self._publish_teachers()
+        self._write_teachers()
         if self.stopper is not None:
             self.stopper.training = True
         try:
@@ -157,7 +172,7 @@ class Controller:
             step, restored = state["step"], collected_from_json(state["inflight"]) if "inflight" in state else []
             self.last_checkpoint = checkpoint
         self.weights = next(w for w in (await self.actors.trainer.publish.call()).values() if w is not None)
-        self.actors.generators.publish(self.weights)
+        self.actors.generators.push(self.weights)
         for collected in restored:
             done = asyncio.get_running_loop().create_future()
             done.set_result(collected)
@@ -168,11 +183,11 @@ class Controller:
 
     async def _train_step(self, step: int, last_end: float) -> dict:
         loop = self.topology.loop
-        await self.teachers.drop_retired(step)
+        await self.board.drop_retired(step)
         await self._apply_commands(self.scheduled)
         while self.scheduled < loop.steps and len(self.collecting) <= loop.max_policy_lag:
-            snapshot = self.teachers.snapshot()
-            self.collecting.append(asyncio.ensure_future(self._collect(self.scheduled, self.weights, snapshot)))
+            bound = self.board.snapshot()
+            self.collecting.append(asyncio.ensure_future(self._collect(self.scheduled, self.weights, bound)))
             self.scheduled += 1
         wait_start = time.perf_counter()
         collected = await self.collecting[0]
@@ -181,7 +196,7 @@ class Controller:
         metrics = await self._train(step, collected)
         now = time.perf_counter()
         metrics |= {"time/step": now - last_end, "time/wait_for_batch": wait}
-        metrics["samples_per_s"] = collected.grouped / metrics["time/step"]
+        metrics["samples_per_s"] = len(collected.rows(RowKind.SAMPLE)) / metrics["time/step"]
         if self.fleet is not None:
             metrics["faults/restarts"] = self.fleet.restarts
             metrics["faults/seconds_lost"] = self.fleet.seconds_lost + self.trainer_seconds_lost
@@ -217,131 +232,119 @@ class Controller:
             return
         changed = False
         for command in self.control.pending():
-            applied, message = await self.teachers.apply(command, step)
+            applied, message = await self.board.apply(command, step)
             self.control.answer(command, applied, message, step)
             changed |= applied
         if changed:
-            self._publish_teachers()
+            self._write_teachers()
 
-    def _publish_teachers(self) -> None:
+    def _write_teachers(self) -> None:
         if self.control is not None:
-            self.control.publish_teachers(self.teachers.view())
+            self.control.write_teachers(self.board.view())
 
-    async def _collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
+    async def _collect(self, step: int, weights: WeightVersion, bound: Snapshot) -> Collected:
+        """Step ``step``'s rollout groups, sampled with ``weights`` and the teachers ``bound`` when it started.
+
+        Each stage returns its results as values: trajectories (the policy's samples and the
+        tracing teachers' traces, in parallel), then rewards, then the distill teacher's top-k;
+        they are joined into ``RolloutGroup``s once, at the end.
+        """
         loop = self.topology.loop
         problems = self.task.problems(self.topology.prompt_seed(), step, loop.prompts_per_step)
         seeds = sampling_seeds(self.topology.prompt_seed(), f"step {step}", len(problems))
-        warm = teachers.get(loop.warm_start.teacher) if step < loop.warm_start.steps else None
-        replay = [t for t in teachers.values() if "replay" in t.config.use] if self.loss.beta_replay > 0 else []
+        warm = bound.get(loop.warm_start.teacher) if step < loop.warm_start.steps else None
+        replay = [t for t in bound.values() if "replay" in t.config.use] if self.loss.beta_replay > 0 else []
         tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
-        generated, traced = await asyncio.gather(
+        sampled, traces = await asyncio.gather(
             self.actors.generators.generate(problems, loop.group_size, weights, seeds), self._trace(tracers, problems)
         )
-        warm_rows, replay_rows, scored = await self._trace_rollouts(problems, traced, weights, warm, replay)
-        group_size = loop.group_size + (1 if warm_rows else 0)
-        rollouts = _grouped(generated.rollouts, warm_rows, loop.group_size) + replay_rows
-        reward_seconds = await self._reward(rollouts)
-        distiller = next((t for t in teachers.values() if "distill" in t.config.use), None)
-        distill_seconds = 0.0
+        traced, traced_loads = await self._trajectories_of(problems, traces, weights)
+        drafts = [_rows_of(i, sampled, traced, warm, replay) for i in range(len(problems))]
+        rewards, reward_seconds = await self._reward(problems, drafts)
+        distiller = next((t for t in bound.values() if "distill" in t.config.use), None)
+        top_k, distill_seconds = {}, 0.0
         if distiller is not None and self.loss.alpha_sdpo > 0:
-            distill_seconds = await self._distill(distiller, rollouts, weights)
-        pairs = preference_pairs(rollouts) if replay_rows else []
-        trace_seconds = traced[1] if traced else {}
+            top_k, distill_seconds = await self._distill(distiller, problems, drafts, rewards, weights)
+        groups = _joined(problems, drafts, rewards, top_k)
         return Collected(
-            rollouts=rollouts,
-            grouped=len(rollouts) - len(replay_rows),
-            group_size=group_size,
-            pairs=pairs,
-            distill_teacher=distiller.name if distill_seconds else None,
+            groups=groups,
+            distill_teacher=distiller.name if top_k else None,
             seconds={
-                "generate": generated.seconds,
-                "load": generated.load_seconds,
+                "generate": sampled.seconds,
+                "load": sampled.load_seconds,
                 "reward": reward_seconds,
-                "teachers": sum(trace_seconds.values()) + distill_seconds,
+                "teachers": sum(traces.seconds.values()) + distill_seconds,
             },
-            teachers=_teacher_metrics(rollouts, pairs, tracers, trace_seconds)
-            | ({distiller.name: {"latency_s": distill_seconds}} if distill_seconds else {}),
-            generators=[a + b for a, b in zip(generated.loads, scored.loads)] if scored else generated.loads,
+            teacher_metrics=_teacher_metrics(groups, tracers, traces.seconds)
+            | ({distiller.name: {"latency_s": distill_seconds}} if top_k else {}),
+            generators=[a + b for a, b in zip(sampled.loads, traced_loads)] if traced_loads else sampled.loads,
         )
 
-    async def _reward(self, rollouts: list[Rollout]) -> float:
-        """Verify every completion (the policy's and the teachers'); wrong ones also get a hint."""
-        scores = await self.actors.rewarder.score.call_one([r.problem for r in rollouts], [r.text for r in rollouts])
-        for i, rollout in enumerate(rollouts):
-            rollout.reward, rollout.hint = scores.rewards[i], scores.hints[i]
-            rollout.reward_parts = {name: values[i] for name, values in scores.parts.items()}
-        return scores.seconds
-
-    async def _trace(self, tracers: list[TeacherBinding], problems) -> tuple[dict, dict] | None:
-        """Each tracing teacher's completion of each prompt: ({name: texts}, {name: seconds})."""
+    async def _trace(self, tracers: list[TeacherBinding], problems: list[Problem]) -> Traces:
+        """Each tracing teacher's completion of each prompt."""
         if not tracers:
-            return None
-        reply = await self.actors.teachers.trace.call_one([t.binding_id for t in tracers], problems)
-        return (
-            {t.name: reply.texts[t.binding_id] for t in tracers},
-            {t.name: reply.seconds[t.binding_id] for t in tracers},
+            return Traces({}, {})
+        reply = await self.actors.teacher_pool.trace.call_one([t.binding_id for t in tracers], problems)
+        return Traces(
+            {t.name: reply.texts[t.binding_id] for t in tracers}, {t.name: reply.seconds[t.binding_id] for t in tracers}
         )
 
-    async def _trace_rollouts(
-        self, problems, traced, weights: WeightVersion, warm, replay
-    ) -> tuple[list, list, Routed | None]:
-        """Teacher traces as rollouts scored by this policy version: (warm-start rows, replay
-        rows, the routed scoring call).
-
-        A warm-start trace joins its prompt's group (channel 1); a replayed one enters only
-        channel 3's pairs. The warm start is skipped for a step whose teacher lacks a prompt.
-        """
-        if traced is None:
-            return [], [], None
-        texts = traced[0]
-        wanted = [(name, i) for name in texts for i, text in enumerate(texts[name]) if text is not None]
+    async def _trajectories_of(
+        self, problems: list[Problem], traces: Traces, weights: WeightVersion
+    ) -> tuple[dict[tuple[str, int], tuple[Trajectory, int]], list[TargetLoad]]:
+        """The teachers' traces as trajectories with this policy version's logprobs, by (teacher, prompt),
+        each with the version that computed them; and what the generators did for it."""
+        wanted = [(name, i) for name, texts in traces.texts.items() for i, text in enumerate(texts) if text is not None]
         if not wanted:
-            return [], [], None
-        scored = await self.actors.generators.score(
-            [problems[i] for _, i in wanted], [texts[name][i] for name, i in wanted], weights
+            return {}, []
+        routed = await self.actors.generators.logprobs_of(
+            [problems[i] for _, i in wanted], [traces.texts[name][i] for name, i in wanted], weights
         )
-        by_source = {}
-        for (name, i), rollout in zip(wanted, scored.rollouts):
-            by_source[name, i] = dataclasses.replace(rollout, group=i, teacher=name)
-        warm_rows = []
-        if warm is not None and all((warm.name, i) in by_source for i in range(len(problems))):
-            warm_rows = [by_source[warm.name, i] for i in range(len(problems))]
-        replay_rows = [
-            dataclasses.replace(rollout, trains_policy=False)
-            for (name, _), rollout in by_source.items()
-            if name in {t.name for t in replay}
-        ]
-        return warm_rows, replay_rows, scored
+        return {key: (group[0], routed.version) for key, group in zip(wanted, routed.trajectories)}, routed.loads
 
-    async def _distill(self, teacher: TeacherBinding, rollouts: list[Rollout], weights: WeightVersion) -> float:
-        """The distill teacher's top-k at the policy's own tokens (with the hint where it reads one)."""
-        targets = [r for r in rollouts if r.teacher is None and (r.hint is not None or not teacher.needs_hint)]
+    async def _reward(self, problems: list[Problem], drafts: list[list[Row]]) -> tuple[list[list[Reward]], float]:
+        """Every row's reward (the policy's samples and the teachers' traces), shaped like ``drafts``;
+        wrong answers also get a hint."""
+        flat = [(problems[i], row.trajectory.text) for i, rows in enumerate(drafts) for row in rows]
+        reply = await self.actors.rewarder.reward.call_one([p for p, _ in flat], [text for _, text in flat])
+        rewards = iter(reply.rewards())
+        return [[next(rewards) for _ in rows] for rows in drafts], reply.seconds
+
+    async def _distill(
+        self, teacher: TeacherBinding, problems: list[Problem], drafts, rewards, weights: WeightVersion
+    ) -> tuple[dict[tuple[int, int], TopK], float]:
+        """The distill teacher's top-k at the policy's own tokens, by (prompt, row), with the hint where it
+        reads one; and the seconds it took."""
+        targets = [
+            (i, j)
+            for i, rows in enumerate(drafts)
+            for j, row in enumerate(rows)
+            if row.kind is RowKind.SAMPLE and (rewards[i][j].hint is not None or not teacher.needs_hint)
+        ]
         if not targets:
-            return 0.0
-        requests = [ScoreRequest(r.problem.prompt, r.completion_ids, r.hint) for r in targets]
-        reply = await self.actors.teachers.score.call_one(teacher.binding_id, requests, weights)
-        for rollout, scores in zip(targets, reply.scores):
-            rollout.distill = scores
-        return reply.seconds + reply.load_seconds
+            return {}, 0.0
+        requests = [
+            TopKRequest(problems[i].prompt, drafts[i][j].trajectory.completion_ids, rewards[i][j].hint)
+            for i, j in targets
+        ]
+        reply = await self.actors.teacher_pool.top_k.call_one(teacher.binding_id, requests, weights)
+        return dict(zip(targets, reply.top_k)), reply.seconds + reply.load_seconds
 
     async def _train(self, step: int, collected: Collected) -> dict:
-        ages = [step - r.version for r in collected.rollouts]
+        ages = [step - row.version for row in collected.rows()]
         if max(ages) > self.topology.loop.max_policy_lag:
             raise StalenessError(f"step {step}: samples of policy age {max(ages)} > max_policy_lag")
-        grouped = collected.rollouts[: collected.grouped]
-        advantages = group_advantages(torch.tensor([r.reward for r in grouped]), collected.group_size)
-        advantages = torch.cat([advantages, torch.zeros(len(collected.rollouts) - collected.grouped)])
         # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention and loss
         batch = build_train_batch(
-            collected.rollouts, advantages, 0, max_completion_len=self.max_new_tokens, pairs=collected.pairs
+            collected.groups, row_advantages(collected.groups), 0, max_completion_len=self.max_new_tokens
         )
         reports = await self.actors.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)
         self.weights = report.weights
-        metrics = self._step_metrics(step, collected, batch, report, ages)
+        metrics = self._step_metrics(collected, report, ages)
         if self.actors.syncer is not None and (step + 1) % self.topology.diloco.interval == 0:
             metrics |= await self._outer_step()
-        self.actors.generators.publish(self.weights)  # pushed to every replica, off the critical path
+        self.actors.generators.push(self.weights)  # to every replica, off the critical path
         return metrics
 
     async def _outer_step(self) -> dict:
@@ -365,34 +368,32 @@ class Controller:
         self.progress.note(f"diloco: caught up with the other replicas; skipping to step {step}")
         self.step = self.scheduled = min(step, self.topology.loop.steps)
         self.weights = next(w for w in (await self.actors.trainer.publish.call(self.step)).values() if w is not None)
-        self.actors.generators.publish(self.weights)
+        self.actors.generators.push(self.weights)
         self.progress.move_to(self.step)
 
-    def _step_metrics(
-        self, step: int, collected: Collected, batch: TrainBatch, report: StepReport, ages: list[int]
-    ) -> dict:
-        own = [r for r in collected.rollouts if r.teacher is None]  # a teacher's reward is never the policy's
-        policy_rewards = torch.tensor([r.reward for r in own])
+    def _step_metrics(self, collected: Collected, report: StepReport, ages: list[int]) -> dict:
+        samples = collected.rows(RowKind.SAMPLE)  # a teacher's reward is never the policy's
+        rewards = torch.tensor([row.reward.total for row in samples])
         seconds = collected.seconds
         metrics = {
             "version": report.weights.version,
-            "warm_start": int(collected.group_size > self.topology.loop.group_size),
-            "reward/mean": float(policy_rewards.mean()),
-            "reward/std": float(policy_rewards.std()) if len(policy_rewards) > 1 else 0.0,
-            "reward/exact": float((policy_rewards >= 1.0).float().mean()),
+            "warm_start": int(bool(collected.rows(RowKind.WARM_START))),
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/exact": float((rewards >= 1.0).float().mean()),
             "policy_age/mean": sum(ages) / len(ages),
             "policy_age/max": max(ages),
             "policy_age/counts": {str(age): n for age, n in sorted(Counter(ages).items())},
-            "completion_len/mean": float(batch.completion_mask[: collected.grouped].sum(-1).float().mean()),
+            "completion_len/mean": sum(sum(row.trajectory.loss_mask) for row in samples) / len(samples),
             "time/generate": seconds["generate"] - seconds["load"],
             "time/reward": seconds["reward"],
             "time/teachers": seconds["teachers"],
             "time/train": report.seconds,
             "time/weight_sync": report.publish_seconds + seconds["load"],
         }
-        for name in sorted({name for r in own for name in r.reward_parts}):
-            metrics[f"reward/{name}"] = sum(r.reward_parts.get(name, 0.0) for r in own) / len(own)
-        teachers = {name: dict(values) for name, values in collected.teachers.items()}
+        for name in sorted({name for row in samples for name in row.reward.parts}):
+            metrics[f"reward/{name}"] = sum(row.reward.parts.get(name, 0.0) for row in samples) / len(samples)
+        teachers = {name: dict(values) for name, values in collected.teacher_metrics.items()}
         if collected.distill_teacher is not None and "distill/agreement" in report.metrics:
             teachers[collected.distill_teacher]["agreement"] = report.metrics["distill/agreement"]
         for name, values in sorted(teachers.items()):
@@ -431,34 +432,56 @@ class Controller:
         count = self.topology.loop.evaluation.prompts
         problems = self.task.problems(self.topology.seed, -1, count)
         seeds = sampling_seeds(self.topology.seed, f"eval {self.step}", count)
-        rollouts = (await self.actors.generators.generate(problems, 1, self.weights, seeds)).rollouts
-        await self._reward(rollouts)
-        return sum(r.reward for r in rollouts) / len(rollouts)
+        sampled = await self.actors.generators.generate(problems, 1, self.weights, seeds)
+        drafts = [
+            [Row(RowKind.SAMPLE, t, sampled.version) for t in trajectories] for trajectories in sampled.trajectories
+        ]
+        rewards, _ = await self._reward(problems, drafts)
+        return sum(reward.total for rows in rewards for reward in rows) / count
 
 
-def _grouped(policy: list[Rollout], warm: list[Rollout], group_size: int) -> list[Rollout]:
-    """The policy's samples group by group, each group followed by its warm-start trace (if any)."""
-    if not warm:
-        return policy
-    return [r for i, trace in enumerate(warm) for r in (*policy[i * group_size : (i + 1) * group_size], trace)]
+def _joined(problems: list[Problem], drafts: list[list[Row]], rewards: list[list[Reward]], top_k: dict):
+    """The step's groups: each prompt's rows with their rewards and top-k, joined in this one place."""
+    return [
+        RolloutGroup(
+            problem,
+            i,
+            tuple(
+                dataclasses.replace(row, reward=rewards[i][j], distill=top_k.get((i, j)))
+                for j, row in enumerate(drafts[i])
+            ),
+        )
+        for i, problem in enumerate(problems)
+    ]
 
 
-def _teacher_metrics(rollouts: list[Rollout], pairs, tracers: list[TeacherBinding], seconds: dict) -> dict:
+def _rows_of(i: int, sampled: Routed, traced: dict, warm: TeacherBinding | None, replay: list[TeacherBinding]):
+    """Prompt ``i``'s rows before rewards: the policy's samples, the warm-start trace, the replayed traces."""
+    rows = [Row(RowKind.SAMPLE, trajectory, sampled.version) for trajectory in sampled.trajectories[i]]
+    if warm is not None and (warm.name, i) in traced:
+        rows.append(Row(RowKind.WARM_START, *traced[warm.name, i], teacher=warm.name))
+    return rows + [Row(RowKind.REPLAY, *traced[t.name, i], teacher=t.name) for t in replay if (t.name, i) in traced]
+
+
+def _teacher_metrics(groups: list[RolloutGroup], tracers: list[TeacherBinding], seconds: dict[str, float]) -> dict:
     """Per tracing teacher: latency, its traces' reward, how often the student agrees with its
     tokens (the per-token geometric-mean probability of the trace under the sampling policy),
     and for replay teachers the pairs it is in and the share of them its trace won."""
     metrics = {}
     for teacher in tracers:
-        rows = [i for i, r in enumerate(rollouts) if r.teacher == teacher.name]
+        rows = [row for group in groups for row in group.rows if row.teacher == teacher.name]
         values = {"latency_s": seconds[teacher.name]}
         if rows:
-            tokens = [lp for i in rows for lp in rollouts[i].logprobs]
-            values["reward"] = sum(rollouts[i].reward for i in rows) / len(rows)
+            tokens = [lp for row in rows for lp in row.trajectory.logprobs]
+            values["reward"] = sum(row.reward.total for row in rows) / len(rows)
             values["agreement"] = math.exp(sum(tokens) / max(len(tokens), 1))
         if "replay" in teacher.config.use:
-            mine = set(rows)
-            involved = [(c, r) for c, r in pairs if c in mine or r in mine]
-            values["pairs"] = len(involved)
-            values["won"] = sum(c in mine for c, _ in involved) / len(involved) if involved else 0.0
+            involved = won = 0
+            for group in groups:
+                mine = {j for j, row in enumerate(group.rows) if row.teacher == teacher.name}
+                pairs = [(c, r) for c, r in group.preference_pairs() if c in mine or r in mine]
+                involved, won = involved + len(pairs), won + sum(c in mine for c, _ in pairs)
+            values["pairs"] = involved
+            values["won"] = won / involved if involved else 0.0
         metrics[teacher.name] = values
     return metrics

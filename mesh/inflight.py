@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from actors.bindings import TokenScores
-from actors.rollout import Rollout
+from actors.bindings import TopK
+from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
 from mesh.router import TargetLoad
 
 if TYPE_CHECKING:
     from mesh.controller import Collected
 
-FORMAT = 1
+FORMAT = 2  # 2: rollout groups of tagged rows (1: a flat list of rollouts)
 
 
 def collected_to_json(collected: list[Collected]) -> dict[str, Any]:
@@ -38,8 +38,7 @@ def collected_from_json(saved: dict[str, Any]) -> list[Collected]:
     out = []
     for fields in saved["collected"]:
         fields = dict(fields)
-        fields["rollouts"] = [_decode_rollout(r) for r in fields["rollouts"]]
-        fields["pairs"] = [tuple(pair) for pair in fields["pairs"]]
+        fields["groups"] = [_decode_group(g) for g in fields["groups"]]
         fields["generators"] = [TargetLoad(**load) for load in fields["generators"]]
         out.append(Collected(**fields))
     return out
@@ -47,25 +46,47 @@ def collected_from_json(saved: dict[str, Any]) -> list[Collected]:
 
 def _encode_one(collected: Collected) -> dict[str, Any]:
     fields = {f.name: getattr(collected, f.name) for f in dataclasses.fields(collected)}
-    fields["rollouts"] = [_encode_rollout(r) for r in collected.rollouts]
+    fields["groups"] = [_encode_group(g) for g in collected.groups]
     fields["generators"] = [dataclasses.asdict(load) for load in collected.generators]
     return fields
 
 
-def _encode_rollout(rollout: Rollout) -> dict[str, Any]:
-    fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
-    fields["problem"] = dataclasses.asdict(rollout.problem)
-    if rollout.distill is not None:
-        fields["distill"] = {"ids": rollout.distill.ids.tolist(), "logprobs": rollout.distill.logprobs.tolist()}
+def _encode_group(group: RolloutGroup) -> dict[str, Any]:
+    return {
+        "problem": dataclasses.asdict(group.problem),
+        "index": group.index,
+        "rows": [_encode_row(r) for r in group.rows],
+    }
+
+
+def _encode_row(row: Row) -> dict[str, Any]:
+    fields = {
+        "kind": row.kind.value,
+        "trajectory": dataclasses.asdict(row.trajectory),
+        "version": row.version,
+        "teacher": row.teacher,
+        "reward": dataclasses.asdict(row.reward),
+        "distill": None,
+    }
+    if row.distill is not None:
+        fields["distill"] = {"ids": row.distill.ids.tolist(), "logprobs": row.distill.logprobs.tolist()}
     return fields
 
 
-def _decode_rollout(fields: dict[str, Any]) -> Rollout:
-    fields = dict(fields)
-    fields["problem"] = Problem(**fields["problem"])
-    if fields["distill"] is not None:
-        distill = fields["distill"]
+def _decode_group(fields: dict[str, Any]) -> RolloutGroup:
+    return RolloutGroup(Problem(**fields["problem"]), fields["index"], tuple(_decode_row(r) for r in fields["rows"]))
+
+
+def _decode_row(fields: dict[str, Any]) -> Row:
+    distill = fields["distill"]
+    if distill is not None:
         ids = np.array(distill["ids"], dtype=np.int64).reshape(len(distill["ids"]), -1)
-        logprobs = np.array(distill["logprobs"], dtype=np.float32).reshape(ids.shape)
-        fields["distill"] = TokenScores(ids, logprobs)
-    return Rollout(**fields)
+        distill = TopK(ids, np.array(distill["logprobs"], dtype=np.float32).reshape(ids.shape))
+    return Row(
+        RowKind(fields["kind"]),
+        Trajectory(**fields["trajectory"]),
+        fields["version"],
+        fields["teacher"],
+        Reward(**fields["reward"]),
+        distill,
+    )

@@ -2,8 +2,8 @@
 
 Targets are the procs of every generator replica mesh (``actors.generator.replicas``
 meshes shaped like ``actors.generator.mesh``), in order: replica 0's procs, then replica
-1's, ... A request is a contiguous run of whole prompt groups and keeps their global
-group index, so a step's rollouts come back in prompt order whoever sampled them.
+1's, ... A request is a contiguous run of whole prompts; replies are joined in prompt order,
+whoever sampled them.
 
 Policies (``actors.generator.router``):
 
@@ -20,7 +20,7 @@ Weight versions: every request names its version, and the generator samples with
 exactly that version, switching only between requests. The router sends a target
 requests of one version at a time (one of another version waits in the router until
 the target's requests in flight are done), so a request never queues behind a weight
-change at a busy target while another could serve it. ``publish`` (after every trainer
+change at a busy target while another could serve it. ``push`` (after every trainer
 step) pushes the new version to each target (the generator's ``hold``) as soon as it is
 idle with no request waiting, so a replica that got no request in a step still catches
 up, and the next step finds its weights loaded.
@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from actors.generator import Generation
-from actors.rollout import Rollout, split_rows
+from actors.rollout import Trajectory
 from actors.tasks import Problem
+from actors.train_batch import split_rows
 from actors.weights import WeightVersion
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
@@ -74,9 +75,11 @@ class TargetLoad:
 
 @dataclass
 class Routed:
-    """A routed call's rollouts in prompt order, its wall time and each target's share."""
+    """A routed call's trajectories (per prompt, in prompt order), the weight version they all
+    name, the call's wall time and each target's share."""
 
-    rollouts: list[Rollout]
+    trajectories: list[list[Trajectory]]
+    version: int
     seconds: float
     loads: list[TargetLoad]  # by target index
 
@@ -123,7 +126,7 @@ class Router:
     async def generate(
         self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int]
     ) -> Routed:
-        """``group_size`` samples of each prompt, sampled with ``weights``; groups keep their index.
+        """``group_size`` samples of each prompt, sampled with ``weights``, in prompt order.
         ``seeds`` (one per prompt) fix each prompt's sampling, whichever target serves it."""
 
         def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
@@ -131,15 +134,15 @@ class Router:
 
         return await self._route(problems, group_size, weights.version, call)
 
-    async def score(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Routed:
-        """Given completions scored by ``weights``; row i is group i."""
+    async def logprobs_of(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Routed:
+        """``texts[i]`` as a completion of ``problems[i]``, with the logprobs of ``weights``."""
 
         def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
-            return handle.score.call_one(problems[share], texts[share], weights)
+            return handle.logprobs_of.call_one(problems[share], texts[share], weights)
 
         return await self._route(problems, 1, weights.version, call)
 
-    def publish(self, weights: WeightVersion) -> None:
+    def push(self, weights: WeightVersion) -> None:
         """The trainer's newest version: every target adopts it as soon as it is free."""
         self._newest = weights
         self._push_idle()
@@ -172,11 +175,11 @@ class Router:
             *(self._request(call, share, (share.stop - share.start) * rows_each, version) for share in shares)
         )
         loads = [TargetLoad() for _ in self.targets]
-        rollouts = []
-        for share, (i, generation) in zip(shares, replies):
+        trajectories = []
+        for i, generation in replies:
             loads[i] += TargetLoad(1, len(generation.texts), generation.seconds, generation.load_seconds)
-            rollouts += generation.rollouts(problems[share], share.start)
-        return Routed(rollouts, time.perf_counter() - start, loads)
+            trajectories += generation.trajectories()
+        return Routed(trajectories, version, time.perf_counter() - start, loads)
 
     def _requests(self, count: int) -> int:
         per_target = REQUESTS_PER_TARGET if self.policy == "least_loaded" and len(self.targets) > 1 else 1

@@ -37,7 +37,6 @@ from actors.diloco.syncer import DiLoCoSyncer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
 from actors.model import Placement, build_tiny_model  # noqa: E402
-from mesh.placement import trainer_memory_share, vllm_share  # noqa: E402
 from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers import TeacherPool  # noqa: E402
@@ -47,6 +46,7 @@ from mesh.controller import Actors, Controller  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.interrupts import Interrupted, Stopper  # noqa: E402
+from mesh.placement import trainer_memory_share, vllm_share  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
 from mesh.replicas import serve_lighthouse  # noqa: E402
 from mesh.router import Router  # noqa: E402
@@ -97,8 +97,8 @@ async def run(
             task = build_task(topology.task.config)
             model_path = _prepare_model(topology, task.alphabet, run_dir)
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
-            teachers = TeacherBoard(bindings, topology.actors.trainer.loss)
-            roles = _roles(topology, model_path, teachers, _diloco_meeting(topology, run_dir, cleanup))
+            board = TeacherBoard(bindings, topology.actors.trainer.loss)
+            roles = _roles(topology, model_path, board, _diloco_meeting(topology, run_dir, cleanup))
             fleet = Fleet(launcher, roles, topology.fault_tolerance, topology.actors.trainer.mesh, faults.record)
             cleanup.push_async_callback(_stop_trainer, fleet)
             monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
@@ -106,9 +106,9 @@ async def run(
             await fleet.start(launcher.start(topology))
             _write_procs(run_dir.path, fleet)
             actors = _actors(topology, fleet)
-            if actors.teachers is not None:
-                await teachers.attach(actors.teachers)
-            controller = Controller(topology, actors, task, run_dir, bar, teachers, control, fleet, stopper)
+            if actors.teacher_pool is not None:
+                await board.attach(actors.teacher_pool)
+            controller = Controller(topology, actors, task, run_dir, bar, board, control, fleet, stopper)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
     except Interrupted:
         raise
@@ -206,7 +206,7 @@ def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
 
 
 def _roles(
-    topology: Topology, model_path: str, teachers: TeacherBoard, diloco: DiLoCoConfig | None
+    topology: Topology, model_path: str, board: TeacherBoard, diloco: DiLoCoConfig | None
 ) -> dict[str, list[Role]]:
     """Mesh name -> the actors placed on it, the trainer first on its mesh (then DiLoCo's syncer)."""
     cfg, seed = topology.actors, topology.seed
@@ -236,7 +236,7 @@ def _roles(
         spawn = _spawner("teachers", TeacherPool, student, _placement(topology, cfg.teachers.mesh, "teachers"))
 
         async def start_teachers(pool: ActorMesh) -> list[ProcInfo]:  # every binding in use, under its id
-            return list((await pool.start.call(teachers.live())).values())
+            return list((await pool.start.call(board.live())).values())
 
         roles[cfg.teachers.mesh].append(Role("teachers", spawn, start_teachers))
     return roles
@@ -279,13 +279,13 @@ def _actors(topology: Topology, fleet: Fleet) -> Actors:
     ]
     router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
-    teachers = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
+    teacher_pool = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
     syncer = fleet.handle("syncer", cfg.trainer.mesh) if topology.diloco_replica() is not None else None
     return Actors(
         fleet.handle("trainer", cfg.trainer.mesh),
         router,
         fleet.handle("rewarder", cfg.rewarder.mesh, 0),
-        teachers,
+        teacher_pool,
         syncer,
     )
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import os
 import socket
 from pathlib import Path
@@ -12,7 +14,7 @@ import torch
 from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
-from actors.bindings import top_k_scores
+from actors.bindings import top_k_of
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.diloco.syncer import DiLoCoSyncer
 from actors.engines import sampling_seeds
@@ -20,13 +22,14 @@ from actors.generator import Generator, GeneratorConfig
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.model import Placement, TinyModelSpec, build_tiny_model, load_policy
-from actors.rollout import Rollout, build_train_batch
+from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
+from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import Trainer
 from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
 from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights_config import store_root
-from losses import DistillConfig, LossConfig, PreferenceConfig, compose_loss, group_advantages, preference_loss
+from losses import DistillConfig, LossConfig, PreferenceConfig, compose_loss, preference_loss
 from losses.batch import PreferenceInputs
 
 TASK = Reverse(min_len=3, max_len=5)
@@ -41,32 +44,32 @@ def a_batch(model_dir: str, rows_per_group: int = 4, prompts: int = 5, channels:
     """A fixed batch: random completions with made-up logprobs and rewards, 20 rows of ragged lengths.
 
     ``channels``: also a made-up teacher's top-4 on every other policy row (channel 2)
-    and a replayed trace per prompt, paired against each of its group's rows (channel 3).
+    and a replayed trace per prompt, paired against each of its group's rows by reward (channel 3).
     """
     _, tokenizer = load_policy(model_dir)
     gen = torch.Generator().manual_seed(0)
+    texts = itertools.count()  # distinct texts: no row is a duplicate of another
 
-    def rollout(problem, group, **fields) -> Rollout:
+    def row(problem, kind=RowKind.SAMPLE, teacher=None) -> Row:
         prompt = tokenizer(problem.prompt, add_special_tokens=False).input_ids
         length = int(torch.randint(1, 7, (1,), generator=gen))
         completion = torch.randint(3, len(tokenizer), (length,), generator=gen).tolist() + [1]
         logprobs = (-torch.rand(len(completion), generator=gen) * 2).tolist()
-        reward = float(torch.rand(1, generator=gen))
-        return Rollout(problem, group, prompt, completion, logprobs, "", 0, reward=reward, **fields)
+        reward = Reward(float(torch.rand(1, generator=gen)))
+        return Row(kind, Trajectory.single_turn(prompt, completion, logprobs, str(next(texts))), 0, teacher, reward)
 
-    problems = TASK.problems(0, 0, prompts)
-    rollouts = [rollout(problem, group) for group, problem in enumerate(problems) for _ in range(rows_per_group)]
-    rewards = torch.tensor([r.reward for r in rollouts])
-    advantages = group_advantages(rewards, rows_per_group)
-    if not channels:
-        return build_train_batch(rollouts, advantages, pad_id=0, max_completion_len=8)
-    for row in rollouts[::2]:
-        logits = torch.randn(len(row.completion_ids), len(tokenizer), generator=gen).log_softmax(-1)
-        row.distill = top_k_scores(logits, 4, len(tokenizer), None)
-    traces = [rollout(problem, group, teacher="t", trains_policy=False) for group, problem in enumerate(problems)]
-    pairs = [(len(rollouts) + g, g * rows_per_group + i) for g in range(prompts) for i in range(rows_per_group)]
-    advantages = torch.cat([advantages, torch.zeros(len(traces))])
-    return build_train_batch(rollouts + traces, advantages, pad_id=0, max_completion_len=8, pairs=pairs)
+    def teacher_top_k(sample: Row) -> Row:
+        logits = torch.randn(len(sample.trajectory.completion_ids), len(tokenizer), generator=gen).log_softmax(-1)
+        return dataclasses.replace(sample, distill=top_k_of(logits, 4, len(tokenizer), None))
+
+    groups = []
+    for index, problem in enumerate(TASK.problems(0, 0, prompts)):
+        rows = [row(problem) for _ in range(rows_per_group)]
+        if channels:
+            rows = [teacher_top_k(r) if i % 2 == 0 else r for i, r in enumerate(rows)]
+            rows.append(row(problem, RowKind.REPLAY, teacher="t"))
+        groups.append(RolloutGroup(problem, index, tuple(rows)))
+    return build_train_batch(groups, row_advantages(groups), pad_id=0, max_completion_len=8)
 
 
 ALL_CHANNELS = LossConfig(
@@ -201,18 +204,18 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
     seeds = sampling_seeds(0, "test", 2)
     try:
         await generator.start.call_one()
-        rollouts = (await generator.generate.call_one(problems, 3, v0, seeds)).rollouts(problems, first_group=5)
-        assert len(rollouts) == 6 and {r.version for r in rollouts} == {0}
-        assert [r.group for r in rollouts] == [5, 5, 5, 6, 6, 6] and rollouts[3].problem == problems[1]
-        assert all(len(r.logprobs) == len(r.completion_ids) for r in rollouts)
+        generation = await generator.generate.call_one(problems, 3, v0, seeds)
+        assert generation.version == 0 and [len(group) for group in generation.trajectories()] == [3, 3]
+        for t in (t for group in generation.trajectories() for t in group):
+            assert len(t.logprobs) == len(t.completion_ids) == len(t.loss_mask) and all(t.loss_mask)
 
         with torch.no_grad():  # a real update: version 1 samples differently
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
         v1 = publisher.publish(model.state_dict(), 1)
         assert v1.checksum != v0.checksum
-        before = (await generator.score.call_one(problems, ["abc"] * 2, v0)).logprobs
-        after = (await generator.score.call_one(problems, ["abc"] * 2, v1)).logprobs
+        before = (await generator.logprobs_of.call_one(problems, ["abc"] * 2, v0)).logprobs
+        after = (await generator.logprobs_of.call_one(problems, ["abc"] * 2, v1)).logprobs
         assert after != before  # the new version is what the engine now computes with
         await generator.generate.call_one(problems, 3, v1, seeds)
         assert await generator.held_version.call_one() == 1

@@ -16,10 +16,10 @@ from actors.bindings import (
     METHOD_OF_USE,
     BindingConfig,
     BindingError,
-    ScoreRequest,
+    TopKRequest,
     Student,
     check_binding_class,
-    scores_from_entries,
+    top_k_from_entries,
 )
 from actors.bindings.hf import HFTeacher
 from actors.bindings.replay import ReplayTeacher
@@ -64,7 +64,7 @@ def assert_scores_are(scores, expected: torch.Tensor, k: int) -> None:
 def test_hf_teacher_scores_the_students_tokens_with_its_own_distribution(student, teacher_dir):
     teacher = HFTeacher(BindingConfig("hf", use=("distill",), path=teacher_dir, top_k=3), student)
     completions = [[4, 5, 1], [6, 1]]
-    scores = teacher.score([ScoreRequest("abc=", completions[0]), ScoreRequest("ab=", completions[1], hint="ba=")])
+    scores = teacher.top_k([TopKRequest("abc=", completions[0]), TopKRequest("ab=", completions[1], hint="ba=")])
     assert_scores_are(scores[0], distribution(teacher_dir, encode(teacher_dir, "abc="), completions[0]), 3)
     # an hf teacher reads no hint: the second request is scored after its prompt alone
     assert_scores_are(scores[1], distribution(teacher_dir, encode(teacher_dir, "ab="), completions[1]), 3)
@@ -72,7 +72,7 @@ def test_hf_teacher_scores_the_students_tokens_with_its_own_distribution(student
 
 def test_a_top_k_beyond_the_vocabulary_is_the_whole_distribution(student, teacher_dir):
     teacher = HFTeacher(BindingConfig("hf", path=teacher_dir, top_k=100), student)
-    (scores,) = teacher.score([ScoreRequest("ab=", [5, 4, 1])])
+    (scores,) = teacher.top_k([TopKRequest("ab=", [5, 4, 1])])
     assert scores.ids.shape == (3, 7)  # 4 characters + 3 special tokens
     np.testing.assert_allclose(np.exp(scores.logprobs).sum(-1), 1.0, atol=1e-5)
 
@@ -103,7 +103,7 @@ def test_token_map_by_string_reads_a_permuted_vocabulary(student, tmp_path):
     assert teacher_vocab != student_vocab and set(teacher_vocab) == set(student_vocab)
     teacher = HFTeacher(BindingConfig("hf", path=permuted, top_k=7, token_map="by_string"), student)
     completion = [student_vocab[c] for c in "cba"] + [1]
-    (scores,) = teacher.score([ScoreRequest("abc=", completion)])
+    (scores,) = teacher.top_k([TopKRequest("abc=", completion)])
     in_teacher_ids = distribution(permuted, encode(permuted, "abc="), [teacher_vocab[c] for c in "cba"] + [1])
     to_student = {teacher_vocab[token]: student_vocab[token] for token in teacher_vocab}
     for t in range(len(completion)):
@@ -115,7 +115,7 @@ def test_token_map_by_string_reads_a_permuted_vocabulary(student, tmp_path):
 def test_self_hint_teacher_is_the_policy_reading_the_hint(student):
     teacher = SelfHintTeacher(BindingConfig("self_hint", use=("distill",), top_k=7), student)
     completion = [6, 5, 4, 1]
-    plain, hinted = teacher.score([ScoreRequest("abc=", completion), ScoreRequest("abc=", completion, hint="cba=")])
+    plain, hinted = teacher.top_k([TopKRequest("abc=", completion), TopKRequest("abc=", completion, hint="cba=")])
     prompt = encode(student.model_path, "abc=")
     assert_scores_are(plain, distribution(student.model_path, prompt, completion), 7)  # no hint: the student itself
     assert_scores_are(
@@ -126,11 +126,11 @@ def test_self_hint_teacher_is_the_policy_reading_the_hint(student):
 
 def test_self_hint_teacher_follows_the_weights_it_is_given(student):
     teacher = SelfHintTeacher(BindingConfig("self_hint", top_k=7), student)
-    request = [ScoreRequest("ab=", [5, 4, 1], hint="ba=")]
-    before = teacher.score(request)[0].logprobs
+    request = [TopKRequest("ab=", [5, 4, 1], hint="ba=")]
+    before = teacher.top_k(request)[0].logprobs
     model, _ = load_policy(student.model_path)
     teacher.load_weights({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()})
-    assert not np.allclose(teacher.score(request)[0].logprobs, before)
+    assert not np.allclose(teacher.top_k(request)[0].logprobs, before)
 
 
 def test_replay_teacher_replays_recorded_traces(student, tmp_path):
@@ -163,7 +163,7 @@ def test_task_oracle_traces_the_answer(student):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"kind": "task_oracle", "use": ["distill"]}, "cannot score the student's tokens"),
+        ({"kind": "task_oracle", "use": ["distill"]}, "gives no top-k at the student's tokens"),
         ({"kind": "self_hint", "use": ["replay"]}, "writes no traces"),
         ({"kind": "task_oracle", "use": ["teach"]}, "unknown use 'teach'"),
         ({"kind": "hf"}, "needs path"),
@@ -187,7 +187,7 @@ def test_a_registered_teachers_uses_are_what_its_class_implements(kind):
 
 
 def test_entries_become_exactly_k_distinct_ids_with_zero_probability_fill():
-    scores = scores_from_entries([{3: -0.1, 5: -2.5, 0: -4.0}, {2: -0.01}], k=3, student_vocab_size=6)
+    scores = top_k_from_entries([{3: -0.1, 5: -2.5, 0: -4.0}, {2: -0.01}], k=3, student_vocab_size=6)
     np.testing.assert_array_equal(scores.ids[0], [3, 5, 0])
     assert scores.ids[1][0] == 2 and len(set(scores.ids[1])) == 3
     assert np.isneginf(scores.logprobs[1][1:]).all()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from tmpfs import fill, tmpfs
 
 from actors import registry
 from actors.checkpoint import (
@@ -23,12 +24,12 @@ from actors.checkpoint import (
 )
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.model import TinyModelSpec, build_tiny_model
-from actors.rollout import Rollout, build_train_batch
+from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
+from actors.train_batch import build_train_batch
 from mesh.fingerprint import fingerprint, topology_fingerprint
 from mesh.run import check_resume, main
 from mesh.topology import load_topology
-from tmpfs import fill, tmpfs
 
 TINY = Path(__file__).resolve().parent.parent / "topologies" / "tiny.yaml"
 
@@ -39,8 +40,13 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def a_batch():
-    rollouts = [Rollout(Problem("a=", "a"), 0, [3, 6], [3 + i % 3, 1], [-1.0, -1.0], "", 0) for i in range(4)]
-    return build_train_batch(rollouts, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0, 4)
+    rows = [
+        Row(RowKind.SAMPLE, Trajectory.single_turn([3, 6], [3 + i % 3, 1], [-1.0, -1.0], ""), 0, reward=Reward(0.0))
+        for i in range(4)
+    ]
+    return build_train_batch(
+        [RolloutGroup(Problem("a=", "a"), 0, tuple(rows))], torch.tensor([1.0, -1.0, 0.5, -0.5]), 0, 4
+    )
 
 
 def trained_loop(model_dir: str, inner_loop: str = "native", precision: str = "auto"):

@@ -42,7 +42,7 @@ class FakeRun:
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
     def __enter__(self) -> Self:
-        self.channel.publish_teachers(self.teachers)
+        self.channel.write_teachers(self.teachers)
         self.thread.start()
         return self
 
@@ -69,7 +69,7 @@ class FakeRun:
         else:
             self.teachers[name] = {"spec": command.args["spec"], "bound_at_step": step}
             message = f"bound teacher {name!r} ({command.args['spec']['kind']}); it applies from step {step}"
-        self.channel.publish_teachers(self.teachers)
+        self.channel.write_teachers(self.teachers)
         self.channel.answer(command, True, message, step)
 
 

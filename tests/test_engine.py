@@ -90,7 +90,7 @@ async def test_scoring_a_given_completion_matches_sampling_it(engine):
     samples = [s for g in await engine.generate(["abc="], 16, seeds_for(["abc="])) for s in g]
     plain = [s for s in samples if s.completion_ids[-1] == 1 and min(s.completion_ids[:-1], default=3) >= 3]
     assert plain  # completions of plain characters ending in EOS, so their text round-trips
-    for sample, scored in zip(plain, await engine.score(["abc="] * len(plain), [s.text for s in plain])):
+    for sample, scored in zip(plain, await engine.logprobs_of(["abc="] * len(plain), [s.text for s in plain])):
         assert scored.completion_ids == sample.completion_ids and scored.prompt_ids == sample.prompt_ids
         torch.testing.assert_close(torch.tensor(scored.logprobs), torch.tensor(sample.logprobs), atol=1e-5, rtol=0)
 
@@ -132,7 +132,7 @@ async def test_vllm_samples_with_logprobs_that_the_hf_model_reproduces(vllm_engi
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
     hf = HFEngine(vllm_path, Sampling(6))
     texts = ["fed", "ab", ""]
-    ours, theirs = await vllm_engine.score(["abc="] * 3, texts), await hf.score(["abc="] * 3, texts)
+    ours, theirs = await vllm_engine.logprobs_of(["abc="] * 3, texts), await hf.logprobs_of(["abc="] * 3, texts)
     for a, b in zip(ours, theirs):
         assert (a.prompt_ids, a.completion_ids) == (b.prompt_ids, b.completion_ids)
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_TOLERANCE, rtol=0)

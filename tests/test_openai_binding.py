@@ -12,7 +12,7 @@ import pytest
 import torch
 from openai_server import CompletionServer
 
-from actors.bindings import BindingConfig, BindingError, ScoreRequest, Student
+from actors.bindings import BindingConfig, BindingError, TopKRequest, Student
 from actors.bindings import openai as openai_binding
 from actors.bindings.openai import OpenAITeacher
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
@@ -52,7 +52,7 @@ def policy(student_dir):
     return model.eval(), tokenizer
 
 
-def hf_top_k(policy, request: ScoreRequest, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_top_k(policy, request: TopKRequest, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's own top-k at every completion position: what the teacher's scores must equal."""
     model, tokenizer = policy
     prompt = tokenizer(request.prompt).input_ids
@@ -63,16 +63,16 @@ def hf_top_k(policy, request: ScoreRequest, k: int) -> tuple[torch.Tensor, torch
     return top, values
 
 
-def completions(tokenizer) -> list[ScoreRequest]:
+def completions(tokenizer) -> list[TopKRequest]:
     """Student samples as the generator returns them: EOS-terminated, plus one cut at the length limit."""
     eos = tokenizer.eos_token_id
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
     problems = TASK.problems(seed=0, step=0, count=3)
     return [
-        ScoreRequest(problems[0].prompt, encode(problems[0].answer) + [eos]),
-        ScoreRequest(problems[1].prompt, encode("ha=ha") + [eos]),
-        ScoreRequest(problems[2].prompt, [eos]),
-        ScoreRequest(problems[0].prompt, encode("abcdefgh")),  # truncated: no EOS to score
+        TopKRequest(problems[0].prompt, encode(problems[0].answer) + [eos]),
+        TopKRequest(problems[1].prompt, encode("ha=ha") + [eos]),
+        TopKRequest(problems[2].prompt, [eos]),
+        TopKRequest(problems[0].prompt, encode("abcdefgh")),  # truncated: no EOS to score
     ]
 
 
@@ -80,7 +80,7 @@ def completions(tokenizer) -> list[ScoreRequest]:
 def test_score_equals_the_models_own_top_k(server, student_dir, policy, top_k):
     teacher = bind(server.url, student_dir, top_k=top_k)
     requests = completions(policy[1])
-    for request, scores in zip(requests, teacher.score(requests), strict=True):
+    for request, scores in zip(requests, teacher.top_k(requests), strict=True):
         ids, values = hf_top_k(policy, request, top_k)
         assert (
             scores.ids.shape == scores.logprobs.shape == (len(request.completion_ids), min(top_k, teacher.vocab_size))
@@ -139,7 +139,7 @@ def test_scoring_refuses_a_completion_the_server_splits_differently(server, othe
     teacher = bind(server.url, student_dir)
     teacher.url = other_server.url  # the server was swapped for one with another tokenizer after binding
     with pytest.raises(BindingError, match=r"split the completion .* where the student has"):
-        teacher.score(completions(policy[1])[:1])
+        teacher.top_k(completions(policy[1])[:1])
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The TrainBatch layout every inner loop relies on."""
+"""The rollout contract: rows that say what they are, groups, and the TrainBatch built from them."""
 
 from __future__ import annotations
 
@@ -7,24 +7,33 @@ import pickle
 
 import cloudpickle
 import numpy as np
+import pytest
 import torch
 
-from actors.bindings import TokenScores
-from actors.rollout import Rollout, build_train_batch, preference_pairs, split_rows
+from actors.bindings import TopK
+from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
+from actors.train_batch import build_train_batch, row_advantages, split_rows
+from losses import group_advantages
+from mesh.controller import Collected
+from mesh.inflight import collected_from_json, collected_to_json
+from mesh.router import TargetLoad
+
+PROBLEM = Problem("p", "a")
 
 
-def rollout(prompt, completion, version=0):
-    return Rollout(Problem("p", "a"), 0, prompt, completion, [-0.5] * len(completion), "", version)
+def row(prompt=(3,), completion=(4, 1), version=0, kind=RowKind.SAMPLE, text="", reward=0.0, teacher=None, **fields):
+    trajectory = Trajectory.single_turn(list(prompt), list(completion), [-0.5] * len(completion), text)
+    return Row(kind, trajectory, version, teacher, Reward(reward), **fields)
+
+
+def group(*rows: Row, index: int = 0) -> RolloutGroup:
+    return RolloutGroup(PROBLEM, index, rows)
 
 
 def test_prompts_are_left_padded_and_completions_start_in_one_column():
-    batch = build_train_batch(
-        [rollout([5, 6, 7], [8, 1], version=2), rollout([9], [10, 11, 12, 1], version=3)],
-        torch.tensor([1.0, -1.0]),
-        pad_id=0,
-        max_completion_len=8,
-    )
+    groups = [group(row([5, 6, 7], [8, 1], version=2)), group(row([9], [10, 11, 12, 1], version=3), index=1)]
+    batch = build_train_batch(groups, torch.tensor([1.0, -1.0]), pad_id=0, max_completion_len=8)
     assert batch.prompt_len == 3
     assert batch.input_ids.tolist() == [[5, 6, 7, 8, 1, 0, 0], [0, 0, 9, 10, 11, 12, 1]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 1]]
@@ -40,6 +49,24 @@ def test_prompts_are_left_padded_and_completions_start_in_one_column():
         assert torch.equal(mine, theirs) and mine.dtype == theirs.dtype if torch.is_tensor(mine) else mine == theirs
 
 
+def test_an_episodes_environment_tokens_are_context_not_loss():
+    # the model wrote [4, 5], the environment answered [6, 7], the model wrote [8, 1]
+    episode = Trajectory([3], [4, 5, 6, 7, 8, 1], [-0.1, -0.2, 0.0, 0.0, -0.3, -0.4], [1, 1, 0, 0, 1, 1], "")
+    episode = dataclasses.replace(episode, loss_mask=[bool(m) for m in episode.loss_mask])
+    batch = build_train_batch(
+        [group(Row(RowKind.SAMPLE, episode, 0, reward=Reward(1.0)), row([3], [9, 1]))],
+        torch.zeros(2),
+        pad_id=0,
+        max_completion_len=8,
+    )
+    assert batch.targets[0].tolist() == [4, 5, 6, 7, 8, 1]  # the whole episode is the context...
+    assert batch.attention_mask[0].tolist() == [1] * 7
+    assert batch.completion_mask.tolist() == [  # ...but only the model's tokens carry loss
+        [True, True, False, False, True, True],
+        [True, True, False, False, False, False],
+    ]
+
+
 def test_split_rows_covers_everything_once_in_near_equal_shares():
     for rows in range(0, 12):
         for parts in range(1, 5):
@@ -49,36 +76,88 @@ def test_split_rows_covers_everything_once_in_near_equal_shares():
             assert max(sizes) - min(sizes) <= 1
 
 
-def scored(group, text, reward, teacher=None, trains_policy=True):
-    return Rollout(Problem("p", "a"), group, [3], [4, 1], [-0.5, -0.5], text, 0, reward, {}, teacher, trains_policy)
-
-
 def test_a_trace_is_paired_with_each_distinct_sample_and_the_higher_reward_is_chosen():
-    rollouts = [
-        scored(0, "ab", 0.5),
-        scored(0, "ab", 0.5),  # the same text again: one sample
-        scored(0, "ba", 1.0),  # as good as the trace: a tie makes no pair
-        scored(0, "c", 0.0),
-        scored(0, "ba", 1.0, teacher="oracle", trains_policy=False),  # the policy sampled this text: dropped
-        scored(0, "xy", 1.0, teacher="big", trains_policy=False),
-        scored(0, "xy", 1.0, teacher="oracle2", trains_policy=False),  # a duplicate trace: credited to the first
-        scored(1, "zz", 0.2, teacher="big", trains_policy=False),
-        scored(1, "q", 0.6),  # another prompt: the student wins against this trace
-        scored(1, "cc", 1.0, teacher="warm", trains_policy=True),  # a warm-start trace joins no pair
-    ]
-    assert preference_pairs(rollouts) == [(5, 0), (5, 3), (8, 7)]
+    first = group(
+        row(text="ab", reward=0.5),
+        row(text="ab", reward=0.5),  # the same text again: one sample
+        row(text="ba", reward=1.0),  # as good as the trace: a tie makes no pair
+        row(text="c", reward=0.0),
+        row(kind=RowKind.REPLAY, text="ba", reward=1.0, teacher="oracle"),  # the policy sampled this text: dropped
+        row(kind=RowKind.REPLAY, text="xy", reward=1.0, teacher="big"),
+        row(kind=RowKind.REPLAY, text="xy", reward=1.0, teacher="oracle2"),  # a duplicate trace: the first's
+    )
+    second = group(
+        row(kind=RowKind.REPLAY, text="zz", reward=0.2, teacher="big"),
+        row(text="q", reward=0.6),  # the student wins against this trace
+        row(kind=RowKind.WARM_START, text="cc", reward=1.0, teacher="warm"),  # a warm-start trace joins no pair
+        index=1,
+    )
+    assert first.preference_pairs() == [(5, 0), (5, 3)]
+    assert second.preference_pairs() == [(1, 0)]
+    batch = build_train_batch([first, second], torch.zeros(10), pad_id=0, max_completion_len=4)
+    assert batch.pairs.tolist() == [[5, 0], [5, 3], [8, 7]]  # batch rows: the second group starts at row 7
 
 
-def test_teacher_signals_and_pairs_enter_the_batch():
-    top = TokenScores(np.array([[4, 5], [1, 4]]), np.array([[-0.1, -2.5], [-0.2, -1.9]], dtype=np.float32))
-    rows = [rollout([3], [4, 1]), rollout([3], [5, 4, 1]), scored(0, "t", 1.0, "oracle", trains_policy=False)]
-    rows[0].distill = top
-    batch = build_train_batch(rows, torch.zeros(3), pad_id=0, max_completion_len=4, pairs=[(2, 1)])
+def test_advantages_are_relative_within_a_group_and_replayed_traces_get_none():
+    rewards = [0.0, 1.0, 0.5]
+    warm = group(*(row(reward=r) for r in rewards), row(kind=RowKind.WARM_START, reward=1.0, teacher="t"))
+    plain = group(*(row(reward=r) for r in rewards), row(kind=RowKind.REPLAY, reward=1.0, teacher="t"), index=1)
+    advantages = row_advantages([warm, plain])
+    assert advantages[:4].tolist() == pytest.approx(group_advantages(torch.tensor(rewards + [1.0]), 4).tolist())
+    assert advantages[4:7].tolist() == pytest.approx(group_advantages(torch.tensor(rewards), 3).tolist())
+    assert advantages[7] == 0.0  # a replayed trace is not in channel 1
+    equal = row_advantages([plain, dataclasses.replace(plain, index=1)])  # groups of one size share one call
+    assert equal.tolist() == pytest.approx(advantages[4:].tolist() * 2)
+
+
+def test_teacher_top_k_and_pairs_enter_the_batch():
+    top = TopK(np.array([[4, 5], [1, 4]]), np.array([[-0.1, -2.5], [-0.2, -1.9]], dtype=np.float32))
+    rows = group(
+        row([3], [4, 1], distill=top, text="a", reward=0.0),
+        row([3], [5, 4, 1], text="b", reward=0.0),
+        row(kind=RowKind.REPLAY, text="t", reward=1.0, teacher="oracle"),
+    )
+    batch = build_train_batch([rows], torch.zeros(3), pad_id=0, max_completion_len=4)
     assert batch.policy_rows.tolist() == [True, True, False]
     assert batch.distill_ids.shape == (3, 3, 2) and batch.distill_ids[0, :2].tolist() == [[4, 5], [1, 4]]
     assert batch.distill_mask.tolist() == [[True, True, False], [False, False, False], [False, False, False]]
     assert torch.isneginf(batch.distill_logprobs[1]).all()  # a row without a teacher has no teacher mass
-    assert batch.pairs.tolist() == [[2, 1]]
+    assert batch.pairs.tolist() == [[2, 0], [2, 1]]
     assert batch.rows(slice(0, 2)).pairs is None  # pairs index the whole batch, so a slice leaves them out
     copy = pickle.loads(cloudpickle.dumps(batch))
     assert torch.equal(copy.distill_logprobs, batch.distill_logprobs) and torch.equal(copy.pairs, batch.pairs)
+
+
+def test_misaligned_teacher_top_k_is_refused_naming_the_shapes():
+    top = TopK(np.zeros((3, 2), dtype=np.int64), np.zeros((3, 2), dtype=np.float32))
+    with pytest.raises(ValueError, match=r"top-k of shape \(3, 2\) for a completion of 2 tokens"):
+        build_train_batch([group(row(distill=top))], torch.zeros(1), pad_id=0, max_completion_len=4)
+
+
+def test_in_flight_collections_round_trip_through_json_exactly():
+    top = TopK(np.array([[4, 5], [1, 4]]), np.array([[-0.1, -2.5], [-0.2, -1.9]], dtype=np.float32))
+    parts = Reward(0.75, {"task": 0.5, "len": 0.25}, "cba=")
+    collected = Collected(
+        groups=[
+            group(
+                dataclasses.replace(row(text="ab", distill=top), reward=parts),
+                row(kind=RowKind.REPLAY, text="t", reward=1.0, teacher="oracle", version=3),
+            )
+        ],
+        distill_teacher="self",
+        seconds={"generate": 0.1, "load": 0.0, "reward": 0.01, "teachers": 0.02},
+        teacher_metrics={"oracle": {"latency_s": 0.02}},
+        generators=[TargetLoad(1, 2, 0.1, 0.0)],
+    )
+    (back,) = collected_from_json(collected_to_json([collected]))
+    assert back.groups[0].rows[1] == collected.groups[0].rows[1]
+    restored, original = back.groups[0].rows[0], collected.groups[0].rows[0]
+    assert dataclasses.replace(restored, distill=None) == dataclasses.replace(original, distill=None)
+    assert np.array_equal(restored.distill.ids, top.ids) and np.array_equal(restored.distill.logprobs, top.logprobs)
+    assert (back.seconds, back.teacher_metrics, back.generators) == (
+        collected.seconds,
+        collected.teacher_metrics,
+        collected.generators,
+    )
+    with pytest.raises(ValueError, match="format 1; this code reads format 2"):
+        collected_from_json({"format": 1, "collected": []})

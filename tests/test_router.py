@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.engines import Sample
 from actors.generator import Generation
+from actors.rollout import Trajectory
 from actors.tasks.strings import Reverse
 from actors.weights import WeightVersion
 from mesh import runtime
@@ -49,7 +49,7 @@ class FakeReplica:
         self.held: int | None = None
         self.one_at_a_time = asyncio.Lock()
         self.generate = FakeEndpoint(self._generate)
-        self.score = FakeEndpoint(self._score)
+        self.logprobs_of = FakeEndpoint(self._logprobs_of)
         self.hold = FakeEndpoint(self._hold)
 
     async def _serve(self, endpoint: str, problems, per_prompt: int, weights: WeightVersion) -> Generation:
@@ -60,8 +60,8 @@ class FakeReplica:
             async with self.one_at_a_time:
                 await asyncio.sleep(self.seconds)
             self.held = weights.version
-            samples = [Sample([1], [2], [-0.5], p.prompt) for p in problems for _ in range(per_prompt)]
-            return Generation.of(samples, per_prompt, weights.version, self.seconds, 0.0)
+            rows = [Trajectory.single_turn([1], [2], [-0.5], p.prompt) for p in problems for _ in range(per_prompt)]
+            return Generation.of(rows, per_prompt, weights.version, self.seconds, 0.0)
         finally:
             self.in_flight.remove(weights.version)
 
@@ -69,8 +69,8 @@ class FakeReplica:
         assert len(seeds) == len(problems)
         return await self._serve("generate", problems, group_size, weights)
 
-    async def _score(self, problems, texts, weights: WeightVersion) -> Generation:
-        return await self._serve("score", problems, 1, weights)
+    async def _logprobs_of(self, problems, texts, weights: WeightVersion) -> Generation:
+        return await self._serve("logprobs_of", problems, 1, weights)
 
     async def _hold(self, weights: WeightVersion) -> float:
         if self.fail_push:
@@ -93,8 +93,7 @@ async def test_round_robin_rotates_over_replicas_across_calls_and_keeps_group_or
 
     routed = await route.generate(problems, 2, version(0), SEEDS)  # one request per replica, an even split
     assert [r.served() for r in replicas] == [2, 2, 2]
-    assert [r.group for r in routed.rollouts] == [g for g in range(6) for _ in range(2)]
-    assert [r.text for r in routed.rollouts] == [p.prompt for p in problems for _ in range(2)]
+    assert [[t.text for t in group] for group in routed.trajectories] == [[p.prompt] * 2 for p in problems]
     assert [(load.requests, load.rows) for load in routed.loads] == [(1, 4)] * 3
 
     await route.generate(problems[:2], 2, version(0), SEEDS)  # the rotation runs on: replicas 0 and 1
@@ -113,7 +112,7 @@ async def test_least_loaded_sends_the_work_to_the_idle_replica_when_one_is_slow(
     assert len(slow.requests) + len(fast.requests) == 2 * REQUESTS_PER_TARGET
     assert len(slow.requests) <= 2 and slow.served() + fast.served() == 16  # the fast one took the rest
     assert elapsed < 0.3 * REQUESTS_PER_TARGET  # round robin would wait for the slow one's 4 requests
-    assert [r.group for r in routed.rollouts] == [g for g in range(16) for _ in range(4)]
+    assert [[t.text for t in group] for group in routed.trajectories] == [[p.prompt] * 4 for p in problems]
     assert routed.loads[1].rows == 4 * fast.served() and routed.loads[0].busy_seconds == pytest.approx(
         0.3 * len(slow.requests)
     )
@@ -136,22 +135,22 @@ async def test_a_replica_serves_one_version_at_a_time_and_every_replica_gets_eac
     await asyncio.sleep(0.01)
     new = asyncio.create_task(route.generate(TASK.problems(0, 1, 8), 2, version(1), SEEDS))  # FakeReplica checks no mix
     old_rows, new_rows = await old, await new
-    assert {r.version for r in old_rows.rollouts} == {0} and {r.version for r in new_rows.rollouts} == {1}
+    assert (old_rows.version, new_rows.version) == (0, 1)
 
-    route.publish(version(2))  # no request names version 2, yet both replicas adopt it
+    route.push(version(2))  # no request names version 2, yet both replicas adopt it
     await route.settle()
     assert [r.held for r in replicas] == [2, 2]
     assert all(r.requests[-1] == ("hold", 0, 2) for r in replicas)
 
     await route.generate(TASK.problems(0, 2, 1), 2, version(2), SEEDS)  # a replica that got no request still catches up
-    route.publish(version(3))
+    route.push(version(3))
     await route.settle()
     assert [r.held for r in replicas] == [3, 3]
 
 
 async def test_a_failed_push_fails_the_next_call():
     route = router([FakeReplica(), FakeReplica(fail_push=True)], "round_robin")
-    route.publish(version(1))
+    route.push(version(1))
     with pytest.raises(PushFailed, match="generator target 1 could not adopt weight version 1: replica is gone"):
         await route.settle()
     with pytest.raises(PushFailed):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from actors.model import TinyModelSpec, build_tiny_model
-from actors.rollout import Rollout
+from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
 from mesh.controller import Collected, Controller, StalenessError
 from mesh.runtime import RunFailed, run
@@ -96,11 +96,11 @@ async def test_process_launcher_places_a_trainer_across_two_hosts_from_a_model_d
 
 def test_a_batch_older_than_the_lag_is_never_trained_on(tmp_path):
     topology = small(tmp_path, "loop.max_policy_lag=1")
-    controller = Controller(topology, actors=None, task=Reverse(), run=None, progress=None, teachers=None)
+    controller = Controller(topology, actors=None, task=Reverse(), run=None, progress=None, board=None)
     problem = Reverse().problems(0, 0, 1)[0]
-    stale = [Rollout(problem, 0, [3], [4, 1], [-1.0, -1.0], "a", version=2) for _ in range(4)]
+    stale = Row(RowKind.SAMPLE, Trajectory.single_turn([3], [4, 1], [-1.0, -1.0], "a"), version=2, reward=Reward(0.0))
+    collected = Collected([RolloutGroup(problem, 0, (stale,) * 4)], None, seconds={}, teacher_metrics={})
     with pytest.raises(StalenessError, match="policy age 2 > max_policy_lag"):
-        collected = Collected(stale, grouped=4, group_size=4, pairs=[], distill_teacher=None, seconds={}, teachers={})
         asyncio.run(controller._train(4, collected))  # fails before any actor is called
 
 
@@ -139,7 +139,7 @@ async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_resul
     with pytest.raises(RunFailed) as info:
         await run(topology, progress=False)
     message = str(info.value)
-    assert "rewarder (mesh service, proc 0) failed in score: ValueError: the reward service is down" in message
+    assert "rewarder (mesh service, proc 0) failed in reward: ValueError: the reward service is down" in message
     assert "at step 0" in message and "metrics.jsonl" in message and "rerun" in message
     assert "Traceback" not in message and "\n" not in message
     (run_path,) = tmp_path.iterdir()

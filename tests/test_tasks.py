@@ -39,7 +39,7 @@ def test_answers_and_lengths_follow_the_task():
 )
 def test_partial_credit_rewards_each_right_position_over_the_longer_string(answer, completion, reward):
     assert position_match(answer, completion) == pytest.approx(reward)
-    assert Reverse().score(Problem("x=", answer), completion) == pytest.approx(reward)
+    assert Reverse().reward(Problem("x=", answer), completion) == pytest.approx(reward)
 
 
 def test_task_parameters_are_validated():

@@ -46,7 +46,7 @@ NOT_BINDINGS = {
     "this:s": "teacher kind 'this:s' names a str, not a class",
     "os:path": "teacher kind 'os:path' names a module, not a class",
     "encodings.mbcs:Codec": "cannot import module 'encodings.mbcs' (ImportError",  # raises on import off Windows
-    "collections:OrderedDict": "names class OrderedDict, which lacks trace or score, needs_hint, follows_policy",
+    "collections:OrderedDict": "names class OrderedDict, which lacks trace or top_k, needs_hint, follows_policy",
 }
 
 

@@ -70,8 +70,9 @@ async def test_rewarder_hints_only_wrong_completions():
         rewarder = procs.spawn("rewarder", Rewarder, TaskConfig("reverse"), RewarderConfig(mesh="service"))
         await rewarder.start.call_one()
         problem = Reverse().problems(0, 0, 1)[0]
-        scores = await rewarder.score.call_one([problem, problem], [problem.answer, "x"])
-        assert scores.hints == [None, problem.answer + "="]  # the answer, closed like a prompt
+        right, wrong = (await rewarder.reward.call_one([problem, problem], [problem.answer, "x"])).rewards()
+        assert (right.total, right.parts, right.hint) == (1.0, {"task": 1.0}, None)
+        assert wrong.total < 1.0 and wrong.hint == problem.answer + "="  # the answer, closed like a prompt
     finally:
         await procs.stop()
 

@@ -180,7 +180,9 @@ def test_dry_run_prints_topology_placement_and_graph_and_spawns_nothing(tmp_path
 def test_a_launcher_named_by_import_path_takes_no_options_and_is_loaded_where_the_run_starts():
     topology = load_topology(TINY, ["launcher.kind=mesh.launchers.process:ProcessLauncher"])
     assert type(topology.launcher.launcher()).__name__ == "ProcessLauncher"
-    with pytest.raises(TopologyError, match="unknown key 'colour'; launcher 'mesh.launchers.process:ProcessLauncher' takes kind"):
+    with pytest.raises(
+        TopologyError, match="unknown key 'colour'; launcher 'mesh.launchers.process:ProcessLauncher' takes kind"
+    ):
         load_topology(TINY, ["launcher.kind=mesh.launchers.process:ProcessLauncher", "launcher.colour=x"])
     with pytest.raises(TopologyError, match="cannot import module 'nowhere'"):
         load_topology(TINY, ["launcher.kind=nowhere:Launcher"])
@@ -259,7 +261,7 @@ def test_resume_from_a_missing_or_finished_checkpoint_is_refused_before_anything
             "actors.teachers.bindings.oracle.kind=self_hint",
             ["warm_start.teacher is 'oracle', a self_hint teacher, which writes no traces", "task_oracle"],
         ),
-        ("task.name=os:system", ["task 'os:system' names a builtin_function_or_method", "problems and score"]),
+        ("task.name=os:system", ["task 'os:system' names a builtin_function_or_method", "problems and reward"]),
     ],
 )
 def test_values_that_would_fail_later_are_refused_at_load(override, expected):
@@ -317,7 +319,7 @@ def test_a_user_task_without_an_alphabet_is_explained(tmp_path, monkeypatch):
         "class Echo:\n"
         "    def problems(self, seed, step, count):\n"
         "        return [Problem('a=', 'a')] * count\n"
-        "    def score(self, problem, completion):\n"
+        "    def reward(self, problem, completion):\n"
         "        return float(completion == problem.answer)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -4,7 +4,7 @@ A binding can do one or both of two things:
 
 - **trace** a prompt: write a completion the loop can replay against the student's own
   samples (channel 3, and the warm start);
-- **score** the student's own tokens: return the teacher's top-k token ids and
+- give the **top_k** at the student's own tokens: the teacher's top-k token ids and
   logprobs at each position of a completion the student sampled (channel 2).
 
 Teacher and student must agree on what a token id means. A binding whose tokenizer
@@ -35,15 +35,15 @@ __all__ = [
     "BindingConfig",
     "BindingError",
     "METHOD_OF_USE",
-    "ScoreRequest",
+    "TopKRequest",
     "Student",
-    "TokenScores",
+    "TopK",
     "USES",
     "Use",
     "check_binding_class",
     "require",
-    "scores_from_entries",
-    "top_k_scores",
+    "top_k_from_entries",
+    "top_k_of",
     "vocab_map",
 ]
 
@@ -62,8 +62,8 @@ class Student:
 
 
 @dataclass(frozen=True)
-class ScoreRequest:
-    """Score the student's ``completion_ids`` (student vocabulary, EOS included) after ``prompt``."""
+class TopKRequest:
+    """Asks for the teacher's top-k at the student's ``completion_ids`` (student ids, EOS included) after ``prompt``."""
 
     prompt: str
     completion_ids: list[int]
@@ -71,7 +71,7 @@ class ScoreRequest:
 
 
 @dataclass
-class TokenScores:
+class TopK:
     """A teacher's top-k at each completion position, in student ids: ``[T, K]`` each.
 
     Every row has exactly K distinct ids; where the teacher has fewer than K tokens the
@@ -89,9 +89,9 @@ class Binding(Protocol):
 
     A registered kind's static check (``config.py``, named in ``actors/registry.py``) runs
     wherever the binding is named; ``__init__`` loads whatever the teacher needs and
-    raises ``BindingError`` if it cannot be used. Implement ``trace`` and/or ``score``;
-    set ``needs_hint`` if scoring reads the hint, ``follows_policy`` if the teacher's
-    weights are the policy's (then ``load_weights`` receives each version before it scores).
+    raises ``BindingError`` if it cannot be used. Implement ``trace`` and/or ``top_k``;
+    set ``needs_hint`` if ``top_k`` reads the hint, ``follows_policy`` if the teacher's
+    weights are the policy's (then ``load_weights`` receives each version before ``top_k``).
     """
 
     needs_hint: bool
@@ -100,13 +100,13 @@ class Binding(Protocol):
     def trace(self, problems: list[Problem]) -> list[str | None]:
         """A completion per problem, or None where the teacher has none."""
 
-    def score(self, requests: list[ScoreRequest]) -> list[TokenScores]: ...
+    def top_k(self, requests: list[TopKRequest]) -> list[TopK]: ...
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
-        """Only with ``follows_policy``: the policy version the next ``score`` must use."""
+        """Only with ``follows_policy``: the policy version the next ``top_k`` must use."""
 
 
-METHOD_OF_USE = {"distill": "score", "replay": "trace"}
+METHOD_OF_USE = {"distill": "top_k", "replay": "trace"}
 
 
 def check_binding_class(kind: str, found: object, uses: tuple[str, ...]) -> None:
@@ -114,14 +114,14 @@ def check_binding_class(kind: str, found: object, uses: tuple[str, ...]) -> None
     (an import path may name anything: a module, a string, a function)."""
     fix = (
         "point kind at a class implementing actors.bindings.Binding (built as Binding(cfg, student), with trace "
-        "and/or score, and bool needs_hint and follows_policy attributes)"
+        "and/or top_k, and bool needs_hint and follows_policy attributes)"
     )
     if not isinstance(found, type):
         raise BindingError(f"teacher kind {kind!r} names a {type(found).__name__}, not a class; {fix}")
-    methods = [m for m in ("trace", "score") if callable(getattr(found, m, None))]
+    methods = [m for m in ("trace", "top_k") if callable(getattr(found, m, None))]
     flags = [f for f in ("needs_hint", "follows_policy") if not isinstance(getattr(found, f, None), bool)]
     if not methods or flags:
-        lacks = (["trace or score"] if not methods else []) + flags
+        lacks = (["trace or top_k"] if not methods else []) + flags
         raise BindingError(f"teacher kind {kind!r} names class {found.__name__}, which lacks {', '.join(lacks)}; {fix}")
     for use in uses:
         if METHOD_OF_USE[use] not in methods:
@@ -132,6 +132,6 @@ def check_binding_class(kind: str, found: object, uses: tuple[str, ...]) -> None
 
 
 def __getattr__(name: str) -> Any:
-    if name not in ("scores_from_entries", "top_k_scores", "vocab_map"):
+    if name not in ("top_k_from_entries", "top_k_of", "vocab_map"):
         raise AttributeError(f"module 'actors.bindings' has no attribute {name!r}")
     return getattr(importlib.import_module("actors.bindings.tokens"), name)

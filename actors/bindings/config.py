@@ -18,7 +18,7 @@ from actors import registry
 Use = Literal["distill", "replay"]
 USES = ("distill", "replay")
 WHAT_A_USE_NEEDS = {
-    "distill": "cannot score the student's tokens, so it cannot be used for distill",
+    "distill": "gives no top-k at the student's tokens, so it cannot be used for distill",
     "replay": "writes no traces, so it cannot be used for replay",
 }
 
@@ -29,7 +29,7 @@ class BindingConfig:
 
     - ``kind``: a registered teacher (``actors/registry.py``) or ``package.module:Class``,
       a class implementing ``actors.bindings.Binding`` (loaded only in the TeacherPool).
-    - ``use``: what the loop does with it: ``distill`` (it scores the student's tokens,
+    - ``use``: what the loop does with it: ``distill`` (its top-k at the student's tokens,
       channel 2; at most one binding at a time) and/or ``replay`` (its traces become
       preference pairs, channel 3). A binding with no use can still be the warm-start teacher.
     - ``path``: ``hf``: the model directory; ``replay``: the JSONL file of traces.

@@ -1,4 +1,4 @@
-"""``hf``: a frozen local Hugging Face model as a teacher; it scores and writes traces.
+"""``hf``: a frozen local Hugging Face model as a teacher; it gives top-k and writes traces.
 
 ``CausalLMScorer`` is the scoring both this and ``self_hint`` do: one prefill of
 ``prompt ⊕ hint ⊕ completion`` (the hint only when the binding reads hints) and the
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from actors.bindings import BindingConfig, BindingError, ScoreRequest, Student, TokenScores
-from actors.bindings.tokens import top_k_scores, vocab_map
+from actors.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
+from actors.bindings.tokens import top_k_of, vocab_map
 from actors.model import load_policy
 from actors.tasks import Problem
 from losses import hinted_inputs
@@ -35,7 +35,7 @@ class CausalLMScorer:
         self.to_teacher = None if self.to_student is None else _student_to_teacher(self.to_student, student_vocab, cfg)
 
     @torch.no_grad()
-    def score(self, requests: list[ScoreRequest]) -> list[TokenScores]:
+    def top_k(self, requests: list[TopKRequest]) -> list[TopK]:
         encode = lambda text: torch.tensor(self.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)  # noqa: E731
         prompts = [encode(r.prompt) for r in requests]
         hints = [encode(r.hint) if self.needs_hint and r.hint else torch.empty(0, dtype=torch.long) for r in requests]
@@ -44,7 +44,7 @@ class CausalLMScorer:
         logits = self.model(input_ids=ids, attention_mask=attention).logits
         logprobs = logits[torch.arange(len(requests))[:, None], positions].float().log_softmax(-1)
         return [
-            top_k_scores(logprobs[row, : len(completion)], self.cfg.top_k, self.student_vocab_size, self.to_student)
+            top_k_of(logprobs[row, : len(completion)], self.cfg.top_k, self.student_vocab_size, self.to_student)
             for row, completion in enumerate(completions)
         ]
 
@@ -61,7 +61,7 @@ def _student_to_teacher(to_student: Tensor, student_vocab: dict[str, int], cfg: 
     missing = sorted(token for token, i in student_vocab.items() if to_teacher[i] < 0)
     if missing:
         raise BindingError(
-            f"the {cfg.kind} teacher's vocabulary lacks student tokens {missing[:5]}, so it cannot score the "
+            f"the {cfg.kind} teacher's vocabulary lacks student tokens {missing[:5]}, so it cannot give top-k at the "
             "student's completions even with token_map: by_string; use a teacher whose vocabulary covers the student's"
         )
     return to_teacher

@@ -34,8 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from actors.bindings import BindingConfig, BindingError, ScoreRequest, Student, TokenScores
-from actors.bindings.tokens import scores_from_entries
+from actors.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
+from actors.bindings.tokens import top_k_from_entries
 from actors.tasks import Problem
 
 TIMEOUT_S = 60.0  # per HTTP call; a call carries a whole batch of prompts
@@ -87,13 +87,13 @@ class OpenAITeacher:
         choices = self._complete([p.prompt for p in problems], max_tokens=self.student.max_new_tokens)
         return [choice.get("text") for choice in choices]
 
-    def score(self, requests: list[ScoreRequest]) -> list[TokenScores]:
+    def top_k(self, requests: list[TopKRequest]) -> list[TopK]:
         """The teacher's top-k at each of the student's completion positions, EOS included (see the module doc)."""
         if not requests:
             return []
         texts = [r.prompt + self._text(self._body(r.completion_ids)) for r in requests]
         choices = self._complete(texts, echo=True, logprobs=self.cfg.top_k, max_tokens=1)
-        return [self._scores(choice, request) for choice, request in zip(choices, requests)]
+        return [self._top_k(choice, request) for choice, request in zip(choices, requests)]
 
     def _check_model_served(self) -> None:
         served = [m.get("id") for m in _call(self.url + "/models").get("data", []) if isinstance(m, dict)]
@@ -151,7 +151,7 @@ class OpenAITeacher:
         ends = bool(completion_ids) and completion_ids[-1] == self.tokenizer.eos_token_id
         return completion_ids[:-1] if ends else completion_ids
 
-    def _scores(self, choice: dict, request: ScoreRequest) -> TokenScores:
+    def _top_k(self, choice: dict, request: TopKRequest) -> TopK:
         tokens, tops = _echoed(choice, self.url)
         body = self._body(request.completion_ids)
         start = len(tokens) - 1 - len(body)  # echo: prompt tokens, completion tokens, one generated token
@@ -164,7 +164,7 @@ class OpenAITeacher:
                 f"merge into one token across their boundary; {SAME_TOKENIZER}"
             )
         positions = tops[start:] if len(body) < len(request.completion_ids) else tops[start:-1]
-        return scores_from_entries([self._entry(top) for top in positions], self.cfg.top_k, self.vocab_size)
+        return top_k_from_entries([self._entry(top) for top in positions], self.cfg.top_k, self.vocab_size)
 
     def _entry(self, top: dict[str, float] | None) -> dict[int, float]:
         """One position's ``{token string: logprob}`` in student ids; strings the student lacks are dropped."""
@@ -177,7 +177,7 @@ class OpenAITeacher:
 
 
 def _echoed(choice: dict, url: str) -> tuple[list[str], list[dict | None]]:
-    """A choice's echoed ``tokens`` and ``top_logprobs``, or why the server cannot score."""
+    """A choice's echoed ``tokens`` and ``top_logprobs``, or why the server cannot give top-k."""
     logprobs = choice.get("logprobs") or {}
     tokens, tops = logprobs.get("tokens"), logprobs.get("top_logprobs")
     if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops) or not tokens:

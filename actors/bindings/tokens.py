@@ -1,4 +1,4 @@
-"""Teacher and student token ids: mapping one vocabulary onto the other, and top-k scores in student ids."""
+"""Teacher and student token ids: mapping one vocabulary onto the other, and top-k in student ids."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actors.bindings import BindingError, TokenScores
+from actors.bindings import BindingError, TopK
 from actors.bindings.config import BindingConfig
 
 
@@ -35,7 +35,7 @@ def vocab_map(teacher_vocab: dict[str, int], student_vocab: dict[str, int], cfg:
     return mapping
 
 
-def top_k_scores(teacher_logprobs: Tensor, k: int, student_vocab_size: int, mapping: Tensor | None) -> TokenScores:
+def top_k_of(teacher_logprobs: Tensor, k: int, student_vocab_size: int, mapping: Tensor | None) -> TopK:
     """Top-k of a teacher's full ``[T, V_teacher]`` log-distribution, in student ids."""
     if mapping is not None:
         student = teacher_logprobs.new_full((teacher_logprobs.shape[0], student_vocab_size), float("-inf"))
@@ -43,11 +43,11 @@ def top_k_scores(teacher_logprobs: Tensor, k: int, student_vocab_size: int, mapp
         student[:, mapping[: teacher_logprobs.shape[-1]][known]] = teacher_logprobs[:, known]
         teacher_logprobs = student
     values, ids = teacher_logprobs.float().topk(min(k, teacher_logprobs.shape[-1]), dim=-1)
-    return TokenScores(ids.numpy().astype(np.int64), values.numpy().astype(np.float32))
+    return TopK(ids.numpy().astype(np.int64), values.numpy().astype(np.float32))
 
 
-def scores_from_entries(entries: list[dict[int, float]], k: int, student_vocab_size: int) -> TokenScores:
-    """``TokenScores`` from per-position ``{student id: logprob}`` (e.g. an API's top logprobs).
+def top_k_from_entries(entries: list[dict[int, float]], k: int, student_vocab_size: int) -> TopK:
+    """``TopK`` from per-position ``{student id: logprob}`` (e.g. an API's top logprobs).
 
     Keeps the k most likely, then fills each row to exactly ``min(k, V)`` distinct ids at ``-inf``.
     """
@@ -63,4 +63,4 @@ def scores_from_entries(entries: list[dict[int, float]], k: int, student_vocab_s
                 ids[t, j], logprobs[t, j] = best[j]
             else:
                 ids[t, j] = next(fill)
-    return TokenScores(ids, logprobs)
+    return TopK(ids, logprobs)

@@ -1,7 +1,7 @@
 """Generator engines: sample completions and their per-token logprobs from a policy.
 
 An engine implements ``Engine``; the Generator actor owns weight versions, the engine
-only samples with whatever weights it was last given. ``generate`` and ``score`` are
+only samples with whatever weights it was last given. ``generate`` and ``logprobs_of`` are
 coroutines so that one engine can serve concurrent requests: ``vllm`` batches them
 continuously, ``hf`` takes them one at a time.
 """
@@ -9,21 +9,13 @@ continuously, ``hf`` takes them one at a time.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from actors.generator_config import Sampling  # noqa: F401  the engines' input, re-exported beside their output
+from actors.rollout import Trajectory
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-
-@dataclass(frozen=True)
-class Sample:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    text: str
 
 
 def sampling_seeds(seed: int, stream: str, count: int) -> list[int]:
@@ -49,9 +41,9 @@ class Engine(Protocol):
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Adopt new weights; the caller guarantees no request is in flight."""
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Sample]]:
+    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
         """``samples_per_prompt`` completions of each prompt, grouped by prompt; the same
         prompts with the same ``seeds`` (one per prompt) give the same completions."""
 
-    async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
-        """Each given completion (EOS appended) as a ``Sample``, its logprobs under the loaded weights."""
+    async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
+        """Each given completion (EOS appended) as a ``Trajectory``, its logprobs under the loaded weights."""

@@ -13,9 +13,10 @@ import asyncio
 import torch
 from torch import Tensor
 
-from actors.engines import Sample, Sampling, request_seed
+from actors.engines import Sampling, request_seed
 from actors.generator_config import policy_dtype
 from actors.model import Placement, load_policy
+from actors.rollout import Trajectory
 
 
 class HFEngine:
@@ -32,16 +33,16 @@ class HFEngine:
         # on CPU the model adopts the given tensors (shared-memory views) without a copy; a GPU copies them in
         self.model.load_state_dict(state_dict, assign=self.device.type == "cpu", strict=True)
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Sample]]:
+    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
         async with self._one_at_a_time:
             return await asyncio.to_thread(self.generate_now, prompts, samples_per_prompt, seeds)
 
-    async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
+    async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         async with self._one_at_a_time:
-            return await asyncio.to_thread(self.score_now, prompts, completions)
+            return await asyncio.to_thread(self.logprobs_of_now, prompts, completions)
 
     @torch.no_grad()
-    def generate_now(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Sample]]:
+    def generate_now(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
         repeated = [p for p in prompts for _ in range(samples_per_prompt)]
         encoded = self.tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         # transformers samples from the global RNG, one request at a time: seed it from the request's prompts
@@ -66,7 +67,7 @@ class HFEngine:
         return [samples[i : i + samples_per_prompt] for i in range(0, len(samples), samples_per_prompt)]
 
     @torch.no_grad()
-    def score_now(self, prompts: list[str], completions: list[str]) -> list[Sample]:
+    def logprobs_of_now(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """The model's own logprobs of given completions (not truncated by top-k/top-p:
         a teacher's trace may hold tokens the sampler would never draw)."""
         encode = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
@@ -80,7 +81,7 @@ class HFEngine:
         logits = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device)).logits
         logprobs = logits.float().log_softmax(-1).cpu()
         return [
-            Sample(
+            Trajectory.single_turn(
                 p,
                 c,
                 logprobs[row, len(p) - 1 : len(p) + len(c) - 1]
@@ -92,11 +93,11 @@ class HFEngine:
             for row, ((p, c), text) in enumerate(zip(pairs, completions))
         ]
 
-    def _sample(self, encoded, row: int, tokens: Tensor, logprobs: Tensor) -> Sample:
+    def _sample(self, encoded, row: int, tokens: Tensor, logprobs: Tensor) -> Trajectory:
         eos = (tokens == self.tokenizer.eos_token_id).nonzero()
         length = int(eos[0]) + 1 if len(eos) else len(tokens)
         completion = tokens[:length].tolist()
-        return Sample(
+        return Trajectory.single_turn(
             prompt_ids=encoded.input_ids[row][encoded.attention_mask[row].bool()].tolist(),
             completion_ids=completion,
             logprobs=logprobs[:length].tolist(),

@@ -3,7 +3,7 @@
 vLLM's engine core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so new
 weights go straight from the shared-memory views into its parameters, with no copy
 through another process. vLLM's async front end cannot run in-process, so this engine
-drives the synchronous ``LLMEngine`` itself: concurrent ``generate``/``score`` calls
+drives the synchronous ``LLMEngine`` itself: concurrent ``generate``/``logprobs_of`` calls
 queue their requests, and one driver task adds whatever arrived before each engine
 step, then runs the step on a worker thread. A request that arrives while others are
 decoding joins the running batch at the next step (continuous batching), and the
@@ -31,9 +31,10 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from actors.engines import Sample, Sampling
+from actors.engines import Sampling
 from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype
 from actors.model import Placement
+from actors.rollout import Trajectory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per weight reload under the progress bar
@@ -103,7 +104,7 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache: a request is still running")
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Sample]]:
+    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
         params = [self._params(samples_per_prompt, seed) for seed in seeds]
         outputs = await asyncio.gather(*(self._run(self._encode(p), ps) for p, ps in zip(prompts, params)))
         return [[self._sample(out.prompt_token_ids, c.token_ids, c.logprobs) for c in out.outputs] for out in outputs]
@@ -121,9 +122,9 @@ class VLLMEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    async def score(self, prompts: list[str], completions: list[str]) -> list[Sample]:
+    async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """Prompt logprobs of prompt + completion + EOS (vLLM computes them from raw logits:
-        the model's own distribution, as the ``hf`` engine's ``score``)."""
+        the model's own distribution, as the ``hf`` engine's ``logprobs_of``)."""
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
         pairs = [
             (self._encode(p), self._encode(c) + [self.tokenizer.eos_token_id]) for p, c in zip(prompts, completions)
@@ -138,9 +139,9 @@ class VLLMEngine:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def _sample(self, prompt_ids, completion_ids, logprobs) -> Sample:
+    def _sample(self, prompt_ids, completion_ids, logprobs) -> Trajectory:
         completion = list(completion_ids)
-        return Sample(
+        return Trajectory.single_turn(
             prompt_ids=list(prompt_ids),
             completion_ids=completion,
             logprobs=[step[token].logprob for step, token in zip(logprobs, completion)],

@@ -19,8 +19,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from actors.inner_loops.base import ParameterShard
-
-    from actors.rollout import TrainBatch
+    from actors.train_batch import TrainBatch
 
 __all__ = ["CustomLossConfig", "InnerLoop", "OptimizerConfig", "TrainerConfig"]
 

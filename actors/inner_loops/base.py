@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
-from actors.rollout import TrainBatch, split_rows
+from actors.train_batch import TrainBatch, split_rows
 from losses import (
     Counts,
     DistillInputs,

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
 from actors.model import load_policy
-from actors.rollout import TrainBatch
+from actors.train_batch import TrainBatch
 from losses import LinearHead
 
 

@@ -104,7 +104,7 @@ from torchtitan.tools.utils import device_type as torchtitan_device_type
 from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, MicroBatchLoop
-from actors.rollout import TrainBatch
+from actors.train_batch import TrainBatch
 from losses import Logits
 
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
-from actors.rollout import TrainBatch
+from actors.train_batch import TrainBatch
 from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
 
 TRL_VERSION = "1.16.0"  # the pin in pyproject.toml's ``trl`` extra; tests check both agree

@@ -1,4 +1,4 @@
-"""Tasks: where prompts come from and how a completion is scored.
+"""Tasks: where prompts come from and how a completion is rewarded.
 
 A task is deterministic from ``(seed, step)``, so two runs with the same topology see
 the same prompts, and it knows the correct answer, which both the verifier and the
@@ -24,7 +24,7 @@ class Task(Protocol):
 
     def problems(self, seed: int, step: int, count: int) -> list[Problem]: ...
 
-    def score(self, problem: Problem, completion: str) -> float:
+    def reward(self, problem: Problem, completion: str) -> float:
         """Reward in [0, 1]; 1 only for an exactly correct completion."""
 
     # Optional: ``feedback(problem, completion) -> str``, the hint a self-hinting teacher
@@ -42,15 +42,15 @@ class TaskConfig:
 def build_task(cfg: TaskConfig) -> Task:
     """Load the task's class and build it: tasks are pure Python, so this also runs where a
     topology is checked (the tiny model's tokenizer needs the task's alphabet). Only a class
-    with ``problems`` and ``score`` is called, so a path naming another callable runs nothing."""
+    with ``problems`` and ``reward`` is called, so a path naming another callable runs nothing."""
     from actors import registry
 
     task_class = registry.load("task", cfg.name)
-    protocol = all(callable(getattr(task_class, method, None)) for method in ("problems", "score"))
+    protocol = all(callable(getattr(task_class, method, None)) for method in ("problems", "reward"))
     if not isinstance(task_class, type) or not protocol:
         what = f"class {task_class.__name__}" if isinstance(task_class, type) else f"a {type(task_class).__name__}"
         raise ValueError(
-            f"task {cfg.name!r} names {what}, not a class with problems and score "
+            f"task {cfg.name!r} names {what}, not a class with problems and reward "
             "(the Task protocol in actors/tasks/__init__.py); point task.name at such a class"
         )
     try:

@@ -42,7 +42,7 @@ class StringTask(ABC):
         texts = ["".join(rng.choices(self.letters, k=rng.randint(self.min_len, self.max_len))) for _ in range(count)]
         return [Problem(prompt=text + SEPARATOR, answer=self.transform(text)) for text in texts]
 
-    def score(self, problem: Problem, completion: str) -> float:
+    def reward(self, problem: Problem, completion: str) -> float:
         return position_match(problem.answer, completion)
 
     def feedback(self, problem: Problem, completion: str) -> str:

@@ -1,0 +1,161 @@
+"""``TrainBatch``: the padded tensors one optimizer step consumes, built once from a step's
+rollout groups (``actors/rollout.py``) and read by every inner loop.
+
+It travels as an endpoint argument, which is fine at kilobytes to megabytes (weights never do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from actors.rollout import RolloutGroup, Row
+from losses import group_advantages
+
+
+@dataclass
+class TrainBatch:
+    """One optimizer step's rows: prompts left-padded to a common length ``prompt_len``,
+    completions right-padded after it, so every row's completion starts at the same column.
+
+    ``position_ids`` count real tokens only, as the sampler saw them under left padding.
+    The ``distill_*`` fields (channel 2) and ``pairs`` (channel 3) are present only when
+    the step has them; ``pairs`` index rows, so a row slice leaves them out.
+    """
+
+    input_ids: Tensor  # [B, P + T] long
+    attention_mask: Tensor  # [B, P + T] long
+    position_ids: Tensor  # [B, P + T] long
+    prompt_len: int  # P
+    completion_mask: Tensor  # [B, T] bool, the tokens that carry loss (the model's own, not padding)
+    advantages: Tensor  # [B] float
+    inference_logprobs: Tensor  # [B, T] float
+    versions: Tensor  # [B] long, the policy version that sampled each row
+    max_completion_len: int  # the generator's limit (Dr. GRPO's normalizer)
+    policy_rows: Tensor  # [B] bool, rows in channel 1
+    distill_ids: Tensor | None = None  # [B, T, K] long, the teacher's top-k (student ids)
+    distill_logprobs: Tensor | None = None  # [B, T, K] float
+    distill_mask: Tensor | None = None  # [B, T] bool, the distilled tokens
+    pairs: Tensor | None = None  # [P, 2] long, (chosen row, rejected row)
+
+    @property
+    def targets(self) -> Tensor:
+        return self.input_ids[:, self.prompt_len :]
+
+    def rows(self, rows: slice | Tensor) -> TrainBatch:
+        """Some rows (a rank's share, a micro-batch); the caller keeps the global counts."""
+        return dataclasses.replace(self._map(lambda t: t[rows], skip=("pairs",)), pairs=None)
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return self._map(lambda t: t.to(device))
+
+    def __reduce__(self):
+        # Monarch pickles each tensor storage through torch.save (about 2 ms for a batch's
+        # seven tensors, on every step's critical path); numpy arrays travel as raw bytes.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        arrays = {k: v.cpu().numpy() if isinstance(v, Tensor) else v for k, v in fields.items()}
+        return _train_batch_from_arrays, (arrays,)
+
+    def _map(self, fn, skip: tuple[str, ...] = ()) -> TrainBatch:
+        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        return dataclasses.replace(self, **{k: fn(v) for k, v in tensors.items() if isinstance(v, Tensor)})
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def _train_batch_from_arrays(fields: dict) -> TrainBatch:
+    return TrainBatch(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()})
+
+
+def build_train_batch(
+    groups: list[RolloutGroup], advantages: Tensor, pad_id: int, max_completion_len: int
+) -> TrainBatch:
+    """Rows group by group, each group's rows in order; ``advantages`` one per row in that order
+    (``row_advantages``); channel 3's pairs from every group that has replayed traces."""
+    rows = [row for group in groups for row in group.rows]
+    prompt_len = max(len(r.trajectory.prompt_ids) for r in rows)
+    completion_len = max(max(len(r.trajectory.completion_ids) for r in rows), 1)
+    # padded Python rows, then one tensor per field: a per-row tensor copy costs more than the rest of a step
+    ids, attention, loss_mask, logprobs = [], [], [], []
+    for row in rows:
+        t = row.trajectory
+        left, right = prompt_len - len(t.prompt_ids), completion_len - len(t.completion_ids)
+        ids.append([pad_id] * left + t.prompt_ids + t.completion_ids + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(t.prompt_ids) + len(t.completion_ids)) + [0] * right)
+        loss_mask.append(t.loss_mask + [False] * right)
+        logprobs.append(t.logprobs + [0.0] * right)
+    attention_mask = torch.tensor(attention)
+    completion_mask = torch.tensor(loss_mask, dtype=torch.bool).reshape(len(rows), completion_len)
+    return TrainBatch(
+        input_ids=torch.tensor(ids),
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        prompt_len=prompt_len,
+        completion_mask=completion_mask,
+        advantages=advantages.float(),
+        inference_logprobs=torch.tensor(logprobs),
+        versions=torch.tensor([r.version for r in rows]),
+        max_completion_len=max_completion_len,
+        policy_rows=torch.tensor([r.kind.trains_policy for r in rows]),
+        **_distill_fields(rows, completion_mask),
+        pairs=_pairs(groups),
+    )
+
+
+def row_advantages(groups: list[RolloutGroup], scale: bool = True) -> Tensor:
+    """One advantage per row, in batch order: group-relative among the rows that train the
+    policy (``group_advantages``), 0 for the others. Groups of equal size share one call."""
+    trained = [[r.reward.total for r in g.rows if r.kind.trains_policy] for g in groups]
+    if len({len(t) for t in trained}) == 1:
+        flat = group_advantages(torch.tensor(trained).reshape(-1), len(trained[0]), scale=scale).tolist()
+    else:
+        flat = [a for t in trained for a in group_advantages(torch.tensor(t), len(t), scale=scale).tolist()]
+    values = iter(flat)
+    return torch.tensor([next(values) if r.kind.trains_policy else 0.0 for g in groups for r in g.rows])
+
+
+def _pairs(groups: list[RolloutGroup]) -> Tensor | None:
+    """Every group's (chosen, rejected) pairs as batch row indices."""
+    pairs, first = [], 0
+    for group in groups:
+        pairs += [(first + chosen, first + rejected) for chosen, rejected in group.preference_pairs()]
+        first += len(group.rows)
+    return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2) if pairs else None
+
+
+def _distill_fields(rows: list[Row], completion_mask: Tensor) -> dict[str, Tensor]:
+    """The teacher's top-k per token as ``[B, T, K]``; rows without a teacher signal are masked out."""
+    scored = [r.distill for r in rows if r.distill is not None]
+    if not scored:
+        return {}
+    width, k = completion_mask.shape[1], scored[0].ids.shape[1]
+    ids = torch.arange(k).expand(len(rows), width, k).clone()  # distinct ids keep a masked row's support valid
+    logprobs = torch.full((len(rows), width, k), float("-inf"))
+    has_teacher = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row.distill is not None:
+            length = len(row.trajectory.completion_ids)
+            if row.distill.ids.shape != (length, k):
+                raise ValueError(
+                    f"teacher top-k of shape {row.distill.ids.shape} for a completion of {length} tokens "
+                    f"(expected ({length}, {k})): a binding returned misaligned top-k"
+                )
+            ids[i, :length] = torch.from_numpy(row.distill.ids)
+            logprobs[i, :length] = torch.from_numpy(row.distill.logprobs)
+            has_teacher[i, :length] = True
+    return {"distill_ids": ids, "distill_logprobs": logprobs, "distill_mask": completion_mask & has_teacher}
+
+
+def split_rows(rows: int, parts: int) -> list[slice]:
+    """Contiguous near-equal shares of ``rows`` (a rank's rows, a generator's prompts);
+    the first ``rows % parts`` shares are one larger."""
+    base, extra = divmod(rows, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
