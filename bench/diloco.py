@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
+
 from mesh.rundir import REWARD_KEY, read_metrics
 from mesh.topology import load_topology
 

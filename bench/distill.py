@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
+
 from mesh.rundir import read_metrics
 from mesh.runtime import run
 from mesh.topology import load_topology

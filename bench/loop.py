@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import machine  # bench/ is on sys.path when this runs as a script
 from monarch.actor import Actor, endpoint, this_host
 
-from common import machine  # bench/ is on sys.path when this runs as a script
 from actors.weights import WeightPublisher, WeightSubscriber, WeightVersion
 from mesh.rundir import read_metrics
 from mesh.runtime import run

@@ -16,8 +16,8 @@ from actors.bindings import (
     METHOD_OF_USE,
     BindingConfig,
     BindingError,
-    TopKRequest,
     Student,
+    TopKRequest,
     check_binding_class,
     top_k_from_entries,
 )

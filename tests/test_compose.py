@@ -6,15 +6,29 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import ragged_mask
 from torch.testing import assert_close
 
 from losses import (
-    Counts, DistillConfig, DistillInputs, LinearHead, Logits, LossConfig, LossInputs, PolicyConfig, PolicyInputs,
-    PreferenceConfig, PreferenceInputs, TeacherHidden, TeacherLogits, TeacherTopK, TokenLogprobs, compose_loss,
-    policy_loss, selective_logprobs,
+    Counts,
+    DistillConfig,
+    DistillInputs,
+    LinearHead,
+    Logits,
+    LossConfig,
+    LossInputs,
+    PolicyConfig,
+    PolicyInputs,
+    PreferenceConfig,
+    PreferenceInputs,
+    TeacherHidden,
+    TeacherLogits,
+    TeacherTopK,
+    TokenLogprobs,
+    compose_loss,
+    policy_loss,
+    selective_logprobs,
 )
-
-from conftest import ragged_mask
 
 B, T, H, V = 4, 6, 8, 17
 

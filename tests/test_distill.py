@@ -6,12 +6,21 @@ import math
 
 import pytest
 import torch
+from conftest import DIVERGENCES
 from torch.testing import assert_close
 
-from losses import Counts, DistillConfig, DistillInputs, TAIDScheduler, TeacherHidden, TeacherLogits, TeacherTopK, distill_loss, hinted_inputs
-from conftest import DIVERGENCES
+from losses import (
+    Counts,
+    DistillConfig,
+    DistillInputs,
+    TAIDScheduler,
+    TeacherHidden,
+    TeacherLogits,
+    TeacherTopK,
+    distill_loss,
+    hinted_inputs,
+)
 from losses.distill import entropy, generalized_jsd, kl_student_teacher, kl_teacher_student, supports
-
 
 
 def logits_pair(generator, shape=(3, 5, 11)):

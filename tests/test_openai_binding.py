@@ -12,7 +12,7 @@ import pytest
 import torch
 from openai_server import CompletionServer
 
-from actors.bindings import BindingConfig, BindingError, TopKRequest, Student
+from actors.bindings import BindingConfig, BindingError, Student, TopKRequest
 from actors.bindings import openai as openai_binding
 from actors.bindings.openai import OpenAITeacher
 from actors.model import TinyModelSpec, build_tiny_model, load_policy

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import random_policy
 from torch.testing import assert_close
 
 from losses import (
@@ -20,8 +21,6 @@ from losses import (
 )
 from losses.config import DEFAULTS
 from losses.policy import aggregate, importance_weights
-
-from conftest import random_policy
 
 ALL = sorted(DEFAULTS)
 

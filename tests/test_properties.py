@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DIVERGENCES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from losses import (
-    Counts, DistillConfig, DistillInputs, LinearHead, Logits, LossConfig, LossInputs, PolicyConfig, PolicyInputs,
-    PreferenceInputs, TeacherLogits, TeacherTopK, compose_loss,
+    Counts,
+    DistillConfig,
+    DistillInputs,
+    LinearHead,
+    Logits,
+    LossConfig,
+    LossInputs,
+    PolicyConfig,
+    PolicyInputs,
+    PreferenceInputs,
+    TeacherLogits,
+    TeacherTopK,
+    compose_loss,
 )
-from conftest import DIVERGENCES
 from losses.config import DEFAULTS
-
 
 
 @st.composite

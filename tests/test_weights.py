@@ -16,6 +16,7 @@ import cloudpickle
 import pytest
 import torch
 from monarch.actor import Actor, endpoint, this_host
+from tmpfs import tmpfs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import actors.weights.store as weights
@@ -34,7 +35,6 @@ from actors.weights import (
     slot_file,
 )
 from mesh.topology import load_topology
-from tmpfs import tmpfs
 
 cloudpickle.register_pickle_by_value(
     sys.modules[__name__]
