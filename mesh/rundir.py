@@ -6,6 +6,8 @@ runs/<name>-<time>/
   model/               the policy's starting point (a built tiny model, or a note of the path)
   metrics.jsonl        one JSON object per step
   tensorboard/         the same scalars as TensorBoard events
+  wandb/               logging.wandb: W&B's files (offline: the whole run, for wandb sync)
+  trackers.json        the W&B and trackio runs it logs to, which a --resume of it continues
   reward.png           the reward curve, written at the end
   checkpoints/step_N/  policy + optimizer state (safetensors), checksummed
 ```
@@ -21,18 +23,22 @@ import contextlib
 import errno
 import itertools
 import json
-import math
 import os
 import shutil
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from actors.disk import DISK_FULL, errno_of, write_cause
 from mesh import events
+from mesh.sinks import Tracker, TrackerError, cause, open_trackers, scalars
+
+if TYPE_CHECKING:
+    from mesh.topology import Logging
 
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
 METRICS_FILE = "metrics.jsonl"
@@ -49,15 +55,27 @@ class RunDir:
         self.path = path
         self.metrics_file = path / METRICS_FILE
         self.events_file = None
+        self.trackers: list[Tracker] = []
         if tensorboard:
             (path / "tensorboard").mkdir(exist_ok=True)
             self.events_file = events.event_file(path / "tensorboard")
             _append(self.events_file, events.header())
 
     @classmethod
-    def create(cls, root: str | Path, name: str, resolved: dict, tensorboard: bool) -> RunDir:
+    def create(
+        cls,
+        root: str | Path,
+        name: str,
+        resolved: dict,
+        tensorboard: bool,
+        logging: Logging | None = None,
+        resumed_from: Path | None = None,
+    ) -> RunDir:
         """A new directory ``<root>/<name>-<time>`` (missing parents made), never one another run
-        also got: the directory is made without ``exist_ok`` and a taken name gets a suffix."""
+        also got: the directory is made without ``exist_ok`` and a taken name gets a suffix.
+
+        ``logging``: the trackers it names (W&B, trackio) are started, continuing those of the run
+        directory ``resumed_from`` (``mesh/sinks.py``); one that cannot start leaves no directory."""
         root = Path(root)
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -79,9 +97,14 @@ class RunDir:
         try:
             run = cls(path, tensorboard)
             (path / "topology.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+            if logging is not None:
+                run.trackers = open_trackers(logging, path, resolved, resumed_from)
         except OSError as error:
             shutil.rmtree(path, ignore_errors=True)
             raise RunDirError(_cannot_create(path, error)) from None
+        except TrackerError as error:
+            shutil.rmtree(path, ignore_errors=True)
+            raise RunDirError(str(error)) from None
         return run
 
     @property
@@ -92,12 +115,13 @@ class RunDir:
         return self.path / "checkpoints" / f"step_{step:06d}"
 
     def log(self, step: int, metrics: dict) -> None:
-        """Append one step's metrics to metrics.jsonl and TensorBoard; a write that fails (a full
-        disk) is a RunDirError and leaves both files whole (no half line or record)."""
+        """Append one step's metrics to metrics.jsonl and TensorBoard, then hand its scalars to the
+        trackers; a write that fails (a full disk) is a RunDirError and leaves both files whole (no
+        half line or record). A tracker that fails is dropped with a warning: metrics.jsonl has it all."""
         line = (json.dumps({"step": step, **metrics}) + "\n").encode()
         records = [(self.metrics_file, line)]
+        values = scalars(metrics)
         if self.events_file is not None:
-            values = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
             records.append((self.events_file, events.scalars(step, values)))
         for path, data in records:
             try:
@@ -107,10 +131,17 @@ class RunDir:
                     f"the metrics of step {step} could not be written to {path}: {write_cause(error, path)}; "
                     f"{_fix(error)}, then go on from the last checkpoint in {self.path / 'checkpoints'} with --resume"
                 ) from None
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(step, values)
+            except Exception as error:  # a tracker's own failure, whatever its kind, must not stop training
+                self.trackers.remove(tracker)
+                _warn(f"logging.{tracker.key} stopped at step {step}: {cause(error)}; metrics.jsonl has every step")
 
     def rewind(self, step: int) -> list[dict]:
         """Forget the metrics of ``step`` and later (a trainer restarted from the checkpoint of ``step``
-        trains them again); returns the records dropped. TensorBoard keeps both, as it does for any rerun."""
+        trains them again); returns the records dropped. TensorBoard and the trackers keep both, as
+        TensorBoard does for any rerun."""
         records = read_metrics(self.metrics_file)
         kept = [r for r in records if r["step"] < step]
         partial = self.metrics_file.with_name(self.metrics_file.name + ".partial")
@@ -118,11 +149,24 @@ class RunDir:
         partial.replace(self.metrics_file)
         return [r for r in records if r["step"] >= step]
 
-    def close(self) -> str | None:
-        """Draw reward.png from metrics.jsonl. This runs after a failed run too, often on the same
-        full disk, where an exception would replace the run's own error: so it never raises, and
-        a failure is printed to stderr as one line and returned."""
-        return draw(self.path / "reward.png", lambda out: plot_reward(read_metrics(self.metrics_file), out))
+    def close(self, exit_code: int = 0) -> str | None:
+        """Draw reward.png from metrics.jsonl and finish the trackers' runs with the run's exit code.
+        This runs after a failed run too, often on the same full disk, where an exception would
+        replace the run's own error: so it never raises, and a failure is printed to stderr as one
+        line (reward.png's is also returned)."""
+        drawn = draw(self.path / "reward.png", lambda out: plot_reward(read_metrics(self.metrics_file), out))
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            try:
+                tracker.finish(exit_code)
+            except Exception as error:  # as above: the run's own outcome stays the one reported
+                _warn(f"logging.{tracker.key} did not finish its run: {cause(error)}")
+        return drawn
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """The run's end, however it came (``AsyncExitStack.push(run_dir)``): close with its exit code,
+        a signal's (``Interrupted.exit_code``) or 1 for a failure."""
+        self.close(0 if error is None else getattr(error, "exit_code", 1))
 
 
 def draw(out: Path, plot: Callable[[Path], None]) -> str | None:
@@ -136,6 +180,10 @@ def draw(out: Path, plot: Callable[[Path], None]) -> str | None:
         print(message, file=sys.stderr)
         return message
     return None
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def _append(path: Path, data: bytes) -> None:

@@ -74,8 +74,15 @@ async def run(
     ``resume``: a checkpoint directory of an earlier run of this topology; training goes
     on from its step with its policy, optimizer, loss state and in-flight batches.
     """
+    logging = topology.logging
+    resumed_from = Path(resume).parent.parent if resume else None  # <run>/checkpoints/step_N
     run_dir = RunDir.create(
-        run_root or topology.logging.root, topology.name, topology.model_dump(mode="json"), topology.logging.tensorboard
+        run_root or logging.root,
+        topology.name,
+        topology.model_dump(mode="json"),
+        logging.tensorboard,
+        logging,
+        resumed_from,
     )
     bar = Progress(topology, enabled=progress)
     faults = _FaultLog(run_dir.path, bar)
@@ -85,7 +92,7 @@ async def run(
         print(f"run directory: {run_dir.path} (change its teachers: python -m mesh.ctl {run_dir.path} teachers)")
     try:
         async with AsyncExitStack() as cleanup:  # undone in reverse: the trainer (its weight store) before the meshes
-            cleanup.callback(run_dir.close)
+            cleanup.push(run_dir)  # closed last, with the run's outcome
             cleanup.callback(bar.close)
             stopper.install()
             cleanup.callback(stopper.remove)

@@ -21,7 +21,7 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -49,6 +49,7 @@ from mesh.launchers import LauncherOptions, launcher_options
 from mesh.launchers.local import LocalOptions
 from mesh.placement import check_gpus, describe_gpus, describe_memory, gpu_sets, on_publishing_gpu
 from mesh.preflight import describe_store
+from mesh.sinks import missing
 
 TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
 # A run's name goes into its directory's name, runs/<name>-<YYYYmmdd-HHMMSS>-<n>. 64 keeps it far
@@ -151,9 +152,43 @@ class Checkpointing(Section):
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
 
 
+def _check_installed(key: str, section: Section, info: ValidationInfo) -> Section:
+    """A tracker's library must be installed where the run starts (not for ``--dry-run`` of a job
+    placed elsewhere): found without importing it, so a run never fails on it after starting."""
+    if (info.context or {}).get("placed_here", True) and not registry.find_module(key):
+        raise ValueError(missing(key))
+    return section
+
+
+class WandbLogging(Section):
+    """``logging.wandb``: the run's scalars also go to a Weights & Biases run (``mesh/sinks.py``)."""
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    name: str | None = None  # default: the run directory's name
+    mode: Literal["online", "offline"] | None = None  # default: wandb's own (WANDB_MODE, else online)
+    tags: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _installed(self, info: ValidationInfo) -> WandbLogging:
+        return _check_installed("wandb", self, info)
+
+
+class TrackioLogging(Section):
+    """``logging.trackio``: the run's scalars also go to a local trackio project (``mesh/sinks.py``)."""
+
+    project: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _installed(self, info: ValidationInfo) -> TrackioLogging:
+        return _check_installed("trackio", self, info)
+
+
 class Logging(Section):
     root: str = "runs"
     tensorboard: bool = True
+    wandb: WandbLogging | None = None
+    trackio: TrackioLogging | None = None
 
 
 class Topology(Section):

@@ -26,7 +26,7 @@ def test_actors_never_import_the_orchestrator():
     assert loaded_after(every_actor_module, ("mesh",)) == []
 
 
-HEAVY = ("torch", "numpy", "monarch", "transformers", "trl", "vllm", "torchtitan")
+HEAVY = ("torch", "numpy", "monarch", "transformers", "trl", "vllm", "torchtitan", "wandb", "trackio")
 CHECKED = [  # every shipped topology, and the backends a --set can name where the topology allows them
     ("tiny.yaml", []),
     ("tiny_distill.yaml", []),
@@ -40,6 +40,7 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
     ("tiny.yaml", ["actors.generator.engine=vllm", "model.init.hidden_size=128"]),
     ("tiny.yaml", ["launcher.kind=slurm"]),
     ("tiny.yaml", ["launcher.kind=k8s"]),
+    ("tiny.yaml", ["logging.wandb.project=p", "logging.trackio.project=p"]),  # found installed, not imported
     ("gpu_1gpu.yaml", []),
     ("gpu_node.yaml", []),
 ]
