@@ -78,6 +78,7 @@ BACKENDS: dict[str, dict[str, Backend]] = {
     "task": {
         "reverse": Backend("actors.tasks.strings:Reverse"),
         "sort": Backend("actors.tasks.strings:Sort"),
+        "verifiers": Backend("actors.environments.verifiers:VerifiersTask"),  # params: taskset, config
     },
     "launcher": {},  # user launchers, by import path only: the built-in ones are named in mesh/launchers
 }
