@@ -306,15 +306,15 @@ def test_the_rubric_scores_with_each_reward_as_its_own_weighted_part():
     assert task.reward_parts(problem, problem.answer) == {"correct": 1.0, "brief": pytest.approx(0.1)}
     assert task.reward_parts(problem, f"The sum is {problem.answer}.") == {"correct": 1.0, "brief": 0.0}
     assert task.reward_parts(problem, wrong) == {"correct": 0.0, "brief": pytest.approx(0.1)}
-    assert task.score(problem, problem.answer) == pytest.approx(1.1)
-    assert task.score(problem, "I do not know") == 0.0
+    assert task.reward(problem, problem.answer) == pytest.approx(1.1)
+    assert task.reward(problem, "I do not know") == 0.0
 
     rewarder_side = arith()  # another process: the problem carries its task, no rows are loaded
     travelled = pickle.loads(pickle.dumps(problem))
     assert rewarder_side.reward_parts(travelled, problem.answer) == task.reward_parts(problem, problem.answer)
     assert rewarder_side._rows is None
     with pytest.raises(TypeError, match="scores only the problems it made"):
-        task.score(Problem(problem.prompt, problem.answer), problem.answer)
+        task.reward(Problem(problem.prompt, problem.answer), problem.answer)
 
 
 async def test_scoring_works_inside_a_running_event_loop():

@@ -99,7 +99,7 @@ class VerifiersTask:
         tasks = self._drawn(seed, step, count) if self.taskset.bounded else self._streamed(max(step, 0) * count, count)
         return [self._problem(task) for task in tasks]
 
-    def score(self, problem: Problem, completion: str) -> float:
+    def reward(self, problem: Problem, completion: str) -> float:
         """The weighted sum of the rubric's rewards (verifiers' ``trace.reward``; it may exceed 1)."""
         return sum(self.reward_parts(problem, completion).values())
 
