@@ -2,6 +2,8 @@
 
 A user function is ``fn(problem: Problem, completion: str) -> float``; its value is added
 to the task's reward and reported as its own reward part, so a curve shows which part moved.
+A task with ``reward_parts`` (a verifiers rubric) reports each of its reward functions as
+a part too.
 
 Besides a reward, each completion the verifier does not accept gets a *hint*, the
 context a self-hinting teacher (SDPO) reads: the task's ``feedback`` when it has one,
@@ -62,12 +64,22 @@ class Rewarder(Actor):
     def reward(self, problems: list[Problem], completions: list[str]) -> RewardReply:
         """Only problems and texts travel (not whole rollouts): the call sits on every step's critical path."""
         start = time.perf_counter()
-        parts = {"task": [self.task.reward(p, c) for p, c in zip(problems, completions)]}
+        parts = self._task_parts(problems, completions)
+        task_rewards = [sum(values) for values in zip(*parts.values())]
         for name, fn in self.functions.items():
             parts[name] = [float(fn(p, c)) for p, c in zip(problems, completions)]
         totals = [sum(values) for values in zip(*parts.values())]
-        hints = [self._hint(p, c, s) for p, c, s in zip(problems, completions, parts["task"])]
+        hints = [self._hint(p, c, r) for p, c, r in zip(problems, completions, task_rewards)]
         return RewardReply(totals, parts, hints, time.perf_counter() - start)
+
+    def _task_parts(self, problems: list[Problem], completions: list[str]) -> dict[str, list[float]]:
+        """The task's reward as one part (``task``), or as one part per reward function when the task
+        has them (``reward_parts``: a verifiers rubric's weighted rewards)."""
+        if not hasattr(self.task, "reward_parts"):
+            return {"task": [self.task.reward(p, c) for p, c in zip(problems, completions)]}
+        rows = [self.task.reward_parts(p, c) for p, c in zip(problems, completions)]
+        names = sorted({name for row in rows for name in row})
+        return {name: [row.get(name, 0.0) for row in rows] for name in names}
 
     def _hint(self, problem: Problem, completion: str, task_reward: float) -> str | None:
         if task_reward >= 1.0:

@@ -365,3 +365,23 @@ def test_a_taskset_that_cannot_load_says_why(taskset, config, message):
     with pytest.raises(ValueError, match="verifiers taskset") as error:
         VerifiersTask(taskset, config)
     assert message in str(error.value)
+
+
+async def test_the_rewarder_logs_each_verifiers_reward_function_as_its_own_part():
+    from monarch.actor import this_host
+
+    from actors.rewarder import Rewarder
+    from actors.rewarder_config import RewarderConfig
+
+    cfg = TaskConfig("verifiers", {"taskset": "actors.environments.examples.vf_arith:ArithTaskset", "config": {}})
+    (problem,) = build_task(cfg).problems(0, 0, 1)
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        rewarder = procs.spawn("rewarder", Rewarder, cfg, RewarderConfig(mesh="service"))
+        await rewarder.start.call_one()
+        right, wordy = (await rewarder.reward.call_one([problem] * 2, [problem.answer, "no idea"])).rewards()
+    finally:
+        await procs.stop()
+    assert right.parts == {"correct": 1.0, "brief": pytest.approx(0.1)} and right.total == pytest.approx(1.1)
+    assert right.hint is None  # a right answer is not hinted
+    assert wordy.parts == {"correct": 0.0, "brief": 0.0} and wordy.total == 0.0 and wordy.hint == problem.answer
