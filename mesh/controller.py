@@ -318,7 +318,7 @@ class Controller:
         targets = [r for r in rollouts if r.teacher is None and (r.hint is not None or not teacher.needs_hint)]
         if not targets:
             return 0.0
-        requests = [ScoreRequest(r.problem.prompt, r.completion_ids, r.hint) for r in targets]
+        requests = [ScoreRequest(r.problem.prompt, r.completion_ids, r.hint, r.problem.system_prompt) for r in targets]
         reply = await self.actors.teachers.score.call_one(teacher.binding_id, requests, weights)
         for rollout, scores in zip(targets, reply.scores):
             rollout.distill = scores

@@ -13,8 +13,12 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Problem:
+    """One prompt and its reference answer, as plain text: each model renders the prompt with its
+    own chat template (``actors/prompts.py``). Plain data, since checkpoints store it as JSON."""
+
     prompt: str
     answer: str
+    system_prompt: str | None = None  # the system turn before the prompt; None: none
 
 
 class Task(Protocol):
