@@ -78,6 +78,8 @@ BACKENDS: dict[str, dict[str, Backend]] = {
     "task": {
         "reverse": Backend("actors.tasks.strings:Reverse"),
         "sort": Backend("actors.tasks.strings:Sort"),
+        "dataset": Backend("actors.tasks.dataset:DatasetTask"),
+        "math": Backend("actors.tasks.math:Math"),
     },
     "launcher": {},  # user launchers, by import path only: the built-in ones are named in mesh/launchers
 }
