@@ -70,7 +70,7 @@ class DatasetSource:
         if "path" not in {**defaults, **value}:
             raise DatasetError(f"task.{key} needs a path: a JSON Lines or parquet file, or a data set directory")
         source = cls(**{**defaults, **value})
-        source.columns()  # fails now, with the reason, for a path that cannot be read
+        source.check()  # fails now, with the reason, for a path that cannot be read
         return source
 
     @property
@@ -116,18 +116,14 @@ class DatasetSource:
             raise DatasetError(f"split {split!r} of {self.path} mixes formats ({', '.join(sorted(formats))}); keep one")
         return formats.pop(), found[split]
 
-    def columns(self) -> list[str] | None:
-        """The column names where reading them is cheap (None for parquet); raises for a missing path,
-        split or column."""
+    def check(self) -> None:
+        """Raise for a missing path or split, and for a missing column where the columns are cheap to
+        read (a JSON line, a saved data set's header; a parquet file's wait for ``load``)."""
         kind, found = self.files()
         if kind == "json":
-            names = _json_columns(found[0])
+            self._require(_json_columns(found[0]))
         elif kind == "disk":
-            names = _saved_columns(found[0], self.split)
-        else:
-            return None
-        self._require(names)
-        return names
+            self._require(_saved_columns(found[0], self.split))
 
     def _require(self, names: list[str]) -> None:
         for role, column in (("prompt", self.prompt), ("answer", self.answer)):
