@@ -26,6 +26,7 @@ from actors import registry
 from actors.generator_config import GeneratorConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
+from actors.prompts import render
 from actors.rollout import Trajectory
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
@@ -111,9 +112,15 @@ class Generator(Actor):
     @concurrent_endpoint
     async def start(self) -> ProcInfo:
         """Load the engine; its errors (a bad model, an engine the model cannot run on) reach the caller whole."""
+        from transformers import AutoTokenizer
+
         torch.set_num_threads(self.place.threads)
         self.engine = registry.load("engine", self.cfg.engine)(self.model_path, self.cfg.sampling, self.place)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)  # the policy's chat template renders prompts
         return this_proc()
+
+    def _prompts(self, problems: list[Problem]) -> list[str]:
+        return [render(self.tokenizer, p.prompt, p.system_prompt) for p in problems]
 
     def _switch(self, weights: WeightVersion) -> float:
         return self.weights.hold(weights, self.engine.load_weights)
@@ -126,7 +133,7 @@ class Generator(Actor):
         randomness, so a request sampled again (a retry, a resumed run) gives the same samples."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
-            groups = await self.engine.generate([p.prompt for p in problems], group_size, seeds)
+            groups = await self.engine.generate(self._prompts(problems), group_size, seeds)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         return Generation.of(
             [t for group in groups for t in group],
@@ -141,7 +148,7 @@ class Generator(Actor):
         """Completions this policy did not sample (teacher traces), with this version's logprobs."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
-            traces = await self.engine.logprobs_of([p.prompt for p in problems], texts)
+            traces = await self.engine.logprobs_of(self._prompts(problems), texts)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         return Generation.of(traces, 1, weights.version, time.perf_counter() - start, load_seconds)
 

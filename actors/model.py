@@ -2,9 +2,12 @@
 
 Either way the result is a directory that every engine and trainer loads by path, the
 same way (HF, TRL, vLLM all do), so a tiny CPU run and a real model take one code path.
-The tiny model's tokenizer has one token per character of the task's alphabet: a
-random policy then spreads its mass over a handful of tokens rather than a 150k
-vocabulary, which is what lets it learn on a CPU in minutes.
+The tiny model's tokenizer has one token per character of the task's alphabet by default:
+a random policy then spreads its mass over a handful of tokens rather than a 150k
+vocabulary, which is what lets it learn on a CPU in minutes. ``tokenizer: bpe`` gives it
+a real one instead, as a released model has: byte-level BPE, special tokens and a ChatML
+chat template, trained here (deterministically, in a fraction of a second) on the
+shipped arithmetic word problems.
 """
 
 from __future__ import annotations
@@ -15,18 +18,30 @@ from pathlib import Path
 
 import torch
 
-from actors.model_config import SPECIAL_TOKENS, TinyModelSpec
+from actors.model_config import BPE_VOCAB_SIZE, CHAT_SPECIAL_TOKENS, TinyModelSpec, char_vocabulary
+from actors.tasks.arithmetic_data import DATA_DIR
+
+# transformers' Qwen2Tokenizer's PRETOKENIZE_REGEX (see ``_byte_level``)
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# ChatML, as Qwen's templates write it: each turn <|im_start|>role\n...<|im_end|>\n; the prompt ends
+# with the assistant's header, and the assistant's <|im_end|> is the EOS that ends its completion.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
-def build_tiny_model(path: Path, spec: TinyModelSpec, alphabet: str, seed: int) -> Path:
-    """Save a character tokenizer and a random-init causal LM under ``path``; skip if already built."""
+def build_tiny_model(path: Path, spec: TinyModelSpec, alphabet: str | None, seed: int) -> Path:
+    """Save the spec's tokenizer and a random-init causal LM under ``path``; skip if already built."""
     _quiet_transformers()
     marker = path / "tiny_model.json"
     recipe = {"spec": spec.__dict__, "alphabet": alphabet, "seed": seed}
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = char_tokenizer(alphabet)
+    tokenizer = bpe_tokenizer() if spec.tokenizer == "bpe" else char_tokenizer(alphabet)
     tokenizer.save_pretrained(path)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -36,15 +51,59 @@ def build_tiny_model(path: Path, spec: TinyModelSpec, alphabet: str, seed: int) 
 
 
 def char_tokenizer(alphabet: str):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """One token per character (per byte-level symbol, ``char_vocabulary``), no merges."""
+    from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for char in dict.fromkeys(alphabet):
-        vocab[char] = len(vocab)
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend = _byte_level(Tokenizer(models.BPE(vocab=char_vocabulary(alphabet), merges=[])))
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def bpe_tokenizer():
+    """A byte-level BPE of ``BPE_VOCAB_SIZE`` tokens (every text encodes: its base is the 256 bytes)
+    with the ChatML template; trained on the shipped arithmetic train split, framed as chats so the
+    role names are tokens too. The same corpus always trains the same tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = _byte_level(Tokenizer(models.BPE()))
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        special_tokens=list(CHAT_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_chats(), trainer)
+    pad, eos, start = CHAT_SPECIAL_TOKENS
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=pad, eos_token=eos, additional_special_tokens=[start]
+    )
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def _byte_level(backend):
+    """Qwen2's normalizer, pre-tokenizer (one token per digit) and decoder. transformers loads a
+    ``qwen2`` model's tokenizer as ``Qwen2Tokenizer``, which rebuilds exactly these around the saved
+    vocabulary; with them saved too, every architecture's loader gives the same ids."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _chats():
+    with (DATA_DIR / "train.jsonl").open() as rows:
+        for row in map(json.loads, rows):
+            yield f"<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n{row['question']}<|im_end|>\n"
+            yield f"<|im_start|>assistant\n{row['solution']}<|im_end|>\n"
 
 
 def causal_lm(spec: TinyModelSpec, vocab_size: int):

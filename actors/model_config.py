@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+# The bpe tokenizer's: padding, the end of a turn (its EOS), the start of a turn. Padding and EOS
+# keep the ids the character tokenizer gives them (0 and 1), which ``causal_lm`` writes to the config.
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|im_start|>")
+BPE_VOCAB_SIZE = 448  # the shipped arithmetic text yields 460 tokens at most
 ARCHITECTURES = ("qwen3", "qwen2", "llama")
+TOKENIZERS = ("chars", "bpe")
 SAFETENSORS_HEADER_LIMIT = 100_000_000  # the safetensors format's own cap on a header
 
 
@@ -28,10 +33,16 @@ class TinyModelSpec:
     kv_heads: int = 2
     max_positions: int = 64
     intermediate_size: int | None = None  # the MLP's width; None: 4 x hidden_size
+    # chars: one token per character of the task's alphabet, no chat template (a random policy spreads its
+    # mass over a few dozen tokens, so it learns fastest); bpe: a byte-level BPE of BPE_VOCAB_SIZE tokens
+    # trained on the shipped arithmetic text, with a ChatML chat template (a real tokenizer's code paths)
+    tokenizer: str = "chars"
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unknown tiny architecture {self.arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"unknown tiny tokenizer {self.tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
         for name in ("hidden_size", "layers", "heads", "kv_heads", "max_positions", "intermediate_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -46,6 +57,10 @@ class TinyModelSpec:
                 f"the head size hidden_size // heads is {self.head_size}, but rotary embeddings rotate pairs of "
                 "dimensions, so it must be even and >= 2; e.g. hidden_size: 64, heads: 4"
             )
+
+    def vocab_size(self, alphabet: str | None) -> int:
+        """The tokenizer's size: the character tokenizer's depends on the task's alphabet."""
+        return BPE_VOCAB_SIZE if self.tokenizer == "bpe" else tiny_vocab_size(alphabet)
 
     @property
     def head_size(self) -> int:
@@ -81,8 +96,29 @@ class TinyModelSpec:
 
 
 def tiny_vocab_size(alphabet: str) -> int:
-    """The character tokenizer's size: the special tokens, then each distinct character."""
-    return len(SPECIAL_TOKENS) + len(dict.fromkeys(alphabet))
+    """The character tokenizer's size (``char_vocabulary``)."""
+    return len(char_vocabulary(alphabet))
+
+
+def char_vocabulary(alphabet: str) -> dict[str, int]:
+    """The character tokenizer's vocabulary: the special tokens, then the byte-level symbol of each
+    byte of the alphabet's characters (one per character for ASCII: ``a`` is ``a``, a space ``Ġ``).
+
+    Byte-level, because transformers loads a ``qwen2`` model's tokenizer as its own
+    ``Qwen2Tokenizer``, whatever the directory's tokenizer.json says: byte-level pre-tokenizing
+    with this vocabulary. Spelling the vocabulary that way makes every loader give the same ids.
+    """
+    symbols = _byte_symbols()
+    tokens = (*SPECIAL_TOKENS, *(symbols[byte] for char in alphabet for byte in char.encode()))
+    return {token: i for i, token in enumerate(dict.fromkeys(tokens))}
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's): printable bytes stand
+    for themselves, the others (space, control bytes) for characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(others)) for byte in range(256)]
 
 
 @dataclass(frozen=True)
@@ -94,8 +130,8 @@ class ModelFacts:
     tensors: dict[str, tuple[int, ...]] | None
 
     @classmethod
-    def of_spec(cls, spec: TinyModelSpec, alphabet: str) -> ModelFacts:
-        return cls(spec.head_size, spec.tensors(tiny_vocab_size(alphabet)))
+    def of_spec(cls, spec: TinyModelSpec, alphabet: str | None) -> ModelFacts:
+        return cls(spec.head_size, spec.tensors(spec.vocab_size(alphabet)))
 
     @classmethod
     def of_directory(cls, directory: Path) -> ModelFacts:

@@ -79,6 +79,8 @@ BACKENDS: dict[str, dict[str, Backend]] = {
         "reverse": Backend("actors.tasks.strings:Reverse"),
         "sort": Backend("actors.tasks.strings:Sort"),
         "verifiers": Backend("actors.environments.verifiers:VerifiersTask"),  # params: taskset, config
+        "dataset": Backend("actors.tasks.dataset:DatasetTask"),
+        "math": Backend("actors.tasks.math:Math"),
     },
     "launcher": {},  # user launchers, by import path only: the built-in ones are named in mesh/launchers
 }

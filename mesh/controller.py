@@ -324,7 +324,12 @@ class Controller:
         if not targets:
             return {}, 0.0
         requests = [
-            TopKRequest(problems[i].prompt, drafts[i][j].trajectory.completion_ids, rewards[i][j].hint)
+            TopKRequest(
+                problems[i].prompt,
+                drafts[i][j].trajectory.completion_ids,
+                rewards[i][j].hint,
+                problems[i].system_prompt,
+            )
             for i, j in targets
         ]
         reply = await self.actors.teacher_pool.top_k.call_one(teacher.binding_id, requests, weights)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from actors.model_config import char_vocabulary
 from actors.tasks import TaskConfig, build_task
 
 if TYPE_CHECKING:
@@ -97,9 +98,9 @@ def topology_fingerprint(topology: Topology) -> Fingerprint:
     task's alphabet without building the model (which happens only inside the run)."""
     if topology.model.path is not None:
         return fingerprint(Path(topology.model.path).expanduser(), topology.task.config)
-    task = _task_fingerprint(topology.task.config)
-    vocab = _char_vocabulary(task["alphabet"])
-    return Fingerprint(_tiny_architecture(topology.model.init, len(vocab)), _digest(vocab), task)
+    task, spec = _task_fingerprint(topology.task.config), topology.model.init
+    vocab = _bpe_vocabulary() if spec.tokenizer == "bpe" else char_vocabulary(task["alphabet"])
+    return Fingerprint(_tiny_architecture(spec, len(vocab)), _digest(vocab), task)
 
 
 def _task_fingerprint(cfg: TaskConfig) -> dict:
@@ -131,11 +132,11 @@ def _digest(vocab: dict[str, int]) -> dict:
     return {"tokens": len(vocab), "digest": xxhash.xxh3_128_hexdigest(canonical)}
 
 
-def _char_vocabulary(alphabet: str) -> dict[str, int]:
-    """The tiny model's vocabulary, as ``actors.model.char_tokenizer`` lays it out."""
-    from actors.model import SPECIAL_TOKENS  # actors.model imports torch; the model_dir path stays light
+def _bpe_vocabulary() -> dict[str, int]:
+    """The tiny model's BPE vocabulary, trained as ``build_tiny_model`` trains it (a fraction of a second)."""
+    from actors.model import bpe_tokenizer  # actors.model imports torch; the model_dir path stays light
 
-    return {token: i for i, token in enumerate((*SPECIAL_TOKENS, *dict.fromkeys(alphabet)))}
+    return bpe_tokenizer().get_vocab()
 
 
 def _tiny_architecture(spec: TinyModelSpec, vocab_size: int) -> dict:

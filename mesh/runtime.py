@@ -102,7 +102,7 @@ async def run(
             control = ControlChannel.create(run_dir.path)
             cleanup.callback(control.close)
             task = build_task(topology.task.config)
-            model_path = _prepare_model(topology, task.alphabet, run_dir)
+            model_path = _prepare_model(topology, getattr(task, "alphabet", None), run_dir)
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
             board = TeacherBoard(bindings, topology.actors.trainer.loss)
             roles = _roles(topology, model_path, board, _diloco_meeting(topology, run_dir, cleanup))
@@ -206,7 +206,7 @@ class _FaultLog:
             f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {title}\n{summary}\n{traceback or ''}\n")
 
 
-def _prepare_model(topology: Topology, alphabet: str, run_dir: RunDir) -> str:
+def _prepare_model(topology: Topology, alphabet: str | None, run_dir: RunDir) -> str:
     if topology.model.path is not None:
         return str(Path(topology.model.path).expanduser().resolve())
     return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))

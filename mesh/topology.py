@@ -71,7 +71,7 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     """Exactly one of: ``init`` (a random-init tiny model with a character tokenizer built
-    from the task's alphabet) or ``path`` (a local Hugging Face model directory)."""
+    from the task's alphabet, or ``tokenizer: bpe``) or ``path`` (a local Hugging Face model directory)."""
 
     init: TinyModelSpec | None = None
     path: str | None = None
@@ -376,14 +376,14 @@ class Topology(Section):
         if self.model.path is not None:
             return ModelFacts.of_directory(Path(self.model.path).expanduser())
         alphabet = self.task.alphabet
-        if not isinstance(alphabet, str) or not alphabet:
+        if self.model.init.tokenizer == "chars" and (not isinstance(alphabet, str) or not alphabet):
             raise ValueError(
                 f"model.init builds a tiny model whose tokenizer is the task's alphabet, but task {self.task.name!r} "
                 f"has {'no alphabet attribute' if alphabet is None else f'alphabet {alphabet!r}'}; give its class an "
-                "`alphabet` (a str holding every character a prompt or answer can contain), or use model.path "
-                "for a model with its own tokenizer"
+                "`alphabet` (a str holding every character a prompt or answer can contain), set "
+                "model.init.tokenizer: bpe, or use model.path for a model with its own tokenizer"
             )
-        return ModelFacts.of_spec(self.model.init, alphabet)
+        return ModelFacts.of_spec(self.model.init, alphabet if isinstance(alphabet, str) else None)
 
     def _check_replicas(self) -> None:
         gen = self.actors.generator

@@ -27,7 +27,7 @@ from websockets.asyncio.server import serve
 from actors.environments.episode import run_episode, run_episodes
 from actors.environments.examples.vf_arith import ArithData, ArithTask
 from actors.environments.openenv import OpenEnv, OpenEnvConfig
-from actors.environments.verifiers import VerifiersProblem, VerifiersTask
+from actors.environments.verifiers import VerifiersTask
 from actors.tasks import Problem, TaskConfig, build_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,7 +296,7 @@ def test_a_taskset_by_import_path_gives_deterministic_prompts_a_pass_at_a_time()
     for problem in task.problems(7, 1, 5):
         a, b = problem.prompt.removesuffix("=").split("+")
         assert problem.answer == str(int(a) + int(b))
-    assert task.messages(task.problems(0, 0, 1)[0])[0] == {"role": "system", "content": "Reply with the sum only."}
+    assert task.problems(0, 0, 1)[0].system_prompt == "Reply with the sum only."  # rendered by each model's template
 
 
 def test_the_rubric_scores_with_each_reward_as_its_own_weighted_part():
@@ -339,7 +339,7 @@ def test_an_infinite_taskset_is_read_in_order_whatever_was_read_before():
     assert [p.answer for p in task.problems(0, 5, 2)] == ["10", "11"]
     assert [p.answer for p in task.problems(0, 2, 3)] == ["6", "7", "8"]  # an earlier step reads again
     assert [p.answer for p in task.problems(0, -1, 2)] == ["0", "1"]  # evaluation reads the head
-    assert isinstance(task.problems(0, 0, 1)[0], VerifiersProblem)
+    assert task.problems(0, 0, 1)[0].data is not None  # its task data travels with it
 
 
 def test_a_taskset_by_package_name_follows_verifiers_convention(tmp_path, monkeypatch):

@@ -26,13 +26,28 @@ def test_actors_never_import_the_orchestrator():
     assert loaded_after(every_actor_module, ("mesh",)) == []
 
 
-HEAVY = ("torch", "numpy", "monarch", "transformers", "trl", "vllm", "torchtitan", "wandb", "trackio")
+HEAVY = (
+    "torch",
+    "numpy",
+    "monarch",
+    "transformers",
+    "trl",
+    "vllm",
+    "torchtitan",
+    "wandb",
+    "trackio",
+    "datasets",
+    "pyarrow",
+    "tokenizers",
+)
 CHECKED = [  # every shipped topology, and the backends a --set can name where the topology allows them
     ("tiny.yaml", []),
     ("tiny_distill.yaml", []),
     ("tiny_replicas.yaml", []),
     ("tiny_vllm.yaml", []),
     ("tiny_diloco.yaml", []),
+    ("math_small.yaml", []),
+    ("math_small.yaml", ["model.init.tokenizer=chars"]),
     ("tiny_diloco.yaml", ["diloco.transport=object_store", "diloco.store=s3://bucket/run", "diloco.replica=1"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=trl"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=torchtitan"]),

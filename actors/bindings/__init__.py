@@ -63,11 +63,13 @@ class Student:
 
 @dataclass(frozen=True)
 class TopKRequest:
-    """Asks for the teacher's top-k at the student's ``completion_ids`` (student ids, EOS included) after ``prompt``."""
+    """Asks for the teacher's top-k at the student's ``completion_ids`` (student ids, EOS included) after
+    ``prompt`` (plain text: the binding renders it, with the system prompt, through its model's chat template)."""
 
     prompt: str
     completion_ids: list[int]
     hint: str | None = None  # feedback for the teacher's context (self_hint); None: no hint
+    system_prompt: str | None = None  # the problem's
 
 
 @dataclass

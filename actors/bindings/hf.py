@@ -15,6 +15,7 @@ from torch import Tensor
 from actors.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
 from actors.bindings.tokens import top_k_of, vocab_map
 from actors.model import load_policy
+from actors.prompts import render
 from actors.tasks import Problem
 from losses import hinted_inputs
 
@@ -37,10 +38,13 @@ class CausalLMScorer:
     @torch.no_grad()
     def top_k(self, requests: list[TopKRequest]) -> list[TopK]:
         encode = lambda text: torch.tensor(self.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)  # noqa: E731
-        prompts = [encode(r.prompt) for r in requests]
-        hints = [encode(r.hint) if self.needs_hint and r.hint else torch.empty(0, dtype=torch.long) for r in requests]
+        contexts = [  # the hint is rendered into the prompt, where this model's chat template puts it
+            encode(render(self.tokenizer, r.prompt, r.system_prompt, r.hint if self.needs_hint else None))
+            for r in requests
+        ]
+        hints = [torch.empty(0, dtype=torch.long)] * len(requests)
         completions = [self._teacher_ids(r.completion_ids) for r in requests]
-        ids, attention, positions = hinted_inputs(prompts, hints, completions, self.tokenizer.pad_token_id)
+        ids, attention, positions = hinted_inputs(contexts, hints, completions, self.tokenizer.pad_token_id)
         logits = self.model(input_ids=ids, attention_mask=attention).logits
         logprobs = logits[torch.arange(len(requests))[:, None], positions].float().log_softmax(-1)
         return [
@@ -75,9 +79,8 @@ class HFTeacher(CausalLMScorer):
     @torch.no_grad()
     def trace(self, problems: list[Problem]) -> list[str | None]:
         """The teacher's greedy completion of each prompt, cut at the student's length limit."""
-        encoded = self.tokenizer(
-            [p.prompt for p in problems], return_tensors="pt", padding=True, add_special_tokens=False
-        )
+        prompts = [render(self.tokenizer, p.prompt, p.system_prompt) for p in problems]
+        encoded = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         out = self.model.generate(
             **encoded,
             do_sample=False,

@@ -9,7 +9,8 @@ completion lines up with the student's tokens. (Token strings map to student ids
 whatever ``token_map`` says; a differing tokenizer cannot line up, so it is refused.)
 
 **Scoring** sends ``prompt + completion text`` with ``echo: true, logprobs: top_k,
-max_tokens: 1``. With echo, vLLM returns every prompt token's ``top_logprobs`` (the
+max_tokens: 1``; the prompt is rendered with the student's chat template (the server shares the
+student's tokenizer, template included). With echo, vLLM returns every prompt token's ``top_logprobs`` (the
 teacher's top-k given the text before that token; ``null`` for the very first token),
 which are the distributions at the completion's positions. The student's closing EOS
 is not in the text, so no echoed position scores it; the one generated token's
@@ -36,6 +37,7 @@ from typing import Any
 
 from actors.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
 from actors.bindings.tokens import top_k_from_entries
+from actors.prompts import render
 from actors.tasks import Problem
 
 TIMEOUT_S = 60.0  # per HTTP call; a call carries a whole batch of prompts
@@ -84,14 +86,18 @@ class OpenAITeacher:
         """The teacher's greedy completion of each prompt, cut at the student's length limit."""
         if not problems:
             return []
-        choices = self._complete([p.prompt for p in problems], max_tokens=self.student.max_new_tokens)
+        prompts = [render(self.tokenizer, p.prompt, p.system_prompt) for p in problems]
+        choices = self._complete(prompts, max_tokens=self.student.max_new_tokens)
         return [choice.get("text") for choice in choices]
 
     def top_k(self, requests: list[TopKRequest]) -> list[TopK]:
         """The teacher's top-k at each of the student's completion positions, EOS included (see the module doc)."""
         if not requests:
             return []
-        texts = [r.prompt + self._text(self._body(r.completion_ids)) for r in requests]
+        texts = [
+            render(self.tokenizer, r.prompt, r.system_prompt) + self._text(self._body(r.completion_ids))
+            for r in requests
+        ]
         choices = self._complete(texts, echo=True, logprobs=self.cfg.top_k, max_tokens=1)
         return [self._top_k(choice, request) for choice, request in zip(choices, requests)]
 

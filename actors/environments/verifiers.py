@@ -21,7 +21,7 @@ infinite one (``INFINITE = True``) is read in order, step ``s`` taking positions
 ``s * count`` onward (its own config carries any seed; a negative step, the
 controller's evaluation set, reads the head).
 
-A problem carries its verifiers task data as JSON (``VerifiersProblem.data``), so the
+A problem carries its verifiers task data as JSON (``Problem.data``), so the
 Rewarder rebuilds the task in its own process without loading the taskset's rows.
 
 Not used here: verifiers' full rollout (``vf.make_agent(...).run(task)``), where a
@@ -40,7 +40,6 @@ import random
 import string
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import verifiers.v1 as vf
@@ -50,11 +49,6 @@ from verifiers.v1.utils.generic import concrete_type
 from actors.tasks import Problem
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class VerifiersProblem(Problem):
-    data: str  # the verifiers TaskData as JSON
 
 
 def load_taskset(taskset: str, config: dict[str, Any]) -> vf.Taskset:
@@ -95,7 +89,7 @@ class VerifiersTask:
     def alphabet(self) -> str:
         return self._alphabet
 
-    def problems(self, seed: int, step: int, count: int) -> list[VerifiersProblem]:
+    def problems(self, seed: int, step: int, count: int) -> list[Problem]:
         tasks = self._drawn(seed, step, count) if self.taskset.bounded else self._streamed(max(step, 0) * count, count)
         return [self._problem(task) for task in tasks]
 
@@ -122,20 +116,19 @@ class VerifiersTask:
         await task.score(trace)
         return {name: reward.value for name, reward in trace.rewards.items() if reward is not None}
 
-    def messages(self, problem: Problem) -> list[dict[str, Any]]:
-        """The prompt as chat messages (the task's system prompt first), for a chat template."""
-        return chat_messages(self._task(problem).data)
-
-    def _problem(self, task: vf.Task) -> VerifiersProblem:
+    def _problem(self, task: vf.Task) -> Problem:
         answer = getattr(task.data, "answer", None)
-        return VerifiersProblem(
-            task.data.prompt_text, "" if answer is None else str(answer), task.data.model_dump_json()
+        return Problem(
+            task.data.prompt_text,
+            "" if answer is None else str(answer),
+            system_prompt=task.data.system_prompt or None,
+            data=task.data.model_dump_json(),
         )
 
     def _task(self, problem: Problem) -> vf.Task:
-        if not isinstance(problem, VerifiersProblem):
+        if problem.data is None:
             raise TypeError(
-                f"verifiers taskset {self.name!r} scores only the problems it made (VerifiersProblem), "
+                f"verifiers taskset {self.name!r} scores only the problems it made (with their task data), "
                 f"got a {type(problem).__name__}: the rollout lost its task data"
             )
         data = self.task_type.data_type().model_validate_json(problem.data)
@@ -168,6 +161,7 @@ class VerifiersTask:
 
 
 def chat_messages(data: vf.TaskData) -> list[dict[str, Any]]:
+    """A task's prompt as the messages of the trace its rubric reads (the system prompt first)."""
     system = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
     if isinstance(data.prompt, str):
         return [*system, {"role": "user", "content": data.prompt}]

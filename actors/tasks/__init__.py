@@ -13,8 +13,13 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Problem:
+    """One prompt and its reference answer, as plain text: each model renders the prompt with its
+    own chat template (``actors/prompts.py``). Plain data, since checkpoints store it as JSON."""
+
     prompt: str
     answer: str
+    system_prompt: str | None = None  # the system turn before the prompt; None: none
+    data: str | None = None  # the task's own data as JSON, for a task that rewards it in another process
 
 
 class Task(Protocol):
