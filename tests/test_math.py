@@ -118,9 +118,9 @@ def test_math_small_trains_from_the_command_line_on_prompts_its_chat_template_re
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1] and 0 <= rows[-1]["eval/reward"] <= 1
     state = json.loads((run_dir / "checkpoints" / "step_000001" / "state.json").read_text())
-    rollout = state["inflight"]["collected"][0]["rollouts"][0]
-    assert rollout["problem"]["system_prompt"] == "Solve it."
+    group = state["inflight"]["collected"][0]["groups"][0]
+    assert group["problem"]["system_prompt"] == "Solve it."
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "model")
-    rendered = render(tokenizer, rollout["problem"]["prompt"], "Solve it.")
+    rendered = render(tokenizer, group["problem"]["prompt"], "Solve it.")
     assert rendered.startswith("<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n")
-    assert tokenizer.decode(rollout["prompt_ids"]) == rendered
+    assert tokenizer.decode(group["rows"][0]["trajectory"]["prompt_ids"]) == rendered
