@@ -174,6 +174,7 @@ def test_wandb_online_without_an_api_key_is_one_error_and_leaves_no_run_director
 # ----------------------------------------------------------------------------- real runs
 
 
+@pytest.mark.slow
 def test_a_run_logs_the_same_scalars_to_wandb_and_trackio_as_to_metrics_jsonl(tmp_path):
     env = offline_env(tmp_path)
     done = mesh_run(env, tmp_path / "runs")
