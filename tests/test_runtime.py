@@ -61,7 +61,7 @@ async def test_synchronous_run_fills_the_run_directory(tmp_path, monkeypatch):
     assert [r["warm_start"] for r in rows] == [1, 0, 0, 0]
     assert all(r["policy_age/counts"] == {"0": 16 + 4 * r["warm_start"]} for r in rows)  # every sample, age 0
     assert [("eval/reward" in r) for r in rows] == [False, True, False, True]
-    for r in rows:  # the user's reward function is added to the task's score and logged as its own part
+    for r in rows:  # the user's reward function is added to the task's reward and logged as its own part
         assert r["reward/half"] == 0.5 and r["reward/mean"] == pytest.approx(r["reward/task"] + 0.5)
         assert r["samples_per_s"] > 0 and r["time/weight_sync"] > 0
         assert r["train/policy/skipped"] == 0.0 and "train/policy/loss" in r

@@ -55,9 +55,9 @@ async def test_a_kind_that_is_not_a_binding_is_refused_by_the_pool_and_the_run_g
         applied, message = await board.apply(bind("odd", {"kind": kind}), step)
         assert not applied and message.startswith("the pool could not build teacher 'odd': "), message
         assert reason in message and message.endswith("the old binding stays"), message
-    spec = {"kind": "actors.bindings.task_oracle:TaskOracle", "use": ["distill"]}  # a binding, but it cannot score
+    spec = {"kind": "actors.bindings.task_oracle:TaskOracle", "use": ["distill"]}  # a binding, but it has no top_k
     applied, message = await board.apply(bind("odd", spec), 5)
-    assert not applied and "has no score method, so it cannot be used for distill" in message
+    assert not applied and "has no top_k method, so it cannot be used for distill" in message
     applied, message = await board.apply(bind("odd", {"kind": "no_such_module:Teacher"}), 6)  # refused before the pool
     assert not applied and "cannot import module 'no_such_module'" in message and "is unchanged" in message
     assert "odd" not in board.bound
