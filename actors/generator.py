@@ -23,11 +23,16 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
+from actors.engines import sampling_seeds
+from actors.environments import Environments
+from actors.environments.episode import run_episode
+from actors.environments.openenv_task import EpisodeSpec, episode_seed
+from actors.environments.tokens import ChatFrame, TokenPolicy
 from actors.generator_config import GeneratorConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
 from actors.prompts import render
-from actors.rollout import Trajectory
+from actors.rollout import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
 from actors.weights import WeightFollower, WeightVersion
 
@@ -49,15 +54,32 @@ class Generation:
     version: int
     seconds: float  # the whole endpoint, weight load included
     load_seconds: float  # of which adopting a new weight version (0 when already held)
+    outcomes: list[EpisodeOutcome] | None = None  # per trajectory, when they are environment episodes
 
     @classmethod
-    def of(cls, rows: list[Trajectory], per_prompt: int, version: int, seconds: float, load_seconds: float):
+    def of(
+        cls,
+        rows: list[Trajectory],
+        per_prompt: int,
+        version: int,
+        seconds: float,
+        load_seconds: float,
+        outcomes: list[EpisodeOutcome] | None = None,
+    ):
         columns = ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "text")
-        return cls(*([getattr(t, c) for t in rows] for c in columns), per_prompt, version, seconds, load_seconds)
+        columns = [[getattr(t, c) for t in rows] for c in columns]
+        return cls(*columns, per_prompt, version, seconds, load_seconds, outcomes)
 
     def trajectories(self) -> list[list[Trajectory]]:
         """Per prompt, its ``per_prompt`` trajectories."""
         rows = list(map(Trajectory, self.prompt_ids, self.completion_ids, self.logprobs, self.loss_masks, self.texts))
+        return self._per_prompt(rows)
+
+    def episode_outcomes(self) -> list[list[EpisodeOutcome]]:
+        """Per prompt, how each of its episodes ended (empty lists when these are no episodes)."""
+        return self._per_prompt(self.outcomes or [])
+
+    def _per_prompt(self, rows: list) -> list[list]:
         return [rows[i : i + self.per_prompt] for i in range(0, len(rows), self.per_prompt)]
 
 
@@ -108,6 +130,8 @@ class Generator(Actor):
         self.model_path, self.cfg, self.place = model_path, cfg, place  # built in ``start`` (actors/lifecycle.py)
         self.weights = WeightFollower()
         self.gate = VersionGate()
+        self._clients: dict[EpisodeSpec, Environments] = {}  # environment clients, by the spec they play
+        self._frame: ChatFrame | None = None  # how the chat template frames an observation, read once
 
     @concurrent_endpoint
     async def start(self) -> ProcInfo:
@@ -142,6 +166,55 @@ class Generator(Actor):
             time.perf_counter() - start,
             load_seconds,
         )
+
+    @concurrent_endpoint
+    async def play(
+        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], spec: EpisodeSpec
+    ) -> Generation:
+        """``group_size`` episodes of each problem's environment seed, all played at once (the
+        environment bounds how many hold a session), each one trajectory with the environment's
+        tokens masked out of the loss; ``seeds`` fix each episode's sampling, turn by turn."""
+        start = time.perf_counter()
+        async with self.gate.use(weights, self._switch) as load_seconds:
+            environments = self._environments(spec)
+            played = await asyncio.gather(
+                *(
+                    self._play_one(environments, spec, problem, seed, j)
+                    for problem, seed in zip(problems, seeds)
+                    for j in range(group_size)
+                )
+            )
+            await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
+        trajectories, outcomes = zip(*played)
+        seconds = time.perf_counter() - start
+        return Generation.of(list(trajectories), group_size, weights.version, seconds, load_seconds, list(outcomes))
+
+    async def _play_one(
+        self, environments: Environments, spec: EpisodeSpec, problem: Problem, seed: int, j: int
+    ) -> tuple[Trajectory, EpisodeOutcome]:
+        turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
+        if self._frame is None:
+            self._frame = ChatFrame.of(self.tokenizer)
+        policy = TokenPolicy(
+            self.tokenizer, self._frame, lambda ids, turn: self.engine.continue_from(ids, turn_seeds[turn])
+        )
+        episode = await run_episode(
+            environments,
+            policy,
+            episode_id=f"{seed}-{j}",
+            seed=episode_seed(problem),
+            max_turns=spec.max_turns,
+            system_prompt=spec.system_prompt,
+        )
+        return policy.trajectory(), EpisodeOutcome(episode.reward, episode.turns, episode.done, episode.failure)
+
+    def _environments(self, spec: EpisodeSpec) -> Environments:
+        """One client per environment, kept across calls: it holds the session limit."""
+        if spec not in self._clients:
+            from actors.environments.openenv import OpenEnv
+
+            self._clients[spec] = OpenEnv(spec.environment)
+        return self._clients[spec]
 
     @concurrent_endpoint
     async def logprobs_of(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:

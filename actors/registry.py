@@ -81,6 +81,7 @@ BACKENDS: dict[str, dict[str, Backend]] = {
         "verifiers": Backend("actors.environments.verifiers:VerifiersTask"),  # params: taskset, config
         "dataset": Backend("actors.tasks.dataset:DatasetTask"),
         "math": Backend("actors.tasks.math:Math"),
+        "openenv": Backend("actors.environments.openenv_task:OpenEnvTask"),  # episodes of an OpenEnv server
     },
     "launcher": {},  # user launchers, by import path only: the built-in ones are named in mesh/launchers
 }

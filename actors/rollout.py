@@ -62,6 +62,18 @@ class Reward:
 
 
 @dataclass(frozen=True)
+class EpisodeOutcome:
+    """How an environment episode ended, beside its trajectory: its return (the sum of its step
+    rewards), the model's turns, whether the environment ended it (else the turn limit did), and
+    why it failed, if it did (a failed episode is never trained on)."""
+
+    reward: float
+    turns: int
+    done: bool
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
 class Row:
     kind: RowKind
     trajectory: Trajectory

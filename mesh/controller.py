@@ -13,6 +13,11 @@ A step's data, in the order ``_collect`` and ``_train`` make it:
 A warm-start trace joins its prompt's group in channel 1; replayed traces enter only
 channel 3's pairs. Teachers change only at step boundaries (``mesh.ctl``).
 
+An environment task (``task: {name: openenv}``) takes a shorter path: the generators play
+each prompt's G episodes against the environment (``Generator.play``), each episode one
+trajectory whose reward is the environment's return, and a failed episode is left out of
+its group; no teacher and no Rewarder are asked.
+
 The router (``mesh/router.py``) cuts a step's prompts into requests over every generator
 proc of every replica and pushes each published version to all of them.
 
@@ -48,7 +53,8 @@ import torch
 
 from actors.bindings import TopK, TopKRequest
 from actors.engines import sampling_seeds
-from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.environments.openenv_task import EpisodeSpec
+from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem, Task
 from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import StepReport
@@ -86,6 +92,7 @@ class Collected:
     seconds: dict[str, float]  # generate, load, reward, teachers
     teacher_metrics: dict[str, dict[str, float]]  # per teacher name
     generators: list[TargetLoad] = dataclasses.field(default_factory=list)  # per generator target
+    episode_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # an environment task's
 
     def rows(self, kind: RowKind | None = None) -> list[Row]:
         """Every row in batch order, or those of ``kind``."""
@@ -98,6 +105,10 @@ class Traces:
 
     texts: dict[str, list[str | None]]  # teacher name -> per prompt
     seconds: dict[str, float]
+
+
+class EnvironmentDown(RuntimeError):
+    """Every episode of a step failed: the environment, not one episode, is the problem."""
 
 
 class StalenessError(RuntimeError):
@@ -116,12 +127,16 @@ class Controller:
         control: ControlChannel | None = None,
         fleet: Fleet | None = None,
         stopper: Stopper | None = None,
+        episodes: EpisodeSpec | None = None,
     ):
+        """``episodes``: how to play an environment task's episodes (its server's url resolved)."""
         self.topology, self.actors, self.task, self.run = topology, actors, task, run
+        self.episodes = episodes
         self.progress = progress
         self.board, self.control = board, control
         self.fleet, self.stopper = fleet, stopper
-        self.max_new_tokens = topology.actors.generator.max_new_tokens
+        # the most tokens the model writes in one row: every reply of an episode (Dr. GRPO's normalizer)
+        self.max_completion_len = topology.actors.generator.max_new_tokens * (episodes.max_turns if episodes else 1)
         self.loss = topology.actors.trainer.loss
         self.weights: WeightVersion | None = None
         self.step: int | None = None  # the step being trained (None before the first)
@@ -252,6 +267,8 @@ class Controller:
         loop = self.topology.loop
         problems = self.task.problems(self.topology.prompt_seed(), step, loop.prompts_per_step)
         seeds = sampling_seeds(self.topology.prompt_seed(), f"step {step}", len(problems))
+        if self.episodes is not None:
+            return await self._play(step, problems, seeds, weights)
         warm = bound.get(loop.warm_start.teacher) if step < loop.warm_start.steps else None
         replay = [t for t in bound.values() if "replay" in t.config.use] if self.loss.beta_replay > 0 else []
         tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
@@ -278,6 +295,42 @@ class Controller:
             teacher_metrics=_teacher_metrics(groups, tracers, traces.seconds)
             | ({distiller.name: {"latency_s": distill_seconds}} if top_k else {}),
             generators=[a + b for a, b in zip(sampled.loads, traced_loads)] if traced_loads else sampled.loads,
+        )
+
+    async def _play(self, step: int, problems: list[Problem], seeds: list[int], weights: WeightVersion) -> Collected:
+        """Step ``step``'s episodes: each prompt's group is its episodes that did not fail, each row
+        rewarded with the environment's return. Failures are reported and counted, not trained on;
+        a step where every episode failed stops the run (the environment is down)."""
+        played = await self.actors.generators.play(
+            problems, self.topology.loop.group_size, weights, seeds, self.episodes
+        )
+        outcomes = [outcome for per_prompt in played.outcomes for outcome in per_prompt]
+        failures = [outcome.failure for outcome in outcomes if outcome.failure is not None]
+        if len(failures) == len(outcomes):
+            raise EnvironmentDown(
+                f"every episode of step {step} failed, so there is nothing to train on; the first: {failures[0]}"
+            )
+        if failures:
+            self.progress.note(
+                f"step {step}: {len(failures)} of {len(outcomes)} episodes failed; the first: {failures[0]}"
+            )
+        groups = [
+            RolloutGroup(problem, i, rows)
+            for i, problem in enumerate(problems)
+            if (rows := _episode_rows(played.trajectories[i], played.outcomes[i], played.version))
+        ]
+        finished = [outcome for outcome in outcomes if outcome.failure is None]
+        return Collected(
+            groups=groups,
+            distill_teacher=None,
+            seconds={"generate": played.seconds, "load": played.load_seconds, "reward": 0.0, "teachers": 0.0},
+            teacher_metrics={},
+            generators=played.loads,
+            episode_metrics={
+                "episodes/failed": len(failures),
+                "episodes/turns": sum(o.turns for o in finished) / len(finished),
+                "episodes/ended_by_environment": sum(o.done for o in finished) / len(finished),
+            },
         )
 
     async def _trace(self, tracers: list[TeacherBinding], problems: list[Problem]) -> Traces:
@@ -341,7 +394,7 @@ class Controller:
             raise StalenessError(f"step {step}: samples of policy age {max(ages)} > max_policy_lag")
         # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention and loss
         batch = build_train_batch(
-            collected.groups, row_advantages(collected.groups), 0, max_completion_len=self.max_new_tokens
+            collected.groups, row_advantages(collected.groups), 0, max_completion_len=self.max_completion_len
         )
         reports = await self.actors.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)
@@ -409,6 +462,7 @@ class Controller:
                 f"generator/{i}/rows": load.rows,
                 f"generator/{i}/busy_s": load.busy_seconds,
             }
+        metrics |= collected.episode_metrics
         return metrics | {f"train/{k}": v for k, v in report.metrics.items()}
 
     async def _after_step(self, step: int, metrics: dict) -> None:
@@ -437,6 +491,9 @@ class Controller:
         count = self.topology.loop.evaluation.prompts
         problems = self.task.problems(self.topology.seed, -1, count)
         seeds = sampling_seeds(self.topology.seed, f"eval {self.step}", count)
+        if self.episodes is not None:  # a failed episode earns nothing
+            played = await self.actors.generators.play(problems, 1, self.weights, seeds, self.episodes)
+            return sum(o.reward for per in played.outcomes for o in per if o.failure is None) / count
         sampled = await self.actors.generators.generate(problems, 1, self.weights, seeds)
         drafts = [
             [Row(RowKind.SAMPLE, t, sampled.version) for t in trajectories] for trajectories in sampled.trajectories
@@ -466,6 +523,15 @@ def _rows_of(i: int, sampled: Routed, traced: dict, warm: TeacherBinding | None,
     if warm is not None and (warm.name, i) in traced:
         rows.append(Row(RowKind.WARM_START, *traced[warm.name, i], teacher=warm.name))
     return rows + [Row(RowKind.REPLAY, *traced[t.name, i], teacher=t.name) for t in replay if (t.name, i) in traced]
+
+
+def _episode_rows(trajectories: list[Trajectory], outcomes: list[EpisodeOutcome], version: int) -> tuple[Row, ...]:
+    """A prompt's episodes as rows, rewarded with the environment's return; the failed ones left out."""
+    return tuple(
+        Row(RowKind.SAMPLE, trajectory, version, reward=Reward(outcome.reward))
+        for trajectory, outcome in zip(trajectories, outcomes)
+        if outcome.failure is None
+    )
 
 
 def _teacher_metrics(groups: list[RolloutGroup], tracers: list[TeacherBinding], seconds: dict[str, float]) -> dict:

@@ -31,11 +31,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from actors.environments.openenv_task import EpisodeSpec
 from actors.generator import Generation
-from actors.rollout import Trajectory
+from actors.rollout import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
 from actors.train_batch import split_rows
 from actors.weights import WeightVersion
@@ -82,6 +83,7 @@ class Routed:
     version: int
     seconds: float
     loads: list[TargetLoad]  # by target index
+    outcomes: list[list[EpisodeOutcome]] = field(default_factory=list)  # per prompt, when these are episodes
 
     @property
     def load_seconds(self) -> float:
@@ -134,6 +136,18 @@ class Router:
 
         return await self._route(problems, group_size, weights.version, call)
 
+    async def play(
+        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], spec: EpisodeSpec
+    ) -> Routed:
+        """``group_size`` environment episodes of each prompt, played with ``weights``, in prompt order;
+        each target holds its share of the environment's sessions."""
+        share = spec.shared_by(len(self.targets))
+
+        def call(handle: ActorMesh, prompts: slice) -> Awaitable[Generation]:
+            return handle.play.call_one(problems[prompts], group_size, weights, seeds[prompts], share)
+
+        return await self._route(problems, group_size, weights.version, call)
+
     async def logprobs_of(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Routed:
         """``texts[i]`` as a completion of ``problems[i]``, with the logprobs of ``weights``."""
 
@@ -175,11 +189,12 @@ class Router:
             *(self._request(call, share, (share.stop - share.start) * rows_each, version) for share in shares)
         )
         loads = [TargetLoad() for _ in self.targets]
-        trajectories = []
+        trajectories, outcomes = [], []
         for i, generation in replies:
             loads[i] += TargetLoad(1, len(generation.texts), generation.seconds, generation.load_seconds)
             trajectories += generation.trajectories()
-        return Routed(trajectories, version, time.perf_counter() - start, loads)
+            outcomes += generation.episode_outcomes()
+        return Routed(trajectories, version, time.perf_counter() - start, loads, outcomes)
 
     def _requests(self, count: int) -> int:
         per_target = REQUESTS_PER_TARGET if self.policy == "least_loaded" and len(self.targets) > 1 else 1

@@ -34,6 +34,8 @@ from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 from actors.bindings import Student  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import DiLoCoSyncer  # noqa: E402
+from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
+from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
 from actors.model import Placement, build_tiny_model  # noqa: E402
@@ -59,6 +61,7 @@ if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch.actor import ProcMesh
 
 ERROR_LOG = "error.log"
+ENVIRONMENT_LOG = "environment.log"  # a served environment's output
 PROCS = "procs.json"
 
 
@@ -102,6 +105,7 @@ async def run(
             control = ControlChannel.create(run_dir.path)
             cleanup.callback(control.close)
             task = build_task(topology.task.config)
+            episodes = _episodes(task, run_dir, cleanup)
             model_path = _prepare_model(topology, getattr(task, "alphabet", None), run_dir)
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
             board = TeacherBoard(bindings, topology.actors.trainer.loss)
@@ -115,7 +119,7 @@ async def run(
             actors = _actors(topology, fleet)
             if actors.teacher_pool is not None:
                 await board.attach(actors.teacher_pool)
-            controller = Controller(topology, actors, task, run_dir, bar, board, control, fleet, stopper)
+            controller = Controller(topology, actors, task, run_dir, bar, board, control, fleet, stopper, episodes)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
     except Interrupted:
         raise
@@ -127,6 +131,18 @@ async def run(
         step = controller.step if controller is not None else None
         raise RunFailed(_failure_message(run_dir, error, step, faults)) from error
     return run_dir
+
+
+def _episodes(task, run_dir: RunDir, cleanup: AsyncExitStack) -> EpisodeSpec | None:
+    """An environment task's episodes, its server started first when the run serves it (stopped
+    with the run; its output in the run directory)."""
+    if not callable(getattr(task, "episodes", None)):
+        return None
+    if task.serve is None:
+        return task.episodes()
+    log = run_dir.path / ENVIRONMENT_LOG
+    server = cleanup.enter_context(EnvironmentServer(task.serve.app, task.serve.params, log))
+    return task.episodes(server.url)
 
 
 def _failure_message(run_dir: RunDir, error: Exception, step: int | None, faults: _FaultLog) -> str:

@@ -96,6 +96,8 @@ class TaskSection(Section):
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
     name: str
     _alphabet: object = PrivateAttr(None)
+    _episodic: bool = PrivateAttr(False)
+    _serves: bool = PrivateAttr(False)
 
     @property
     def config(self) -> TaskConfig:
@@ -106,9 +108,22 @@ class TaskSection(Section):
         """The built task's ``alphabet`` (None when its class has none)."""
         return self._alphabet
 
+    @property
+    def episodic(self) -> bool:
+        """Its prompts are environment episodes (``actors/environments/openenv_task.py``)."""
+        return self._episodic
+
+    @property
+    def serves(self) -> bool:
+        """The run starts its environment server."""
+        return self._serves
+
     @model_validator(mode="after")
     def _builds(self) -> TaskSection:
-        self._alphabet = getattr(build_task(self.config), "alphabet", None)
+        task = build_task(self.config)
+        self._alphabet = getattr(task, "alphabet", None)
+        self._episodic = callable(getattr(task, "episodes", None))
+        self._serves = getattr(task, "serve", None) is not None
         return self
 
 
@@ -314,6 +329,7 @@ class Topology(Section):
                 )
         self._check_replicas()
         self._check_teachers()
+        self._check_episodes()
         self._check_diloco()
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
@@ -370,6 +386,29 @@ class Topology(Section):
                 f"loop.warm_start.teacher is {warm.teacher!r}, a {kind} teacher, which writes no traces, but the warm "
                 f"start puts a teacher's traces into each group; bind a tracing teacher ({', '.join(tracing)}) "
                 "for it, or set warm_start.steps: 0"
+            )
+
+    def _check_episodes(self) -> None:
+        """An episode task's reward is the environment's, and a teacher's trace is one reply to a
+        prompt, not a played episode: neither the Rewarder's functions nor the teachers apply."""
+        if not self.task.episodic:
+            return
+        loss = self.actors.trainer.loss
+        conflicts = {
+            "loop.warm_start.steps (set it to 0)": self.loop.warm_start.steps > 0,
+            "actors.trainer.loss.alpha_sdpo (set it to 0)": loss.alpha_sdpo > 0,
+            "actors.trainer.loss.beta_replay (set it to 0)": loss.beta_replay > 0,
+            "actors.rewarder.functions (drop them)": bool(self.actors.rewarder.functions),
+        }
+        if clashing := [key for key, clashes in conflicts.items() if clashes]:
+            raise ValueError(
+                f"task {self.task.name!r} plays environment episodes, whose reward is the environment's and which "
+                f"no teacher plays, so it cannot be used with {', '.join(clashing)}"
+            )
+        if self.task.serves and self.launcher.kind not in ("local", "process"):
+            raise ValueError(
+                f"task.serve starts the environment server on this host, which generators placed by launcher "
+                f"{self.launcher.kind!r} would not reach; start the server where they do and set task.url instead"
             )
 
     def _read_model(self) -> ModelFacts:
@@ -637,8 +676,18 @@ def describe(topology: Topology) -> str:
             f"controller -> generator ({gen.router} router over {targets} generator proc{'s' * (targets > 1)}): "
             "requests of prompts x group_size, each naming its weight version"
         ),
-        "generator -> rewarder: completions + inference logprobs",
-        "rewarder -> controller: rewards -> group advantages -> TrainBatch",
+        *(
+            [
+                f"generator <-> environment ({topology.task.name}): episodes turn by turn, each one trajectory "
+                "with the environment's tokens masked out of the loss",
+                "generator -> controller: episodes and their returns -> group advantages -> TrainBatch",
+            ]
+            if topology.task.episodic
+            else [
+                "generator -> rewarder: completions + inference logprobs",
+                "rewarder -> controller: rewards -> group advantages -> TrainBatch",
+            ]
+        ),
         f"controller -> trainer ({topology.actors.trainer.inner_loop}, {topology.trainer_precision()}): TrainBatch; "
         + ("synchronous" if lag == 0 else f"bounded-async, max_policy_lag {lag}"),
         f"trainer -> every generator: {topology.weights_dtype()} weights over "

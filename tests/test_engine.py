@@ -201,3 +201,19 @@ async def test_vllm_takes_its_sampling_parameters_from_the_topology(vllm_path):
     samples = [s for g in await greedy.generate(["abc=", "abc="], 4, seeds_for(["abc=", "abc="])) for s in g]
     assert len({tuple(s.completion_ids) for s in samples}) == 1 and all(len(s.completion_ids) <= 4 for s in samples)
     assert all(lp == pytest.approx(0.0, abs=1e-6) for s in samples for lp in s.logprobs)  # the distribution drawn from
+
+
+@pytest.mark.parametrize("which", ["engine", "vllm_engine"])
+async def test_continuing_a_token_sequence_samples_by_its_seed_with_the_models_logprobs(which, request, vllm_path):
+    """An episode's next turn: ids mid-sequence (here with an EOS inside, as after a reply) in, one
+    reply out, the ids kept as its prompt; the same seed gives the same reply."""
+    sampler = request.getfixturevalue(which)
+    ids = sampler.tokenizer("ab=", add_special_tokens=False).input_ids + [1] + [3, 4]
+    first, again = await sampler.continue_from(ids, 7), await sampler.continue_from(ids, 7)
+    assert first.prompt_ids == ids and first.completion_ids == again.completion_ids
+    assert 1 <= len(first.completion_ids) <= 6 and first.loss_mask == [True] * len(first.completion_ids)
+    model = sampler.model if which == "engine" else load_policy(vllm_path)[0]
+    expected = forward_logprobs(model, ids, first.completion_ids)
+    torch.testing.assert_close(torch.tensor(first.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
+    others = {tuple((await sampler.continue_from(ids, seed)).completion_ids) for seed in range(8)}
+    assert len(others) > 1  # the seed is the randomness

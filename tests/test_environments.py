@@ -9,82 +9,52 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pickle
 import random
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import verifiers.v1 as vf
 from websockets.asyncio.server import serve
 
 from actors.environments.episode import run_episode, run_episodes
 from actors.environments.examples.vf_arith import ArithData, ArithTask
-from actors.environments.openenv import OpenEnv, OpenEnvConfig
+from actors.environments.openenv import OpenEnv
+from actors.environments.openenv_task import OpenEnvConfig
+from actors.environments.serve import EnvironmentServer
 from actors.environments.verifiers import VerifiersTask
 from actors.tasks import Problem, TaskConfig, build_task
 
 ROOT = Path(__file__).resolve().parents[1]
 ARITH = "actors.environments.examples.vf_arith:ArithTaskset"
+GUESS = "actors.environments.examples.guess:build_app"
 
 
 # ---------------------------------------------------------------- OpenEnv
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_guess_server(max_sessions: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """The server's output goes to a file: a pipe nobody reads would fill and block it."""
-    port = free_port()
-    command = [sys.executable, "-m", "actors.environments.examples.guess", "--port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with log.open("w") as out:
-        proc = subprocess.Popen([*command, "--max-sessions", str(max_sessions)], env=env, stdout=out, stderr=out)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 120  # importing openenv (gradio, fastmcp) takes seconds on a busy machine
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the guess server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError(f"the guess server at {url} did not answer /health within 120 s: {log.read_text()[-2000:]}")
-
-
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict[str, tuple[subprocess.Popen, str]]]:
+def servers(tmp_path_factory) -> Iterator[dict[str, EnvironmentServer]]:
     """Two guess servers, started at once: ``shared`` (2 sessions) and ``doomed`` (1), which a test kills."""
     logs = tmp_path_factory.mktemp("guess")
     sessions = {"shared": 2, "doomed": 1}
-    started = {name: start_guess_server(n, logs / f"{name}.log") for name, n in sessions.items()}
+    started = {
+        name: EnvironmentServer(GUESS, {"max_sessions": n}, logs / f"{name}.log") for name, n in sessions.items()
+    }
     try:
-        for name, (proc, url) in started.items():
-            wait_healthy(proc, url, logs / f"{name}.log")
+        for server in started.values():
+            server.wait_ready()
         yield started
     finally:
-        for proc, _ in started.values():
-            proc.kill()
-            proc.wait()
+        for server in started.values():
+            server.stop()
 
 
 @pytest.fixture
 def guess_server(servers) -> str:
-    return servers["shared"][1]
+    return servers["shared"].url
 
 
 def secret(seed: int, high: int = 16) -> int:
@@ -182,7 +152,7 @@ async def test_a_client_above_the_server_limit_waits_for_a_session_then_names_th
 
 
 async def test_a_killed_server_fails_its_episode_and_not_the_others(guess_server, servers):
-    proc, doomed_url = servers["doomed"]
+    proc, doomed_url = servers["doomed"].proc, servers["doomed"].url
     healthy = OpenEnv(OpenEnvConfig(guess_server, max_concurrent=2, observation_field="message"))
     doomed = OpenEnv(OpenEnvConfig(doomed_url, observation_field="message", action_field="message"))
 

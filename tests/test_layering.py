@@ -39,6 +39,7 @@ HEAVY = (
     "datasets",
     "pyarrow",
     "tokenizers",
+    "openenv",
 )
 CHECKED = [  # every shipped topology, and the backends a --set can name where the topology allows them
     ("tiny.yaml", []),
@@ -48,6 +49,7 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
     ("tiny_diloco.yaml", []),
     ("math_small.yaml", []),
     ("math_small.yaml", ["model.init.tokenizer=chars"]),
+    ("env_multiturn.yaml", []),
     ("tiny_diloco.yaml", ["diloco.transport=object_store", "diloco.store=s3://bucket/run", "diloco.replica=1"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=trl"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=torchtitan"]),

@@ -1,8 +1,8 @@
 """Generator engines: sample completions and their per-token logprobs from a policy.
 
 An engine implements ``Engine``; the Generator actor owns weight versions, the engine
-only samples with whatever weights it was last given. ``generate`` and ``logprobs_of`` are
-coroutines so that one engine can serve concurrent requests: ``vllm`` batches them
+only samples with whatever weights it was last given. ``generate``, ``continue_from`` and ``logprobs_of``
+are coroutines so that one engine can serve concurrent requests: ``vllm`` batches them
 continuously, ``hf`` takes them one at a time.
 """
 
@@ -44,6 +44,10 @@ class Engine(Protocol):
     async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
         """``samples_per_prompt`` completions of each prompt, grouped by prompt; the same
         prompts with the same ``seeds`` (one per prompt) give the same completions."""
+
+    async def continue_from(self, ids: list[int], seed: int) -> Trajectory:
+        """One completion of a token sequence (an episode so far), with ``ids`` as its prompt;
+        the same ids and ``seed`` give the same completion."""
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """Each given completion (EOS appended) as a ``Trajectory``, its logprobs under the loaded weights."""

@@ -12,6 +12,7 @@ import asyncio
 
 import torch
 from torch import Tensor
+from transformers import BatchEncoding
 
 from actors.engines import Sampling, request_seed
 from actors.generator_config import policy_dtype
@@ -37,16 +38,32 @@ class HFEngine:
         async with self._one_at_a_time:
             return await asyncio.to_thread(self.generate_now, prompts, samples_per_prompt, seeds)
 
+    async def continue_from(self, ids: list[int], seed: int) -> Trajectory:
+        async with self._one_at_a_time:
+            return await asyncio.to_thread(self.continue_from_now, ids, seed)
+
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         async with self._one_at_a_time:
             return await asyncio.to_thread(self.logprobs_of_now, prompts, completions)
 
-    @torch.no_grad()
     def generate_now(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
         repeated = [p for p in prompts for _ in range(samples_per_prompt)]
-        encoded = self.tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        # transformers samples from the global RNG, one request at a time: seed it from the request's prompts
-        torch.manual_seed(request_seed(seeds))
+        encoded = self.tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False)
+        samples = self._sampled(encoded, request_seed(seeds))
+        return [samples[i : i + samples_per_prompt] for i in range(0, len(samples), samples_per_prompt)]
+
+    def continue_from_now(self, ids: list[int], seed: int) -> Trajectory:
+        encoded = BatchEncoding(
+            {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        )
+        return self._sampled(encoded, seed)[0]
+
+    @torch.no_grad()
+    def _sampled(self, encoded: BatchEncoding, seed: int) -> list[Trajectory]:
+        """One sample per row of ``encoded`` (left-padded prompts)."""
+        encoded = encoded.to(self.device)
+        # transformers samples from the global RNG, one request at a time: seed it per request
+        torch.manual_seed(seed)
         out = self.model.generate(
             **encoded,
             do_sample=True,
@@ -63,8 +80,7 @@ class HFEngine:
         tokens = out.sequences[:, prompt_len:]
         logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         encoded, tokens, logprobs = encoded.to("cpu"), tokens.cpu(), logprobs.cpu()
-        samples = [self._sample(encoded, i, tokens[i], logprobs[i]) for i in range(len(repeated))]
-        return [samples[i : i + samples_per_prompt] for i in range(0, len(samples), samples_per_prompt)]
+        return [self._sample(encoded, i, tokens[i], logprobs[i]) for i in range(len(tokens))]
 
     @torch.no_grad()
     def logprobs_of_now(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:

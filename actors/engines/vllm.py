@@ -109,6 +109,10 @@ class VLLMEngine:
         outputs = await asyncio.gather(*(self._run(self._encode(p), ps) for p, ps in zip(prompts, params)))
         return [[self._sample(out.prompt_token_ids, c.token_ids, c.logprobs) for c in out.outputs] for out in outputs]
 
+    async def continue_from(self, ids: list[int], seed: int) -> Trajectory:
+        out = await self._run(ids, self._params(1, seed))
+        return self._sample(out.prompt_token_ids, out.outputs[0].token_ids, out.outputs[0].logprobs)
+
     def _params(self, samples: int, seed: int) -> SamplingParams:
         """A prompt's request: its own seed makes its samples independent of what else is in the batch."""
         return SamplingParams(

@@ -25,7 +25,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import httpx
@@ -34,35 +33,9 @@ from openenv.core.generic_client import GenericEnvClient
 from websockets.exceptions import ConnectionClosed
 
 from actors.environments import EpisodeError, Turn
+from actors.environments.openenv_task import OpenEnvConfig
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class OpenEnvConfig:
-    """- ``url``: the server's base URL (``http://host:port``; ``ws://`` works too).
-    - ``max_concurrent``: sessions held at once; at most the server's ``max_concurrent_envs``.
-    - ``action_field``: the action field the reply goes into; unset, the action schema's one
-      required field (read from ``GET /schema`` once).
-    - ``observation_field``: the observation field holding its text; unset, the whole observation
-      as JSON (what verifiers' OpenEnv taskset shows the model).
-    - ``timeout_s``: the limit of each call (connect, reset, step).
-    """
-
-    url: str
-    max_concurrent: int = 1
-    action_field: str | None = None
-    observation_field: str | None = None
-    timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://", "ws://", "wss://")):
-            raise ValueError(f"OpenEnv url {self.url!r} needs a scheme: http://host:port (or ws://)")
-        if self.max_concurrent < 1 or self.timeout_s <= 0:
-            raise ValueError(
-                f"OpenEnv {self.url}: max_concurrent must be >= 1 and timeout_s > 0, "
-                f"got {self.max_concurrent} and {self.timeout_s}"
-            )
 
 
 class ServerError(RuntimeError):

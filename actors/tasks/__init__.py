@@ -47,15 +47,17 @@ class TaskConfig:
 def build_task(cfg: TaskConfig) -> Task:
     """Load the task's class and build it: tasks are pure Python, so this also runs where a
     topology is checked (the tiny model's tokenizer needs the task's alphabet). Only a class
-    with ``problems`` and ``reward`` is called, so a path naming another callable runs nothing."""
+    with ``problems`` and either ``reward`` or ``episodes`` (an environment's episodes,
+    ``actors/environments/openenv_task.py``) is called, so a path naming another callable runs
+    nothing."""
     from actors import registry
 
     task_class = registry.load("task", cfg.name)
-    protocol = all(callable(getattr(task_class, method, None)) for method in ("problems", "reward"))
-    if not isinstance(task_class, type) or not protocol:
+    has = lambda method: callable(getattr(task_class, method, None))
+    if not isinstance(task_class, type) or not (has("problems") and (has("reward") or has("episodes"))):
         what = f"class {task_class.__name__}" if isinstance(task_class, type) else f"a {type(task_class).__name__}"
         raise ValueError(
-            f"task {cfg.name!r} names {what}, not a class with problems and reward "
+            f"task {cfg.name!r} names {what}, not a class with problems and reward (or episodes) "
             "(the Task protocol in actors/tasks/__init__.py); point task.name at such a class"
         )
     try:

@@ -4,14 +4,17 @@ openenv-core 0.3.0 ships no example environment in its wheel (only the ``openenv
 template, an echo server that never ends an episode), so this one stands in. Each
 episode draws a secret number from its seed; every guess is answered with ``higher``,
 ``lower`` or ``correct``, and the episode ends on the right guess (reward 1) or after
-``max_guesses`` (reward 0). A reply that is not a number costs a guess and says so.
+``max_guesses``. A reply that is not a number costs a guess and says so; a wrong guess
+that is a number in range earns ``valid_guess_reward`` (0 by default: reward only a win),
+which lets a model that starts from random weights find the answer format.
 
-Serve it with ``python -m actors.environments.examples.guess --port 8000 --max-sessions 4``.
+Serve it with ``python -m actors.environments.serve actors.environments.examples.guess:build_app --port 8000
+--params '{"max_sessions": 4}'``, or name it in a topology (``task.serve``, see
+``topologies/env_multiturn.yaml``).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import random
 import uuid
@@ -34,9 +37,9 @@ class GuessObservation(Observation):
 class GuessEnvironment(Environment):
     SUPPORTS_CONCURRENT_SESSIONS = True  # every session owns its secret; nothing is shared
 
-    def __init__(self, high: int = 16, max_guesses: int = 6):
+    def __init__(self, high: int = 16, max_guesses: int = 6, valid_guess_reward: float = 0.0):
         super().__init__()
-        self.high, self.max_guesses = high, max_guesses
+        self.high, self.max_guesses, self.valid_guess_reward = high, max_guesses, valid_guess_reward
         self._state = State(episode_id=str(uuid.uuid4()), step_count=0)
         self.secret = 1
 
@@ -55,38 +58,23 @@ class GuessEnvironment(Environment):
             guess = None
         if guess == self.secret:
             return GuessObservation(message="correct", reward=1.0, done=True)
+        reward = self.valid_guess_reward if guess is not None and 1 <= guess <= self.high else 0.0
         if guess is None:
             text = f"{action.message.strip()!r} is not a whole number"
         else:
             text = "higher" if guess < self.secret else "lower"
         if left <= 0:
-            return GuessObservation(message=f"{text}; no guesses left, it was {self.secret}", reward=0.0, done=True)
-        return GuessObservation(message=text, reward=0.0)
+            return GuessObservation(message=f"{text}; no guesses left, it was {self.secret}", reward=reward, done=True)
+        return GuessObservation(message=text, reward=reward)
 
     @property
     def state(self) -> State:
         return self._state
 
 
-def build_app(max_sessions: int = 4, high: int = 16, max_guesses: int = 6) -> FastAPI:
+def build_app(max_sessions: int = 4, high: int = 16, max_guesses: int = 6, valid_guess_reward: float = 0.0) -> FastAPI:
     """The FastAPI app with ``/ws`` sessions (one environment each, at most ``max_sessions`` at once)."""
-    factory = functools.partial(GuessEnvironment, high=high, max_guesses=max_guesses)
+    factory = functools.partial(
+        GuessEnvironment, high=high, max_guesses=max_guesses, valid_guess_reward=valid_guess_reward
+    )
     return create_app(factory, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=max_sessions)
-
-
-def main() -> None:
-    import uvicorn
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-sessions", type=int, default=4)
-    parser.add_argument("--high", type=int, default=16)
-    parser.add_argument("--max-guesses", type=int, default=6)
-    args = parser.parse_args()
-    app = build_app(args.max_sessions, args.high, args.max_guesses)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-
-
-if __name__ == "__main__":
-    main()
