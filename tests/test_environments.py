@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,3 +358,29 @@ async def test_the_rewarder_logs_each_verifiers_reward_function_as_its_own_part(
     assert right.parts == {"correct": 1.0, "brief": pytest.approx(0.1)} and right.total == pytest.approx(1.1)
     assert right.hint is None  # a right answer is not hinted
     assert wordy.parts == {"correct": 0.0, "brief": 0.0} and wordy.total == 0.0 and wordy.hint == problem.answer
+
+
+def test_a_verifiers_taskset_trains_from_the_command_line_with_each_reward_function_logged(tmp_path):
+    """tiny.yaml with the task swapped for the taskset (two steps, its oracle warm start off):
+    prompts come from the taskset, and the metrics carry its two reward functions."""
+    settings = [
+        f'task={{name: verifiers, taskset: "{ARITH}", config: {{count: 40}}}}',
+        "loop.steps=2",
+        "loop.prompts_per_step=4",
+        "loop.group_size=4",
+        "loop.warm_start.steps=0",
+        "loop.evaluation.every=0",
+        "checkpointing.every=0",
+        f"logging.root={tmp_path}",
+    ]
+    command = [sys.executable, "-m", "mesh.run", str(ROOT / "topologies" / "tiny.yaml"), "--no-progress"]
+    command += [arg for setting in settings for arg in ("--set", setting)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = [path for path in tmp_path.iterdir() if path.name.startswith("tiny-")]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 1]
+    for row in rows:
+        assert 0 <= row["reward/correct"] <= 1 and 0 <= row["reward/brief"] <= 0.1
+        assert row["reward/mean"] == pytest.approx(row["reward/correct"] + row["reward/brief"])
