@@ -360,6 +360,7 @@ async def test_the_rewarder_logs_each_verifiers_reward_function_as_its_own_part(
     assert wordy.parts == {"correct": 0.0, "brief": 0.0} and wordy.total == 0.0 and wordy.hint == problem.answer
 
 
+@pytest.mark.slow  # a whole CLI run (~30 s); CI runs the slow tier after the default one
 def test_a_verifiers_taskset_trains_from_the_command_line_with_each_reward_function_logged(tmp_path):
     """tiny.yaml with the task swapped for the taskset (two steps, its oracle warm start off):
     prompts come from the taskset, and the metrics carry its two reward functions."""

@@ -260,6 +260,7 @@ def served_from(directory: Path) -> list[int]:
     return running
 
 
+@pytest.mark.slow  # a whole CLI run (~30 s); CI runs the slow tier after the default one
 def test_a_run_whose_every_episode_fails_stops_with_the_environments_reason(tmp_path):
     task = "task={name: openenv, url: 'http://127.0.0.1:9', max_turns: 3, observation_field: message}"
     result, _ = run_cli(tmp_path, task, "loop.steps=2", "loop.max_policy_lag=0")

@@ -28,7 +28,12 @@ K8S_VERSION = "1.33.0"  # the oldest Kubernetes release still supported upstream
 CRD_SCHEMA = json.loads((ROOT / "k8s" / "monarchmesh.schema.json").read_text())
 IMAGE = ["launcher.kind=k8s", "launcher.image=registry.example/composer-mesh:0.1.0"]
 # pods cannot share a GPU, so this shipped topology is rendered with each mesh on GPUs of its own
-SHARING = {"gpu_1gpu.yaml": ["meshes.generator.share_gpus_with=null"]}
+# what a shipped topology changes to run on Kubernetes: no GPU sharing between meshes, and a served
+# environment becomes one the pods reach by its url
+FOR_KUBERNETES = {
+    "gpu_1gpu.yaml": ["meshes.generator.share_gpus_with=null"],
+    "env_multiturn.yaml": ["task={name: openenv, url: 'http://guess:8000', max_turns: 3, observation_field: message}"],
+}
 
 
 def validate(body: dict) -> None:
@@ -59,8 +64,8 @@ def by_kind(bodies: list[dict], kind: str) -> list[dict]:
 
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
 def test_every_object_of_every_shipped_topology_validates(path):
-    bodies = rendered(path, SHARING.get(path.name, []))
-    topology = load_topology(path, [*IMAGE, *SHARING.get(path.name, [])], placed_here=False)
+    bodies = rendered(path, FOR_KUBERNETES.get(path.name, []))
+    topology = load_topology(path, [*IMAGE, *FOR_KUBERNETES.get(path.name, [])], placed_here=False)
     assert [b["metadata"]["name"] for b in by_kind(bodies, "MonarchMesh")] == list(mesh_names(topology).values())
     assert {b["kind"] for b in bodies} == {
         "ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "ConfigMap", "Job", "MonarchMesh"
