@@ -7,6 +7,7 @@ It travels as an endpoint argument, which is fine at kilobytes to megabytes (wei
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,27 +79,27 @@ def build_train_batch(
     """Rows group by group, each group's rows in order; ``advantages`` one per row in that order
     (``row_advantages``); channel 3's pairs from every group that has replayed traces."""
     rows = [row for group in groups for row in group.rows]
-    prompt_len = max(len(r.trajectory.prompt_ids) for r in rows)
-    completion_len = max(max(len(r.trajectory.completion_ids) for r in rows), 1)
-    # padded Python rows, then one tensor per field: a per-row tensor copy costs more than the rest of a step
-    ids, attention, loss_mask, logprobs = [], [], [], []
-    for row in rows:
-        t = row.trajectory
-        left, right = prompt_len - len(t.prompt_ids), completion_len - len(t.completion_ids)
-        ids.append([pad_id] * left + t.prompt_ids + t.completion_ids + [pad_id] * right)
-        attention.append([0] * left + [1] * (len(t.prompt_ids) + len(t.completion_ids)) + [0] * right)
-        loss_mask.append(t.loss_mask + [False] * right)
-        logprobs.append(t.logprobs + [0.0] * right)
-    attention_mask = torch.tensor(attention)
-    completion_mask = torch.tensor(loss_mask, dtype=torch.bool).reshape(len(rows), completion_len)
+    trajectories = [row.trajectory for row in rows]
+    prompts, prompt_lens = _packed([t.prompt_ids for t in trajectories], pad_id, np.int64, right_aligned=True)
+    completions, lengths = _packed([t.completion_ids for t in trajectories], pad_id, np.int64, minimum_width=1)
+    width = completions.shape[1]
+    loss_mask, _ = _packed([t.loss_mask for t in trajectories], False, np.bool_, minimum_width=width)
+    logprobs, _ = _packed([t.logprobs for t in trajectories], 0.0, np.float32, minimum_width=width)
+    prompt_len = prompts.shape[1]
+    attention_mask = torch.from_numpy(
+        np.concatenate(
+            [np.arange(prompt_len) >= prompt_len - prompt_lens[:, None], np.arange(width) < lengths[:, None]], axis=1
+        ).astype(np.int64)
+    )
+    completion_mask = torch.from_numpy(loss_mask)
     return TrainBatch(
-        input_ids=torch.tensor(ids),
+        input_ids=torch.from_numpy(np.concatenate([prompts, completions], axis=1)),
         attention_mask=attention_mask,
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
         prompt_len=prompt_len,
         completion_mask=completion_mask,
         advantages=advantages.float(),
-        inference_logprobs=torch.tensor(logprobs),
+        inference_logprobs=torch.from_numpy(logprobs),
         versions=torch.tensor([r.version for r in rows]),
         max_completion_len=max_completion_len,
         policy_rows=torch.tensor([r.kind.trains_policy for r in rows]),
@@ -117,6 +118,24 @@ def row_advantages(groups: list[RolloutGroup], scale: bool = True) -> Tensor:
         flat = [a for t in trained for a in group_advantages(torch.tensor(t), len(t), scale=scale).tolist()]
     values = iter(flat)
     return torch.tensor([next(values) if r.kind.trains_policy else 0.0 for g in groups for r in g.rows])
+
+
+def _packed(
+    sequences: list[list], fill, dtype, *, right_aligned: bool = False, minimum_width: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """``sequences`` padded with ``fill`` into one ``[B, width]`` array (left-padded when
+    ``right_aligned``), and their lengths. One flat copy and one scatter: a per-row copy costs
+    more than the rest of building a batch."""
+    lengths = np.fromiter(map(len, sequences), np.int64, len(sequences))
+    width = max(int(lengths.max(initial=0)), minimum_width)
+    out = np.full((len(sequences), width), fill, dtype)
+    flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype, int(lengths.sum()))
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)  # each element's sequence start in ``flat``
+    columns = np.arange(len(flat)) - starts
+    if right_aligned:
+        columns += np.repeat(width - lengths, lengths)
+    out[np.repeat(np.arange(len(sequences)), lengths), columns] = flat
+    return out, lengths
 
 
 def _pairs(groups: list[RolloutGroup]) -> Tensor | None:
