@@ -53,8 +53,10 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-async def loop_run(lag: int, steps: int, root: Path) -> list[dict]:
-    overrides = [
+async def loop_run(lag: int, steps: int, root: Path, *overrides: str) -> list[dict]:
+    """tiny.yaml's loop without warm start, evaluation or checkpoints (``overrides``: further
+    ``key=value`` settings); the metrics of its steps after the first two and before the last."""
+    settings = [
         f"loop.steps={steps}",
         f"loop.max_policy_lag={lag}",
         "loop.warm_start.steps=0",
@@ -62,8 +64,9 @@ async def loop_run(lag: int, steps: int, root: Path) -> list[dict]:
         "checkpointing.every=0",
         "logging.tensorboard=false",
         f"logging.root={root}",
+        *overrides,
     ]
-    run_dir = await run(load_topology(ROOT / "topologies" / "tiny.yaml", overrides), progress=False)
+    run_dir = await run(load_topology(ROOT / "topologies" / "tiny.yaml", settings), progress=False)
     return read_metrics(run_dir.metrics_file)[2:-1]
 
 

@@ -35,43 +35,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from common import machine  # noqa: E402  bench/ is on sys.path when this runs as a script
+from loop import loop_run  # noqa: E402
 
 from actors.model import build_tiny_model  # noqa: E402
 from actors.tasks import Problem, build_task  # noqa: E402
-from mesh.rundir import read_metrics  # noqa: E402
-from mesh.runtime import run  # noqa: E402
-from mesh.topology import load_topology  # noqa: E402
+from mesh.topology import Topology, load_topology  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 TINY = ROOT / "topologies" / "tiny.yaml"
 
 
-def job(steps: int, root: Path, **overrides) -> list[str]:
-    """tiny.yaml as this benchmark runs it (``overrides``: further ``key=value`` settings)."""
-    settings = {
-        "loop.steps": steps,
-        "loop.warm_start.steps": 0,
-        "loop.evaluation.every": 0,
-        "checkpointing.every": 0,
-        "logging.tensorboard": "false",
-        "logging.root": root,
-    } | overrides
-    return [f"{key}={value}" for key, value in settings.items()]
-
-
 async def ours(lag: int, steps: int, root: Path, model_dir: Path) -> float:
-    overrides = job(steps, root, **{"loop.max_policy_lag": lag, "model": f"{{path: {model_dir}}}"})
-    run_dir = await run(load_topology(TINY, overrides), progress=False)
-    return statistics.median(row["samples_per_s"] for row in read_metrics(run_dir.metrics_file)[2:-1])
+    rows = await loop_run(lag, steps, root, f"model={{path: {model_dir}}}")
+    return statistics.median(row["samples_per_s"] for row in rows)
 
 
-def trl(steps: int, root: Path, model_dir: Path) -> float:
+def trl(topology: Topology, steps: int, root: Path, model_dir: Path) -> float:
     import datasets
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    topology = load_topology(TINY, job(steps, root))
     task, loop = build_task(topology.task.config), topology.loop
     problems = [p for step in range(steps) for p in task.problems(topology.prompt_seed(), step, loop.prompts_per_step)]
     rows = datasets.Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
@@ -125,7 +109,7 @@ async def main(args) -> None:
     samples: dict[str, list[float]] = {"trl": [], "sync": [], "async": []}
     try:
         for i in range(rounds):
-            samples["trl"].append(trl(steps, root, model_dir))
+            samples["trl"].append(trl(topology, steps, root, model_dir))
             samples["sync"].append(await ours(0, steps, root, model_dir))
             samples["async"].append(await ours(1, steps, root, model_dir))
             print(f"round {i}: " + ", ".join(f"{k} {v[-1]:.0f}" for k, v in samples.items()) + " samples/s", flush=True)
