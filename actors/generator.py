@@ -6,6 +6,9 @@ request for a version the store no longer (or not yet) holds raises instead of
 sampling with whatever is loaded, and the slot is checked again after sampling, so a
 batch sampled while its weights were overwritten is refused too.
 
+Given the task and the Rewarder's config (the Rewarder placed on the generator's mesh), a
+generator also rewards what it writes, in the same call (``actors/reward_functions.py``).
+
 Endpoints are concurrent, so an engine that batches continuously (``vllm``) sees every
 request in flight at once. Requests naming the held version run together; one naming
 another version waits until they finish, then the weights change (see ``VersionGate``).
@@ -32,8 +35,10 @@ from actors.generator_config import GeneratorConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
 from actors.prompts import render
-from actors.rollout import EpisodeOutcome, Trajectory
-from actors.tasks import Problem
+from actors.reward_functions import RewardFunctions, RewardReply
+from actors.rewarder_config import RewarderConfig
+from actors.rollout import EpisodeOutcome, Reward, Trajectory
+from actors.tasks import Problem, TaskConfig
 from actors.weights import WeightFollower, WeightVersion
 
 
@@ -55,6 +60,7 @@ class Generation:
     seconds: float  # the whole endpoint, weight load included
     load_seconds: float  # of which adopting a new weight version (0 when already held)
     outcomes: list[EpisodeOutcome] | None = None  # per trajectory, when they are environment episodes
+    rewards: RewardReply | None = None  # per trajectory, when this generator rewards what it writes
 
     @classmethod
     def of(
@@ -65,10 +71,11 @@ class Generation:
         seconds: float,
         load_seconds: float,
         outcomes: list[EpisodeOutcome] | None = None,
+        rewards: RewardReply | None = None,
     ):
         columns = ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "text")
         columns = [[getattr(t, c) for t in rows] for c in columns]
-        return cls(*columns, per_prompt, version, seconds, load_seconds, outcomes)
+        return cls(*columns, per_prompt, version, seconds, load_seconds, outcomes, rewards)
 
     def trajectories(self) -> list[list[Trajectory]]:
         """Per prompt, its ``per_prompt`` trajectories."""
@@ -76,8 +83,16 @@ class Generation:
         return self._per_prompt(rows)
 
     def episode_outcomes(self) -> list[list[EpisodeOutcome]]:
-        """Per prompt, how each of its episodes ended (empty lists when these are no episodes)."""
+        """Per prompt, how each of its episodes ended (empty when these are no episodes)."""
         return self._per_prompt(self.outcomes or [])
+
+    def row_rewards(self) -> list[list[Reward]]:
+        """Per prompt, each trajectory's reward (empty when this generator does not reward)."""
+        return self._per_prompt(self.rewards.rewards() if self.rewards else [])
+
+    @property
+    def reward_seconds(self) -> float:
+        return self.rewards.seconds if self.rewards else 0.0
 
     def _per_prompt(self, rows: list) -> list[list]:
         return [rows[i : i + self.per_prompt] for i in range(0, len(rows), self.per_prompt)]
@@ -126,8 +141,18 @@ class VersionGate:
 
 
 class Generator(Actor):
-    def __init__(self, model_path: str, cfg: GeneratorConfig, place: Placement):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: GeneratorConfig,
+        place: Placement,
+        task: TaskConfig | None = None,
+        rewarder: RewarderConfig | None = None,
+    ):
+        """``task`` and ``rewarder``: given when the Rewarder is placed on this generator's mesh."""
         self.model_path, self.cfg, self.place = model_path, cfg, place  # built in ``start`` (actors/lifecycle.py)
+        self.reward_setup = (task, rewarder) if rewarder is not None else None
+        self.reward_functions: RewardFunctions | None = None
         self.weights = WeightFollower()
         self.gate = VersionGate()
         self._clients: dict[EpisodeSpec, Environments] = {}  # environment clients, by the spec they play
@@ -141,7 +166,21 @@ class Generator(Actor):
         torch.set_num_threads(self.place.threads)
         self.engine = registry.load("engine", self.cfg.engine)(self.model_path, self.cfg.sampling, self.place)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)  # the policy's chat template renders prompts
+        if self.reward_setup is not None:
+            self.reward_functions = RewardFunctions(*self.reward_setup)
         return this_proc()
+
+    def _rewards(self, problems: list[Problem], rows: list[Trajectory], per_prompt: int) -> RewardReply | None:
+        """The rewards of ``rows`` (``per_prompt`` of each problem), when this generator rewards.
+
+        Computed right here, on the actor's event loop: a thread's hand-off would cost more than a
+        verifier's string checks, which is what a Rewarder belongs beside the generator for (reward
+        functions that take long, a judge model or a sandbox, belong on a mesh of their own).
+        """
+        if self.reward_functions is None:
+            return None
+        repeated = [problem for problem in problems for _ in range(per_prompt)]
+        return self.reward_functions.reward(repeated, [t.text for t in rows])
 
     def _prompts(self, problems: list[Problem]) -> list[str]:
         return [render(self.tokenizer, p.prompt, p.system_prompt) for p in problems]
@@ -159,13 +198,10 @@ class Generator(Actor):
         async with self.gate.use(weights, self._switch) as load_seconds:
             groups = await self.engine.generate(self._prompts(problems), group_size, seeds)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
-        return Generation.of(
-            [t for group in groups for t in group],
-            group_size,
-            weights.version,
-            time.perf_counter() - start,
-            load_seconds,
-        )
+        rows = [t for group in groups for t in group]
+        rewards = self._rewards(problems, rows, group_size)
+        seconds = time.perf_counter() - start
+        return Generation.of(rows, group_size, weights.version, seconds, load_seconds, rewards=rewards)
 
     @concurrent_endpoint
     async def play(
@@ -218,12 +254,14 @@ class Generator(Actor):
 
     @concurrent_endpoint
     async def logprobs_of(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:
-        """Completions this policy did not sample (teacher traces), with this version's logprobs."""
+        """Completions this policy did not sample (teacher traces), with this version's logprobs (and
+        their rewards, when this generator rewards)."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
             traces = await self.engine.logprobs_of(self._prompts(problems), texts)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
-        return Generation.of(traces, 1, weights.version, time.perf_counter() - start, load_seconds)
+        rewards = self._rewards(problems, traces, 1)
+        return Generation.of(traces, 1, weights.version, time.perf_counter() - start, load_seconds, rewards=rewards)
 
     @concurrent_endpoint
     async def hold(self, weights: WeightVersion) -> float:

@@ -101,9 +101,10 @@ class RolloutGroup:
         teacher that wrote it), and a trace the policy itself sampled is dropped (channel 1
         already learns from it).
         """
-        samples = self._first_per_text(RowKind.SAMPLE)
+        traces = self._first_per_text(RowKind.REPLAY)
+        samples = self._first_per_text(RowKind.SAMPLE) if traces else {}
         pairs = []
-        for trace in self._first_per_text(RowKind.REPLAY).values():
+        for trace in traces.values():
             if self.rows[trace].trajectory.text in samples:
                 continue
             for sample in samples.values():

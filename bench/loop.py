@@ -6,9 +6,9 @@
 Three figures, each a ratio against a baseline measured in the same run:
 
 1. Orchestration overhead (synchronous loop): per step, the share of wall time spent
-   outside actor compute, ``1 - (generate + reward + train + weight publish/load) / step``;
-   everything else (Monarch messages, batch building, advantages, logging, progress)
-   is overhead. Target <= 5 %.
+   outside actor compute, ``1 - (generate + reward + train + weight publish/load) / step``,
+   each as the actor measured it inside its endpoint; everything else (every call's Monarch
+   messages, batch building, advantages) is overhead. Target <= 5 %.
 2. Bounded-async (``max_policy_lag: 1``) vs synchronous samples/s at equal resources
    (the same meshes and threads), modes interleaved run by run.
 3. Weight sync of a 100 MB fp32 state dict between two processes through the
@@ -226,7 +226,7 @@ async def main(args) -> None:
         f"orchestration overhead, synchronous: median {100 * result['overhead_share_median']:.1f}% of step time "
         f"(p90 {100 * result['overhead_share_p90']:.1f}%; target <= 5%): {overhead_s * 1e3:.1f} ms of a "
         f"{step_s * 1e3:.0f} ms step; a no-op actor call after {gap_s * 1e3:.0f} ms idle takes "
-        f"{round_trip_s * 1e3:.1f} ms here, and a synchronous step makes 3 calls in sequence"
+        f"{round_trip_s * 1e3:.1f} ms here, and a synchronous step makes 2 calls in sequence (generate, train_step)"
     )
     print(
         f"samples/s: sync {result['sync_samples_per_s']:.0f}, async (lag 1) {result['async_samples_per_s']:.0f}, "

@@ -5,7 +5,8 @@ A step's data, in the order ``_collect`` and ``_train`` make it:
     problems (the task's, by seed and step)
       -> Router -> Generator replicas: G trajectories per prompt         } in parallel
       -> TeacherPool: tracing teachers' traces, with the policy's logprobs }
-      -> Rewarder: a Reward per row (and a hint for a wrong answer)
+      -> Rewarder: a Reward per row (and a hint for a wrong answer); placed on the generator's
+         mesh it runs inside the generators, and their rows arrive rewarded
       -> TeacherPool: the distill teacher's top-k at the policy's own tokens (channel 2)
       -> one RolloutGroup per prompt, its rows tagged SAMPLE, WARM_START or REPLAY (``actors/rollout.py``)
       -> advantages and pairs per group -> TrainBatch -> Trainer (one optimizer step, publishes version v+1)
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
 class Actors:
     trainer: ActorMesh
     generators: Router  # every proc of every generator replica; requests are routed among them
-    rewarder: ActorMesh
+    rewarder: ActorMesh | None  # None when the generators reward what they write (the Rewarder on their mesh)
     teacher_pool: ActorMesh | None
     syncer: ActorMesh | None = None  # DiLoCo's outer loop, beside the trainer's ranks
 
@@ -105,6 +106,19 @@ class Traces:
 
     texts: dict[str, list[str | None]]  # teacher name -> per prompt
     seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class PolicyTrace:
+    """A tracing teacher's completion of one prompt as the policy sees it: with the logprobs of
+    policy ``version`` and, when the generators reward, its reward."""
+
+    trajectory: Trajectory
+    version: int
+    reward: Reward | None
+
+    def row(self, kind: RowKind, teacher: str) -> Row:
+        return Row(kind, self.trajectory, self.version, teacher=teacher, reward=self.reward)
 
 
 class EnvironmentDown(RuntimeError):
@@ -143,6 +157,7 @@ class Controller:
         self.last_checkpoint: Path | None = None
         self.collecting: deque[asyncio.Future[Collected]] = deque()  # the steps after ``step``, sampled ahead
         self.scheduled = 0  # the next step to start collecting
+        self.trained_at = 0.0  # when the last optimizer step ended: a step's time runs from there
         self.trainer_seconds_lost = 0.0
         self.synced_to: int | None = None  # DiLoCo: the step the replicas' last sync stands for
         self.fingerprint = topology_fingerprint(topology).to_json()
@@ -150,7 +165,7 @@ class Controller:
     async def train(self, checkpoint: Path | None = None) -> list[dict]:
         """Train to ``loop.steps``, from ``checkpoint`` if given (a resumed run) else from the start."""
         history, loop = [], self.topology.loop
-        last_end = time.perf_counter()
+        self.trained_at = time.perf_counter()
         self.step = await self._begin(checkpoint)
         self._write_teachers()
         if self.stopper is not None:
@@ -158,12 +173,11 @@ class Controller:
         try:
             while self.step < loop.steps:
                 try:
-                    metrics = await self._train_step(self.step, last_end)
+                    metrics = await self._train_step(self.step)
                 except TrainerLost as lost:
-                    self.step = await self._restart_trainer(lost, last_end)
-                    last_end = time.perf_counter()
+                    self.step = await self._restart_trainer(lost)
+                    self.trained_at = time.perf_counter()
                     continue
-                last_end = time.perf_counter()
                 history.append(metrics)
                 self.step += 1
                 if self.synced_to is not None and self.synced_to > self.step:
@@ -196,36 +210,39 @@ class Controller:
         self.progress.move_to(step)
         return step
 
-    async def _train_step(self, step: int, last_end: float) -> dict:
-        loop = self.topology.loop
-        await self.board.drop_retired(step)
-        await self._apply_commands(self.scheduled)
-        while self.scheduled < loop.steps and len(self.collecting) <= loop.max_policy_lag:
-            bound = self.board.snapshot()
-            self.collecting.append(asyncio.ensure_future(self._collect(self.scheduled, self.weights, bound)))
-            self.scheduled += 1
+    async def _train_step(self, step: int) -> dict:
+        """Step ``step``: wait for its batch, train on it, start the next collections, then log.
+
+        A step's time runs from the previous step's training to its own, so the bookkeeping
+        after training (metrics, logs, checkpoints), which the next batch's sampling hides, is
+        not counted twice.
+        """
+        await self._sample_ahead(step)
         wait_start = time.perf_counter()
         collected = await self.collecting[0]
         self.collecting.popleft()
         wait = time.perf_counter() - wait_start
-        metrics = await self._train(step, collected)
+        report, ages, outer = await self._train(step, collected)
         now = time.perf_counter()
-        metrics |= {"time/step": now - last_end, "time/wait_for_batch": wait}
-        metrics["samples_per_s"] = len(collected.rows(RowKind.SAMPLE)) / metrics["time/step"]
+        period, self.trained_at = now - self.trained_at, now
+        await self._sample_ahead(step + 1)
+        metrics = self._step_metrics(collected, report, ages) | outer
+        metrics |= {"time/step": period, "time/wait_for_batch": wait}
+        metrics["samples_per_s"] = len(collected.rows(RowKind.SAMPLE)) / period
         if self.fleet is not None:
             metrics["faults/restarts"] = self.fleet.restarts
             metrics["faults/seconds_lost"] = self.fleet.seconds_lost + self.trainer_seconds_lost
         await self._after_step(step, metrics)
         return metrics
 
-    async def _restart_trainer(self, lost: TrainerLost, failed_step_start: float) -> int:
+    async def _restart_trainer(self, lost: TrainerLost) -> int:
         """A trainer process died or hung: a fresh trainer mesh from the last checkpoint (the generators keep
         their weights until it publishes); the steps after that checkpoint are trained again, identically."""
         await self._cancel_collections()
         await self.fleet.restart_trainer(lost)
         step = await self._begin(self.last_checkpoint)
         redone = self.run.rewind(step)
-        self.trainer_seconds_lost += time.perf_counter() - failed_step_start + sum(r["time/step"] for r in redone)
+        self.trainer_seconds_lost += time.perf_counter() - self.trained_at + sum(r["time/step"] for r in redone)
         return step
 
     async def _stop(self, signum: int) -> None:
@@ -233,6 +250,25 @@ class Controller:
         if self.last_checkpoint != self.run.checkpoint_dir(self.step):
             await self._checkpoint(self.step)
         raise Interrupted(signum, self.run.path, self.last_checkpoint)
+
+    async def _sample_ahead(self, step: int) -> None:
+        """Start collecting, with the newest weights, every step after the trained ones that
+        ``max_policy_lag`` lets run ahead. Called as soon as step ``step`` - 1's weights exist, so
+        even a synchronous run samples its next batch while the controller logs this one.
+        Teacher commands apply here, at the step boundary, to the collections started from now on."""
+        loop = self.topology.loop
+        if self.synced_to is not None and self.scheduled < self.synced_to:
+            return  # DiLoCo: this replica goes on from the other replicas' step (``_skip_to``)
+        await self.board.drop_retired(step)
+        await self._apply_commands(self.scheduled)
+        started = False
+        while self.scheduled < loop.steps and len(self.collecting) <= loop.max_policy_lag:
+            bound = self.board.snapshot()
+            self.collecting.append(asyncio.ensure_future(self._collect(self.scheduled, self.weights, bound)))
+            self.scheduled += 1
+            started = True
+        if started:
+            await asyncio.sleep(0)  # one turn of the event loop: the new collections send their requests now
 
     async def _cancel_collections(self) -> None:
         """Stop the collections still running (a failed step, a trainer restart), quietly."""
@@ -261,8 +297,9 @@ class Controller:
         """Step ``step``'s rollout groups, sampled with ``weights`` and the teachers ``bound`` when it started.
 
         Each stage returns its results as values: trajectories (the policy's samples and the
-        tracing teachers' traces, in parallel), then rewards, then the distill teacher's top-k;
-        they are joined into ``RolloutGroup``s once, at the end.
+        tracing teachers' traces, in parallel; rewarded already when the generators reward), then
+        the Rewarder's rewards of the rest, then the distill teacher's top-k; they are joined into
+        ``RolloutGroup``s once, at the end.
         """
         loop = self.topology.loop
         problems = self.task.problems(self.topology.prompt_seed(), step, loop.prompts_per_step)
@@ -272,24 +309,28 @@ class Controller:
         warm = bound.get(loop.warm_start.teacher) if step < loop.warm_start.steps else None
         replay = [t for t in bound.values() if "replay" in t.config.use] if self.loss.beta_replay > 0 else []
         tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
-        sampled, traces = await asyncio.gather(
-            self.actors.generators.generate(problems, loop.group_size, weights, seeds), self._trace(tracers, problems)
-        )
+        tracing = asyncio.ensure_future(self._trace(tracers, problems))  # beside the sampling
+        try:  # awaited, not gathered: the generators' requests leave in this turn of the event loop
+            sampled = await self.actors.generators.generate(problems, loop.group_size, weights, seeds)
+        except BaseException:
+            tracing.cancel()
+            raise
+        traces = await tracing
         traced, traced_loads = await self._trajectories_of(problems, traces, weights)
-        drafts = [_rows_of(i, sampled, traced, warm, replay) for i in range(len(problems))]
-        rewards, reward_seconds = await self._reward(problems, drafts)
+        rows = [_rows_of(i, sampled, traced, warm, replay) for i in range(len(problems))]
+        rewarder_seconds = await self._reward_the_rest(problems, rows)
         distiller = next((t for t in bound.values() if "distill" in t.config.use), None)
         top_k, distill_seconds = {}, 0.0
         if distiller is not None and self.loss.alpha_sdpo > 0:
-            top_k, distill_seconds = await self._distill(distiller, problems, drafts, rewards, weights)
-        groups = _joined(problems, drafts, rewards, top_k)
+            top_k, distill_seconds = await self._distill(distiller, problems, rows, weights)
+        groups = _joined(problems, rows, top_k)
         return Collected(
             groups=groups,
             distill_teacher=distiller.name if top_k else None,
             seconds={
-                "generate": sampled.seconds,
+                "generate": sampled.sampling_seconds,
                 "load": sampled.load_seconds,
-                "reward": reward_seconds,
+                "reward": sampled.reward_seconds + rewarder_seconds,
                 "teachers": sum(traces.seconds.values()) + distill_seconds,
             },
             teacher_metrics=_teacher_metrics(groups, tracers, traces.seconds)
@@ -323,7 +364,7 @@ class Controller:
         return Collected(
             groups=groups,
             distill_teacher=None,
-            seconds={"generate": played.seconds, "load": played.load_seconds, "reward": 0.0, "teachers": 0.0},
+            seconds={"generate": played.sampling_seconds, "load": played.load_seconds, "reward": 0.0, "teachers": 0.0},
             teacher_metrics={},
             generators=played.loads,
             episode_metrics={
@@ -344,43 +385,52 @@ class Controller:
 
     async def _trajectories_of(
         self, problems: list[Problem], traces: Traces, weights: WeightVersion
-    ) -> tuple[dict[tuple[str, int], tuple[Trajectory, int]], list[TargetLoad]]:
-        """The teachers' traces as trajectories with this policy version's logprobs, by (teacher, prompt),
-        each with the version that computed them; and what the generators did for it."""
+    ) -> tuple[dict[tuple[str, int], PolicyTrace], list[TargetLoad]]:
+        """The teachers' traces as the policy sees them, by (teacher, prompt); and what the generators
+        did for it."""
         wanted = [(name, i) for name, texts in traces.texts.items() for i, text in enumerate(texts) if text is not None]
         if not wanted:
             return {}, []
         routed = await self.actors.generators.logprobs_of(
             [problems[i] for _, i in wanted], [traces.texts[name][i] for name, i in wanted], weights
         )
-        return {key: (group[0], routed.version) for key, group in zip(wanted, routed.trajectories)}, routed.loads
+        rewards = routed.rewards or [[None]] * len(wanted)
+        return {
+            key: PolicyTrace(group[0], routed.version, reward[0])
+            for key, group, reward in zip(wanted, routed.trajectories, rewards)
+        }, routed.loads
 
-    async def _reward(self, problems: list[Problem], drafts: list[list[Row]]) -> tuple[list[list[Reward]], float]:
-        """Every row's reward (the policy's samples and the teachers' traces), shaped like ``drafts``;
-        wrong answers also get a hint."""
-        flat = [(problems[i], row.trajectory.text) for i, rows in enumerate(drafts) for row in rows]
-        reply = await self.actors.rewarder.reward.call_one([p for p, _ in flat], [text for _, text in flat])
-        rewards = iter(reply.rewards())
-        return [[next(rewards) for _ in rows] for rows in drafts], reply.seconds
+    async def _reward_the_rest(self, problems: list[Problem], rows: list[list[Row]]) -> float:
+        """Rewards the rows that came without one (all of them, unless the generators reward what they
+        write) in one Rewarder call, in place; wrong answers also get a hint. The call's seconds."""
+        missing = [(i, j) for i, group in enumerate(rows) for j, row in enumerate(group) if row.reward is None]
+        if not missing:
+            return 0.0
+        reply = await self.actors.rewarder.reward.call_one(
+            [problems[i] for i, _ in missing], [rows[i][j].trajectory.text for i, j in missing]
+        )
+        for (i, j), reward in zip(missing, reply.rewards()):
+            rows[i][j] = dataclasses.replace(rows[i][j], reward=reward)
+        return reply.seconds
 
     async def _distill(
-        self, teacher: TeacherBinding, problems: list[Problem], drafts, rewards, weights: WeightVersion
+        self, teacher: TeacherBinding, problems: list[Problem], rows: list[list[Row]], weights: WeightVersion
     ) -> tuple[dict[tuple[int, int], TopK], float]:
         """The distill teacher's top-k at the policy's own tokens, by (prompt, row), with the hint where it
         reads one; and the seconds it took."""
         targets = [
             (i, j)
-            for i, rows in enumerate(drafts)
-            for j, row in enumerate(rows)
-            if row.kind is RowKind.SAMPLE and (rewards[i][j].hint is not None or not teacher.needs_hint)
+            for i, group in enumerate(rows)
+            for j, row in enumerate(group)
+            if row.kind is RowKind.SAMPLE and (row.reward.hint is not None or not teacher.needs_hint)
         ]
         if not targets:
             return {}, 0.0
         requests = [
             TopKRequest(
                 problems[i].prompt,
-                drafts[i][j].trajectory.completion_ids,
-                rewards[i][j].hint,
+                rows[i][j].trajectory.completion_ids,
+                rows[i][j].reward.hint,
                 problems[i].system_prompt,
             )
             for i, j in targets
@@ -388,7 +438,9 @@ class Controller:
         reply = await self.actors.teacher_pool.top_k.call_one(teacher.binding_id, requests, weights)
         return dict(zip(targets, reply.top_k)), reply.seconds + reply.load_seconds
 
-    async def _train(self, step: int, collected: Collected) -> dict:
+    async def _train(self, step: int, collected: Collected) -> tuple[StepReport, list[int], dict]:
+        """One optimizer step on ``collected`` (and DiLoCo's outer step when one is due), its weights pushed
+        to the generators; the trainer's report, each row's policy age and the outer step's metrics."""
         ages = [step - row.version for row in collected.rows()]
         if max(ages) > self.topology.loop.max_policy_lag:
             raise StalenessError(f"step {step}: samples of policy age {max(ages)} > max_policy_lag")
@@ -399,11 +451,11 @@ class Controller:
         reports = await self.actors.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)
         self.weights = report.weights
-        metrics = self._step_metrics(collected, report, ages)
+        outer = {}
         if self.actors.syncer is not None and (step + 1) % self.topology.diloco.interval == 0:
-            metrics |= await self._outer_step()
+            outer = await self._outer_step()
         self.actors.generators.push(self.weights)  # to every replica, off the critical path
-        return metrics
+        return report, ages, outer
 
     async def _outer_step(self) -> dict:
         """DiLoCo: average the replicas' pseudo-gradients and take the outer step (``actors/diloco``), then
@@ -443,7 +495,7 @@ class Controller:
             "policy_age/max": max(ages),
             "policy_age/counts": {str(age): n for age, n in sorted(Counter(ages).items())},
             "completion_len/mean": sum(sum(row.trajectory.loss_mask) for row in samples) / len(samples),
-            "time/generate": seconds["generate"] - seconds["load"],
+            "time/generate": seconds["generate"],
             "time/reward": seconds["reward"],
             "time/teachers": seconds["teachers"],
             "time/train": report.seconds,
@@ -495,34 +547,48 @@ class Controller:
             played = await self.actors.generators.play(problems, 1, self.weights, seeds, self.episodes)
             return sum(o.reward for per in played.outcomes for o in per if o.failure is None) / count
         sampled = await self.actors.generators.generate(problems, 1, self.weights, seeds)
-        drafts = [
-            [Row(RowKind.SAMPLE, t, sampled.version) for t in trajectories] for trajectories in sampled.trajectories
-        ]
-        rewards, _ = await self._reward(problems, drafts)
-        return sum(reward.total for rows in rewards for reward in rows) / count
+        rows = [_sampled_rows(i, sampled) for i in range(count)]
+        await self._reward_the_rest(problems, rows)
+        return sum(row.reward.total for group in rows for row in group) / count
 
 
-def _joined(problems: list[Problem], drafts: list[list[Row]], rewards: list[list[Reward]], top_k: dict):
-    """The step's groups: each prompt's rows with their rewards and top-k, joined in this one place."""
+def _joined(problems: list[Problem], rows: list[list[Row]], top_k: dict[tuple[int, int], TopK]):
+    """The step's groups: each prompt's rewarded rows, with the distill teacher's top-k joined in here."""
     return [
         RolloutGroup(
             problem,
             i,
             tuple(
-                dataclasses.replace(row, reward=rewards[i][j], distill=top_k.get((i, j)))
-                for j, row in enumerate(drafts[i])
+                dataclasses.replace(row, distill=top_k[i, j]) if (i, j) in top_k else row
+                for j, row in enumerate(rows[i])
             ),
         )
         for i, problem in enumerate(problems)
     ]
 
 
-def _rows_of(i: int, sampled: Routed, traced: dict, warm: TeacherBinding | None, replay: list[TeacherBinding]):
-    """Prompt ``i``'s rows before rewards: the policy's samples, the warm-start trace, the replayed traces."""
-    rows = [Row(RowKind.SAMPLE, trajectory, sampled.version) for trajectory in sampled.trajectories[i]]
+def _rows_of(
+    i: int,
+    sampled: Routed,
+    traced: dict[tuple[str, int], PolicyTrace],
+    warm: TeacherBinding | None,
+    replay: list[TeacherBinding],
+) -> list[Row]:
+    """Prompt ``i``'s rows: the policy's samples, the warm-start trace, the replayed traces (rewarded
+    when the generators reward)."""
+    rows = _sampled_rows(i, sampled)
     if warm is not None and (warm.name, i) in traced:
-        rows.append(Row(RowKind.WARM_START, *traced[warm.name, i], teacher=warm.name))
-    return rows + [Row(RowKind.REPLAY, *traced[t.name, i], teacher=t.name) for t in replay if (t.name, i) in traced]
+        rows.append(traced[warm.name, i].row(RowKind.WARM_START, warm.name))
+    return rows + [traced[t.name, i].row(RowKind.REPLAY, t.name) for t in replay if (t.name, i) in traced]
+
+
+def _sampled_rows(i: int, sampled: Routed) -> list[Row]:
+    """Prompt ``i``'s samples as rows, with their rewards when the generators reward."""
+    rewards = sampled.rewards[i] if sampled.rewards else [None] * len(sampled.trajectories[i])
+    return [
+        Row(RowKind.SAMPLE, trajectory, sampled.version, reward=reward)
+        for trajectory, reward in zip(sampled.trajectories[i], rewards)
+    ]
 
 
 def _episode_rows(trajectories: list[Trajectory], outcomes: list[EpisodeOutcome], version: int) -> tuple[Row, ...]:

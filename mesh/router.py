@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from actors.environments.openenv_task import EpisodeSpec
 from actors.generator import Generation
-from actors.rollout import EpisodeOutcome, Trajectory
+from actors.rollout import EpisodeOutcome, Reward, Trajectory
 from actors.tasks import Problem
 from actors.train_batch import split_rows
 from actors.weights import WeightVersion
@@ -62,8 +62,9 @@ class TargetLoad:
 
     requests: int = 0
     rows: int = 0
-    busy_seconds: float = 0.0  # the endpoint's own time, weight adoption included
+    busy_seconds: float = 0.0  # the endpoint's own time, weight adoption and rewarding included
     load_seconds: float = 0.0  # of which adopting a weight version
+    reward_seconds: float = 0.0  # of which rewarding what it wrote (a Rewarder on the generator's mesh)
 
     def __add__(self, other: TargetLoad) -> TargetLoad:
         return TargetLoad(
@@ -71,6 +72,7 @@ class TargetLoad:
             self.rows + other.rows,
             self.busy_seconds + other.busy_seconds,
             self.load_seconds + other.load_seconds,
+            self.reward_seconds + other.reward_seconds,
         )
 
 
@@ -84,11 +86,25 @@ class Routed:
     seconds: float
     loads: list[TargetLoad]  # by target index
     outcomes: list[list[EpisodeOutcome]] = field(default_factory=list)  # per prompt, when these are episodes
+    rewards: list[list[Reward]] = field(default_factory=list)  # per prompt, when the generators reward
 
     @property
     def load_seconds(self) -> float:
         """Weight adoption on the call's critical path: the target that spent longest on it."""
         return max(load.load_seconds for load in self.loads)
+
+    @property
+    def sampling_seconds(self) -> float:
+        """The generators' own time on the call's critical path, without adopting weights or rewarding
+        (the call's messages are not in it): the busiest target's, at most the call's wall time
+        (requests in flight at one target overlap)."""
+        own = max(load.busy_seconds - load.load_seconds - load.reward_seconds for load in self.loads)
+        return min(own, self.seconds)
+
+    @property
+    def reward_seconds(self) -> float:
+        """Rewarding on the call's critical path: the target that spent longest on it."""
+        return max(load.reward_seconds for load in self.loads)
 
 
 @dataclass
@@ -185,16 +201,19 @@ class Router:
     async def _route(self, problems: list[Problem], rows_each: int, version: int, call: Call) -> Routed:
         start = time.perf_counter()
         shares = [s for s in split_rows(len(problems), self._requests(len(problems))) if s.stop > s.start]
-        replies = await asyncio.gather(
-            *(self._request(call, share, (share.stop - share.start) * rows_each, version) for share in shares)
-        )
+        requests = [self._request(call, share, (share.stop - share.start) * rows_each, version) for share in shares]
+        # one request is awaited, not gathered: it is sent in the caller's turn of the event loop
+        replies = [await requests[0]] if len(requests) == 1 else await asyncio.gather(*requests)
         loads = [TargetLoad() for _ in self.targets]
-        trajectories, outcomes = [], []
+        trajectories, outcomes, rewards = [], [], []
         for i, generation in replies:
-            loads[i] += TargetLoad(1, len(generation.texts), generation.seconds, generation.load_seconds)
+            loads[i] += TargetLoad(
+                1, len(generation.texts), generation.seconds, generation.load_seconds, generation.reward_seconds
+            )
             trajectories += generation.trajectories()
             outcomes += generation.episode_outcomes()
-        return Routed(trajectories, version, time.perf_counter() - start, loads, outcomes)
+            rewards += generation.row_rewards()
+        return Routed(trajectories, version, time.perf_counter() - start, loads, outcomes, rewards)
 
     def _requests(self, count: int) -> int:
         per_target = REQUESTS_PER_TARGET if self.policy == "least_loaded" and len(self.targets) > 1 else 1

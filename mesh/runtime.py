@@ -246,14 +246,15 @@ def _roles(
     if diloco is not None:
         syncer = _spawner("syncer", DiLoCoSyncer, diloco, topology.diloco_replica())
         roles[cfg.trainer.mesh].append(Role("syncer", syncer, _start_all))
+    rewarding = (topology.task.config, cfg.rewarder) if topology.rewards_in_generators() else ()
     for name in topology.replica_meshes():
         place = _placement(topology, name, "generator")
-        roles[name].append(
-            Role("generator", _spawner("generator", Generator, model_path, cfg.generator, place), _start_all)
+        spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding)
+        roles[name].append(Role("generator", spawn, _start_all))
+    if not rewarding:
+        roles[cfg.rewarder.mesh].append(
+            Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all)
         )
-    roles[cfg.rewarder.mesh].append(
-        Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all)
-    )
     if cfg.teachers is not None:
         student = Student(model_path, cfg.generator.max_new_tokens, seed)
         spawn = _spawner("teachers", TeacherPool, student, _placement(topology, cfg.teachers.mesh, "teachers"))
@@ -307,7 +308,7 @@ def _actors(topology: Topology, fleet: Fleet) -> Actors:
     return Actors(
         fleet.handle("trainer", cfg.trainer.mesh),
         router,
-        fleet.handle("rewarder", cfg.rewarder.mesh, 0),
+        None if topology.rewards_in_generators() else fleet.handle("rewarder", cfg.rewarder.mesh, 0),
         teacher_pool,
         syncer,
     )

@@ -263,6 +263,12 @@ class Topology(Section):
         """Actor name -> mesh name, for every actor the topology runs."""
         return {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name))}
 
+    def rewards_in_generators(self) -> bool:
+        """Whether the generators reward what they write: the Rewarder placed on the generator's
+        mesh runs inside each generator rather than as an actor of its own, and a step makes one
+        actor call fewer."""
+        return self.actors.rewarder.mesh == self.actors.generator.mesh
+
     def starts_replicas(self) -> bool:
         """Whether this run starts the DiLoCo replicas, each its own run (``mesh/replicas.py``),
         rather than being one of them."""
@@ -662,6 +668,8 @@ def describe(topology: Topology) -> str:
             actors = ["generator"]  # a replica's copy of the generator's mesh holds only a generator
         if len(replicas) > 1 and name in replicas:
             actors = [f"generator (replica {replicas.index(name)})" if a == "generator" else a for a in actors]
+        if topology.rewards_in_generators():
+            actors = ["rewarder (inside each generator)" if a == "rewarder" else a for a in actors]
         on = f" ({describe_gpus(gpus[name])})" if mesh.gpus else ""
         shape = f"{mesh.hosts} host{'s' * (mesh.hosts > 1)} x {mesh.procs} proc{'s' * (mesh.procs > 1)}"
         placement.append(f"  mesh {name}: {shape}{on} <- {', '.join(actors)}")
@@ -684,8 +692,14 @@ def describe(topology: Topology) -> str:
             ]
             if topology.task.episodic
             else [
-                "generator -> rewarder: completions + inference logprobs",
-                "rewarder -> controller: rewards -> group advantages -> TrainBatch",
+                "generator -> controller: completions + inference logprobs, each rewarded in the generator "
+                "(the rewarder's functions run there: its mesh is the generator's)",
+                "controller: rewards -> group advantages -> TrainBatch",
+            ]
+            if topology.rewards_in_generators()
+            else [
+                "generator -> controller: completions + inference logprobs",
+                "controller -> rewarder -> controller: rewards -> group advantages -> TrainBatch",
             ]
         ),
         f"controller -> trainer ({topology.actors.trainer.inner_loop}, {topology.trainer_precision()}): TrainBatch; "

@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
 
 
+TIMED = ("time/", "samples_per_s", "generator/")  # what a placement may change
+
+
 def small(tmp_path: Path, *overrides: str):
     base = [
         "loop.steps=4",
@@ -73,6 +76,32 @@ async def test_synchronous_run_fills_the_run_directory(tmp_path, monkeypatch):
     assert any((path / "tensorboard").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert json.loads((path / "checkpoints" / "step_000004" / "state.json").read_text())["version"] == 4
+
+
+async def test_generators_that_reward_what_they_write_train_exactly_as_a_rewarder_actor_does(tmp_path, monkeypatch):
+    """The Rewarder on the generator's mesh runs inside each generator (samples, warm-start traces and
+    evaluation rewarded in the generators' own calls): the same rewards, the same training, no actor."""
+    let_workers_import_this_file(monkeypatch)
+    learned, roles = {}, {}
+    for mesh in ("generator", "service"):
+        overrides = (
+            "loop.max_policy_lag=0",
+            f"actors.rewarder.mesh={mesh}",
+            "actors.rewarder.functions=[test_runtime:half]",
+        )
+        run_dir = await run(small(tmp_path / mesh, *overrides), progress=False)
+        rows = records(run_dir)
+        assert all(r["reward/half"] == 0.5 and r["time/reward"] > 0 for r in rows)
+        learned[mesh] = [
+            {k: v for k, v in r.items() if not k.startswith(TIMED) and not k.endswith("latency_s")} for r in rows
+        ]
+        placed = json.loads((run_dir.path / "procs.json").read_text())
+        roles[mesh] = {name: m["roles"] for name, m in placed.items()}
+    assert learned["generator"] == learned["service"]
+    assert [r["warm_start"] for r in learned["generator"]] == [1, 0, 0, 0]  # a trace was rewarded too
+    assert "eval/reward" in learned["generator"][1]
+    assert roles["generator"] == {"trainer": ["trainer"], "generator": ["generator"], "service": ["teachers"]}
+    assert roles["service"]["service"] == ["rewarder", "teachers"]
 
 
 async def test_bounded_async_run_never_trains_on_samples_older_than_the_lag(tmp_path):
@@ -133,13 +162,22 @@ def explode(problem, completion) -> float:
     raise ValueError("the reward service is down")
 
 
-async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_results(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "placed, failed",
+    [
+        ("service", "rewarder (mesh service, proc 0) failed in reward"),
+        ("generator", "generator (mesh generator, proc 0) failed in generate"),  # it rewards what it writes
+    ],
+)
+async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_results(
+    tmp_path, monkeypatch, placed, failed
+):
     let_workers_import_this_file(monkeypatch)
-    topology = small(tmp_path, "actors.rewarder.functions=[test_runtime:explode]")
+    topology = small(tmp_path, "actors.rewarder.functions=[test_runtime:explode]", f"actors.rewarder.mesh={placed}")
     with pytest.raises(RunFailed) as info:
         await run(topology, progress=False)
     message = str(info.value)
-    assert "rewarder (mesh service, proc 0) failed in reward: ValueError: the reward service is down" in message
+    assert f"{failed}: ValueError: the reward service is down" in message
     assert "at step 0" in message and "metrics.jsonl" in message and "rerun" in message
     assert "Traceback" not in message and "\n" not in message
     (run_path,) = tmp_path.iterdir()

@@ -49,7 +49,7 @@ def test_tiny_topology_loads_with_its_actors_on_its_meshes():
     assert topology.placed_actors() == {
         "trainer": "trainer",
         "generator": "generator",
-        "rewarder": "service",
+        "rewarder": "generator",
         "teachers": "service",
     }
     assert topology.actors.trainer.loss.policy.name == "dapo"
@@ -171,7 +171,9 @@ def test_dry_run_prints_topology_placement_and_graph_and_spawns_nothing(tmp_path
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "# resolved topology" in out and "max_policy_lag: 0" in out
-    assert "mesh service: 1 host x 1 proc <- rewarder, teachers" in out
+    assert "mesh generator: 1 host x 1 proc <- generator, rewarder (inside each generator)" in out
+    assert "mesh service: 1 host x 1 proc <- teachers" in out
+    assert "generator -> controller: completions + inference logprobs, each rewarded in the generator" in out
     assert "controller -> trainer (native, fp32): TrainBatch; synchronous" in out
     assert "trainer -> every generator: float32 weights over shared memory" in out
     assert list(tmp_path.iterdir()) == []  # no run directory, no job state: nothing was placed
