@@ -63,7 +63,7 @@ class TargetLoad:
     requests: int = 0
     rows: int = 0
     busy_seconds: float = 0.0  # the endpoint's own time, weight adoption and rewarding included
-    load_seconds: float = 0.0  # of which adopting a weight version
+    load_seconds: float = 0.0  # of which adopting a weight version (in the call, or by the push before it)
     reward_seconds: float = 0.0  # of which rewarding what it wrote (a Rewarder on the generator's mesh)
 
     def __add__(self, other: TargetLoad) -> TargetLoad:
@@ -114,6 +114,11 @@ class _Target:
     rows: int = 0  # rows of the requests in flight
     version: int | None = None  # the version of everything in flight
     held: int | None = None  # the version its last finished request named
+    pushed_load_seconds: float = 0.0  # weight adoption by pushes, not yet reported with a request
+
+    def take_pushed_load(self) -> float:
+        seconds, self.pushed_load_seconds = self.pushed_load_seconds, 0.0
+        return seconds
 
     def serves(self, version: int) -> bool:
         return self.in_flight == 0 or self.version == version
@@ -207,8 +212,13 @@ class Router:
         loads = [TargetLoad() for _ in self.targets]
         trajectories, outcomes, rewards = [], [], []
         for i, generation in replies:
+            pushed = self.targets[i].take_pushed_load()  # the weights this request used, adopted before it came
             loads[i] += TargetLoad(
-                1, len(generation.texts), generation.seconds, generation.load_seconds, generation.reward_seconds
+                1,
+                len(generation.texts),
+                generation.seconds + pushed,
+                generation.load_seconds + pushed,
+                generation.reward_seconds,
             )
             trajectories += generation.trajectories()
             outcomes += generation.episode_outcomes()
@@ -284,7 +294,7 @@ class Router:
     async def _push(self, i: int, weights: WeightVersion) -> None:
         target = self.targets[i]
         try:
-            await target.handle.hold.call_one(weights)
+            target.pushed_load_seconds += await target.handle.hold.call_one(weights)
             target.held = weights.version
         except Exception as error:  # whatever it is (an actor error, a dead proc), the run must hear of it
             self._failure = self._failure or PushFailed(

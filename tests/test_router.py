@@ -42,8 +42,8 @@ class FakeReplica:
     prompt ``group_size`` times, records what it was asked and fails the test if requests
     of two weight versions are ever in flight at once."""
 
-    def __init__(self, seconds: float = 0.0, fail_push: bool = False):
-        self.seconds, self.fail_push = seconds, fail_push
+    def __init__(self, seconds: float = 0.0, fail_push: bool = False, load_seconds: float = 0.0):
+        self.seconds, self.fail_push, self.load_seconds = seconds, fail_push, load_seconds
         self.requests: list[tuple[str, int, int]] = []  # (endpoint, prompts, version)
         self.in_flight: list[int] = []
         self.held: int | None = None
@@ -76,7 +76,7 @@ class FakeReplica:
         if self.fail_push:
             raise RuntimeError("replica is gone")
         await self._serve("hold", [], 1, weights)
-        return 0.0
+        return self.load_seconds
 
     def served(self, endpoint: str = "generate") -> int:
         return sum(prompts for kind, prompts, _ in self.requests if kind == endpoint)
@@ -99,6 +99,19 @@ async def test_round_robin_rotates_over_replicas_across_calls_and_keeps_group_or
     await route.generate(problems[:2], 2, version(0), SEEDS)  # the rotation runs on: replicas 0 and 1
     await route.generate(problems[:1], 2, version(0), SEEDS)  # ... then replica 2
     assert [len(r.requests) for r in replicas] == [2, 2, 2]
+
+
+async def test_weights_a_push_adopted_are_reported_once_with_the_next_request_that_used_them():
+    replica = FakeReplica(seconds=0.05, load_seconds=0.02)
+    route = router([replica], "round_robin")
+    problems = TASK.problems(0, 0, 2)
+    route.push(version(1))
+    await route.settle()
+    first = await route.generate(problems, 2, version(1), SEEDS)
+    assert first.load_seconds == 0.02 and first.loads[0].busy_seconds == pytest.approx(0.07)
+    assert first.sampling_seconds == pytest.approx(0.05)  # sampling alone, without the adoption
+    again = await route.generate(problems, 2, version(1), SEEDS)
+    assert again.load_seconds == 0.0
 
 
 async def test_least_loaded_sends_the_work_to_the_idle_replica_when_one_is_slow():
