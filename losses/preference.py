@@ -40,4 +40,6 @@ def preference_loss(inputs: PreferenceInputs, cfg: PreferenceConfig) -> tuple[Te
         "accuracy": (logits.detach() > 0).float().sum() / num_pairs,
         "margin": logits.detach().sum() / num_pairs,
     }
-    return F.softplus(-logits).sum() / num_pairs, metrics
+    # -log sigmoid(z) is exact for every margin; softplus(-z) returns -z past its threshold (|z| > 20),
+    # which drops e^-|z| from the value and makes the gradient exactly 1 instead of sigmoid(-z)
+    return -F.logsigmoid(logits).sum() / num_pairs, metrics

@@ -15,8 +15,16 @@ from losses import PreferenceConfig, PreferenceInputs, preference_loss
 def pairs(generator, n=5, *, same_policy_as_ref=False):
     chosen = (-torch.rand(n, generator=generator, dtype=torch.float64) * 10).requires_grad_()
     rejected = (-torch.rand(n, generator=generator, dtype=torch.float64) * 10).requires_grad_()
-    ref_chosen = chosen.detach().clone() if same_policy_as_ref else chosen.detach() - torch.rand(n, generator=generator, dtype=torch.float64)
-    ref_rejected = rejected.detach().clone() if same_policy_as_ref else rejected.detach() + torch.rand(n, generator=generator, dtype=torch.float64)
+    ref_chosen = (
+        chosen.detach().clone()
+        if same_policy_as_ref
+        else chosen.detach() - torch.rand(n, generator=generator, dtype=torch.float64)
+    )
+    ref_rejected = (
+        rejected.detach().clone()
+        if same_policy_as_ref
+        else rejected.detach() + torch.rand(n, generator=generator, dtype=torch.float64)
+    )
     lengths = torch.randint(1, 9, (2, n), generator=generator)
     return PreferenceInputs(chosen, rejected, lengths[0], lengths[1], n, ref_chosen, ref_rejected)
 
@@ -32,8 +40,13 @@ def test_dpo_swap_identity_and_gradient_signs(generator):
     beta = 0.1
     loss, _ = preference_loss(inputs, PreferenceConfig(dpo_beta=beta))
     swapped = PreferenceInputs(
-        inputs.rejected_logps, inputs.chosen_logps, inputs.rejected_lengths, inputs.chosen_lengths, 1,
-        inputs.ref_rejected_logps, inputs.ref_chosen_logps,
+        inputs.rejected_logps,
+        inputs.chosen_logps,
+        inputs.rejected_lengths,
+        inputs.chosen_lengths,
+        1,
+        inputs.ref_rejected_logps,
+        inputs.ref_chosen_logps,
     )
     swapped_loss, _ = preference_loss(swapped, PreferenceConfig(dpo_beta=beta))
     delta = (inputs.chosen_logps - inputs.ref_chosen_logps) - (inputs.rejected_logps - inputs.ref_rejected_logps)
@@ -66,7 +79,9 @@ def test_simpo_properties(generator):
     # repeating a completion (sum and length double) changes nothing; no reference is read
     base = pairs(generator)
     loss, _ = preference_loss(base, PreferenceConfig(kind="simpo"))
-    doubled = dataclasses.replace(base, chosen_logps=2 * base.chosen_logps, chosen_lengths=2 * base.chosen_lengths, ref_chosen_logps=None)
+    doubled = dataclasses.replace(
+        base, chosen_logps=2 * base.chosen_logps, chosen_lengths=2 * base.chosen_lengths, ref_chosen_logps=None
+    )
     assert_close(preference_loss(doubled, PreferenceConfig(kind="simpo"))[0], loss)
     # strictly increasing in gamma for a fixed margin
     values = [preference_loss(base, PreferenceConfig(kind="simpo", simpo_gamma=g))[0].item() for g in (0.0, 0.5, 1.0)]
@@ -77,7 +92,23 @@ def test_pair_loss_is_normalized_by_the_global_pair_count(generator):
     inputs = pairs(generator, n=4)
     whole, _ = preference_loss(inputs, PreferenceConfig())
     halves = [
-        preference_loss(PreferenceInputs(*(t[s] for t in (inputs.chosen_logps, inputs.rejected_logps, inputs.chosen_lengths, inputs.rejected_lengths)), 4, inputs.ref_chosen_logps[s], inputs.ref_rejected_logps[s]), PreferenceConfig())[0]
+        preference_loss(
+            PreferenceInputs(
+                *(
+                    t[s]
+                    for t in (
+                        inputs.chosen_logps,
+                        inputs.rejected_logps,
+                        inputs.chosen_lengths,
+                        inputs.rejected_lengths,
+                    )
+                ),
+                4,
+                inputs.ref_chosen_logps[s],
+                inputs.ref_rejected_logps[s],
+            ),
+            PreferenceConfig(),
+        )[0]
         for s in (slice(0, 1), slice(1, 4))
     ]
     assert_close(halves[0] + halves[1], whole)
@@ -90,3 +121,23 @@ def test_pair_loss_is_normalized_by_the_global_pair_count(generator):
 def test_invalid_preference_configs_fail_at_build_time(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PreferenceConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "simpo"])
+def test_the_loss_and_its_gradient_are_exact_at_margins_far_beyond_softplus_threshold(kind):
+    """-log sigmoid(z) = log(1 + e^-z) and d/dz = -sigmoid(-z), in float64, at |z| up to 80."""
+    margins = torch.tensor([-80.0, -50.5, -21.0, 21.0, 50.5, 80.0], dtype=torch.float64)
+    chosen = margins.clone().requires_grad_()  # beta 1, rejected 0, lengths 1, gamma 0: logits = margins
+    zeros, ones = torch.zeros_like(margins), torch.ones_like(margins)
+    inputs = PreferenceInputs(chosen, zeros, ones, ones, len(margins), zeros, zeros)
+    cfg = (
+        PreferenceConfig(kind=kind, dpo_beta=1.0)
+        if kind == "dpo"
+        else PreferenceConfig(kind=kind, simpo_beta=1.0, simpo_gamma=0.0)
+    )
+    loss, _ = preference_loss(inputs, cfg)
+    expected = [math.log1p(math.exp(-z)) if z > 0 else -z + math.log1p(math.exp(z)) for z in margins.tolist()]
+    assert loss.item() == pytest.approx(sum(expected) / len(margins), rel=1e-15)
+    (grad,) = torch.autograd.grad(loss, chosen)
+    sigmoid_of_minus = [1 / (1 + math.exp(z)) for z in margins.tolist()]
+    assert grad.tolist() == pytest.approx([-g / len(margins) for g in sigmoid_of_minus], rel=1e-12, abs=0)
