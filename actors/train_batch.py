@@ -16,6 +16,7 @@ from torch import Tensor
 
 from actors.rollout import RolloutGroup, Row
 from losses import group_advantages
+from losses.config import AdvantageEstimator
 
 
 @dataclass
@@ -108,14 +109,14 @@ def build_train_batch(
     )
 
 
-def row_advantages(groups: list[RolloutGroup], scale: bool = True) -> Tensor:
+def row_advantages(groups: list[RolloutGroup], estimator: AdvantageEstimator = "group_std") -> Tensor:
     """One advantage per row, in batch order: group-relative among the rows that train the
     policy (``group_advantages``), 0 for the others. Groups of equal size share one call."""
     trained = [[r.reward.total for r in g.rows if r.kind.trains_policy] for g in groups]
     if len({len(t) for t in trained}) == 1:
-        flat = group_advantages(torch.tensor(trained).reshape(-1), len(trained[0]), scale=scale).tolist()
+        flat = group_advantages(torch.tensor(trained).reshape(-1), len(trained[0]), estimator).tolist()
     else:
-        flat = [a for t in trained for a in group_advantages(torch.tensor(t), len(t), scale=scale).tolist()]
+        flat = [a for t in trained for a in group_advantages(torch.tensor(t), len(t), estimator).tolist()]
     values = iter(flat)
     return torch.tensor([next(values) if r.kind.trains_policy else 0.0 for g in groups for r in g.rows])
 

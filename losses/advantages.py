@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from losses.config import AdvantageEstimator
+
 
 def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     if group_size < 1 or rewards.numel() % group_size:
@@ -19,16 +21,26 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.reshape(-1, group_size)
 
 
-def group_advantages(rewards: Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-4) -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_size: int, estimator: AdvantageEstimator = "group_std", *, eps: float = 1e-4
+) -> Tensor:
     """Per-sample advantages ``[N]`` from rewards laid out group by group.
 
-    ``scale=True``: GRPO's ``(r - mean) / (std + eps)`` with the unbiased std (as TRL).
-    ``scale=False``: mean-centred only (Dr. GRPO, PRIME-RL), so rewards keep their scale.
+    - ``group_std``: GRPO's ``(r - mean) / (std + eps)`` with the unbiased std (as TRL).
+    - ``group_mean``: mean-centred only (Dr. GRPO, PRIME-RL), so rewards keep their scale.
+    - ``rloo``: each reward minus the mean of the group's *other* rewards (REINFORCE
+      leave-one-out), which is ``G / (G - 1)`` times the mean-centred advantage.
     """
     grouped = _grouped(rewards, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale and group_size > 1:
+    if group_size == 1:
+        return torch.zeros_like(rewards)
+    if estimator == "group_std":
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif estimator == "rloo":
+        centred = centred * (group_size / (group_size - 1))
+    elif estimator != "group_mean":
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose 'group_std', 'group_mean' or 'rloo'")
     return centred.reshape(-1)
 
 

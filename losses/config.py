@@ -14,6 +14,7 @@ from typing import Literal
 PolicyName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo", "dppo"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+AdvantageEstimator = Literal["group_std", "group_mean", "rloo"]
 
 CLIPPED = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
 # Published defaults: (eps_low, eps_high, aggregation).
@@ -26,6 +27,8 @@ DEFAULTS: dict[str, tuple[float | None, float | None, Aggregation]] = {
     "cispo": (None, None, "token_mean"),  # MiniMax-M1, arXiv 2506.13585
     "dppo": (None, None, "token_mean"),  # PRIME-RL's default loss @559b44772
 }
+# Published advantage estimators: group-normalized (GRPO's) unless the method drops the std.
+MEAN_CENTRED = ("dr_grpo", "dppo")  # Dr. GRPO removes the std; PRIME-RL centres on the group mean only
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class PolicyConfig:
     - ``dppo_*``: PRIME-RL's probability-difference trust region: for A > 0 a token whose
       probability rose by more than ``dppo_mask_high`` gets no policy gradient, for A < 0
       one that fell by more than ``dppo_mask_low``; plus ``dppo_kl_tau * log_ratio**2``.
+    - ``advantage``: how a group's rewards become advantages: ``group_std`` (GRPO's
+      ``(r - mean) / (std + eps)``), ``group_mean`` (``r - mean``: Dr. GRPO, PRIME-RL) or
+      ``rloo`` (``r - mean of the others``, leave-one-out). Unset: the method's own.
     - ``kl_coef``: beta of the k3 KL to the reference; ``kl_unbiased`` multiplies k3 by the
       ratio, which makes its gradient the unbiased ``grad KL(pi || ref)`` (DeepSeek-V3.2).
     - ``is_mode``: where the inference/trainer mismatch is corrected. Unset, the sampler's
@@ -55,6 +61,7 @@ class PolicyConfig:
     clip_low: float | None = None
     clip_high: float | None = None
     aggregation: Aggregation | None = None
+    advantage: AdvantageEstimator | None = None
     kl_coef: float = 0.0
     kl_unbiased: bool = False
     cispo_max_ratio: float = 5.0
@@ -78,6 +85,10 @@ class PolicyConfig:
         object.__setattr__(self, "clip_low", low if self.clip_low is None else self.clip_low)
         object.__setattr__(self, "clip_high", high if self.clip_high is None else self.clip_high)
         object.__setattr__(self, "aggregation", self.aggregation or aggregation)
+        published = "group_mean" if self.name in MEAN_CENTRED else "group_std"
+        object.__setattr__(self, "advantage", self.advantage or published)
+        if self.advantage not in ("group_std", "group_mean", "rloo"):
+            raise ValueError(f"unknown advantage {self.advantage!r}; choose 'group_std', 'group_mean' or 'rloo'")
         if self.aggregation not in ("seq_mean_token_mean", "token_mean", "constant"):
             raise ValueError(f"unknown aggregation {self.aggregation!r}")
         if self.name in CLIPPED and not (0 < self.clip_low < 1 and self.clip_high > 0):

@@ -51,9 +51,7 @@ def generalized_jsd(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> 
         return kl_teacher_student(student_logp, teacher_logp)
     if beta == 1.0:
         return kl_student_teacher(student_logp, teacher_logp)
-    mixture = torch.logsumexp(
-        torch.stack([student_logp + math.log1p(-beta), teacher_logp + math.log(beta)]), dim=0
-    )
+    mixture = torch.logsumexp(torch.stack([student_logp + math.log1p(-beta), teacher_logp + math.log(beta)]), dim=0)
     return beta * _terms(teacher_logp, mixture).sum(-1) + (1 - beta) * _terms(student_logp, mixture).sum(-1)
 
 
@@ -249,7 +247,12 @@ class TAIDScheduler:
         return self.t
 
     def state_dict(self) -> dict[str, float | int | None]:
-        return {"t": self.t, "steps_done": self.steps_done, "momentum": self.momentum, "previous_loss": self.previous_loss}
+        return {
+            "t": self.t,
+            "steps_done": self.steps_done,
+            "momentum": self.momentum,
+            "previous_loss": self.previous_loss,
+        }
 
     def load_state_dict(self, state: dict[str, float | int | None]) -> None:
         self.t, self.steps_done = state["t"], state["steps_done"]

@@ -446,7 +446,10 @@ class Controller:
             raise StalenessError(f"step {step}: samples of policy age {max(ages)} > max_policy_lag")
         # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention and loss
         batch = build_train_batch(
-            collected.groups, row_advantages(collected.groups), 0, max_completion_len=self.max_completion_len
+            collected.groups,
+            row_advantages(collected.groups, self.loss.policy.advantage),
+            0,
+            max_completion_len=self.max_completion_len,
         )
         reports = await self.actors.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)

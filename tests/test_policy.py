@@ -267,23 +267,52 @@ def test_loss_of_row_slices_adds_up_to_the_batch():
 # -- advantages -------------------------------------------------------------------------
 
 
+ESTIMATORS = ("group_std", "group_mean", "rloo")
+
+
 def test_group_advantages_are_centred_per_group():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.9])
-    for scale in (True, False):
-        advantages = group_advantages(rewards, 3, scale=scale).reshape(2, 3)
+    for estimator in ESTIMATORS:
+        advantages = group_advantages(rewards, 3, estimator).reshape(2, 3)
         assert_close(advantages.sum(1), torch.zeros(2), atol=1e-6, rtol=0)
 
 
 def test_degenerate_groups_get_zero_advantage():
-    assert torch.equal(group_advantages(torch.full((8,), 0.7), 4), torch.zeros(8))
-    assert torch.equal(group_advantages(torch.tensor([0.3, 0.9]), 1), torch.zeros(2))  # groups of one
-    assert torch.equal(group_advantages(torch.tensor([0.3, 0.9]), 1, scale=False), torch.zeros(2))
+    for estimator in ESTIMATORS:
+        assert torch.equal(group_advantages(torch.full((8,), 0.7), 4, estimator), torch.zeros(8))
+        assert torch.equal(group_advantages(torch.tensor([0.3, 0.9]), 1, estimator), torch.zeros(2))  # groups of one
 
 
 def test_std_scaling_is_scale_invariant_and_mean_centring_is_not():
     rewards = torch.tensor([1.0, 0.0, 0.25, 0.5])
     assert_close(group_advantages(rewards * 10, 4, eps=0), group_advantages(rewards, 4, eps=0))
-    assert_close(group_advantages(rewards * 10, 4, scale=False), 10 * group_advantages(rewards, 4, scale=False))
+    for estimator in ("group_mean", "rloo"):
+        assert_close(group_advantages(rewards * 10, 4, estimator), 10 * group_advantages(rewards, 4, estimator))
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples_of_the_group(generator):
+    rewards = torch.rand(12, generator=generator, dtype=torch.float64)
+    grouped = rewards.reshape(3, 4)
+    others = (grouped.sum(1, keepdim=True) - grouped) / 3  # each sample's leave-one-out baseline
+    assert_close(group_advantages(rewards, 4, "rloo"), (grouped - others).reshape(-1), rtol=0, atol=1e-15)
+
+
+def test_each_method_defaults_to_its_published_advantage_estimator():
+    estimators = {name: PolicyConfig(name=name).advantage for name in DEFAULTS}
+    assert estimators == {
+        "grpo": "group_std",
+        "dr_grpo": "group_mean",  # the paper's fix: no division by the group's std
+        "dapo": "group_std",
+        "gspo": "group_std",
+        "gspo_token": "group_std",
+        "cispo": "group_std",
+        "dppo": "group_mean",  # PRIME-RL's
+    }
+    assert PolicyConfig(name="dr_grpo", advantage="rloo").advantage == "rloo"
+    with pytest.raises(ValueError, match="unknown advantage 'loo'"):
+        PolicyConfig(advantage="loo")
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        group_advantages(torch.zeros(4), 2, "loo")
 
 
 def test_rewards_that_do_not_fill_groups_are_refused():

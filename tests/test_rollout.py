@@ -108,6 +108,10 @@ def test_advantages_are_relative_within_a_group_and_replayed_traces_get_none():
     assert advantages[7] == 0.0  # a replayed trace is not in channel 1
     equal = row_advantages([plain, dataclasses.replace(plain, index=1)])  # groups of one size share one call
     assert equal.tolist() == pytest.approx(advantages[4:].tolist() * 2)
+    for estimator in ("group_mean", "rloo"):  # the policy's estimator, in either path
+        mixed = row_advantages([warm, plain], estimator)
+        assert mixed[4:7].tolist() == pytest.approx(group_advantages(torch.tensor(rewards), 3, estimator).tolist())
+        assert row_advantages([plain, plain], estimator)[:4].tolist() == pytest.approx(mixed[4:].tolist())
 
 
 def test_teacher_top_k_and_pairs_enter_the_batch():
