@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-PolicyName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo", "dppo"]
+PolicyName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo", "dppo", "sapo"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 AdvantageEstimator = Literal["group_std", "group_mean", "rloo"]
@@ -26,6 +26,7 @@ DEFAULTS: dict[str, tuple[float | None, float | None, Aggregation]] = {
     "gspo_token": (3e-4, 4e-4, "seq_mean_token_mean"),
     "cispo": (None, None, "token_mean"),  # MiniMax-M1, arXiv 2506.13585
     "dppo": (None, None, "token_mean"),  # PRIME-RL's default loss @559b44772
+    "sapo": (None, None, "seq_mean_token_mean"),  # arXiv 2511.20347, TRL's aggregation for it
 }
 # Published advantage estimators: group-normalized (GRPO's) unless the method drops the std.
 MEAN_CENTRED = ("dr_grpo", "dppo")  # Dr. GRPO removes the std; PRIME-RL centres on the group mean only
@@ -37,6 +38,15 @@ class PolicyConfig:
 
     - ``clip_low``/``clip_high``: PPO clip range ``[1 - clip_low, 1 + clip_high]``
       (clipped methods only).
+    - ``dual_clip``: dual-clip PPO's ``c`` (verl's ``clip_ratio_c``, published 3.0): for a
+      negative advantage the token's loss is at most ``-c * A``, so a ratio that grew far
+      past the clip range cannot blow the loss up. TRL's and Liger's ``delta``
+      (INTELLECT-2's two-sided clipping, an upper clamp on the ratio) is the same loss for
+      every ``delta > 1 + clip_high``, the only range INTELLECT-2 uses: set ``dual_clip``.
+      Clipped methods only.
+    - ``sapo_tau_pos``/``sapo_tau_neg``: SAPO's temperatures for positive and non-positive
+      advantages (published 1.0 and 1.05): the ratio's hard clip becomes the soft gate
+      ``sigmoid(tau * (r - 1)) * 4 / tau``, whose slope is 1 at ``r = 1``.
     - ``cispo_max_ratio``: CISPO's IS-weight cap, an *absolute* cap
       ``sg(min(r, cispo_max_ratio))`` (the TRL/Liger convention; ScaleRL uses 5.0).
     - ``dppo_*``: PRIME-RL's probability-difference trust region: for A > 0 a token whose
@@ -62,6 +72,9 @@ class PolicyConfig:
     clip_high: float | None = None
     aggregation: Aggregation | None = None
     advantage: AdvantageEstimator | None = None
+    dual_clip: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     kl_coef: float = 0.0
     kl_unbiased: bool = False
     cispo_max_ratio: float = 5.0
@@ -78,9 +91,10 @@ class PolicyConfig:
             raise ValueError(f"unknown policy loss {self.name!r}; choose one of {sorted(DEFAULTS)}")
         low, high, aggregation = DEFAULTS[self.name]
         if self.name not in CLIPPED and (self.clip_low is not None or self.clip_high is not None):
+            instead = {"cispo": "cispo_max_ratio", "sapo": "sapo_tau_pos/neg"}.get(self.name, "dppo_mask_low/high")
             raise ValueError(
                 f"policy loss {self.name!r} does not clip the ratio, so clip_low/clip_high do not apply; "
-                + ("set cispo_max_ratio instead." if self.name == "cispo" else "set dppo_mask_low/high instead.")
+                f"set {instead} instead."
             )
         object.__setattr__(self, "clip_low", low if self.clip_low is None else self.clip_low)
         object.__setattr__(self, "clip_high", high if self.clip_high is None else self.clip_high)
@@ -95,6 +109,13 @@ class PolicyConfig:
             raise ValueError(
                 f"clip range needs 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}"
             )
+        if self.dual_clip is not None:
+            if self.name not in CLIPPED:
+                raise ValueError(f"dual_clip caps the clipped objective, and {self.name!r} does not clip; unset it")
+            if not self.dual_clip > 1:
+                raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c; 3.0 is published), got {self.dual_clip}")
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError(f"SAPO's temperatures must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
         if self.cispo_max_ratio <= 0 or self.dppo_mask_low < 0 or self.dppo_mask_high < 0:
             raise ValueError("cispo_max_ratio must be > 0 and dppo_mask_low/high >= 0")
         if self.kl_coef < 0:

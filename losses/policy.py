@@ -93,9 +93,18 @@ def _surrogate(logprobs: Tensor, old: Tensor, advantages: Tensor, log_ratio: Ten
         limited = torch.where(advantages > 0, probs_diff > cfg.dppo_mask_high, probs_diff < -cfg.dppo_mask_low)
         policy_gradient = torch.where(limited, torch.zeros_like(ratio), cfg.dppo_adv_tau * advantages * ratio)
         return -policy_gradient + cfg.dppo_kl_tau * log_ratio.square(), limited
+    if cfg.name == "sapo":  # a soft gate instead of a clip: no token is cut off outright
+        temperature = torch.where(advantages > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
+        gate = torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
+        return -gate * advantages, torch.zeros_like(ratio, dtype=torch.bool)
     clipped_ratio = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
     limited = ((ratio < 1 - cfg.clip_low) & (advantages < 0)) | ((ratio > 1 + cfg.clip_high) & (advantages > 0))
+    if cfg.dual_clip is not None:  # for A < 0 the loss is at most -c * A
+        cap = -cfg.dual_clip * advantages
+        capped = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(capped, cap, per_token)
+        limited = limited | capped
     return per_token, limited
 
 

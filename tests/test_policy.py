@@ -66,6 +66,34 @@ def test_clipped_tokens_get_zero_gradient(name):
     assert metrics["clipped_fraction"] == pytest.approx(0.5)
 
 
+def verl_dual_clip(ratio, advantages, low, high, c):
+    """verl's vanilla PPO loss with dual clip, from its equations (``clip_ratio_c`` = c)."""
+    clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - low, 1 + high))
+    return torch.where(advantages < 0, torch.minimum(-advantages * c, clipped), clipped)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo"])
+def test_dual_clip_caps_the_loss_of_negative_advantages_as_verl_does(name, generator):
+    cfg = PolicyConfig(name=name, dual_clip=3.0, aggregation="token_mean")
+    mask = torch.ones(64, 1, dtype=torch.bool)
+    logprobs = (-torch.rand(64, 1, generator=generator, dtype=torch.float64)).requires_grad_()
+    log_ratios = torch.empty(64, 1, dtype=torch.float64).uniform_(-2.0, 2.0, generator=generator)  # r up to e^2
+    advantages = torch.randn(64, generator=generator, dtype=torch.float64)
+    inputs = PolicyInputs(mask, advantages, Counts.from_mask(mask), old_logprobs=logprobs.detach() - log_ratios)
+    loss, metrics = policy_loss(logprobs, inputs, cfg)
+    ratio = (logprobs - inputs.old_logprobs).exp()
+    expected = verl_dual_clip(ratio, advantages[:, None], cfg.clip_low, cfg.clip_high, 3.0).mean()
+    assert_close(loss, expected, rtol=0, atol=1e-14)
+    assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs), rtol=0, atol=1e-14)
+    capped = (advantages[:, None] < 0) & (log_ratios.exp() > 3.0)
+    assert capped.any() and (grad_of(policy_loss(logprobs, inputs, cfg)[0], logprobs)[capped] == 0).all()
+    limited = (log_ratios.exp() < 1 - cfg.clip_low) & (advantages[:, None] < 0)
+    limited |= (log_ratios.exp() > 1 + cfg.clip_high) & (advantages[:, None] > 0)
+    assert metrics["clipped_fraction"] == pytest.approx(float((limited | capped).double().mean()))
+    without, _ = policy_loss(logprobs, inputs, dataclasses.replace(cfg, dual_clip=None))
+    assert without > loss  # the cap only ever lowers a token's loss
+
+
 def test_k3_is_nonnegative_and_zero_only_at_the_reference(generator):
     logprobs, inputs = random_policy()
     ref = logprobs.detach() + torch.randn(logprobs.shape, generator=generator, dtype=torch.float64)
@@ -307,6 +335,7 @@ def test_each_method_defaults_to_its_published_advantage_estimator():
         "gspo_token": "group_std",
         "cispo": "group_std",
         "dppo": "group_mean",  # PRIME-RL's
+        "sapo": "group_std",
     }
     assert PolicyConfig(name="dr_grpo", advantage="rloo").advantage == "rloo"
     with pytest.raises(ValueError, match="unknown advantage 'loo'"):
@@ -349,6 +378,10 @@ def test_overlong_penalty_shape():
         (dict(kl_unbiased=True), "kl_coef > 0"),
         (dict(is_mode="token_truncate", is_min=3.0, is_max=2.0), "is_min < is_max"),
         (dict(aggregation="sum"), "aggregation"),
+        (dict(name="cispo", dual_clip=3.0), "does not clip"),
+        (dict(dual_clip=1.0), "dual_clip must be > 1"),
+        (dict(name="sapo", clip_high=0.2), "sapo_tau_pos/neg"),
+        (dict(name="sapo", sapo_tau_neg=0.0), "temperatures must be > 0"),
     ],
 )
 def test_invalid_policy_configs_fail_at_build_time(kwargs, message):

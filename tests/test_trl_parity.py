@@ -24,6 +24,7 @@ TRL's bf16 itself (the trl inner loop's ``precision: bf16``), held to a bf16 bou
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -280,6 +281,18 @@ GRPO_CASES = {
         "sequence",
         dict(name="gspo", clip_low=0.1, clip_high=0.15, aggregation="constant"),
     ),
+    # TRL's delta (INTELLECT-2) is our dual_clip for delta > 1 + epsilon_high: log delta = 0.27 lies between
+    # log 1.28 and the large token log-ratios (>= 0.3), so the cap binds on every large ratio with A < 0.
+    "grpo_delta": (
+        {"loss_type": "grpo", "epsilon_low": 0.2, "epsilon_high": 0.28, "args.delta": math.exp(0.27)},
+        "token",
+        dict(name="grpo", clip_low=0.2, clip_high=0.28, dual_clip=math.exp(0.27)),
+    ),
+    "sapo": (
+        {"loss_type": "sapo", "args.sapo_temperature_pos": 0.8, "args.sapo_temperature_neg": 1.3},
+        "token",
+        dict(name="sapo", sapo_tau_pos=0.8, sapo_tau_neg=1.3),
+    ),
 }
 KL_CASES = {"no_kl": (0.0, False), "k3": (0.04, False), "k3_unbiased": (0.04, True)}
 OTHER_MICROBATCH_TOKENS = 9  # accumulation: the step's other micro-batch, seen only through the counts
@@ -293,13 +306,14 @@ def test_grpo_family_matches_trl_compute_loss(grpo, case, kl, accumulation):
     trl_attrs, level, ours = GRPO_CASES[case]
     beta, unbiased = KL_CASES[kl]
 
-    # The knobs _compute_loss reads, set on the one real trainer.
+    # The knobs _compute_loss reads, set on the one real trainer (``args.`` ones on its config).
+    trainer.args.delta = None
     for name, value in trl_attrs.items():
-        setattr(trainer, name, value)
+        owner, _, attribute = name.rpartition(".")
+        setattr(trainer.args if owner == "args" else trainer, attribute, value)
     trainer.importance_sampling_level = level
     trainer.beta = beta
     trainer.args.use_bias_correction_kl = unbiased
-    trainer.args.delta = None
     trainer.top_entropy_quantile = 1.0
     trainer.off_policy_mask_threshold = None
     trainer._entropy_bonus_enabled = False
