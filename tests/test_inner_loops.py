@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {  # beyond the plain methods: the sampler corrected apart from the ratio, truncated (TIS) or masked (MIS)
     "dapo_tis": PolicyConfig(name="dapo", is_mode="token_truncate", is_max=1.5),
     "grpo_mis": PolicyConfig(name="grpo", is_mode="token_mask", is_min=0.5, is_max=2.0),
+    "grpo_dual_clip": PolicyConfig(name="grpo", dual_clip=1.05),  # reaches every loop (PRIME-RL: as kwargs)
 }
-POLICY_LOSSES = ["dapo", "grpo", "dr_grpo", "gspo", "cispo", "dppo", *POLICIES]
+POLICY_LOSSES = ["dapo", "grpo", "dr_grpo", "gspo", "cispo", "dppo", "sapo", *POLICIES]
 LOOPS = ["trl", "prime_rl", "torchtitan"]
 TOLERANCE = 1e-5  # fp32; the loops differ only in summation order (measured: <= 3e-8 for trl and prime_rl)
 # bf16 against the fp32 reference (measured over every policy loss, with and without all channels: loss
