@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from losses.batch import DistillInputs, PolicyInputs, PreferenceInputs
+from losses.batch import DistillInputs, PolicyInputs, PreferenceInputs, masked_sum_per_row
 from losses.config import LossConfig
 from losses.distill import distill_loss
-from losses.logprobs import fused_linear_loss, selective_logprobs
-from losses.policy import policy_loss
+from losses.logprobs import fused_linear_loss, selective_logprobs, token_entropy
+from losses.policy import aggregate, policy_loss
 from losses.preference import preference_loss
 
 CHANNELS = ("policy", "distill", "preference")
@@ -44,6 +44,7 @@ class LinearHead:
 @dataclass(frozen=True)
 class TokenLogprobs:
     logprobs: Tensor  # [B, T]
+    entropy: Tensor | None = None  # [B, T], when the backend computed it (logged, never trained on)
 
 
 Head = Logits | LinearHead | TokenLogprobs
@@ -72,8 +73,15 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
     def loss_of_rows(logits: Tensor, rows: slice) -> tuple[Tensor, dict[str, Tensor]]:
         total, metrics = None, {}
         if "policy" in active:
+            policy = inputs.policy.rows(rows)
             logprobs = selective_logprobs(logits, inputs.targets[rows])
-            total, parts = policy_loss(logprobs, inputs.policy.rows(rows), cfg.policy)
+            total, parts = policy_loss(logprobs, policy, cfg.policy)
+            entropy = token_entropy(logits if cfg.policy.entropy_coef else logits.detach())
+            if cfg.policy.entropy_coef:
+                total = total - cfg.policy.entropy_coef * aggregate(
+                    entropy, policy.mask, cfg.policy.aggregation, policy.counts
+                )
+            parts["entropy"] = mean_entropy(entropy, policy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
         if "distill" in active:
             distill, parts = distill_loss(logits, inputs.distill.rows(rows), cfg.distill, taid_t)
@@ -84,10 +92,20 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
     return loss_of_rows
 
 
+def mean_entropy(entropy: Tensor, policy: PolicyInputs) -> Tensor:
+    """The policy's token entropy over its loss tokens, as a row-additive metric (a global count)."""
+    return masked_sum_per_row(entropy.detach(), policy.mask.bool()).sum() / policy.counts.tokens
+
+
 def _active_channels(head: Head, inputs: LossInputs, cfg: LossConfig) -> set[str]:
     active = set()
     if inputs.policy is not None:
         active.add("policy")
+        if cfg.policy.entropy_coef and isinstance(head, TokenLogprobs):
+            raise ValueError(
+                "the entropy bonus (entropy_coef > 0) needs the policy's whole distribution, but the head only "
+                "gives sampled-token logprobs; pass Logits or LinearHead instead of TokenLogprobs"
+            )
     if inputs.distill is not None and cfg.alpha_sdpo > 0:
         if isinstance(head, TokenLogprobs):
             raise ValueError(
@@ -119,6 +137,8 @@ def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid
     if isinstance(head, TokenLogprobs):
         if "policy" in active:
             total, parts = policy_loss(head.logprobs, inputs.policy, cfg.policy)
+            if head.entropy is not None:
+                parts["entropy"] = mean_entropy(head.entropy, inputs.policy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
     elif active & {"policy", "distill"}:
         loss_of_rows = _token_channels(inputs, cfg, taid_t, active)

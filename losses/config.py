@@ -47,6 +47,9 @@ class PolicyConfig:
     - ``sapo_tau_pos``/``sapo_tau_neg``: SAPO's temperatures for positive and non-positive
       advantages (published 1.0 and 1.05): the ratio's hard clip becomes the soft gate
       ``sigmoid(tau * (r - 1)) * 4 / tau``, whose slope is 1 at ``r = 1``.
+    - ``entropy_coef``: an entropy bonus (verl's ``entropy_coeff``): ``entropy_coef`` times the
+      policy's token entropy, aggregated like the loss, is subtracted from it. Needs the
+      whole distribution (not the ``prime_rl`` inner loop, whose loss sees token logprobs).
     - ``cispo_max_ratio``: CISPO's IS-weight cap, an *absolute* cap
       ``sg(min(r, cispo_max_ratio))`` (the TRL/Liger convention; ScaleRL uses 5.0).
     - ``dppo_*``: PRIME-RL's probability-difference trust region: for A > 0 a token whose
@@ -75,6 +78,7 @@ class PolicyConfig:
     dual_clip: float | None = None
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_unbiased: bool = False
     cispo_max_ratio: float = 5.0
@@ -118,6 +122,8 @@ class PolicyConfig:
             raise ValueError(f"SAPO's temperatures must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
         if self.cispo_max_ratio <= 0 or self.dppo_mask_low < 0 or self.dppo_mask_high < 0:
             raise ValueError("cispo_max_ratio must be > 0 and dppo_mask_low/high >= 0")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0 (a bonus for entropy), got {self.entropy_coef}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_coef and self.name == "dppo":

@@ -154,6 +154,22 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens
     return flat.reshape(targets.shape)
 
 
+def token_entropy(logits: Tensor) -> Tensor:
+    """Each position's entropy ``-sum_v p log p`` of ``softmax(logits)``: ``[..., V] -> [...]``,
+    in at least fp32."""
+    log_p = logits.to(_accumulation_dtype(logits.dtype)).log_softmax(-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+@torch.no_grad()
+def linear_head_entropy(hidden: Tensor, weight: Tensor, chunk_tokens: int = 512) -> Tensor:
+    """``token_entropy(hidden @ weight.T)`` chunk by chunk, for logging: ``[..., H] -> [...]``
+    without ever holding more than ``chunk_tokens`` rows of logits."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    parts = [token_entropy(flat[i : i + chunk_tokens] @ weight.T) for i in range(0, flat.shape[0], chunk_tokens)]
+    return torch.cat(parts).reshape(hidden.shape[:-1])
+
+
 class _PrecomputedGrad(torch.autograd.Function):
     """A scalar whose gradients w.r.t. ``hidden`` and ``weight`` are already known."""
 

@@ -87,6 +87,8 @@ def test_every_loop_gives_native_loss_and_gradients(loop, policy, channels, mode
         assert metrics[f"{channel}/skipped"] == want_metrics[f"{channel}/skipped"]
         if not want_metrics[f"{channel}/skipped"]:
             assert metrics[f"{channel}/loss"] == pytest.approx(want_metrics[f"{channel}/loss"], abs=TOLERANCE)
+    assert metrics["policy/entropy"] == pytest.approx(want_metrics["policy/entropy"], abs=TOLERANCE)
+    assert want_metrics["policy/entropy"] > 0.1  # a random tiny model is far from certain
     assert sorted(grads) == sorted(want)
     for name, grad in want.items():
         torch.testing.assert_close(

@@ -10,16 +10,24 @@ import torch
 from conftest import random_policy
 from torch.testing import assert_close
 
+from actors.inner_loops import TrainerConfig
 from losses import (
     Counts,
+    LinearHead,
+    Logits,
+    LossConfig,
+    LossInputs,
     PolicyConfig,
     PolicyInputs,
+    TokenLogprobs,
+    compose_loss,
     group_advantages,
     informative_groups,
     overlong_penalty,
     policy_loss,
 )
 from losses.config import DEFAULTS
+from losses.logprobs import linear_head_entropy, token_entropy
 from losses.policy import aggregate, importance_weights
 
 ALL = sorted(DEFAULTS)
@@ -421,3 +429,67 @@ def test_mismatch_estimates_are_zero_on_policy_and_k3_never_negative():
     for offset in (-2.0, -0.3, 0.5, 3.0):
         moved = dataclasses.replace(inputs, inference_logprobs=logprobs.detach() + offset)
         assert policy_loss(logprobs, moved, PolicyConfig())[1]["mismatch_k3"] > 0
+
+
+# -- entropy --------------------------------------------------------------------------
+
+
+def entropy_case(generator, coef: float):
+    """Random hidden states and LM head, and policy inputs over their completion tokens."""
+    B, T, H, V = 5, 6, 8, 11
+    _, inputs = random_policy(B, T)
+    hidden = torch.randn(B, T, H, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, H, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (B, T), generator=generator)
+    cfg = LossConfig(policy=PolicyConfig(name="grpo", entropy_coef=coef), chunk_tokens=2 * T)  # chunks of 2 rows
+    return hidden, weight, LossInputs(targets=targets, policy=dataclasses.replace(inputs, old_logprobs=None)), cfg
+
+
+def test_token_entropy_is_minus_p_log_p_and_the_chunked_head_agrees(generator):
+    logits = torch.randn(3, 4, 9, generator=generator, dtype=torch.float64) * 3
+    p = logits.softmax(-1)
+    assert_close(token_entropy(logits), -(p * p.log()).sum(-1), rtol=0, atol=1e-14)
+    hidden, weight = torch.randn(3, 4, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
+    assert_close(linear_head_entropy(hidden, weight, chunk_tokens=5), token_entropy(hidden @ weight.T))
+
+
+def test_entropy_is_logged_and_its_bonus_is_taken_alike_from_logits_and_the_chunked_head(generator):
+    hidden, weight, inputs, cfg = entropy_case(generator, coef=0.05)
+    fused = compose_loss(LinearHead(hidden, weight), inputs, cfg)
+    fused_grads = torch.autograd.grad(fused.loss, [hidden, weight])
+    full = compose_loss(Logits(hidden @ weight.T), inputs, cfg)
+    assert_close(full.loss, fused.loss, rtol=0, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(full.loss, [hidden, weight]), fused_grads):
+        assert_close(a, b, rtol=0, atol=1e-12)
+    mask = inputs.policy.mask.bool()
+    entropy = token_entropy((hidden @ weight.T).detach())
+    assert fused.metrics["policy/entropy"] == pytest.approx(float(entropy[mask].sum() / mask.sum()), abs=1e-12)
+    without = compose_loss(
+        Logits(hidden @ weight.T), inputs, dataclasses.replace(cfg, policy=PolicyConfig(name="grpo"))
+    )
+    bonus = aggregate(entropy, mask, "seq_mean_token_mean", inputs.policy.counts)
+    assert_close(full.loss, without.loss - 0.05 * bonus, rtol=0, atol=1e-12)  # the bonus lowers the loss
+    assert without.metrics["policy/entropy"] == fused.metrics["policy/entropy"]  # logged with or without it
+
+
+def test_the_entropy_bonus_alone_makes_a_step_raise_the_entropy(generator):
+    hidden, weight, inputs, cfg = entropy_case(generator, coef=1.0)
+    inputs = dataclasses.replace(
+        inputs, policy=dataclasses.replace(inputs.policy, advantages=inputs.policy.advantages * 0)
+    )
+    out = compose_loss(LinearHead(hidden, weight), inputs, cfg)
+    (grad,) = torch.autograd.grad(out.loss, [hidden])
+    after = compose_loss(LinearHead(hidden.detach() - 0.1 * grad, weight), inputs, cfg)
+    assert after.metrics["policy/entropy"] > out.metrics["policy/entropy"]
+
+
+def test_an_entropy_bonus_that_cannot_see_the_distribution_is_refused():
+    logprobs, inputs = random_policy()
+    with pytest.raises(ValueError, match="entropy bonus .* needs the policy's whole distribution"):
+        compose_loss(
+            TokenLogprobs(logprobs), LossInputs(policy=inputs), LossConfig(policy=PolicyConfig(entropy_coef=0.1))
+        )
+    with pytest.raises(ValueError, match="inner_loop native, trl or torchtitan"):
+        TrainerConfig(mesh="t", inner_loop="prime_rl", loss=LossConfig(policy=PolicyConfig(entropy_coef=0.1)))
+    with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
+        PolicyConfig(entropy_coef=-0.1)

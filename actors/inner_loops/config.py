@@ -79,6 +79,12 @@ class TrainerConfig:
                 f"custom_loss is PRIME-RL's custom-loss hook, but inner_loop is {self.inner_loop!r}: "
                 "set inner_loop: prime_rl, or remove custom_loss"
             )
+        if self.loss.policy.entropy_coef and self.inner_loop == "prime_rl":
+            raise ValueError(
+                "loss.policy.entropy_coef adds an entropy bonus, which needs the policy's whole distribution, but "
+                "PRIME-RL's loss contract sees only token logprobs: use inner_loop native, trl or torchtitan, "
+                "or set entropy_coef: 0"
+            )
         if self.loss.policy.kl_coef > 0:
             raise ValueError(
                 f"loss.policy.kl_coef is {self.loss.policy.kl_coef}, but the trainer has no reference model yet to "

@@ -41,6 +41,8 @@ from losses import (
     PolicyConfig,
     PolicyInputs,
     compose_loss,
+    linear_head_entropy,
+    mean_entropy,
     prime_rl,
     token_logprobs,
 )
@@ -107,6 +109,8 @@ class PrimeRLLoop(NativeLoop):
                 metrics[key] = metrics.get(key, 0.0) + float(value.float().mean()) / self._samples
         total = total / policy.counts.tokens
         metrics["policy/loss"] = float(total.detach())
+        entropy = linear_head_entropy(head.hidden, head.weight, self.cfg.loss.chunk_tokens)
+        metrics["policy/entropy"] = float(mean_entropy(entropy, policy))
         return total, metrics
 
 

@@ -66,7 +66,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs: dict) -> Tensor:
         loss_inputs = inputs.get(LOSS_INPUTS)
-        distribution = loss_inputs is not None and loss_inputs.distill is not None and self.loss_config.alpha_sdpo > 0
+        distills = loss_inputs is not None and loss_inputs.distill is not None and self.loss_config.alpha_sdpo > 0
+        distribution = distills or self.loss_config.policy.entropy_coef > 0
         head = self.policy_head(model, inputs, distribution)
         if loss_inputs is not None:  # our inner loop: it reduces and reports the metrics
             out = compose_loss(head, loss_inputs, self.loss_config, taid_t=inputs.get(TAID_T))
@@ -80,7 +81,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def policy_head(self, model, inputs: dict, distribution: bool) -> Head:
         """TRL's token logprobs (its fused LM head never builds ``[B, T, V]``), or the full
-        logits when a loss channel needs the whole distribution (distillation)."""
+        logits when a loss channel needs the whole distribution (distillation, the entropy bonus)."""
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -90,10 +91,10 @@ class ComposerGRPOTrainer(GRPOTrainer):
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=inputs.get("position_ids")
                 )
             return Logits(logits.logits[:, prompt_ids.shape[1] - 1 : -1] / self.temperature)
-        logprobs, _, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.shape[1]
+        logprobs, entropy, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.shape[1], compute_entropy=True
         )
-        return TokenLogprobs(logprobs)
+        return TokenLogprobs(logprobs, entropy)
 
     def _trl_loss_inputs(self, inputs: dict, head: Head) -> LossInputs:
         """The policy channel from TRL's own batch, with TRL's per-process normalizers."""
