@@ -39,10 +39,11 @@ _LAZY = {
     "distill_loss": "losses.distill",
     "hinted_inputs": "losses.distill",
     "fused_linear_loss": "losses.logprobs",
-    "linear_head_entropy": "losses.logprobs",
     "selective_logprobs": "losses.logprobs",
+    "selective_logprobs_and_entropy": "losses.logprobs",
     "token_entropy": "losses.logprobs",
     "token_logprobs": "losses.logprobs",
+    "token_logprobs_and_entropy": "losses.logprobs",
     "policy_loss": "losses.policy",
     "preference_loss": "losses.preference",
 }

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from losses.batch import DistillInputs, PolicyInputs, PreferenceInputs, masked_sum_per_row
 from losses.config import LossConfig
 from losses.distill import distill_loss
-from losses.logprobs import fused_linear_loss, selective_logprobs, token_entropy
+from losses.logprobs import fused_linear_loss, selective_logprobs_and_entropy, token_entropy
 from losses.policy import aggregate, policy_loss
 from losses.preference import preference_loss
 
@@ -74,13 +73,11 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
         total, metrics = None, {}
         if "policy" in active:
             policy = inputs.policy.rows(rows)
-            logprobs = selective_logprobs(logits, inputs.targets[rows])
+            logprobs, entropy = selective_logprobs_and_entropy(logits, inputs.targets[rows])
             total, parts = policy_loss(logprobs, policy, cfg.policy)
-            entropy = token_entropy(logits if cfg.policy.entropy_coef else logits.detach())
-            if cfg.policy.entropy_coef:
-                total = total - cfg.policy.entropy_coef * aggregate(
-                    entropy, policy.mask, cfg.policy.aggregation, policy.counts
-                )
+            if cfg.policy.entropy_coef:  # the bonus needs the entropy's gradient: log_softmax's temporaries
+                bonus = aggregate(token_entropy(logits), policy.mask, cfg.policy.aggregation, policy.counts)
+                total = total - cfg.policy.entropy_coef * bonus
             parts["entropy"] = mean_entropy(entropy, policy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
         if "distill" in active:

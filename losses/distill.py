@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from losses.batch import DistillInputs, TeacherHidden, TeacherLogits, TeacherTopK, masked_sum_per_row

@@ -79,12 +79,34 @@ def scale_to(values: Tensor, scale: Tensor, dtype: torch.dtype, in_place: bool) 
     return torch.mul(values, scale, out=torch.empty_like(values, dtype=dtype))
 
 
+def _weighted_logits(weights: Tensor, logits: Tensor, rows_per_block: int = 256) -> Tensor:
+    """``sum_v weights * logits`` per row (``[N, V]`` each; ``weights`` in at least fp32): a
+    row-wise dot product, so no ``[N, V]`` product is ever written (logits of a narrower
+    dtype are upcast a block of rows at a time)."""
+    if logits.dtype == weights.dtype:
+        return torch.bmm(weights.unsqueeze(-2), logits.unsqueeze(-1)).reshape(weights.shape[0])
+    sums = weights.new_empty(weights.shape[0])
+    for start in range(0, weights.shape[0], rows_per_block):
+        block = slice(start, start + rows_per_block)
+        sums[block] = _weighted_logits(weights[block], logits[block].to(weights.dtype))
+    return sums
+
+
+def _entropy(logits: Tensor, unnormalized: Tensor, peak: Tensor, total: Tensor) -> Tensor:
+    """``-sum p log p = log Z - E_p[logits]`` from the forward's ``exp(logits - peak)`` and its row
+    sums ``total`` (``Z = total * exp(peak)``): a dot product per row, not another ``exp`` pass."""
+    flat = unnormalized.reshape(-1, unnormalized.shape[-1])
+    expected = _weighted_logits(flat, logits.reshape(flat.shape)).reshape(total.shape) / total
+    return (peak + total.log() - expected).squeeze(-1)
+
+
 class _SelectiveLogprobs(torch.autograd.Function):
-    """One ``exp`` pass over the logits serves both the logprobs and their gradient: forward keeps
-    the unnormalized ``exp(logits - max)`` (in at least fp32) and backward only scales it."""
+    """One ``exp`` pass over the logits serves the logprobs, their gradient and (when asked) the
+    entropy: forward keeps the unnormalized ``exp(logits - max)`` (in at least fp32) and
+    backward only scales it. The entropy is for logging: it carries no gradient."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
+    def forward(ctx, logits: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         acc = _accumulation_dtype(logits.dtype)
         peak = logits.amax(-1, keepdim=True).to(acc)
         unnormalized = (logits - peak).exp_()  # the upcast rides on the subtraction
@@ -92,15 +114,18 @@ class _SelectiveLogprobs(torch.autograd.Function):
         logprobs = logits.gather(-1, targets.unsqueeze(-1)).to(acc) - peak - total.log()
         ctx.save_for_backward(unnormalized, total, targets, logprobs)
         ctx.dtype = logits.dtype
-        return logprobs.squeeze(-1)
+        entropy = _entropy(logits.detach(), unnormalized, peak, total) if with_entropy else None
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs.squeeze(-1), entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor, _: Tensor | None):
         unnormalized, total, targets, logprobs = ctx.saved_tensors
         g = grad_out.unsqueeze(-1).to(total.dtype)
         grad = scale_to(unnormalized, -g / total, ctx.dtype, in_place=not backward_keeps_graph())
         # The target's entry g * (1 - p) from expm1, exact where p is near 1 (unlike g - g * p in bf16).
-        return grad.scatter_(-1, targets.unsqueeze(-1), (-g * torch.expm1(logprobs)).to(ctx.dtype)), None
+        return grad.scatter_(-1, targets.unsqueeze(-1), (-g * torch.expm1(logprobs)).to(ctx.dtype)), None, None
 
 
 def selective_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -109,26 +134,41 @@ def selective_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     Keeps one logits-sized tensor between forward and backward and makes none in backward
     (for fp32 logits), where ``log_softmax`` + ``gather`` keep three.
     """
-    return _SelectiveLogprobs.apply(logits, targets)
+    return _SelectiveLogprobs.apply(logits, targets, False)[0]
+
+
+def selective_logprobs_and_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``selective_logprobs`` and each position's entropy (detached), from the same ``exp`` pass."""
+    return _SelectiveLogprobs.apply(logits, targets, True)
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
         acc = _accumulation_dtype(hidden.dtype)
         logprobs = hidden.new_empty(hidden.shape[0], dtype=acc)
         log_norm = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = (hidden[rows] @ weight.T).to(acc)
-            log_norm[rows] = torch.logsumexp(logits, dim=-1)
+            peak = logits.amax(-1, keepdim=True)
+            unnormalized = (logits - peak).exp_()
+            total = unnormalized.sum(-1, keepdim=True)
+            log_norm[rows] = (peak + total.log()).squeeze(-1)
             logprobs[rows] = logits.gather(1, targets[rows, None]).squeeze(1) - log_norm[rows]
+            if entropy is not None:
+                entropy[rows] = _entropy(logits, unnormalized, peak, total)
         ctx.save_for_backward(hidden, weight, targets, log_norm)
         ctx.chunk = chunk
-        return logprobs
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor, _: Tensor | None):
         hidden, weight, targets, log_norm = ctx.saved_tensors
         acc = log_norm.dtype
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
@@ -141,7 +181,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_hidden[rows] = grad_logits @ weight
             if grad_weight is not None:
                 _add_product(grad_weight, grad_logits.T, hidden[rows])
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
 
 
 def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 512) -> Tensor:
@@ -150,24 +190,27 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens
     ``hidden`` is ``[..., H]``, ``weight`` the LM head ``[V, H]``, ``targets`` ``[...]``;
     returns ``[...]`` in at least fp32.
     """
-    flat = _TokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk_tokens)
-    return flat.reshape(targets.shape)
+    return _token_logprobs(hidden, weight, targets, chunk_tokens, with_entropy=False)[0]
+
+
+def token_logprobs_and_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 512
+) -> tuple[Tensor, Tensor]:
+    """``token_logprobs`` and each position's entropy (detached), chunk by chunk alike."""
+    return _token_logprobs(hidden, weight, targets, chunk_tokens, with_entropy=True)
+
+
+def _token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int, with_entropy: bool):
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logprobs, entropy = _TokenLogprobs.apply(flat, weight, targets.reshape(-1), chunk_tokens, with_entropy)
+    return logprobs.reshape(targets.shape), None if entropy is None else entropy.reshape(targets.shape)
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Each position's entropy ``-sum_v p log p`` of ``softmax(logits)``: ``[..., V] -> [...]``,
-    in at least fp32."""
+    """Each position's entropy ``-sum_v p log p`` of ``softmax(logits)``, differentiable (the
+    entropy bonus): ``[..., V] -> [...]`` in at least fp32, with ``log_softmax``'s temporaries."""
     log_p = logits.to(_accumulation_dtype(logits.dtype)).log_softmax(-1)
     return -(log_p.exp() * log_p).sum(-1)
-
-
-@torch.no_grad()
-def linear_head_entropy(hidden: Tensor, weight: Tensor, chunk_tokens: int = 512) -> Tensor:
-    """``token_entropy(hidden @ weight.T)`` chunk by chunk, for logging: ``[..., H] -> [...]``
-    without ever holding more than ``chunk_tokens`` rows of logits."""
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    parts = [token_entropy(flat[i : i + chunk_tokens] @ weight.T) for i in range(0, flat.shape[0], chunk_tokens)]
-    return torch.cat(parts).reshape(hidden.shape[:-1])
 
 
 class _PrecomputedGrad(torch.autograd.Function):

@@ -108,12 +108,17 @@ def test_matmuls_per_chunk_forward_and_backward(channels, per_chunk):
     """Logits, grad_hidden and grad_weight: three GEMMs per chunk (the teacher's logits make four).
 
     Gradients are taken in forward, so backward adds none; the logits and grad_hidden GEMMs keep
-    bf16 operands, and the weight gradient accumulates into fp32.
+    bf16 operands, and the weight gradient accumulates into fp32. The logged entropy adds only
+    row-wise dot products (``bmm`` of ``[N, 1, V] x [N, V, 1]``, fp32), never a GEMM over the head.
     """
     hidden, weight, inputs, cfg = problem(channels, torch.bfloat16)
     chunks = -(-B // (cfg.chunk_tokens // T))
     with MatmulLog() as log:
         compose_loss(LinearHead(hidden, weight), inputs, cfg).loss.backward()
+    dots = [dtypes for name, dtypes in log.calls if name == "bmm"]
+    assert all(dtypes == (torch.float32, torch.float32) for dtypes in dots)
+    assert len(dots) == (chunks if "policy" in channels else 0)
+    log.calls = [call for call in log.calls if call[0] != "bmm"]
     assert len(log.calls) == per_chunk * chunks
     assert sum(name.startswith("addmm") for name, _ in log.calls) == chunks
     assert all(dtypes == (torch.bfloat16, torch.bfloat16) for name, dtypes in log.calls if name == "mm")

@@ -27,7 +27,13 @@ from losses import (
     policy_loss,
 )
 from losses.config import DEFAULTS
-from losses.logprobs import linear_head_entropy, token_entropy
+from losses.logprobs import (
+    selective_logprobs,
+    selective_logprobs_and_entropy,
+    token_entropy,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 from losses.policy import aggregate, importance_weights
 
 ALL = sorted(DEFAULTS)
@@ -445,12 +451,23 @@ def entropy_case(generator, coef: float):
     return hidden, weight, LossInputs(targets=targets, policy=dataclasses.replace(inputs, old_logprobs=None)), cfg
 
 
-def test_token_entropy_is_minus_p_log_p_and_the_chunked_head_agrees(generator):
-    logits = torch.randn(3, 4, 9, generator=generator, dtype=torch.float64) * 3
-    p = logits.softmax(-1)
-    assert_close(token_entropy(logits), -(p * p.log()).sum(-1), rtol=0, atol=1e-14)
-    hidden, weight = torch.randn(3, 4, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
-    assert_close(linear_head_entropy(hidden, weight, chunk_tokens=5), token_entropy(hidden @ weight.T))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_every_entropy_kernel_is_minus_p_log_p(generator, dtype):
+    """The differentiable one, and the two that reuse the logprobs' exp pass (full logits, chunked head)."""
+    hidden = torch.randn(3, 4, 5, generator=generator, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(9, 5, generator=generator, dtype=torch.float64) * 2).to(dtype)
+    targets = torch.randint(0, 9, (3, 4), generator=generator)
+    logits = (hidden.double() @ weight.double().T).to(dtype)
+    p = logits.double().softmax(-1)
+    want = -(p * p.log()).sum(-1)
+    tolerance = {"rtol": 0, "atol": 1e-12 if dtype == torch.float64 else 1e-5}
+    assert_close(token_entropy(logits).double(), want, **tolerance)
+    logprobs, entropy = selective_logprobs_and_entropy(logits, targets)
+    assert_close(entropy.double(), want, **tolerance)
+    assert_close(logprobs, selective_logprobs(logits, targets), rtol=0, atol=0)
+    logprobs, entropy = token_logprobs_and_entropy(hidden, weight, targets, chunk_tokens=5)  # chunks of 5 positions
+    assert_close(entropy.double(), token_entropy(hidden @ weight.T).double(), **tolerance)
+    assert_close(logprobs, token_logprobs(hidden, weight, targets, chunk_tokens=5), rtol=0, atol=0)
 
 
 def test_entropy_is_logged_and_its_bonus_is_taken_alike_from_logits_and_the_chunked_head(generator):

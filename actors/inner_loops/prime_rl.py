@@ -41,10 +41,9 @@ from losses import (
     PolicyConfig,
     PolicyInputs,
     compose_loss,
-    linear_head_entropy,
     mean_entropy,
     prime_rl,
-    token_logprobs,
+    token_logprobs_and_entropy,
 )
 
 LossFn = Callable[..., prime_rl.LossOutputs]
@@ -89,7 +88,9 @@ class PrimeRLLoop(NativeLoop):
 
     def _policy_loss(self, head: LinearHead, batch: TrainBatch, policy: PolicyInputs) -> tuple[Tensor, dict]:
         """PRIME-RL's ``compute_loss`` for the rl component: per-sample sums over the step's tokens."""
-        logprobs = token_logprobs(head.hidden, head.weight, batch.targets, self.cfg.loss.chunk_tokens)
+        logprobs, entropy = token_logprobs_and_entropy(
+            head.hidden, head.weight, batch.targets, self.cfg.loss.chunk_tokens
+        )
         weights = loss_weights(policy, self.cfg.loss.policy)
         total = logprobs.sum() * 0.0  # in the graph even for rows without policy tokens: DDP syncs in backward
         metrics = {}
@@ -109,7 +110,6 @@ class PrimeRLLoop(NativeLoop):
                 metrics[key] = metrics.get(key, 0.0) + float(value.float().mean()) / self._samples
         total = total / policy.counts.tokens
         metrics["policy/loss"] = float(total.detach())
-        entropy = linear_head_entropy(head.hidden, head.weight, self.cfg.loss.chunk_tokens)
         metrics["policy/entropy"] = float(mean_entropy(entropy, policy))
         return total, metrics
 
