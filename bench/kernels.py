@@ -14,6 +14,8 @@ LM-head weight) of
   ``selective_logprobs``); ``linear_head`` = ``compose_loss(LinearHead(hidden, W))``
   (``fused_linear_loss``, default ``chunk_tokens``); ``token_logprobs`` =
   ``token_logprobs(hidden, W, targets)`` fed to ``policy_loss`` (recompute-in-backward);
+- the same four-way comparison's ``naive`` and ``linear_head`` for SAPO (``sapo``), a newer
+  policy loss, to show the memory-lean path carries it at the same cost;
 - the JSD distillation term (``compose_loss`` channel 2 alone, ``alpha_sdpo=1``):
   ``naive`` = student ``Logits(hidden @ W.T)`` and ``TeacherLogits(teacher_hidden @ W_t.T)``
   (teacher matmul under no_grad, inside the measured region: the chunked path does it too);
@@ -47,7 +49,7 @@ from pathlib import Path
 
 import kernels_cuda
 from common import machine  # bench/ is on sys.path when this runs as a script
-from loss_steps import behaviour_logprobs, build_inputs, make_step
+from loss_steps import POLICY_METHODS, behaviour_logprobs, build_inputs, make_step
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench" / "out"  # git-ignored scratch (results JSON, gradients for the cross-check)
@@ -64,6 +66,7 @@ POINTS = {
 VARIANTS = {
     "policy": ("naive", "logits_head", "linear_head", "token_logprobs"),
     "jsd": ("naive", "linear_head"),
+    "sapo": ("naive", "linear_head"),
 }
 TARGET_MEMORY_RATIO = 0.3  # chunked peak memory <= 0.3 x naive
 TARGET_TIME_RATIO = 1.2  # chunked time <= 1.2 x naive
@@ -174,7 +177,7 @@ def child(args) -> None:
         return
     try:
         t0 = time.perf_counter()
-        old_logprobs = torch.load(args.old_logprobs) if args.channel == "policy" else None
+        old_logprobs = torch.load(args.old_logprobs) if args.channel in POLICY_METHODS else None
         d = build_inputs(args.channel, B, T, H, V, old_logprobs=old_logprobs)
         step = make_step(args.channel, args.variant, d)
         result["build_s"] = time.perf_counter() - t0
@@ -438,7 +441,7 @@ def main(args) -> int:
     failures, everything, all_results = [], {}, {}
     while plan:
         point, channels = plan.pop(0)
-        if "policy" in channels:
+        if any(channel in POLICY_METHODS for channel in channels):
             prepare_point(point, threads)
         results = {}
         for channel in channels:
@@ -486,7 +489,10 @@ def main(args) -> int:
     } | {losses_fingerprint()}
     if seen != {code}:
         failures.append(f"losses/ changed while the benchmark ran ({sorted(seen)}): rerun it")
-    print("checks (agreement with the naive path; code unchanged):", "FAIL\n  " + "\n  ".join(failures) if failures else "OK")
+    print(
+        "checks (agreement with the naive path; code unchanged):",
+        "FAIL\n  " + "\n  ".join(failures) if failures else "OK",
+    )
     print(f"total runtime {total:.0f}s; raw results in {OUT_DIR / 'losses-results.json'}")
     return 1 if failures else 0
 
@@ -519,7 +525,9 @@ def interleave(point: str, channel: str, rounds: int, threads: int) -> int:
             print(f"round {r} {variant}: {times[variant][-1]:.2f}s", flush=True)
     naive = statistics.median(times["naive"])
     for variant, ts in times.items():
-        print(f"{point} {channel} {variant}: median {statistics.median(ts):.2f}s, {statistics.median(ts) / naive:.2f}x naive")
+        print(
+            f"{point} {channel} {variant}: median {statistics.median(ts):.2f}s, {statistics.median(ts) / naive:.2f}x naive"
+        )
     return 0
 
 

@@ -24,6 +24,11 @@ def behaviour_logprobs(B: int, T: int, H: int, V: int, seed: int = 0, device: st
     return current + 0.1 * torch.randn(B, T, generator=torch.Generator().manual_seed(seed + 1)).to(device)
 
 
+# The policy-loss rows of the benchmark: DAPO, and SAPO to show the memory-lean path carries a newer
+# method at the same cost.
+POLICY_METHODS = {"policy": "dapo", "sapo": "sapo"}
+
+
 def build_inputs(
     channel: str, B: int, T: int, H: int, V: int, seed: int = 0, old_logprobs=None, device: str = "cpu", dtype=None
 ):
@@ -44,7 +49,7 @@ def build_inputs(
     mask = torch.arange(T)[None, :] < lengths[:, None]  # ragged, right-padded completions
     counts = losses.Counts.from_mask(mask)
     data = {"targets": targets.to(device), "mask": mask.to(device), "counts": counts}
-    if channel == "policy":
+    if channel in POLICY_METHODS:
         advantages = torch.randn(B, generator=g)
         if old_logprobs is None:
             old_logprobs = behaviour_logprobs(B, T, H, V, seed, device, dtype)
@@ -64,8 +69,8 @@ def make_step(channel: str, variant: str, d):
     import losses
 
     hidden, weight, targets = d["hidden"], d["weight"], d["targets"]
-    if channel == "policy":
-        cfg = losses.LossConfig(policy=losses.PolicyConfig(name="dapo"))
+    if channel in POLICY_METHODS:
+        cfg = losses.LossConfig(policy=losses.PolicyConfig(name=POLICY_METHODS[channel]))
         inputs = losses.LossInputs(targets, policy=d["policy"])
         if variant == "naive":
 
