@@ -45,6 +45,7 @@ _LAZY = {
     "token_logprobs": "losses.logprobs",
     "token_logprobs_and_entropy": "losses.logprobs",
     "policy_loss": "losses.policy",
+    "covariance_selection": "losses.policy",
     "preference_loss": "losses.preference",
 }
 

@@ -57,6 +57,7 @@ class PolicyInputs:
     inference_logprobs: Tensor | None = None  # [B, T] the sampler's: the old policy or TIS/MIS (see is_mode)
     ref_logprobs: Tensor | None = None  # [B, T] frozen reference, for the KL penalty
     token_weights: Tensor | None = None  # [B, T] per-token loss weights (PRIME-RL's loss_weights)
+    held_back: Tensor | None = None  # [B, T] bool, Clip-Cov/KL-Cov's tokens over the step (covariance_selection)
 
     rows = _slice_rows
 

@@ -15,15 +15,22 @@ The policy's distribution comes in one of three forms (the ``Head``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from torch import Tensor
 
 from losses.batch import DistillInputs, PolicyInputs, PreferenceInputs, masked_sum_per_row
-from losses.config import LossConfig
+from losses.config import COVARIANCE, LossConfig, PolicyConfig
 from losses.distill import distill_loss
-from losses.logprobs import fused_linear_loss, selective_logprobs_and_entropy, token_entropy
-from losses.policy import aggregate, policy_loss
+from losses.logprobs import (
+    fused_linear_loss,
+    selective_logprobs,
+    selective_logprobs_and_entropy,
+    token_entropy,
+    token_logprobs,
+)
+from losses.policy import aggregate, covariance_selection, old_policy_logprobs, policy_loss
 from losses.preference import preference_loss
 
 CHANNELS = ("policy", "distill", "preference")
@@ -89,6 +96,24 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
     return loss_of_rows
 
 
+def _with_held_back(head: Head, inputs: LossInputs, cfg: PolicyConfig) -> PolicyInputs:
+    """The policy inputs with Clip-Cov's or KL-Cov's tokens chosen over all their rows, before the
+    head is evaluated chunk by chunk (each chunk choosing its own would depend on the chunking).
+    Without old or sampler logprobs the old policy is the current one: a no-grad pass gives them."""
+    policy = inputs.policy
+    logprobs = old_policy_logprobs(policy)
+    if logprobs is None:
+        with torch.no_grad():
+            if isinstance(head, TokenLogprobs):
+                logprobs = head.logprobs
+            elif isinstance(head, Logits):
+                logprobs = selective_logprobs(head.logits, inputs.targets)
+            else:
+                logprobs = token_logprobs(head.hidden, head.weight, inputs.targets)
+    advantages = policy.advantages if policy.advantages.dim() == 2 else policy.advantages[:, None]
+    return replace(policy, held_back=covariance_selection(logprobs, advantages, policy.mask, cfg))
+
+
 def mean_entropy(entropy: Tensor, policy: PolicyInputs) -> Tensor:
     """The policy's token entropy over its loss tokens, as a row-additive metric (a global count)."""
     return masked_sum_per_row(entropy.detach(), policy.mask.bool()).sum() / policy.counts.tokens
@@ -128,6 +153,8 @@ def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid
     With ``alpha_sdpo = beta_replay = 0`` the result is bit-identical to ``policy_loss``.
     """
     active = _active_channels(head, inputs, cfg)
+    if "policy" in active and cfg.policy.name in COVARIANCE and inputs.policy.held_back is None:
+        inputs = replace(inputs, policy=_with_held_back(head, inputs, cfg.policy))
     total: Tensor | None = None
     metrics: dict[str, Tensor] = {}
 

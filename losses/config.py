@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-PolicyName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo", "dppo", "sapo"]
+PolicyName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo", "dppo", "sapo", "clip_cov", "kl_cov"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 AdvantageEstimator = Literal["group_std", "group_mean", "rloo"]
 
-CLIPPED = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
+CLIPPED = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "clip_cov")
+COVARIANCE = ("clip_cov", "kl_cov")  # pick tokens by the covariance of logprob and advantage
 # Published defaults: (eps_low, eps_high, aggregation).
 DEFAULTS: dict[str, tuple[float | None, float | None, Aggregation]] = {
     "grpo": (0.2, 0.2, "seq_mean_token_mean"),  # DeepSeekMath, arXiv 2402.03300
@@ -27,6 +28,8 @@ DEFAULTS: dict[str, tuple[float | None, float | None, Aggregation]] = {
     "cispo": (None, None, "token_mean"),  # MiniMax-M1, arXiv 2506.13585
     "dppo": (None, None, "token_mean"),  # PRIME-RL's default loss @559b44772
     "sapo": (None, None, "seq_mean_token_mean"),  # arXiv 2511.20347, TRL's aggregation for it
+    "clip_cov": (0.2, 0.2, "token_mean"),  # arXiv 2505.22617, verl's clip_ratio and loss_agg_mode
+    "kl_cov": (None, None, "token_mean"),
 }
 # Published advantage estimators: group-normalized (GRPO's) unless the method drops the std.
 MEAN_CENTRED = ("dr_grpo", "dppo")  # Dr. GRPO removes the std; PRIME-RL centres on the group mean only
@@ -47,6 +50,19 @@ class PolicyConfig:
     - ``sapo_tau_pos``/``sapo_tau_neg``: SAPO's temperatures for positive and non-positive
       advantages (published 1.0 and 1.05): the ratio's hard clip becomes the soft gate
       ``sigmoid(tau * (r - 1)) * 4 / tau``, whose slope is 1 at ``r = 1``.
+    - ``clip_cov`` and ``kl_cov`` (arXiv 2505.22617, as verl implements them): the tokens
+      whose centred logprob times centred advantage (their covariance, which drives the
+      policy's entropy down) is largest are held back. ``clip_cov`` is the clipped
+      objective with a random ``cov_fraction`` of the tokens (at least one), picked among
+      those whose covariance lies in ``(clip_cov_low, clip_cov_high)``, cut from the loss
+      where the clip left them alone; ``kl_cov`` is the unclipped ``-r * A`` with
+      ``kl_cov_coef * |log r|`` added at the ``cov_fraction`` of the tokens (at least one)
+      of largest covariance. Published: ``cov_fraction`` 2e-4, window (1, 5), ``kl_cov_coef``
+      1. The tokens are chosen once per step (``covariance_selection``: over all its policy
+      tokens, with the old policy's logprobs, the sampler's unless given), where verl
+      chooses per micro-batch with the current logprobs (the same values in an on-policy
+      first update): so micro-batch size, chunking and inner loop cannot change the choice.
+      Clip-Cov's random pick is seeded by its candidates, so retries and resumes agree.
     - ``entropy_coef``: an entropy bonus (verl's ``entropy_coeff``): ``entropy_coef`` times the
       policy's token entropy, aggregated like the loss, is subtracted from it. Needs the
       whole distribution (not the ``prime_rl`` inner loop, whose loss sees token logprobs).
@@ -78,6 +94,10 @@ class PolicyConfig:
     dual_clip: float | None = None
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    cov_fraction: float = 2e-4
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+    kl_cov_coef: float = 1.0
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_unbiased: bool = False
@@ -95,7 +115,9 @@ class PolicyConfig:
             raise ValueError(f"unknown policy loss {self.name!r}; choose one of {sorted(DEFAULTS)}")
         low, high, aggregation = DEFAULTS[self.name]
         if self.name not in CLIPPED and (self.clip_low is not None or self.clip_high is not None):
-            instead = {"cispo": "cispo_max_ratio", "sapo": "sapo_tau_pos/neg"}.get(self.name, "dppo_mask_low/high")
+            instead = {"cispo": "cispo_max_ratio", "sapo": "sapo_tau_pos/neg", "kl_cov": "kl_cov_coef"}.get(
+                self.name, "dppo_mask_low/high"
+            )
             raise ValueError(
                 f"policy loss {self.name!r} does not clip the ratio, so clip_low/clip_high do not apply; "
                 f"set {instead} instead."
@@ -118,6 +140,13 @@ class PolicyConfig:
                 raise ValueError(f"dual_clip caps the clipped objective, and {self.name!r} does not clip; unset it")
             if not self.dual_clip > 1:
                 raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c; 3.0 is published), got {self.dual_clip}")
+        if not 0 < self.cov_fraction <= 1:
+            raise ValueError(f"cov_fraction is a share of the tokens, in (0, 1], got {self.cov_fraction}")
+        if not self.clip_cov_low < self.clip_cov_high or self.kl_cov_coef < 0:
+            raise ValueError(
+                f"Clip-Cov's window needs clip_cov_low < clip_cov_high (published 1.0, 5.0), got "
+                f"{self.clip_cov_low}, {self.clip_cov_high}; kl_cov_coef must be >= 0, got {self.kl_cov_coef}"
+            )
         if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
             raise ValueError(f"SAPO's temperatures must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
         if self.cispo_max_ratio <= 0 or self.dppo_mask_low < 0 or self.dppo_mask_high < 0:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from losses.batch import Counts, PolicyInputs, masked_sum_per_row
-from losses.config import Aggregation, PolicyConfig
+from losses.config import COVARIANCE, Aggregation, PolicyConfig
 
 LOG_WEIGHT_BOUND = 20.0  # exp(+-20) guards importance weights against overflow (as verl)
 
@@ -93,6 +93,8 @@ def _surrogate(logprobs: Tensor, old: Tensor, advantages: Tensor, log_ratio: Ten
         limited = torch.where(advantages > 0, probs_diff > cfg.dppo_mask_high, probs_diff < -cfg.dppo_mask_low)
         policy_gradient = torch.where(limited, torch.zeros_like(ratio), cfg.dppo_adv_tau * advantages * ratio)
         return -policy_gradient + cfg.dppo_kl_tau * log_ratio.square(), limited
+    if cfg.name == "kl_cov":  # unclipped; ``_covariance_rule`` adds the KL at the chosen tokens
+        return -ratio * advantages, torch.zeros_like(ratio, dtype=torch.bool)
     if cfg.name == "sapo":  # a soft gate instead of a clip: no token is cut off outright
         temperature = torch.where(advantages > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
         gate = torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
@@ -108,6 +110,44 @@ def _surrogate(logprobs: Tensor, old: Tensor, advantages: Tensor, log_ratio: Ten
     return per_token, limited
 
 
+def covariance_selection(logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: PolicyConfig) -> Tensor:
+    """Clip-Cov's and KL-Cov's tokens ``[B, T]`` (see ``PolicyConfig``): by the covariance of the
+    old policy's logprob and the advantage over the ``mask`` tokens given, chosen once for all of
+    them so that every slice, chunk and micro-batch of them applies the same choice."""
+    mask = mask.bool() & torch.isfinite(logprobs)
+    tokens = int(mask.sum())
+    chosen = torch.zeros_like(mask).flatten()
+    if tokens == 0:
+        return chosen.view_as(mask)
+    logprobs, advantages = logprobs.detach(), advantages.detach().expand_as(logprobs)
+    covariance = (advantages - advantages[mask].mean()) * (logprobs - logprobs[mask].mean())
+    count = max(int(cfg.cov_fraction * tokens), 1)
+    if cfg.name == "kl_cov":
+        chosen[torch.where(mask, covariance, -torch.inf).flatten().topk(min(count, tokens)).indices] = True
+        return chosen.view_as(mask)
+    window = mask & (covariance > cfg.clip_cov_low) & (covariance < cfg.clip_cov_high)
+    candidates = window.flatten().nonzero().flatten()
+    seed = int(candidates.sum()) * 1_000_003 + len(candidates)  # the same tokens in every loop, retry and resume
+    order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed)).to(candidates.device)
+    chosen[candidates[order[:count]]] = True
+    return chosen.view_as(mask)
+
+
+def old_policy_logprobs(inputs: PolicyInputs) -> Tensor | None:
+    """The logprobs Clip-Cov and KL-Cov take the covariance with, known before the trainer's
+    forward: the old policy's, else the sampler's (None: the old policy is the current one)."""
+    return inputs.old_logprobs if inputs.old_logprobs is not None else inputs.inference_logprobs
+
+
+def _covariance_rule(per_token: Tensor, limited: Tensor, log_ratio: Tensor, chosen: Tensor, cfg: PolicyConfig):
+    """KL-Cov adds ``kl_cov_coef * |log r|`` at the chosen tokens; Clip-Cov cuts the chosen ones the
+    clip left alone from the loss. Returns the per-token loss and the tokens limited."""
+    if cfg.name == "kl_cov":
+        return torch.where(chosen, per_token + cfg.kl_cov_coef * log_ratio.abs(), per_token), limited | chosen
+    cut = chosen & ~limited
+    return torch.where(cut, torch.zeros_like(per_token), per_token), limited | cut
+
+
 def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Channel-1 loss of the trainer's token logprobs ``[B, T]`` (carrying the gradient).
 
@@ -121,6 +161,12 @@ def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tu
     log_ratio = _log_ratio(logprobs, old, mask, cfg.name)
     ratio = log_ratio.exp()
     per_token, limited = _surrogate(logprobs, old, advantages, log_ratio, ratio, cfg)
+    if cfg.name in COVARIANCE:
+        chosen = inputs.held_back
+        if chosen is None:
+            given = old_policy_logprobs(inputs)
+            chosen = covariance_selection(logprobs if given is None else given, advantages, mask, cfg)
+        per_token, limited = _covariance_rule(per_token, limited, log_ratio, chosen.bool(), cfg)
 
     metrics = {
         "ratio": masked_sum_per_row(ratio.detach(), mask).sum() / inputs.counts.tokens,

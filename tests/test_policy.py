@@ -21,12 +21,13 @@ from losses import (
     PolicyInputs,
     TokenLogprobs,
     compose_loss,
+    covariance_selection,
     group_advantages,
     informative_groups,
     overlong_penalty,
     policy_loss,
 )
-from losses.config import DEFAULTS
+from losses.config import COVARIANCE, DEFAULTS
 from losses.logprobs import (
     selective_logprobs,
     selective_logprobs_and_entropy,
@@ -106,6 +107,89 @@ def test_dual_clip_caps_the_loss_of_negative_advantages_as_verl_does(name, gener
     assert metrics["clipped_fraction"] == pytest.approx(float((limited | capped).double().mean()))
     without, _ = policy_loss(logprobs, inputs, dataclasses.replace(cfg, dual_clip=None))
     assert without > loss  # the cap only ever lowers a token's loss
+
+
+def covariance_batch(generator, rows: int = 16, width: int = 24):
+    """Ragged rows of float64 logprobs, ratios around 1 (some outside the clip range) and advantages."""
+    mask = torch.arange(width)[None, :] < torch.randint(4, width + 1, (rows, 1), generator=generator)
+    logprobs = (-3 * torch.rand(rows, width, generator=generator, dtype=torch.float64)).requires_grad_()
+    log_ratios = torch.empty(rows, width, dtype=torch.float64).uniform_(-0.4, 0.4, generator=generator)
+    advantages = 2 * torch.randn(rows, generator=generator, dtype=torch.float64)
+    inputs = PolicyInputs(mask, advantages, Counts.from_mask(mask), old_logprobs=logprobs.detach() - log_ratios)
+    return logprobs, inputs
+
+
+def old_covariance(inputs):
+    """verl's ``cov_all``, centred advantage times centred logprob over the valid tokens, with the old
+    policy's logprobs (verl takes the current ones: the same values in an on-policy first update)."""
+    mask, advantages, old = inputs.mask, inputs.advantages[:, None].expand_as(inputs.old_logprobs), inputs.old_logprobs
+    return (advantages - advantages[mask].mean()) * (old - old[mask].mean())
+
+
+def test_kl_cov_adds_the_ratio_kl_at_the_highest_covariance_tokens_as_verl_does(generator):
+    logprobs, inputs = covariance_batch(generator)
+    cfg = PolicyConfig(name="kl_cov", cov_fraction=0.05, kl_cov_coef=0.7)
+    loss, metrics = policy_loss(logprobs, inputs, cfg)
+    # verl's compute_policy_loss_kl_cov, from its equations: top-k of cov among valid tokens, k = max(1, int(N f))
+    mask, advantages = inputs.mask, inputs.advantages[:, None]
+    log_ratio = logprobs - inputs.old_logprobs
+    covariance = old_covariance(inputs)
+    k = max(1, int(int(mask.sum()) * 0.05))
+    chosen = mask & (covariance >= covariance[mask].topk(k).values.min())
+    per_token = -advantages * log_ratio.exp() + torch.where(chosen, 0.7 * log_ratio.abs(), 0.0)
+    expected = per_token[mask].sum() / mask.sum()
+    assert int(chosen.sum()) == k > 1
+    assert_close(loss, expected, rtol=0, atol=1e-14)
+    assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs), rtol=0, atol=1e-14)
+    assert metrics["clipped_fraction"] == pytest.approx(k / int(mask.sum()))
+    without, _ = policy_loss(logprobs, inputs, dataclasses.replace(cfg, kl_cov_coef=0.0))
+    assert loss > without  # |log r| >= 0 is only ever added
+
+
+def test_clip_cov_cuts_random_unclipped_tokens_in_the_covariance_window_from_the_gradient(generator):
+    logprobs, inputs = covariance_batch(generator)
+    cfg = PolicyConfig(name="clip_cov", cov_fraction=0.02, clip_cov_low=0.5, clip_cov_high=4.0)
+    loss, _ = policy_loss(logprobs, inputs, cfg)
+    mask, advantages = inputs.mask, inputs.advantages[:, None]
+    chosen = covariance_selection(inputs.old_logprobs, advantages, mask, cfg)
+    covariance = old_covariance(inputs)
+    window = mask & (covariance > 0.5) & (covariance < 4.0)
+    assert int(chosen.sum()) == max(int(0.02 * int(mask.sum())), 1) > 1 and (chosen <= window).all()
+    assert (covariance_selection(inputs.old_logprobs, advantages, mask, cfg) == chosen).all()  # seeded by the batch
+    # verl's compute_policy_loss_clip_cov, from its equations, with ``corr`` 0 at the chosen tokens the clip left
+    ratio = (logprobs - inputs.old_logprobs).exp()
+    clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
+    cut = chosen & ~(clipped > -advantages * ratio)
+    expected = (clipped * torch.where(cut, 0.0, 1.0))[mask].sum() / mask.sum()
+    assert cut.any()
+    assert_close(loss, expected, rtol=0, atol=1e-14)
+    grad = grad_of(loss, logprobs)
+    assert_close(grad, grad_of(expected, logprobs), rtol=0, atol=1e-14)
+    assert (grad[cut] == 0).all()
+    everything, _ = policy_loss(logprobs, inputs, dataclasses.replace(cfg, cov_fraction=1.0))
+    cut_all = window & ~(clipped > -advantages * ratio)
+    assert_close(everything, (clipped * torch.where(cut_all, 0.0, 1.0))[mask].sum() / mask.sum(), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_the_step_choice_applies_to_every_slice_of_it(name, generator):
+    """Chosen once over all rows (``held_back``), the covariance methods add up over row slices
+    like every other loss, whatever the slicing; a slice left to choose alone would choose other tokens."""
+    logprobs, inputs = covariance_batch(generator)
+    cfg = PolicyConfig(name=name, cov_fraction=0.05)
+    held_back = covariance_selection(inputs.old_logprobs, inputs.advantages[:, None], inputs.mask, cfg)
+    inputs = dataclasses.replace(inputs, held_back=held_back)
+    whole, _ = policy_loss(logprobs, inputs, cfg)
+    parts = sum(policy_loss(logprobs[rows], inputs.rows(rows), cfg)[0] for rows in (slice(0, 5), slice(5, 16)))
+    assert_close(parts, whole, rtol=0, atol=1e-14)
+    alone = dataclasses.replace(inputs.rows(slice(0, 5)), held_back=None)
+    assert policy_loss(logprobs[:5], alone, cfg)[0] != policy_loss(logprobs[:5], inputs.rows(slice(0, 5)), cfg)[0]
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_covariance_methods_are_refused_where_the_loss_sees_one_sample_at_a_time(name):
+    with pytest.raises(ValueError, match="covariance over a whole micro-batch.*inner_loop native, trl or torchtitan"):
+        TrainerConfig(mesh="t", inner_loop="prime_rl", loss=LossConfig(policy=PolicyConfig(name=name)))
 
 
 def test_k3_is_nonnegative_and_zero_only_at_the_reference(generator):
@@ -299,6 +383,11 @@ def test_loss_of_row_slices_adds_up_to_the_batch():
     logprobs, inputs = random_policy(batch=5)
     for name in ALL:
         cfg = PolicyConfig(name=name)
+        if name in COVARIANCE:  # their tokens are chosen over the step (test_the_step_choice_applies_...)
+            advantages = inputs.advantages[:, None]
+            inputs = dataclasses.replace(
+                inputs, held_back=covariance_selection(inputs.old_logprobs, advantages, inputs.mask, cfg)
+            )
         whole, whole_metrics = policy_loss(logprobs, inputs, cfg)
         parts = [policy_loss(logprobs[s], inputs.rows(s), cfg) for s in (slice(0, 2), slice(2, 5))]
         assert_close(parts[0][0] + parts[1][0], whole)
@@ -350,6 +439,8 @@ def test_each_method_defaults_to_its_published_advantage_estimator():
         "cispo": "group_std",
         "dppo": "group_mean",  # PRIME-RL's
         "sapo": "group_std",
+        "clip_cov": "group_std",  # verl's GRPO runs of the paper
+        "kl_cov": "group_std",
     }
     assert PolicyConfig(name="dr_grpo", advantage="rloo").advantage == "rloo"
     with pytest.raises(ValueError, match="unknown advantage 'loo'"):
@@ -396,6 +487,9 @@ def test_overlong_penalty_shape():
         (dict(dual_clip=1.0), "dual_clip must be > 1"),
         (dict(name="sapo", clip_high=0.2), "sapo_tau_pos/neg"),
         (dict(name="sapo", sapo_tau_neg=0.0), "temperatures must be > 0"),
+        (dict(name="kl_cov", clip_low=0.1), "kl_cov_coef"),
+        (dict(name="clip_cov", cov_fraction=0.0), "cov_fraction is a share of the tokens"),
+        (dict(name="clip_cov", clip_cov_low=5.0, clip_cov_high=1.0), "clip_cov_low < clip_cov_high"),
     ],
 )
 def test_invalid_policy_configs_fail_at_build_time(kwargs, message):
