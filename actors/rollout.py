@@ -1,8 +1,8 @@
 """The rollout contract: what a step's sampling produces, row by row and group by group.
 
-    Problem ─ generators ─▶ Trajectory (the policy's samples)  ┐
-            ─ teachers ──▶ Trajectory (a teacher's trace)      ├─▶ Row ─▶ RolloutGroup ─▶ TrainBatch
-                             rewarder ─▶ Reward, teacher ─▶ top-k ┘
+    Problem ─ generators ─▶ Trajectory (the policy's samples)     ┐
+            ─ teachers ──▶ Trajectory (a teacher's trace)         ├─▶ Row ─▶ RolloutGroup ─▶ TrainBatch
+      rewarder ─▶ Reward, teacher ─▶ top-k, reference ─▶ logprobs ┘
 
 A ``RolloutGroup`` is one prompt and every row written for it. A row says what it is
 (``RowKind``) instead of being known by its position: the policy's own samples, a
@@ -81,6 +81,7 @@ class Row:
     teacher: str | None = None  # the teacher binding that wrote it; None for the policy's samples
     reward: Reward | None = None  # None only while the step is being collected
     distill: TopK | None = None  # the distill teacher's top-k at each completion token (channel 2)
+    reference_logprobs: list[float] | None = None  # a Reference actor's, per completion token (the KL penalty)
 
 
 @dataclass(frozen=True)

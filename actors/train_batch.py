@@ -14,9 +14,36 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actors.rollout import RolloutGroup, Row
+from actors.rollout import RolloutGroup, Row, Trajectory
 from losses import group_advantages
 from losses.config import AdvantageEstimator
+
+
+@dataclass
+class Sequences:
+    """Trajectories as one forward pass reads them: prompts left-padded to ``prompt_len``,
+    completions right-padded after it, ``position_ids`` counting real tokens only."""
+
+    input_ids: Tensor  # [B, P + T] long
+    attention_mask: Tensor  # [B, P + T] long
+    position_ids: Tensor  # [B, P + T] long
+    prompt_len: int  # P
+
+    @property
+    def targets(self) -> Tensor:
+        return self.input_ids[:, self.prompt_len :]
+
+    def rows(self, rows: slice) -> Sequences:
+        return dataclasses.replace(self, **{k: getattr(self, k)[rows] for k in TOKEN_FIELDS})
+
+    def to(self, device: torch.device) -> Sequences:
+        return dataclasses.replace(self, **{k: getattr(self, k).to(device) for k in TOKEN_FIELDS})
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+TOKEN_FIELDS = ("input_ids", "attention_mask", "position_ids")
 
 
 @dataclass
@@ -25,8 +52,8 @@ class TrainBatch:
     completions right-padded after it, so every row's completion starts at the same column.
 
     ``position_ids`` count real tokens only, as the sampler saw them under left padding.
-    The ``distill_*`` fields (channel 2) and ``pairs`` (channel 3) are present only when
-    the step has them; ``pairs`` index rows, so a row slice leaves them out.
+    ``ref_logprobs`` (the KL penalty's), the ``distill_*`` fields (channel 2) and ``pairs``
+    (channel 3) are present only when the step has them; ``pairs`` index rows, so a row slice leaves them out.
     """
 
     input_ids: Tensor  # [B, P + T] long
@@ -39,6 +66,7 @@ class TrainBatch:
     versions: Tensor  # [B] long, the policy version that sampled each row
     max_completion_len: int  # the generator's limit (Dr. GRPO's normalizer)
     policy_rows: Tensor  # [B] bool, rows in channel 1
+    ref_logprobs: Tensor | None = None  # [B, T] float, the reference's (loss.policy.kl_coef > 0)
     distill_ids: Tensor | None = None  # [B, T, K] long, the teacher's top-k (student ids)
     distill_logprobs: Tensor | None = None  # [B, T, K] float
     distill_mask: Tensor | None = None  # [B, T] bool, the distilled tokens
@@ -47,6 +75,9 @@ class TrainBatch:
     @property
     def targets(self) -> Tensor:
         return self.input_ids[:, self.prompt_len :]
+
+    def sequences(self) -> Sequences:
+        return Sequences(self.input_ids, self.attention_mask, self.position_ids, self.prompt_len)
 
     def rows(self, rows: slice | Tensor) -> TrainBatch:
         """Some rows (a rank's share, a micro-batch); the caller keeps the global counts."""
@@ -74,6 +105,23 @@ def _train_batch_from_arrays(fields: dict) -> TrainBatch:
     return TrainBatch(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()})
 
 
+def pack_sequences(trajectories: list[Trajectory], pad_id: int) -> Sequences:
+    prompts, prompt_lens = _packed([t.prompt_ids for t in trajectories], pad_id, np.int64, right_aligned=True)
+    completions, lengths = _packed([t.completion_ids for t in trajectories], pad_id, np.int64, minimum_width=1)
+    prompt_len, width = prompts.shape[1], completions.shape[1]
+    attention_mask = torch.from_numpy(
+        np.concatenate(
+            [np.arange(prompt_len) >= prompt_len - prompt_lens[:, None], np.arange(width) < lengths[:, None]], axis=1
+        ).astype(np.int64)
+    )
+    return Sequences(
+        input_ids=torch.from_numpy(np.concatenate([prompts, completions], axis=1)),
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        prompt_len=prompt_len,
+    )
+
+
 def build_train_batch(
     groups: list[RolloutGroup], advantages: Tensor, pad_id: int, max_completion_len: int
 ) -> TrainBatch:
@@ -81,32 +129,32 @@ def build_train_batch(
     (``row_advantages``); channel 3's pairs from every group that has replayed traces."""
     rows = [row for group in groups for row in group.rows]
     trajectories = [row.trajectory for row in rows]
-    prompts, prompt_lens = _packed([t.prompt_ids for t in trajectories], pad_id, np.int64, right_aligned=True)
-    completions, lengths = _packed([t.completion_ids for t in trajectories], pad_id, np.int64, minimum_width=1)
-    width = completions.shape[1]
+    sequences = pack_sequences(trajectories, pad_id)
+    width = sequences.targets.shape[1]
     loss_mask, _ = _packed([t.loss_mask for t in trajectories], False, np.bool_, minimum_width=width)
     logprobs, _ = _packed([t.logprobs for t in trajectories], 0.0, np.float32, minimum_width=width)
-    prompt_len = prompts.shape[1]
-    attention_mask = torch.from_numpy(
-        np.concatenate(
-            [np.arange(prompt_len) >= prompt_len - prompt_lens[:, None], np.arange(width) < lengths[:, None]], axis=1
-        ).astype(np.int64)
-    )
     completion_mask = torch.from_numpy(loss_mask)
     return TrainBatch(
-        input_ids=torch.from_numpy(np.concatenate([prompts, completions], axis=1)),
-        attention_mask=attention_mask,
-        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
-        prompt_len=prompt_len,
+        **{k: getattr(sequences, k) for k in (*TOKEN_FIELDS, "prompt_len")},
         completion_mask=completion_mask,
         advantages=advantages.float(),
         inference_logprobs=torch.from_numpy(logprobs),
         versions=torch.tensor([r.version for r in rows]),
         max_completion_len=max_completion_len,
         policy_rows=torch.tensor([r.kind.trains_policy for r in rows]),
+        **_reference_field(rows, width),
         **_distill_fields(rows, completion_mask),
         pairs=_pairs(groups),
     )
+
+
+def _reference_field(rows: list[Row], width: int) -> dict[str, Tensor]:
+    """The reference's logprobs as ``[B, T]``, when a ``Reference`` actor gave them (0 at padding,
+    and in the rows that do not train the policy, which it is not asked about)."""
+    if all(row.reference_logprobs is None for row in rows):
+        return {}
+    values, _ = _packed([row.reference_logprobs or () for row in rows], 0.0, np.float32, minimum_width=width)
+    return {"ref_logprobs": torch.from_numpy(values)}
 
 
 def row_advantages(groups: list[RolloutGroup], estimator: AdvantageEstimator = "group_std") -> Tensor:

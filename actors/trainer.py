@@ -12,12 +12,16 @@ one when it starts (first reclaiming those that dead trainers on the host left b
 a replaced trainer's included) and removes it in ``__cleanup__``, which runs when the
 runtime stops the trainer's actors before their processes.
 
+With the reference model on the trainer's mesh (``actors/reference.py``), each rank also
+holds a frozen copy of it and fills in its rows' reference logprobs before its step.
+
 The trainer also owns the loss's own state: TAID's schedule for t advances once per
 step on the distillation loss and is saved in (and restored from) checkpoints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +34,8 @@ from actors import registry
 from actors.inner_loops import TrainerConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import Placement
-from actors.train_batch import TrainBatch
+from actors.reference import ReferenceModel
+from actors.train_batch import TrainBatch, split_rows
 from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store
 from actors.weights_config import store_root
 from losses import TAIDScheduler
@@ -52,6 +57,7 @@ class StepReport:
     weights: WeightVersion
     seconds: float  # forward, backward and optimizer step
     publish_seconds: float  # then writing the new version to the store
+    reference_seconds: float  # before them, the reference's logprobs (0 unless it is on the trainer's mesh)
 
 
 class Trainer(Actor):
@@ -65,10 +71,13 @@ class Trainer(Actor):
         total_steps: int,
         transport: str = "shm",
         weights_dtype: str = "float32",  # the followers' (Topology.weights_dtype)
+        reference_path: str | None = None,  # the reference model's, when it runs on the trainer's ranks
     ):
         # built in ``start`` (actors/lifecycle.py)
         self.model_path, self.cfg, self.seed, self.place, self.total_steps = model_path, cfg, seed, place, total_steps
         self.slots, self.transport, self.weights_dtype = slots, transport, weights_dtype
+        self.reference_path = reference_path
+        self.reference: ReferenceModel | None = None
         self.store: str | None = None  # rank 0's, made in ``start``
         self.publisher: WeightPublisher | None = None
 
@@ -85,6 +94,15 @@ class Trainer(Actor):
         cfg = self.cfg
         self.loop = registry.load("inner_loop", cfg.inner_loop)(self.model_path, cfg, self.rank, self.world, device)
         self.version = 0
+        if self.reference_path is not None:
+            self.reference = ReferenceModel(
+                self.reference_path,
+                self.model_path,
+                device,
+                self.loop.compute_dtype,
+                cfg.micro_batch_size,
+                cfg.loss.chunk_tokens,
+            )
         taid = cfg.loss.distill.divergence == "taid" and cfg.loss.alpha_sdpo > 0
         self.taid = TAIDScheduler(self.total_steps) if taid else None
         state = self.loop.state_dict()
@@ -107,18 +125,30 @@ class Trainer(Actor):
     @endpoint
     def train_step(self, batch: TrainBatch) -> StepReport | None:
         start = time.perf_counter()
+        if self.reference is not None:
+            batch = self._with_reference(batch)
+        reference_seconds = time.perf_counter() - start
         metrics = self.loop.train_step(batch, self.taid.t if self.taid else None)
         if self.taid is not None:
             metrics["distill/taid_t"] = self.taid.t
             if not metrics.get("distill/skipped", 1.0):
                 self.taid.step(metrics["distill/loss"])
         self.version += 1
-        seconds = time.perf_counter() - start
+        trained = time.perf_counter()
         state = self.loop.state_dict()  # every rank: gathering sharded (FSDP2) weights is a collective
         if self.publisher is None:
             return None
         weights = self.publisher.publish(state, self.version)
-        return StepReport(metrics, weights, seconds, time.perf_counter() - start - seconds)
+        seconds = trained - start - reference_seconds
+        return StepReport(metrics, weights, seconds, time.perf_counter() - trained, reference_seconds)
+
+    def _with_reference(self, batch: TrainBatch) -> TrainBatch:
+        """``batch`` with the reference's logprobs of this rank's rows (the loop trains only on
+        those; the other ranks fill in theirs)."""
+        share = split_rows(len(batch), self.world)[self.rank]
+        values = torch.zeros(batch.targets.shape, device=self.reference.device)
+        values[share] = self.reference.logprobs(batch.sequences().rows(share))
+        return dataclasses.replace(batch, ref_logprobs=values)
 
     @endpoint
     def save(self, directory: str, step: int, extra: dict | None = None) -> None:

@@ -8,6 +8,7 @@ A step's data, in the order ``_collect`` and ``_train`` make it:
       -> Rewarder: a Reward per row (and a hint for a wrong answer); placed on the generator's
          mesh it runs inside the generators, and their rows arrive rewarded
       -> TeacherPool: the distill teacher's top-k at the policy's own tokens (channel 2)
+      -> Reference (with a KL penalty, unless the trainer's ranks hold it): its logprobs of those tokens
       -> one RolloutGroup per prompt, its rows tagged SAMPLE, WARM_START or REPLAY (``actors/rollout.py``)
       -> advantages and pairs per group -> TrainBatch -> Trainer (one optimizer step, publishes version v+1)
 
@@ -81,6 +82,7 @@ class Actors:
     rewarder: ActorMesh | None  # None when the generators reward what they write (the Rewarder on their mesh)
     teacher_pool: ActorMesh | None
     syncer: ActorMesh | None = None  # DiLoCo's outer loop, beside the trainer's ranks
+    reference: ActorMesh | None = None  # the KL penalty's reference, unless it runs on the trainer's ranks
 
 
 @dataclass
@@ -90,7 +92,7 @@ class Collected:
 
     groups: list[RolloutGroup]
     distill_teacher: str | None  # the teacher whose top-k the rows carry (channel 2), if any did
-    seconds: dict[str, float]  # generate, load, reward, teachers
+    seconds: dict[str, float]  # generate, load, reward, teachers, reference
     teacher_metrics: dict[str, dict[str, float]]  # per teacher name
     generators: list[TargetLoad] = dataclasses.field(default_factory=list)  # per generator target
     episode_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # an environment task's
@@ -323,7 +325,7 @@ class Controller:
         top_k, distill_seconds = {}, 0.0
         if distiller is not None and self.loss.alpha_sdpo > 0:
             top_k, distill_seconds = await self._distill(distiller, problems, rows, weights)
-        groups = _joined(problems, rows, top_k)
+        groups, reference_seconds = await self._referenced(_joined(problems, rows, top_k))
         return Collected(
             groups=groups,
             distill_teacher=distiller.name if top_k else None,
@@ -332,6 +334,7 @@ class Controller:
                 "load": sampled.load_seconds,
                 "reward": sampled.reward_seconds + rewarder_seconds,
                 "teachers": sum(traces.seconds.values()) + distill_seconds,
+                "reference": reference_seconds,
             },
             teacher_metrics=_teacher_metrics(groups, tracers, traces.seconds)
             | ({distiller.name: {"latency_s": distill_seconds}} if top_k else {}),
@@ -355,16 +358,24 @@ class Controller:
             self.progress.note(
                 f"step {step}: {len(failures)} of {len(outcomes)} episodes failed; the first: {failures[0]}"
             )
-        groups = [
-            RolloutGroup(problem, i, rows)
-            for i, problem in enumerate(problems)
-            if (rows := _episode_rows(played.trajectories[i], played.outcomes[i], played.version))
-        ]
+        groups, reference_seconds = await self._referenced(
+            [
+                RolloutGroup(problem, i, rows)
+                for i, problem in enumerate(problems)
+                if (rows := _episode_rows(played.trajectories[i], played.outcomes[i], played.version))
+            ]
+        )
         finished = [outcome for outcome in outcomes if outcome.failure is None]
         return Collected(
             groups=groups,
             distill_teacher=None,
-            seconds={"generate": played.sampling_seconds, "load": played.load_seconds, "reward": 0.0, "teachers": 0.0},
+            seconds={
+                "generate": played.sampling_seconds,
+                "load": played.load_seconds,
+                "reward": 0.0,
+                "teachers": 0.0,
+                "reference": reference_seconds,
+            },
             teacher_metrics={},
             generators=played.loads,
             episode_metrics={
@@ -438,6 +449,26 @@ class Controller:
         reply = await self.actors.teacher_pool.top_k.call_one(teacher.binding_id, requests, weights)
         return dict(zip(targets, reply.top_k)), reply.seconds + reply.load_seconds
 
+    async def _referenced(self, groups: list[RolloutGroup]) -> tuple[list[RolloutGroup], float]:
+        """``groups`` with the Reference actor's logprobs in every row that trains the policy (the KL
+        penalty's), and the seconds it took; unchanged when there is no Reference actor (none, or the
+        trainer's ranks compute them)."""
+        if self.actors.reference is None:
+            return groups, 0.0
+        wanted = [row.trajectory for group in groups for row in group.rows if row.kind.trains_policy]
+        reply = await self.actors.reference.logprobs.call_one(wanted)
+        values = iter(reply.logprobs)
+        return [
+            dataclasses.replace(
+                group,
+                rows=tuple(
+                    dataclasses.replace(row, reference_logprobs=next(values)) if row.kind.trains_policy else row
+                    for row in group.rows
+                ),
+            )
+            for group in groups
+        ], reply.seconds
+
     async def _train(self, step: int, collected: Collected) -> tuple[StepReport, list[int], dict]:
         """One optimizer step on ``collected`` (and DiLoCo's outer step when one is due), its weights pushed
         to the generators; the trainer's report, each row's policy age and the outer step's metrics."""
@@ -504,6 +535,8 @@ class Controller:
             "time/train": report.seconds,
             "time/weight_sync": report.publish_seconds + seconds["load"],
         }
+        if self.topology.reference() is not None:
+            metrics["time/reference"] = seconds.get("reference", 0.0) + report.reference_seconds
         for name in sorted({name for row in samples for name in row.reward.parts}):
             metrics[f"reward/{name}"] = sum(row.reward.parts.get(name, 0.0) for row in samples) / len(samples)
         teachers = {name: dict(values) for name, values in collected.teacher_metrics.items()}

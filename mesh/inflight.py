@@ -67,6 +67,7 @@ def _encode_row(row: Row) -> dict[str, Any]:
         "teacher": row.teacher,
         "reward": dataclasses.asdict(row.reward),
         "distill": None,
+        "reference_logprobs": row.reference_logprobs,
     }
     if row.distill is not None:
         fields["distill"] = {"ids": row.distill.ids.tolist(), "logprobs": row.distill.logprobs.tolist()}
@@ -89,4 +90,5 @@ def _decode_row(fields: dict[str, Any]) -> Row:
         fields["teacher"],
         Reward(**fields["reward"]),
         distill,
+        fields.get("reference_logprobs"),  # absent in checkpoints written before the reference existed
     )

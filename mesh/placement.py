@@ -31,7 +31,7 @@ ProcGpus = tuple[tuple[int, ...], ...]  # per flat proc rank of a mesh: the GPU 
 # thread-safe (a ``from transformers import X`` racing it raises ImportError), and actors
 # sharing a process run in threads of their own.
 MODEL_LIBRARIES = ("transformers",)
-MODEL_ACTORS = ("trainer", "generator", "teachers")
+MODEL_ACTORS = ("trainer", "generator", "teachers", "reference")
 
 
 @dataclass(frozen=True)

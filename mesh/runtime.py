@@ -39,6 +39,7 @@ from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
 from actors.model import Placement, build_tiny_model  # noqa: E402
+from actors.reference import Reference  # noqa: E402
 from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers import TeacherPool  # noqa: E402
@@ -240,7 +241,8 @@ def _roles(
         slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
         place = _placement(topology, cfg.trainer.mesh, "trainer")
         args = (model_path, cfg.trainer, seed, slots, place, topology.loop.steps)
-        return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype())
+        reference = (topology.reference().path or model_path) if topology.reference_in_trainer() else None
+        return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype(), reference)
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
     if diloco is not None:
@@ -255,6 +257,11 @@ def _roles(
         roles[cfg.rewarder.mesh].append(
             Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all)
         )
+    if (reference := topology.reference()) is not None and not topology.reference_in_trainer():
+        place = _placement(topology, reference.mesh, "reference")
+        args = (reference.path or model_path, model_path, place, cfg.trainer.micro_batch_size)
+        spawn = _spawner("reference", Reference, *args, cfg.trainer.loss.chunk_tokens)
+        roles[reference.mesh].append(Role("reference", spawn, _start_all))
     if cfg.teachers is not None:
         student = Student(model_path, cfg.generator.max_new_tokens, seed)
         spawn = _spawner("teachers", TeacherPool, student, _placement(topology, cfg.teachers.mesh, "teachers"))
@@ -305,12 +312,14 @@ def _actors(topology: Topology, fleet: Fleet) -> Actors:
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
     teacher_pool = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
     syncer = fleet.handle("syncer", cfg.trainer.mesh) if topology.diloco_replica() is not None else None
+    reference = topology.reference()
     return Actors(
         fleet.handle("trainer", cfg.trainer.mesh),
         router,
         None if topology.rewards_in_generators() else fleet.handle("rewarder", cfg.rewarder.mesh, 0),
         teacher_pool,
         syncer,
+        None if reference is None or topology.reference_in_trainer() else fleet.handle("reference", reference.mesh, 0),
     )
 
 

@@ -40,6 +40,7 @@ from actors.diloco.config import DiLoCoConfig
 from actors.generator_config import GeneratorConfig, policy_dtype
 from actors.inner_loops.config import TrainerConfig
 from actors.model_config import ModelFacts, TinyModelSpec
+from actors.reference_config import ReferenceConfig
 from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig, build_task
 from actors.teachers_config import TeachersConfig, check_weighted
@@ -139,6 +140,7 @@ class ActorsSection(Section):
     generator: GeneratorConfig
     rewarder: RewarderConfig
     teachers: TeachersConfig | None = None
+    reference: ReferenceConfig | None = None  # with loss.policy.kl_coef > 0: default, initial weights on the trainer
 
 
 class WarmStart(Section):
@@ -261,7 +263,23 @@ class Topology(Section):
 
     def placed_actors(self) -> dict[str, str]:
         """Actor name -> mesh name, for every actor the topology runs."""
-        return {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name))}
+        placed = {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name))}
+        if (reference := self.reference()) is not None:  # also when kl_coef alone puts it on the trainer
+            placed["reference"] = reference.mesh
+        return placed
+
+    def reference(self) -> ReferenceConfig | None:
+        """The reference model the KL penalty is taken against: ``actors.reference``, or with
+        ``kl_coef > 0`` and none given, the policy's initial weights on the trainer's ranks."""
+        if self.actors.reference is None and self.actors.trainer.loss.policy.kl_coef > 0:
+            return ReferenceConfig(self.actors.trainer.mesh)
+        return self.actors.reference
+
+    def reference_in_trainer(self) -> bool:
+        """Whether the trainer computes the reference's logprobs itself, on its own ranks (its mesh
+        is the trainer's), rather than a ``Reference`` actor of its own."""
+        reference = self.reference()
+        return reference is not None and reference.mesh == self.actors.trainer.mesh
 
     def rewards_in_generators(self) -> bool:
         """Whether the generators reward what they write: the Rewarder placed on the generator's
@@ -337,6 +355,8 @@ class Topology(Section):
         self._check_teachers()
         self._check_episodes()
         self._check_diloco()
+        self._facts = self._read_model()
+        self._check_reference()
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
         if rows < trainer_procs:
@@ -344,7 +364,6 @@ class Topology(Section):
                 f"a step has {rows} samples (prompts_per_step x group_size) but the trainer mesh has "
                 f"{trainer_procs} processes; every trainer rank needs at least one sample"
             )
-        self._facts = self._read_model()
         gen = self.actors.generator
         if (check := registry.static_check("engine", gen.engine)) is not None:
             check(self._facts, self.meshes[gen.mesh].gpus > 0)
@@ -369,6 +388,29 @@ class Topology(Section):
                 f"--replica {diloco.replica} runs one replica on its own, and it meets the others only through "
                 f"diloco.{key.split(':')[0]}, which is not set; set diloco.{key} (the same for every replica), or "
                 "drop --replica to start all replicas from this run"
+            )
+
+    def _check_reference(self) -> None:
+        reference = self.actors.reference
+        if reference is None:
+            return
+        if not self.actors.trainer.loss.policy.kl_coef > 0:
+            raise ValueError(
+                "actors.reference names the model the KL penalty is taken against, but "
+                "actors.trainer.loss.policy.kl_coef is 0, so nothing would use it; set kl_coef (e.g. 0.001) or "
+                "remove actors.reference"
+            )
+        if reference.path is None:
+            return
+        ours, theirs = (
+            _vocabulary_rows(self._facts),
+            _vocabulary_rows(ModelFacts.of_directory(Path(reference.path).expanduser())),
+        )
+        if None not in (ours, theirs) and ours != theirs:
+            raise ValueError(
+                f"actors.reference.path {reference.path!r} is a model over {theirs} tokens, but the policy's "
+                f"vocabulary has {ours}; the KL penalty compares the two models' logprobs of the same token ids, so "
+                "use a reference with the policy's tokenizer, or leave path out to use the policy's initial weights"
             )
 
     def _check_teachers(self) -> None:
@@ -439,6 +481,12 @@ class Topology(Section):
                 f"named {', '.join(map(repr, self.replica_meshes()[1:]))}, but meshes already defines "
                 f"{', '.join(map(repr, taken))}; rename that mesh (or lower actors.generator.replicas)"
             )
+
+
+def _vocabulary_rows(facts: ModelFacts) -> int | None:
+    """The rows of a model's input embedding (its vocabulary), as far as its files say."""
+    shape = (facts.tensors or {}).get("model.embed_tokens.weight")
+    return shape[0] if shape else None
 
 
 # ----------------------------------------------------------------------------- loading
@@ -670,6 +718,8 @@ def describe(topology: Topology) -> str:
             actors = [f"generator (replica {replicas.index(name)})" if a == "generator" else a for a in actors]
         if topology.rewards_in_generators():
             actors = ["rewarder (inside each generator)" if a == "rewarder" else a for a in actors]
+        if topology.reference_in_trainer():
+            actors = ["reference (inside each trainer rank)" if a == "reference" else a for a in actors]
         on = f" ({describe_gpus(gpus[name])})" if mesh.gpus else ""
         shape = f"{mesh.hosts} host{'s' * (mesh.hosts > 1)} x {mesh.procs} proc{'s' * (mesh.procs > 1)}"
         placement.append(f"  mesh {name}: {shape}{on} <- {', '.join(actors)}")
@@ -707,6 +757,8 @@ def describe(topology: Topology) -> str:
         f"trainer -> every generator: {topology.weights_dtype()} weights over "
         f"{TRANSPORT_WORDS[topology.weight_transport()]} (versioned, checksummed), pushed after each step",
     ]
+    if (reference := topology.reference()) is not None:
+        graph.append(describe_reference(topology, reference))
     if topology.loop.warm_start.steps:
         graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")
     bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
@@ -725,6 +777,18 @@ def describe(topology: Topology) -> str:
     return "\n".join(
         ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
     )
+
+
+def describe_reference(topology: Topology, reference: ReferenceConfig) -> str:
+    """Where the KL penalty's reference logprobs come from, as ``--dry-run`` says it."""
+    policy = topology.actors.trainer.loss.policy
+    model = reference.path or "the policy's initial weights"
+    estimator = "k3 x ratio (kl_unbiased)" if policy.kl_unbiased else "k3"
+    if topology.reference_in_trainer():
+        where = "each trainer rank: its rows before each step"
+    else:
+        where = f"controller -> reference (mesh {reference.mesh}) -> trainer: the batch's rows as they are collected"
+    return f"reference ({model}): logprobs of the sampled tokens for the KL penalty ({estimator}, kl_coef {policy.kl_coef:g}); {where}"
 
 
 def describe_diloco(topology: Topology) -> list[str]:

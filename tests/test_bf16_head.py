@@ -44,9 +44,7 @@ def problem(channels: tuple[str, ...], dtype: torch.dtype):
     teacher_hidden = rounded(hidden.detach() + 0.5 * torch.randn(B, T, H, generator=g))
     teacher_weight = rounded(weight.detach() + torch.randn(V, H, generator=g) / H**0.5)
     distill = DistillInputs(TeacherHidden(teacher_hidden, teacher_weight), mask, counts)
-    inputs = LossInputs(
-        targets, policy if "policy" in channels else None, distill if "distill" in channels else None
-    )
+    inputs = LossInputs(targets, policy if "policy" in channels else None, distill if "distill" in channels else None)
     cfg = LossConfig(alpha_sdpo=0.7 if "distill" in channels else 0.0, chunk_tokens=2 * T)
     return hidden, weight, inputs, cfg
 

@@ -39,15 +39,28 @@ def batch(generator):
     weight = torch.randn(V, H, generator=generator, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, V, (B, T), generator=generator)
     mask = ragged_mask(B, T, generator)
-    old = selective_logprobs(hidden.detach() @ weight.detach().T, targets) + 0.3 * torch.randn(B, T, generator=generator, dtype=torch.float64)
-    policy = PolicyInputs(mask, torch.randn(B, generator=generator, dtype=torch.float64), Counts.from_mask(mask), old_logprobs=old)
+    old = selective_logprobs(hidden.detach() @ weight.detach().T, targets) + 0.3 * torch.randn(
+        B, T, generator=generator, dtype=torch.float64
+    )
+    policy = PolicyInputs(
+        mask, torch.randn(B, generator=generator, dtype=torch.float64), Counts.from_mask(mask), old_logprobs=old
+    )
     distill_mask = mask & (torch.rand(B, T, generator=generator) > 0.4)
     teacher_hidden = torch.randn(B, T, H, generator=generator, dtype=torch.float64)
     distill = DistillInputs(TeacherHidden(teacher_hidden, weight), distill_mask, Counts.from_mask(distill_mask))
     pair_logps = (-torch.rand(2, 3, generator=generator, dtype=torch.float64) * 5).requires_grad_()
-    preference = PreferenceInputs(pair_logps[0], pair_logps[1], torch.tensor([3, 4, 5]), torch.tensor([2, 6, 1]), 3,
-                                  pair_logps[0].detach() - 0.2, pair_logps[1].detach() + 0.1)
-    return dict(hidden=hidden, weight=weight, inputs=LossInputs(targets, policy, distill, preference), pair_logps=pair_logps)
+    preference = PreferenceInputs(
+        pair_logps[0],
+        pair_logps[1],
+        torch.tensor([3, 4, 5]),
+        torch.tensor([2, 6, 1]),
+        3,
+        pair_logps[0].detach() - 0.2,
+        pair_logps[1].detach() + 0.1,
+    )
+    return dict(
+        hidden=hidden, weight=weight, inputs=LossInputs(targets, policy, distill, preference), pair_logps=pair_logps
+    )
 
 
 def grads(loss, batch):
@@ -60,7 +73,10 @@ def test_zero_weights_reproduce_the_policy_loss_bit_exactly(batch):
     out = compose_loss(Logits(logits), batch["inputs"], cfg)
     reference, _ = policy_loss(selective_logprobs(logits, batch["inputs"].targets), batch["inputs"].policy, cfg.policy)
     assert torch.equal(out.loss, reference)
-    for a, b in zip(torch.autograd.grad(out.loss, batch["hidden"], retain_graph=True), torch.autograd.grad(reference, batch["hidden"])):
+    for a, b in zip(
+        torch.autograd.grad(out.loss, batch["hidden"], retain_graph=True),
+        torch.autograd.grad(reference, batch["hidden"]),
+    ):
         assert torch.equal(a, b)
     assert out.metrics["distill/skipped"] == 1 and out.metrics["preference/skipped"] == 1
     assert out.metrics["policy/skipped"] == 0
@@ -102,7 +118,9 @@ def test_channels_are_normalized_by_their_own_counts(batch):
 
 
 def test_linear_head_equals_full_logits_for_all_channels(batch):
-    cfg = LossConfig(policy=PolicyConfig(name="gspo"), alpha_sdpo=0.4, beta_replay=0.2, chunk_tokens=T)  # one row per chunk
+    cfg = LossConfig(
+        policy=PolicyConfig(name="gspo"), alpha_sdpo=0.4, beta_replay=0.2, chunk_tokens=T
+    )  # one row per chunk
     full = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), batch["inputs"], cfg)
     lean = compose_loss(LinearHead(batch["hidden"], batch["weight"]), batch["inputs"], cfg)
     assert_close(lean.loss, full.loss, atol=1e-12, rtol=0)

@@ -258,8 +258,13 @@ def test_taid_schedule_validates():
 def tiny_lm():
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(
-        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     return transformers.Qwen2ForCausalLM(config).double().eval()
@@ -299,8 +304,10 @@ def test_hinted_positions_align_the_completion_tokens(tiny_lm):
         assert torch.equal(ids[0, positions[0] + 1], completion)
     # a one-token prompt and ragged completions still align
     ids, attention, positions = hinted_inputs(
-        [torch.tensor([5]), torch.tensor([1, 2])], [torch.tensor([9]), torch.tensor([], dtype=torch.long)],
-        [torch.tensor([3, 4, 6]), torch.tensor([7])], pad_id=0,
+        [torch.tensor([5]), torch.tensor([1, 2])],
+        [torch.tensor([9]), torch.tensor([], dtype=torch.long)],
+        [torch.tensor([3, 4, 6]), torch.tensor([7])],
+        pad_id=0,
     )
     assert torch.equal(ids[0, positions[0] + 1], torch.tensor([3, 4, 6]))
     assert ids[1, positions[1, 0] + 1] == 7 and attention.sum(1).tolist() == [5, 3]

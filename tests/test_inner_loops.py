@@ -34,9 +34,15 @@ POLICIES = {  # beyond the plain methods: the sampler corrected apart from the r
     "dapo_tis": PolicyConfig(name="dapo", is_mode="token_truncate", is_max=1.5),
     "grpo_mis": PolicyConfig(name="grpo", is_mode="token_mask", is_min=0.5, is_max=2.0),
     "grpo_dual_clip": PolicyConfig(name="grpo", dual_clip=1.05),  # reaches every loop (PRIME-RL: as kwargs)
+    "grpo_kl": PolicyConfig(name="grpo", kl_coef=0.2),  # the batch carries reference logprobs (``native``)
+    "dapo_kl_unbiased": PolicyConfig(name="dapo", kl_coef=0.2, kl_unbiased=True),
+    # the covariance rules at a tenth of each micro-batch's tokens, Clip-Cov's window opened wide
+    "clip_cov": PolicyConfig(name="clip_cov", cov_fraction=0.1, clip_cov_low=0.0, clip_cov_high=100.0),
+    "kl_cov": PolicyConfig(name="kl_cov", cov_fraction=0.1),
 }
 POLICY_LOSSES = ["dapo", "grpo", "dr_grpo", "gspo", "cispo", "dppo", "sapo", *POLICIES]
 LOOPS = ["trl", "prime_rl", "torchtitan"]
+PER_SAMPLE = ("clip_cov", "kl_cov")  # refused by prime_rl, whose loss sees one sample at a time
 TOLERANCE = 1e-5  # fp32; the loops differ only in summation order (measured: <= 3e-8 for trl and prime_rl)
 # bf16 against the fp32 reference (measured over every policy loss, with and without all channels: loss
 # <= 7e-5 off, gradients <= 0.8% off in L2 and <= 6e-4 per entry where the largest is ~0.1). The first
@@ -70,19 +76,33 @@ def native(model_dir):
     def results(policy: str, channels: bool):
         if (policy, channels) not in cache:
             batch = a_batch(model_dir, channels=channels)
+            if policy in POLICIES and POLICIES[policy].kl_coef:
+                batch = with_reference(batch)
             cache[policy, channels] = batch, gradients_of("native", model_dir, config(policy, channels), batch)
         return cache[policy, channels]
 
     return results
 
 
+def with_reference(batch):
+    """``batch`` with made-up reference logprobs: the sampler's, moved by up to +-0.5 per token."""
+    noise = torch.rand(batch.inference_logprobs.shape, generator=torch.Generator().manual_seed(3)) - 0.5
+    return replace(batch, ref_logprobs=batch.inference_logprobs + noise)
+
+
 @pytest.mark.parametrize("channels", [False, True], ids=["policy", "all_channels"])
-@pytest.mark.parametrize("policy", POLICY_LOSSES)
-@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize(
+    ("loop", "policy"),
+    [(loop, policy) for loop in LOOPS for policy in POLICY_LOSSES if not (loop == "prime_rl" and policy in PER_SAMPLE)],
+)
 def test_every_loop_gives_native_loss_and_gradients(loop, policy, channels, model_dir, native):
     batch, (want_metrics, want) = native(policy, channels)
     metrics, grads = gradients_of(loop, model_dir, config(policy, channels), batch)
     assert metrics["loss"] == pytest.approx(want_metrics["loss"], abs=TOLERANCE)
+    if policy in POLICIES and POLICIES[policy].kl_coef:  # the penalty is in every loop's loss, not vanishingly small
+        assert want_metrics["policy/kl"] > 0.05
+        if loop != "prime_rl":  # PRIME-RL's metrics are means over samples, not tokens
+            assert metrics["policy/kl"] == pytest.approx(want_metrics["policy/kl"], abs=TOLERANCE)
     for channel in ("policy", "distill", "preference"):
         assert metrics[f"{channel}/skipped"] == want_metrics[f"{channel}/skipped"]
         if not want_metrics[f"{channel}/skipped"]:

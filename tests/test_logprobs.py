@@ -48,7 +48,9 @@ def test_token_logprobs_gradcheck(generator):
 def test_selective_logprobs_matches_log_softmax_and_gradchecks(generator):
     h, w, targets = head(generator, tokens=(2, 3), hidden=4, vocab=5)
     logits = (h @ w.T).detach().requires_grad_()
-    assert_close(selective_logprobs(logits, targets), torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0])
+    assert_close(
+        selective_logprobs(logits, targets), torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    )
     assert torch.autograd.gradcheck(lambda z: selective_logprobs(z, targets), (logits,))
 
 

@@ -53,11 +53,17 @@ def test_default_kwargs_reproduce_prime_rl_default_loss(seed):
 def test_loss_weights_and_sum_semantics(generator):
     inputs = sample(generator)
     weights = torch.rand(9, generator=generator, dtype=torch.float64)
-    weighted = LossInputs(inputs.trainer_logprobs, inputs.inference_logprobs, None, inputs.advantages, inputs.loss_mask, weights)
+    weighted = LossInputs(
+        inputs.trainer_logprobs, inputs.inference_logprobs, None, inputs.advantages, inputs.loss_mask, weights
+    )
     assert_close(composer_loss(weighted).loss, prime_default_loss(weighted), atol=1e-12, rtol=0)
     # a sum, not a mean: two copies of a sample give twice the loss
-    doubled = LossInputs(*(torch.cat([t, t]) for t in (inputs.trainer_logprobs, inputs.inference_logprobs)), None,
-                         torch.cat([inputs.advantages] * 2), torch.cat([inputs.loss_mask] * 2))
+    doubled = LossInputs(
+        *(torch.cat([t, t]) for t in (inputs.trainer_logprobs, inputs.inference_logprobs)),
+        None,
+        torch.cat([inputs.advantages] * 2),
+        torch.cat([inputs.loss_mask] * 2),
+    )
     assert_close(composer_loss(doubled).loss, 2 * composer_loss(inputs).loss)
 
 

@@ -34,7 +34,11 @@ def batches(draw):
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(b, t, generator=g) < draw(st.sampled_from([0.0, 0.5, 1.0]))  # incl. all-masked rows
     return dict(
-        b=b, t=t, v=v, dtype=dtype, mask=mask,
+        b=b,
+        t=t,
+        v=v,
+        dtype=dtype,
+        mask=mask,
         hidden=torch.randn(b, t, h, generator=g).mul(3).to(dtype).requires_grad_(),
         weight=torch.randn(v, h, generator=g).to(dtype).requires_grad_(),
         targets=torch.randint(0, v, (b, t), generator=g),
@@ -63,7 +67,10 @@ def test_compose_loss_is_finite_everywhere(x):
     kl = 0.05 if x["policy"] != "dppo" else 0.0
     cfg = LossConfig(
         policy=PolicyConfig(name=x["policy"], is_mode=x["is_mode"], kl_coef=kl),
-        distill=x["divergence"], alpha_sdpo=0.5, beta_replay=0.3, chunk_tokens=4,
+        distill=x["divergence"],
+        alpha_sdpo=0.5,
+        beta_replay=0.3,
+        chunk_tokens=4,
     )
     if x["top_k_teacher"]:
         top = torch.log_softmax(x["teacher"], -1).topk(x["top_k"], dim=-1)
@@ -75,8 +82,15 @@ def test_compose_loss_is_finite_everywhere(x):
         x["targets"],
         PolicyInputs(mask, x["advantages"], Counts.from_mask(mask), x["old"], x["inference"], x["ref"]),
         DistillInputs(teacher, mask, Counts.from_mask(mask)),
-        PreferenceInputs(x["pairs"][0], x["pairs"][1], torch.full((x["b"],), 3), torch.full((x["b"],), 5), x["b"],
-                         x["pairs"][0].detach() - 1, x["pairs"][1].detach()),
+        PreferenceInputs(
+            x["pairs"][0],
+            x["pairs"][1],
+            torch.full((x["b"],), 3),
+            torch.full((x["b"],), 5),
+            x["b"],
+            x["pairs"][0].detach() - 1,
+            x["pairs"][1].detach(),
+        ),
     )
     head = LinearHead(x["hidden"], x["weight"]) if x["lean"] else Logits(x["hidden"] @ x["weight"].T)
     out = compose_loss(head, inputs, cfg, taid_t=0.6)

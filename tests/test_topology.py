@@ -251,7 +251,12 @@ def test_resume_from_a_missing_or_finished_checkpoint_is_refused_before_anything
         ("seed=99999999999999999999999", ["seed: must be in [0, 2**31)", "a 23-digit number", "seed: 0"]),
         ("seed=-1", ["seed: must be in [0, 2**31), got -1"]),
         ("name=" + "a" * 230, ["name: is 230 characters long; at most 64", "255-byte name limit", "shorten"]),
-        ("actors.trainer.loss.policy.kl_coef=0.1", ["kl_coef is 0.1", "no reference model yet", "set kl_coef: 0"]),
+        (
+            "actors.reference.mesh=service",
+            ["actors.reference names the model the KL penalty", "kl_coef is 0", "remove actors.reference"],
+        ),
+        ("actors.reference={mesh: gpu}", ["actors.reference.mesh is 'gpu'", "add a mesh named 'gpu'"]),
+        ("actors.reference={mesh: trainer, path: /nowhere}", ["reference path '/nowhere'", "save_pretrained"]),
         ("model.init.heads=3", ["heads (3) must be a multiple of kv_heads (2)"]),
         ("model.init.hidden_size=60", ["head size hidden_size // heads is 15", "even"]),
         ("model.init.arch=gpt", ["unknown tiny architecture 'gpt'", "qwen2"]),

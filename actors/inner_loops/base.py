@@ -44,9 +44,11 @@ from losses import (
     TeacherTopK,
     TokenLogprobs,
     compose_loss,
+    covariance_selection,
     selective_logprobs,
     token_logprobs,
 )
+from losses.config import COVARIANCE
 
 CPU = torch.device("cpu")
 
@@ -183,6 +185,10 @@ class MicroBatchLoop(ABC):
         counts = Counts.from_mask(policy_mask, batch.max_completion_len)
         distill = batch.distill_mask is not None and self.cfg.loss.alpha_sdpo > 0
         distill_counts = Counts.from_mask(batch.distill_mask) if distill else None
+        held_back = None
+        if self.cfg.loss.policy.name in COVARIANCE:  # chosen over the whole step, the same in every micro-batch
+            advantages = batch.advantages[:, None]
+            held_back = covariance_selection(batch.inference_logprobs, advantages, policy_mask, self.cfg.loss.policy)
 
         def rows(sl: slice) -> LossInputs:
             part = batch.rows(sl)
@@ -191,6 +197,8 @@ class MicroBatchLoop(ABC):
                 advantages=part.advantages,
                 counts=counts,
                 inference_logprobs=part.inference_logprobs,  # the old policy is the loss's choice (is_mode)
+                ref_logprobs=part.ref_logprobs,
+                held_back=None if held_back is None else held_back[sl],
             )
             teacher = (
                 DistillInputs(TeacherTopK(part.distill_ids, part.distill_logprobs), part.distill_mask, distill_counts)

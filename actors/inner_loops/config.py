@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from actors import registry
-from losses.config import LossConfig
+from losses.config import COVARIANCE, LossConfig
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 Precision = Literal["auto", "bf16", "fp32"]
@@ -79,16 +79,17 @@ class TrainerConfig:
                 f"custom_loss is PRIME-RL's custom-loss hook, but inner_loop is {self.inner_loop!r}: "
                 "set inner_loop: prime_rl, or remove custom_loss"
             )
+        if self.loss.policy.name in COVARIANCE and self.inner_loop == "prime_rl":
+            raise ValueError(
+                f"loss.policy.name {self.loss.policy.name!r} picks tokens by their covariance over a whole "
+                "micro-batch, but PRIME-RL's loss contract sees one sample at a time: use inner_loop native, trl or "
+                "torchtitan, or another policy loss"
+            )
         if self.loss.policy.entropy_coef and self.inner_loop == "prime_rl":
             raise ValueError(
                 "loss.policy.entropy_coef adds an entropy bonus, which needs the policy's whole distribution, but "
                 "PRIME-RL's loss contract sees only token logprobs: use inner_loop native, trl or torchtitan, "
                 "or set entropy_coef: 0"
-            )
-        if self.loss.policy.kl_coef > 0:
-            raise ValueError(
-                f"loss.policy.kl_coef is {self.loss.policy.kl_coef}, but the trainer has no reference model yet to "
-                "take a KL penalty against; set kl_coef: 0"
             )
 
     def precision_on(self, on_gpu: bool) -> Literal["bf16", "fp32"]:

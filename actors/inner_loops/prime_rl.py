@@ -98,7 +98,7 @@ class PrimeRLLoop(NativeLoop):
             sample = prime_rl.LossInputs(
                 trainer_logprobs=logprobs[row],
                 inference_logprobs=policy.inference_logprobs[row],
-                ref_logprobs=None,
+                ref_logprobs=None if policy.ref_logprobs is None else policy.ref_logprobs[row],
                 advantages=policy.advantages[row].expand_as(logprobs[row]),
                 loss_mask=policy.mask[row],
                 loss_weights=weights[row],

@@ -1,0 +1,98 @@
+"""The reference model: a frozen policy whose logprobs of the sampled tokens feed the KL penalty
+(``loss.policy.kl_coef``).
+
+``ReferenceModel`` computes them wherever the topology places it (``actors.reference.mesh``):
+on the trainer's own ranks, where each rank fills in its rows of a batch right before its
+step, or in a ``Reference`` actor on another mesh, which the controller asks while the batch
+is collected, beside the rewards and the teachers. Either way it is a plain HF model in eval
+mode that no training wrapper (DDP, FSDP) ever sees: it never changes, so it is held whole.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from monarch.actor import Actor, endpoint
+from torch import Tensor
+
+from actors.inner_loops.native import HiddenStates
+from actors.lifecycle import ProcInfo, this_proc
+from actors.model import Placement, load_policy
+from actors.rollout import Trajectory
+from actors.train_batch import Sequences, pack_sequences
+from losses import token_logprobs
+
+
+class ReferenceMismatch(ValueError):
+    """The reference cannot score the policy's tokens: its vocabulary is not the policy's."""
+
+
+class ReferenceModel:
+    def __init__(
+        self,
+        path: str,
+        policy_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        micro_batch_size: int,
+        chunk_tokens: int,
+    ):
+        self.device, self.micro_batch_size, self.chunk_tokens = device, micro_batch_size, chunk_tokens
+        model, tokenizer = load_policy(path, dtype)
+        if path != policy_path:
+            _check_vocabulary(path, tokenizer, policy_path)
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.hidden = HiddenStates(self.model)
+
+    @torch.no_grad()
+    def logprobs(self, sequences: Sequences) -> Tensor:
+        """``[B, T]``: each completion token's logprob under the reference, micro-batch by micro-batch."""
+        weight = self.model.get_output_embeddings().weight
+        parts = []
+        for start in range(0, len(sequences), self.micro_batch_size):
+            part = sequences.rows(slice(start, start + self.micro_batch_size)).to(self.device)
+            parts.append(token_logprobs(self.hidden(part), weight, part.targets, self.chunk_tokens))
+        return torch.cat(parts)
+
+
+def _check_vocabulary(path: str, tokenizer, policy_path: str) -> None:
+    from transformers import AutoTokenizer
+
+    if tokenizer.get_vocab() != AutoTokenizer.from_pretrained(policy_path).get_vocab():
+        raise ReferenceMismatch(
+            f"the reference model at {path} has a tokenizer other than the policy's ({policy_path}), but the KL "
+            "penalty compares the two models' logprobs of the same token ids; use a reference with the policy's "
+            "tokenizer (e.g. the model the policy was fine-tuned from), or leave actors.reference.path out to use "
+            "the policy's initial weights"
+        )
+
+
+@dataclass
+class ReferenceReply:
+    logprobs: list[list[float]]  # per trajectory, per completion token
+    seconds: float
+
+
+class Reference(Actor):
+    """The reference model on a mesh of its own (or beside the teachers), asked once per collection."""
+
+    def __init__(self, path: str, policy_path: str, place: Placement, micro_batch_size: int, chunk_tokens: int):
+        self.args = (path, policy_path)  # the model is loaded in ``start`` (actors/lifecycle.py)
+        self.place, self.micro_batch_size, self.chunk_tokens = place, micro_batch_size, chunk_tokens
+
+    @endpoint
+    def start(self) -> ProcInfo:
+        torch.set_num_threads(self.place.threads)
+        dtype = torch.bfloat16 if self.place.gpus else torch.float32
+        self.model = ReferenceModel(*self.args, self.place.device(), dtype, self.micro_batch_size, self.chunk_tokens)
+        return this_proc()
+
+    @endpoint
+    def logprobs(self, trajectories: list[Trajectory]) -> ReferenceReply:
+        start = time.perf_counter()
+        # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention
+        values = self.model.logprobs(pack_sequences(trajectories, 0)).cpu()
+        rows = [values[i, : len(t.completion_ids)].tolist() for i, t in enumerate(trajectories)]
+        return ReferenceReply(rows, time.perf_counter() - start)
