@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from actors.model_config import ModelFacts
 from actors.weights_config import SHM, slot_bytes
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class StorePlan:
     transport: str
     processes: int
     master_bytes: int | None  # the trainer's fp32 weights (None: unknown, as slot_bytes)
+    reference_bytes: int = 0  # the KL penalty's reference models held in RAM (on CPU meshes), all copies
 
     @classmethod
     def of(cls, topology: Topology) -> StorePlan:
@@ -65,11 +67,12 @@ class StorePlan:
         processes = sum(m.procs * m.hosts for m in topology.launched_meshes().values())
         size = None if tensors is None else slot_bytes(tensors, topology.weights_dtype())
         masters = None if tensors is None else slot_bytes(tensors)
-        return cls(topology.loop.max_policy_lag + 2, size, topology.weight_transport(), processes, masters)
+        slots = topology.loop.max_policy_lag + 2
+        return cls(slots, size, topology.weight_transport(), processes, masters, _reference_bytes(topology))
 
     @property
     def ram_margin(self) -> int:
-        return TRAINER_COPIES * (self.master_bytes or 0) + RUNTIME_BYTES * self.processes
+        return TRAINER_COPIES * (self.master_bytes or 0) + self.reference_bytes + RUNTIME_BYTES * self.processes
 
     def slots_that_fit(self, free: FreeMemory) -> int | None:
         """The most slots this machine holds (None: nothing to check)."""
@@ -81,6 +84,19 @@ class StorePlan:
         if free.ram is not None:
             limits.append(max(free.ram - self.ram_margin, 0) // self.slot_bytes)
         return min(limits, default=None)
+
+
+def _reference_bytes(topology: Topology) -> int:
+    """The RAM the reference model takes: one fp32 copy in each process of its mesh (every trainer
+    rank, on the trainer's), unless that mesh has GPUs; 0 when its size is unknown."""
+    reference = topology.reference()
+    if reference is None or topology.meshes[reference.mesh].gpus:
+        return 0
+    facts = (
+        topology.model_facts() if reference.path is None else ModelFacts.of_directory(Path(reference.path).expanduser())
+    )
+    mesh = topology.meshes[reference.mesh]
+    return mesh.procs * mesh.hosts * slot_bytes(facts.tensors) if facts.tensors else 0
 
 
 def check_memory(topology: Topology, free: FreeMemory | None = None) -> None:
@@ -97,6 +113,7 @@ def check_memory(topology: Topology, free: FreeMemory | None = None) -> None:
         short.append(
             f"RAM has {size(free.ram)} available, of which {size(plan.ram_margin)} must stay for the run's "
             f"{plan.processes} processes and the trainer's weights, gradients and AdamW moments"
+            + (" and the reference model" if plan.reference_bytes else "")
         )
     fix = (
         f"the largest lag that fits is {fit - 2}: set loop.max_policy_lag to at most {fit - 2}"

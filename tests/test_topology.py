@@ -18,7 +18,7 @@ from actors.inner_loops import TrainerConfig
 from actors.weights_config import slot_bytes
 from mesh import launchers
 from mesh.fingerprint import topology_fingerprint
-from mesh.preflight import FreeMemory, StorePlan, check_memory, describe_store, size
+from mesh.preflight import RUNTIME_BYTES, FreeMemory, StorePlan, check_memory, describe_store, size
 from mesh.run import main
 from mesh.topology import TopologyError, describe, load_topology
 
@@ -381,6 +381,18 @@ def test_a_lag_whose_slots_do_not_fit_names_the_bytes_and_the_largest_lag_that_f
         check_memory(topology, FreeMemory(shm=10**12, ram=plan.ram_margin + 10 * slot))
     with pytest.raises(ValueError, match="not even max_policy_lag 0"):
         check_memory(topology, FreeMemory(shm=slot, ram=10**12))
+
+
+def test_the_pre_flight_keeps_ram_for_a_reference_model_in_each_process_that_holds_one():
+    without = StorePlan.of(load_topology(TINY))
+    on_trainer = StorePlan.of(load_topology(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "meshes.trainer.procs=2"]))
+    assert without.reference_bytes == 0
+    assert on_trainer.reference_bytes == 2 * without.master_bytes  # every trainer rank holds it, in fp32
+    assert on_trainer.ram_margin == without.ram_margin + 2 * without.master_bytes + RUNTIME_BYTES  # and one proc more
+    topology = load_topology(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "loop.max_policy_lag=1000"])
+    slot = StorePlan.of(topology).slot_bytes
+    with pytest.raises(ValueError, match="AdamW moments and the reference model"):
+        check_memory(topology, FreeMemory(shm=10**12, ram=StorePlan.of(topology).ram_margin + 10 * slot))
 
 
 def test_an_impossible_lag_is_refused_at_load_and_the_dry_run_prints_the_pre_flight(tmp_path):
