@@ -109,7 +109,7 @@ async def train_once(
     [
         ("native", LossConfig()),
         ("native", ALL_CHANNELS),
-        ("trl", ALL_CHANNELS),
+        pytest.param("trl", ALL_CHANNELS, marks=pytest.mark.slow),  # trl's loss and gradients: test_inner_loops
         ("prime_rl", ALL_CHANNELS),
         ("torchtitan", LossConfig()),
         ("torchtitan", ALL_CHANNELS),  # FSDP2; the 25 rows split 13/12: ranks run different micro-batch counts

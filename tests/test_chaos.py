@@ -107,7 +107,7 @@ def fault_at_random_step(root: Path, role: str, sig: int, rng: random.Random) ->
         ("rewarder", signal.SIGKILL),
         ("trainer", signal.SIGKILL),
         ("generator", signal.SIGSTOP),
-        ("trainer", signal.SIGSTOP),
+        pytest.param("trainer", signal.SIGSTOP, marks=pytest.mark.slow),  # the default run hangs a generator
     ],
     ids=lambda v: v if isinstance(v, str) else signal.Signals(v).name,
 )
@@ -177,7 +177,11 @@ def creator(store: Path) -> StoreOwner:
     return StoreOwner.decode((store / OWNER).read_bytes())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],  # one path; the default run sends SIGINT
+    ids=lambda s: signal.Signals(s).name,
+)
 def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(tmp_path, baseline, sig):
     process = start_run(tmp_path / "runs")
     path = wait_for_step(tmp_path / "runs", 4)
@@ -211,7 +215,7 @@ def test_a_second_signal_stops_at_once_and_still_removes_the_store(tmp_path):
     assert not stores_of(only_run(tmp_path)) and not (only_run(tmp_path) / "control" / "pid").exists()
 
 
-@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("lag", [pytest.param(0, marks=pytest.mark.slow), 1])  # lag 1 has batches in flight too
 def test_sigkill_of_the_run_then_resume_gives_the_uninterrupted_metrics(tmp_path, baseline, lag):
     """Synchronous, and bounded-async (whose checkpoint holds the batch it had already collected)."""
     lagged = f"loop.max_policy_lag={lag}"

@@ -175,7 +175,7 @@ async def test_a_failed_push_fails_the_next_call():
 
 @pytest.mark.parametrize(
     "router_name, procs",
-    [("least_loaded", 1), ("round_robin", 2)],  # with 2 procs per replica, each of the 4 procs is a target
+    [("least_loaded", 1), pytest.param("round_robin", 2, marks=pytest.mark.slow)],  # 2 procs per replica: 4 targets
 )
 async def test_two_replicas_all_serve_log_their_load_and_end_holding_the_final_version(
     tmp_path, monkeypatch, router_name, procs

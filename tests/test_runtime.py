@@ -237,7 +237,14 @@ async def test_every_actor_on_one_mesh_learns_like_the_default_placement(tmp_pat
 
 @pytest.mark.parametrize(
     ("inner_loop", "precision"),
-    [("native", "auto"), ("native", "bf16"), ("trl", "auto"), ("prime_rl", "auto"), ("torchtitan", "auto")],
+    [
+        ("native", "auto"),
+        # slow tier: each of these loops gives native's step (test_inner_loops); the default run learns with two
+        pytest.param("native", "bf16", marks=pytest.mark.slow),
+        pytest.param("trl", "auto", marks=pytest.mark.slow),
+        pytest.param("prime_rl", "auto", marks=pytest.mark.slow),
+        ("torchtitan", "auto"),
+    ],
     ids=["native", "native-bf16", "trl", "prime_rl", "torchtitan"],
 )
 async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop, precision):
@@ -251,6 +258,7 @@ async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop, precisi
     assert first <= 0.25 and last >= first + 0.25, (first, last)
 
 
+@pytest.mark.slow  # a whole vLLM run; the default run samples with vLLM in test_actors
 async def test_tiny_vllm_topology_learns_with_tis_and_logs_the_mismatch(tmp_path):
     """topologies/tiny_vllm.yaml as shipped (vLLM in the generator, TIS), cut to 60 steps: the
     reward climbs, and every step logs the sampler/trainer mismatch and the TIS weight."""
