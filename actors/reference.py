@@ -50,7 +50,7 @@ class ReferenceModel:
     def logprobs(self, sequences: Sequences) -> Tensor:
         """``[B, T]``: each completion token's logprob under the reference, micro-batch by micro-batch."""
         weight = self.model.get_output_embeddings().weight
-        parts = []
+        parts = [torch.empty(0, sequences.targets.shape[1], device=self.device)]  # no rows: none to score
         for start in range(0, len(sequences), self.micro_batch_size):
             part = sequences.rows(slice(start, start + self.micro_batch_size)).to(self.device)
             parts.append(token_logprobs(self.hidden(part), weight, part.targets, self.chunk_tokens))

@@ -33,7 +33,7 @@ class Sequences:
     def targets(self) -> Tensor:
         return self.input_ids[:, self.prompt_len :]
 
-    def rows(self, rows: slice) -> Sequences:
+    def rows(self, rows: slice | Tensor) -> Sequences:
         return dataclasses.replace(self, **{k: getattr(self, k)[rows] for k in TOKEN_FIELDS})
 
     def to(self, device: torch.device) -> Sequences:

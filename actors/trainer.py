@@ -143,11 +143,12 @@ class Trainer(Actor):
         return StepReport(metrics, weights, seconds, time.perf_counter() - trained, reference_seconds)
 
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
-        """``batch`` with the reference's logprobs of this rank's rows (the loop trains only on
-        those; the other ranks fill in theirs)."""
+        """``batch`` with the reference's logprobs of this rank's rows that train the policy (the loop
+        trains only on its own rows; the other ranks fill in theirs, and replayed traces take no KL)."""
         share = split_rows(len(batch), self.world)[self.rank]
+        rows = torch.arange(len(batch))[share][batch.policy_rows[share]]
         values = torch.zeros(batch.targets.shape, device=self.reference.device)
-        values[share] = self.reference.logprobs(batch.sequences().rows(share))
+        values[rows] = self.reference.logprobs(batch.sequences().rows(rows))
         return dataclasses.replace(batch, ref_logprobs=values)
 
     @endpoint

@@ -38,6 +38,7 @@ def test_reference_logprobs_are_the_models_own_for_every_row_in_micro_batches(mo
     mask = batch.attention_mask[:, batch.prompt_len :].bool()
     torch.testing.assert_close(got[mask], want[mask].detach(), atol=1e-5, rtol=0)
     assert got.shape == batch.targets.shape and not got.requires_grad
+    assert reference.logprobs(batch.sequences().rows(slice(0, 0))).shape == (0, batch.targets.shape[1])
 
 
 def test_a_reference_with_another_tokenizer_is_refused_with_the_fix(model_dir, tmp_path):
