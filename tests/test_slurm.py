@@ -108,6 +108,27 @@ def test_launcher_options_belong_to_their_kind(overrides, reason):
     assert load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).launcher.partition == "gpu"
 
 
+# what the check takes (mesh/launchers/grammars.py) against what the cluster's sbatch takes
+SBATCH_SPELLINGS = [("time", t) for t in ("30", "30:00", "12:00:00", "1-00", "1-00:00", "1-00:00:00", "UNLIMITED")]
+SBATCH_SPELLINGS += [("mem", m) for m in ("100", "100M", "1G")] + [("partition", "debug"), ("qos", "normal")]
+
+
+def test_every_spelling_the_check_takes_is_one_the_clusters_sbatch_takes(cluster, tmp_path):
+    """Each is submitted with ``sbatch --test-only`` (slurmctld checks the job, nothing runs); and two
+    spellings the check refuses are refused by sbatch too."""
+    for key, value in SBATCH_SPELLINGS:
+        topology = load_topology(TINY, ["launcher.kind=slurm", f"launcher.{key}='{value}'"], placed_here=False)
+        script = sbatch_script("tiny-trainer", topology.meshes["trainer"], 23456, topology.launcher, str(tmp_path))
+        tested = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True)
+        assert tested.returncode == 0 and "to start at" in tested.stderr, (key, value, tested.stderr)
+    for key, value in (("time", "1:00:00:00"), ("mem", "lots")):  # refused by both
+        with pytest.raises(TopologyError, match=f"launcher.{key}"):
+            load_topology(TINY, ["launcher.kind=slurm", f"launcher.{key}='{value}'"], placed_here=False)
+        script = f"#!/bin/bash\n#SBATCH --{key}={value}\nsrun true\n"
+        tested = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True)
+        assert tested.returncode != 0 and f"invalid --{key}" in tested.stderr.lower(), tested.stderr
+
+
 async def test_tiny_learns_on_slurm_with_its_three_meshes_on_one_node_and_leaves_no_job_behind(cluster, tmp_path):
     overrides = ["launcher.kind=slurm", "launcher.sbatch_args=[--nodelist=node1]", "loop.steps=40"]
     overrides += ["loop.evaluation.every=0", f"logging.root={tmp_path}"]

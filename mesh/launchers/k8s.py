@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from mesh.launchers import LauncherOptions
 from mesh.launchers import k8s_objects as objects
+from mesh.launchers.grammars import DNS_LABEL, DNS_SUBDOMAIN, IMAGE, LABEL_KEY, LABEL_VALUE, positive_quantity
 
 if TYPE_CHECKING:
     from mesh.launchers.k8s_launcher import K8sLauncher
@@ -31,14 +32,30 @@ NAME_MAX = 52
 INSTALL_HINT = "pip install -e .[k8s]"
 
 
+LabelKey = Annotated[str, LABEL_KEY.field]
+LabelValue = Annotated[str, LABEL_VALUE.field]
+Subdomain = Annotated[str, DNS_SUBDOMAIN.field]
+
+
 class Toleration(BaseModel):
-    """One pod toleration (Kubernetes' own fields, spelled as in a pod spec)."""
+    """One pod toleration (Kubernetes' own fields, spelled as in a pod spec, checked as the API server does)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    key: str | None = None
+    key: LabelKey | None = None
     operator: Literal["Equal", "Exists"] = "Equal"
-    value: str | None = None
+    value: LabelValue | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+    @model_validator(mode="after")
+    def _as_kubernetes_takes_it(self) -> Toleration:
+        if self.operator == "Exists" and self.value:
+            raise ValueError("operator Exists matches any value, so value must be left out; remove it or use Equal")
+        if self.key is None and self.operator == "Equal":
+            raise ValueError(
+                "a toleration without a key (which tolerates every taint) takes operator Exists; add a key or set "
+                "operator: Exists"
+            )
+        return self
 
     def as_k8s(self) -> dict[str, str]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
@@ -48,31 +65,39 @@ class RunVolume(BaseModel):
     """The ReadWriteMany claim that holds run directories (default name ``<topology>-runs``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    claim: str | None = None
-    size: str = "20Gi"
-    storage_class: str | None = None
+    claim: Subdomain | None = None
+    size: Annotated[str, AfterValidator(positive_quantity)] = "20Gi"
+    storage_class: Subdomain | None = None
 
 
 class K8sOptions(LauncherOptions):
     """Where the meshes' pods go: ``namespace``, the ``image`` every pod runs, the Kueue
     ``queue`` that admits them, the controller's ``service_account`` (default
     ``<topology>-controller``), the nodes (``node_selector``, ``tolerations``) and the
-    volume holding run directories (``run_volume``)."""
+    volume holding run directories (``run_volume``). Every value is checked against the
+    grammar Kubernetes holds it to (``mesh/launchers/grammars.py``), so what ``--render``
+    writes and a run creates is what a cluster takes."""
 
     kind: Literal["k8s"] = "k8s"
     one_machine: ClassVar[bool] = False  # each pod is a host of its own: GPUs are numbered per pod (mesh/placement.py)
-    namespace: str = "default"
-    image: str | None = None
-    queue: str | None = None
-    service_account: str | None = None
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    namespace: Annotated[str, DNS_LABEL.field] = "default"
+    image: Annotated[str, IMAGE.field] | None = None
+    queue: LabelValue | None = None  # the value of the kueue.x-k8s.io/queue-name label
+    service_account: Subdomain | None = None
+    node_selector: dict[LabelKey, LabelValue] = Field(default_factory=dict)
     tolerations: tuple[Toleration, ...] = ()
     run_volume: RunVolume = RunVolume()
 
     def check(self, topology: Topology) -> None:
-        """Names that Kubernetes takes and (when the run starts here) the ``kubernetes`` client
-        installed; ``share_gpus_with`` is refused by the placement (``one_machine`` is False)."""
+        """Names that Kubernetes takes (the meshes' and those made from the topology's name) and (when
+        the run starts here) the ``kubernetes`` client installed; ``share_gpus_with`` is refused by
+        the placement (``one_machine`` is False)."""
         mesh_names(topology)
+        if not DNS_LABEL.matches(name := objects.controller_name(topology)):
+            raise ValueError(
+                f"name: the controller's Job is named after the topology, {DNS_LABEL.refusal(name)}; shorten the "
+                "topology's name"
+            )
         if topology.placed_here and importlib.util.find_spec("kubernetes") is None:
             raise ValueError(
                 f"launcher 'k8s' drives the cluster through the kubernetes client, which is not installed; "

@@ -15,6 +15,9 @@ cannot differ.
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +48,9 @@ from monarch.actor import run_worker_loop_forever
 port = os.environ["MONARCH_PORT"]
 run_worker_loop_forever(address=f"tcp://{socket.getfqdn()}:{port}@tcp://0.0.0.0:{port}", ca="trust_all_connections")
 """
+# the part of an object's name in its file's name: within the 255-byte limit on a file name after the
+# number and the kind, and long enough to tell the objects apart by eye
+FILE_NAME_CHARS = 200
 READINESS = {"tcpSocket": {"port": MONARCH_PORT}, "periodSeconds": 5, "failureThreshold": 60}
 
 
@@ -210,23 +216,44 @@ _Dumper.add_representer(
 
 
 def file_name(index: int, body: dict[str, Any]) -> str:
-    """Numbered so that ``kubectl apply -f DIR``, which reads a directory in name order, applies in order."""
-    return f"{index:02d}-{body['kind'].lower()}-{body['metadata']['name']}.yaml"
+    """Numbered so that ``kubectl apply -f DIR``, which reads a directory in name order, applies in order;
+    the object's name cut to ``FILE_NAME_CHARS`` (the number keeps two names apart)."""
+    return f"{index:02d}-{body['kind'].lower()}-{body['metadata']['name'][:FILE_NAME_CHARS]}.yaml"
 
 
 def write_objects(bodies: list[dict[str, Any]], directory: Path) -> list[Path]:
-    """One YAML file per object in ``directory``; refuses one holding other YAML files, which
-    ``kubectl apply -f`` on it would apply too."""
-    names = [file_name(i, body) for i, body in enumerate(bodies)]
-    stale = sorted(p.name for p in directory.glob("*.y*ml") if p.name not in names) if directory.is_dir() else []
+    """One YAML file per object in ``directory``, all of them or none: they are written into a fresh
+    directory beside it, which then becomes ``directory`` or has its files moved into it. Refuses a
+    directory holding other YAML files, which ``kubectl apply -f`` on it would apply too."""
+    files = {file_name(i, body): yaml.dump(body, Dumper=_Dumper, sort_keys=False) for i, body in enumerate(bodies)}
+    stale = sorted(p.name for p in directory.glob("*.y*ml") if p.name not in files) if directory.is_dir() else []
     if stale:
         raise ValueError(
             f"{directory} already holds {', '.join(stale)}, which `kubectl apply -f {directory}` would apply with "
             "this run's objects; render into a new directory, or remove those files"
         )
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, body in zip(names, bodies, strict=True):
-        paths.append(directory / name)
-        paths[-1].write_text(yaml.dump(body, Dumper=_Dumper, sort_keys=False))
-    return paths
+    try:
+        _write_all(files, directory)
+    except OSError as error:
+        raise ValueError(
+            f"cannot write the Kubernetes objects into {directory}: {error.strerror} ({error.filename}); none was "
+            "written; free space or fix the directory's path and permissions, then render again"
+        ) from None
+    return [directory / name for name in files]
+
+
+def _write_all(files: dict[str, str], directory: Path) -> None:
+    directory = directory.resolve()  # '.' has a parent to stage beside it
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.with_name(f".{directory.name}.{secrets.token_hex(4)}")
+    staging.mkdir()
+    try:
+        for name, text in files.items():
+            (staging / name).write_text(text)
+        if not directory.is_dir():
+            staging.rename(directory)
+            return
+        for name in files:
+            os.replace(staging / name, directory / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -26,11 +26,20 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
-from pydantic import field_validator
+from pydantic import BeforeValidator, PositiveInt
 
 from mesh.launchers import LauncherOptions, spawn_procs
+from mesh.launchers.grammars import (
+    SBATCH_OPTION,
+    SBATCH_PATH,
+    SBATCH_WORD,
+    SLURM_MEM,
+    SLURM_NAME,
+    SLURM_NAMES,
+    SLURM_TIME,
+)
 from mesh.placement import proc_starts
 
 if TYPE_CHECKING:
@@ -57,37 +66,57 @@ class SlurmError(RuntimeError):
     """A job that could not be submitted, did not start, or ended under the run."""
 
 
+def _quoted_time(value: object) -> object:
+    """Refuse a time YAML read as a number: unquoted, ``12:00:00`` is 43200 (YAML 1.1 reads base 60)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ValueError(
+            f"is the number {value}, but YAML reads an unquoted H:MM or H:MM:SS as one number in base 60; quote "
+            "the time as sbatch spells it, e.g. time: '12:00:00' (or '30' for minutes)"
+        )
+    return value
+
+
+def _megabytes(value: object) -> object:
+    """``mem: 16384`` (megabytes, as sbatch reads a bare number) as sbatch's text."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 class SlurmOptions(LauncherOptions):
     """Each option becomes an ``#SBATCH`` line of every mesh's job; ``sbatch_args`` are
     further ones, given as sbatch spells them (``--constraint=h100``). ``gpus_per_node`` is
     what each node of the partition has: a mesh's job asks for the GPUs its node runs
-    (procs x gpus), so CPU meshes take none."""
+    (procs x gpus), so CPU meshes take none. Every value is checked against what sbatch
+    reads as one word of its kind (``mesh/launchers/grammars.py``): a newline, space or '#'
+    would end the directive early or add another, and a shell command after a newline runs."""
 
     one_machine: ClassVar[bool] = False
     kind: Literal["slurm"] = "slurm"
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str | None = None
-    gpus_per_node: int | None = None
-    cpus_per_task: int | None = None
-    mem: str | None = None
+    partition: Annotated[str, SLURM_NAMES.field] | None = None
+    account: Annotated[str, SLURM_NAME.field] | None = None
+    qos: Annotated[str, SLURM_NAME.field] | None = None
+    time: Annotated[str, BeforeValidator(_quoted_time), SLURM_TIME.field] | None = None
+    gpus_per_node: PositiveInt | None = None
+    cpus_per_task: PositiveInt | None = None
+    mem: Annotated[str, BeforeValidator(_megabytes), SLURM_MEM.field] | None = None
     exclusive: bool = False
     overcommit: bool = False
-    sbatch_args: tuple[str, ...] = ()
-
-    @field_validator("sbatch_args")
-    @classmethod
-    def _long_options(cls, args: tuple[str, ...]) -> tuple[str, ...]:
-        for arg in args:
-            if not arg.startswith("--") or "\n" in arg:
-                raise ValueError(
-                    f"{arg!r} is not one sbatch long option; write each as sbatch spells it, e.g. '--constraint=h100'"
-                )
-        return args
+    sbatch_args: tuple[Annotated[str, SBATCH_OPTION.field], ...] = ()
 
     def check(self, topology: Topology) -> None:
-        """With ``gpus_per_node`` (the GPUs each node of the partition has), every mesh's node must fit."""
+        """What the job scripts take from the topology reads as one sbatch word (each mesh's job name,
+        the log directory); with ``gpus_per_node`` (the GPUs each node of the partition has), every
+        mesh's node must fit."""
+        for name in topology.launched_meshes():
+            if not SBATCH_WORD.matches(name):
+                raise ValueError(
+                    f"meshes: the mesh name {SBATCH_WORD.refusal(name)}, which its Slurm job's name (#SBATCH "
+                    "--job-name) must be; rename the mesh"
+                )
+        if not SBATCH_PATH.matches(logs := str(log_directory(topology))):
+            raise ValueError(
+                f"logging.root: the jobs write their output under it (#SBATCH --output={logs}/...), and "
+                f"{SBATCH_PATH.refusal(logs)}; set logging.root to a path without those characters"
+            )
         if self.gpus_per_node is None:
             return
         for name, mesh in topology.meshes.items():
@@ -150,7 +179,7 @@ def describe_jobs(topology: Topology, options: SlurmOptions) -> list[str]:
     shared = "each its own" if options.exclusive else "jobs may share nodes (launcher.exclusive: true keeps them apart)"
     split = ", ".join(f"{name} {spec.hosts}" for name, spec in meshes.items())
     lines = ["", f"# slurm jobs (one per mesh): {nodes} node(s) in all, {shared}", f"node split: {split}"]
-    logs = str(Path(topology.logging.root).resolve() / "slurm")
+    logs = str(log_directory(topology))
     for (name, spec), offset in zip(meshes.items(), first_ports(meshes).values(), strict=True):
         port = f"$((BASE_PORT + {offset}))"
         lines += [
@@ -158,6 +187,11 @@ def describe_jobs(topology: Topology, options: SlurmOptions) -> list[str]:
             sbatch_script(f"{topology.name}-{name}", spec, port, options, logs),
         ]
     return lines
+
+
+def log_directory(topology: Topology) -> Path:
+    """Where the jobs' output goes (``#SBATCH --output``)."""
+    return Path(topology.logging.root).resolve() / "slurm"
 
 
 def first_ports(meshes: dict[str, MeshSpec]) -> dict[str, int]:
@@ -213,7 +247,7 @@ class SlurmLauncher:
     def start(self, topology: Topology) -> dict[str, ProcMesh]:
         self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
         base, offsets = random.randrange(*PORTS), first_ports(self.specs)
-        logs = Path(topology.logging.root).resolve() / "slurm"
+        logs = log_directory(topology)
         logs.mkdir(parents=True, exist_ok=True)
         for name, spec in self.specs.items():
             port = base + offsets[name]
