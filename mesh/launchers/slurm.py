@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
-from pydantic import BeforeValidator, PositiveInt
+from pydantic import BeforeValidator, NonNegativeInt, PositiveInt
 
 from mesh.launchers import LauncherOptions, spawn_procs
 from mesh.launchers.grammars import (
@@ -95,7 +95,7 @@ class SlurmOptions(LauncherOptions):
     account: Annotated[str, SLURM_NAME.field] | None = None
     qos: Annotated[str, SLURM_NAME.field] | None = None
     time: Annotated[str, BeforeValidator(_quoted_time), SLURM_TIME.field] | None = None
-    gpus_per_node: PositiveInt | None = None
+    gpus_per_node: NonNegativeInt | None = None  # 0: a partition of CPU nodes
     cpus_per_task: PositiveInt | None = None
     mem: Annotated[str, BeforeValidator(_megabytes), SLURM_MEM.field] | None = None
     exclusive: bool = False
