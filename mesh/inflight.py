@@ -19,6 +19,7 @@ against the policy's vocabulary and versions against the checkpoint's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -99,15 +100,18 @@ def _not_after_the_checkpoint(version: int, info: ValidationInfo) -> int:
     return version
 
 
-def _no_nan_or_plus_infinity(logprob: float) -> float:
+def _finite_or_outside_the_support(logprob: float) -> float:
     if math.isnan(logprob) or logprob == math.inf:
-        raise ValueError(f"logprob {logprob} is not a number or -Infinity (a token outside the teacher's support)")
+        raise ValueError(
+            f"logprob {json.dumps(logprob)}: a teacher's is a finite number, or -Infinity for a token outside its "
+            "support"
+        )
     return logprob
 
 
 TokenId = Annotated[int, Field(ge=0), AfterValidator(_in_vocabulary)]
 Version = Annotated[int, Field(ge=0), AfterValidator(_not_after_the_checkpoint)]
-TopKLogprob = Annotated[float, Field(allow_inf_nan=True), AfterValidator(_no_nan_or_plus_infinity)]
+TopKLogprob = Annotated[float, Field(allow_inf_nan=True), AfterValidator(_finite_or_outside_the_support)]
 
 
 class Saved(BaseModel):
@@ -146,9 +150,7 @@ class SavedTrajectory(Saved):
         return values
 
     def decode(self) -> Trajectory:
-        return Trajectory(
-            list(self.prompt_ids), list(self.completion_ids), list(self.logprobs), list(self.loss_mask), self.text
-        )
+        return Trajectory(self.prompt_ids, self.completion_ids, self.logprobs, self.loss_mask, self.text)
 
 
 class SavedReward(Saved):
@@ -157,13 +159,14 @@ class SavedReward(Saved):
     hint: str | None = None
 
     def decode(self) -> Reward:
-        return Reward(self.total, dict(self.parts), self.hint)
+        return Reward(self.total, self.parts, self.hint)
 
 
 class SavedTopK(Saved):
-    """``[T][K]``: K distinct ids per completion token, and their logprobs."""
+    """``[T][K]``: K distinct ids per completion token (T >= 1: a teacher scores a token at least), and
+    their logprobs."""
 
-    ids: list[Annotated[list[TokenId], Field(min_length=1)]]
+    ids: Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     logprobs: list[list[TopKLogprob]]
 
     @field_validator("ids")
@@ -210,9 +213,14 @@ class SavedRow(Saved):
 
     def decode(self) -> Row:
         distill = None if self.distill is None else self.distill.decode()
-        references = None if self.reference_logprobs is None else list(self.reference_logprobs)
         return Row(
-            self.kind, self.trajectory.decode(), self.version, self.teacher, self.reward.decode(), distill, references
+            self.kind,
+            self.trajectory.decode(),
+            self.version,
+            self.teacher,
+            self.reward.decode(),
+            distill,
+            self.reference_logprobs,
         )
 
 
@@ -250,10 +258,10 @@ class SavedCollected(Saved):
         return Collected(
             [group.decode() for group in self.groups],
             self.distill_teacher,
-            dict(self.seconds),
-            {name: dict(values) for name, values in self.teacher_metrics.items()},
+            self.seconds,
+            self.teacher_metrics,
             [load.decode() for load in self.generators],
-            dict(self.episode_metrics),
+            self.episode_metrics,
         )
 
 

@@ -144,7 +144,7 @@ HOSTILE = {  # what the issue reproduced, then what else a writer could put ther
     ),
     "a teacher top-k with a NaN logprob": (
         lambda s: row(s).__setitem__("distill", {"ids": [[1, 2]] * 5, "logprobs": [[-1.0, float("nan")]] * 5}),
-        "{row}.distill.logprobs[0][1]: logprob nan is not a number or -Infinity",
+        "{row}.distill.logprobs[0][1]: logprob NaN: a teacher's is a finite number, or -Infinity for a token",
     ),
     "an unknown row kind": (
         lambda s: row(s).__setitem__("kind", "oracle"),
@@ -187,7 +187,8 @@ def test_optimizer_settings_are_checked_wherever_the_state_is_read(checkpoint, c
 def test_a_fingerprint_of_the_wrong_shape_is_refused_before_it_is_compared(checkpoint, capsys):
     tampered(checkpoint, lambda s: s["fingerprint"].__setitem__("task", "reverse"))
     assert main([str(TINY), "--resume", str(checkpoint), "--dry-run"]) == 2
-    assert 'state.json at fingerprint.task: Input should be a valid dictionary (got "reverse")' in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert 'state.json at fingerprint.task: Input should be a valid dictionary (got "reverse")' in err
 
 
 def test_a_state_nested_past_the_stack_is_unreadable_not_a_traceback(checkpoint):
