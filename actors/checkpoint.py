@@ -161,7 +161,8 @@ def _compare(directory: Path, name: str, expected: str, found: str) -> None:
 
 
 def _read_state(directory: Path) -> dict:
-    """state.json as a dict with an integer step and the optimizer's param groups, or a CheckpointError."""
+    """state.json as a dict with an integer step and the optimizer's param groups (every setting finite),
+    or a CheckpointError."""
     try:
         state = json.loads((directory / STATE_FILE).read_text())
     except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested past Python's stack
@@ -209,7 +210,9 @@ class ParamGroup(BaseModel):
 _PARAM_GROUPS = TypeAdapter(list[ParamGroup])
 
 
-def validated(directory: Path, schema: type[BaseModel] | TypeAdapter, value: Any, at: tuple = (), context=None) -> Any:
+def validated(
+    directory: Path, schema: type[BaseModel] | TypeAdapter, value: Any, at: tuple = (), context: dict | None = None
+) -> Any:
     """``value`` (found at ``at`` in state.json) validated by ``schema``, or a CheckpointError naming the
     first problem's path in the file."""
     try:

@@ -191,11 +191,13 @@ def test_a_fingerprint_of_the_wrong_shape_is_refused_before_it_is_compared(check
     assert 'state.json at fingerprint.task: Input should be a valid dictionary (got "reverse")' in err
 
 
-def test_a_state_nested_past_the_stack_is_unreadable_not_a_traceback(checkpoint):
-    nested = '{"step": 1, "param_groups": []' + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
-    (checkpoint / "state.json").write_text(nested)
-    reseal(checkpoint)
-    with pytest.raises(CheckpointError, match="has an unreadable state.json .*maximum recursion depth"):
+@pytest.mark.parametrize("name", ["state.json", "checksums.json"])
+def test_json_nested_past_the_stack_is_unreadable_not_a_traceback(checkpoint, name):
+    nested = '{"step": 1, "param_groups": [], "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    (checkpoint / name).write_text(nested)
+    if name == "state.json":
+        reseal(checkpoint)
+    with pytest.raises(CheckpointError, match=f"has an unreadable {name} .*maximum recursion depth"):
         checkpoint_state(checkpoint)
 
 
