@@ -6,17 +6,25 @@ looks whole. ``checksums.json`` records an xxh3 of every file written, and every
 verifies them, so a damaged file is refused by name instead of resuming from wrong
 weights. Extra files (e.g. the controller's in-flight batches) ride in the same atomic
 write and the same checksums.
+
+Checksums catch damage, not intent: whoever can write the run directory can rewrite
+state.json and its checksum. So what state.json holds is read through strict pydantic
+models (``STRICT``; the optimizer's param groups here, the rest in ``mesh/resume.py``),
+and a value this version never writes is refused naming its path in the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
+from typing import Annotated, Any
 
 import torch
 import xxhash
+from pydantic import AfterValidator, BaseModel, ConfigDict, TypeAdapter, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -29,6 +37,8 @@ REQUIRED = (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE)
 PARTIAL, REPLACED = ".partial", ".replaced"
 CHUNK = 1 << 24
 ANOTHER = "resume from another checkpoint (runs keep one per save) or start without --resume"
+# JSON's own types (no "1" or 1.0 for an integer, no 0 for false), no unknown keys, finite numbers
+STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class CheckpointError(RuntimeError):
@@ -131,7 +141,7 @@ def _checksums(directory: Path) -> dict[str, str]:
     try:
         manifest = json.loads(path.read_text())
         files, algorithm = manifest["files"], manifest["algorithm"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         unreadable = f"checkpoint {directory} has an unreadable {CHECKSUMS_FILE} ({error}); {ANOTHER}"
         raise CheckpointError(unreadable) from None
     if algorithm != ALGORITHM or not isinstance(files, dict) or not all(name in files for name in REQUIRED):
@@ -151,10 +161,11 @@ def _compare(directory: Path, name: str, expected: str, found: str) -> None:
 
 
 def _read_state(directory: Path) -> dict:
-    """state.json as a dict with an integer step and the optimizer's param groups, or a CheckpointError."""
+    """state.json as a dict with an integer step and the optimizer's param groups (every setting finite),
+    or a CheckpointError."""
     try:
         state = json.loads((directory / STATE_FILE).read_text())
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested past Python's stack
         raise CheckpointError(f"checkpoint {directory} has an unreadable {STATE_FILE} ({error}); {ANOTHER}") from None
     if not isinstance(state, dict):
         problem = f"holds a JSON {type(state).__name__}, not an object"
@@ -165,8 +176,97 @@ def _read_state(directory: Path) -> dict:
     elif not isinstance(state.get("param_groups"), list):
         problem = "has no optimizer param_groups"
     else:
+        validated(directory, _PARAM_GROUPS, state["param_groups"], ("param_groups",))
         return state
     raise CheckpointError(f"checkpoint {directory}: its {STATE_FILE} {problem}; {ANOTHER}")
+
+
+def _finite_json(value: Any) -> Any:
+    """A value as ``json.loads`` made it, every number in it finite (walked without recursion: the
+    nesting is as deep as the file's)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"holds {json.dumps(item)}; every number in a checkpoint is finite")
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return value
+
+
+FiniteJson = Annotated[Any, AfterValidator(_finite_json)]
+
+
+class ParamGroup(BaseModel):
+    """An optimizer's param group: its parameters (indices, or names for torchtitan) and settings."""
+
+    model_config = STRICT | ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, FiniteJson]
+    params: list[int] | list[str]
+
+
+_PARAM_GROUPS = TypeAdapter(list[ParamGroup])
+
+
+def validated(
+    directory: Path, schema: type[BaseModel] | TypeAdapter, value: Any, at: tuple = (), context: dict | None = None
+) -> Any:
+    """``value`` (found at ``at`` in state.json) validated by ``schema``, or a CheckpointError naming the
+    first problem's path in the file."""
+    try:
+        if isinstance(schema, TypeAdapter):
+            return schema.validate_python(value, context=context)
+        return schema.model_validate(value, context=context)
+    except ValidationError as error:
+        raise CheckpointError(_explain(directory, error, value, at)) from None
+
+
+def _explain(directory: Path, error: ValidationError, value: Any, at: tuple) -> str:
+    first = error.errors()[0]
+    kind = first["type"]
+    if kind == "missing":
+        problem = "is missing"
+    elif kind == "extra_forbidden":
+        problem = "is not a key this version writes"
+    elif kind == "value_error":  # our validators: the reason says what is wrong
+        problem = first["msg"].removeprefix("Value error, ")
+    else:
+        expected = "Input should be a JSON object" if kind == "model_type" else first["msg"]
+        problem = f"{expected} (got {_shown(first['input'])})"
+    more = len(error.errors()) - 1
+    also = f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else ""
+    return (
+        f"checkpoint {directory}: {STATE_FILE} at {json_path(value, first['loc'], at)}: {problem}.{also} Its "
+        f"checksum matches, so {STATE_FILE} was changed after the checkpoint was written (and its checksum "
+        f"recomputed), or another program wrote it; {ANOTHER}"
+    )
+
+
+def json_path(value: Any, loc: tuple, at: tuple = ()) -> str:
+    """pydantic's ``loc`` as a path into the JSON ``value`` (itself at ``at``), e.g.
+    ``inflight.collected[0].groups[3]``; the names pydantic gives a union's members are left out,
+    as the file has no such keys."""
+    parts, node = list(at), value
+    for i, part in enumerate(loc):
+        if isinstance(node, list) and isinstance(part, int):
+            node = node[part] if 0 <= part < len(node) else None
+        elif isinstance(node, dict) and (part in node or i == len(loc) - 1):
+            node = node.get(part)
+        else:
+            continue
+        parts.append(part)
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).removeprefix(".") or "(top level)"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return f"an array of {len(value)}"
+    text = json.dumps(value)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
 
 
 def _digest(path: Path, sync: bool = False) -> str:

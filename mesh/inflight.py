@@ -6,16 +6,28 @@ trainer) that sampled them again would train on other samples. So a checkpoint k
 them, and resuming puts them back in flight. JSON, not pickle: a checkpoint is data, and
 loading one must never run code. Python's float repr round-trips exactly, so the
 restored batches are bit-identical to the saved ones.
+
+The format is described once, by the ``Saved*`` models below, and read only through
+them: whoever can write a run directory can rewrite state.json and its checksum, and a
+token id past the vocabulary, logprobs shorter than the completion or a NaN would
+otherwise crash the trainer steps later or be trained on silently. The models are
+strict (JSON's own types, no unknown keys, finite numbers, one logprob and mask value
+per completion token); given a context (``mesh/resume.py``) they also check token ids
+against the policy's vocabulary and versions against the checkpoint's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import json
+import math
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
+from pydantic import AfterValidator, BaseModel, Field, Strict, ValidationInfo, field_validator
 
 from actors.bindings import TopK
+from actors.checkpoint import STRICT
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
 from mesh.router import TargetLoad
@@ -31,17 +43,9 @@ def collected_to_json(collected: list[Collected]) -> dict[str, Any]:
 
 
 def collected_from_json(saved: dict[str, Any]) -> list[Collected]:
-    from mesh.controller import Collected  # the controller imports this module
-
-    if saved.get("format") != FORMAT:
-        raise ValueError(f"in-flight batches of format {saved.get('format')!r}; this code reads format {FORMAT}")
-    out = []
-    for fields in saved["collected"]:
-        fields = dict(fields)
-        fields["groups"] = [_decode_group(g) for g in fields["groups"]]
-        fields["generators"] = [TargetLoad(**load) for load in fields["generators"]]
-        out.append(Collected(**fields))
-    return out
+    """The collections ``collected_to_json`` wrote; a ``pydantic.ValidationError`` (a ``ValueError``)
+    names what is wrong with them."""
+    return SavedInFlight.model_validate(saved).decode()
 
 
 def _encode_one(collected: Collected) -> dict[str, Any]:
@@ -74,21 +78,203 @@ def _encode_row(row: Row) -> dict[str, Any]:
     return fields
 
 
-def _decode_group(fields: dict[str, Any]) -> RolloutGroup:
-    return RolloutGroup(Problem(**fields["problem"]), fields["index"], tuple(_decode_row(r) for r in fields["rows"]))
+# ----------------------------------------------------------------------------- the format, read
 
 
-def _decode_row(fields: dict[str, Any]) -> Row:
-    distill = fields["distill"]
-    if distill is not None:
-        ids = np.array(distill["ids"], dtype=np.int64).reshape(len(distill["ids"]), -1)
-        distill = TopK(ids, np.array(distill["logprobs"], dtype=np.float32).reshape(ids.shape))
-    return Row(
-        RowKind(fields["kind"]),
-        Trajectory(**fields["trajectory"]),
-        fields["version"],
-        fields["teacher"],
-        Reward(**fields["reward"]),
-        distill,
-        fields.get("reference_logprobs"),  # absent in checkpoints written before the reference existed
-    )
+def _in_vocabulary(token: int, info: ValidationInfo) -> int:
+    vocabulary = (info.context or {}).get("vocabulary")
+    if vocabulary is not None and token >= vocabulary:
+        raise ValueError(
+            f"token id {token} is past the policy's vocabulary of {vocabulary} tokens (ids 0 to {vocabulary - 1})"
+        )
+    return token
+
+
+def _not_after_the_checkpoint(version: int, info: ValidationInfo) -> int:
+    checkpoint = (info.context or {}).get("version")
+    if isinstance(checkpoint, int) and version > checkpoint:
+        raise ValueError(
+            f"policy version {version} is after the checkpoint's own version {checkpoint}, but a batch in flight "
+            "was sampled by weights no newer than the checkpoint's"
+        )
+    return version
+
+
+def _finite_or_outside_the_support(logprob: float) -> float:
+    if math.isnan(logprob) or logprob == math.inf:
+        raise ValueError(
+            f"logprob {json.dumps(logprob)}: a teacher's is a finite number, or -Infinity for a token outside its "
+            "support"
+        )
+    return logprob
+
+
+TokenId = Annotated[int, Field(ge=0), AfterValidator(_in_vocabulary)]
+Version = Annotated[int, Field(ge=0), AfterValidator(_not_after_the_checkpoint)]
+TopKLogprob = Annotated[float, Field(allow_inf_nan=True), AfterValidator(_finite_or_outside_the_support)]
+
+
+class Saved(BaseModel):
+    """Strict (``STRICT``); defaults mirror the dataclasses' (keys older checkpoints lack)."""
+
+    model_config = STRICT
+
+
+def _per_completion_token(count: int, completion: list[int] | None) -> None:
+    """``completion``: the ids validated before (None where they were wrong, already reported)."""
+    if completion is not None and count != len(completion):
+        raise ValueError(f"{count} values for a completion of {len(completion)} tokens (one per completion token)")
+
+
+class SavedProblem(Saved):
+    prompt: str
+    answer: str
+    system_prompt: str | None = None
+    data: str | None = None
+
+    def decode(self) -> Problem:
+        return Problem(self.prompt, self.answer, self.system_prompt, self.data)
+
+
+class SavedTrajectory(Saved):
+    prompt_ids: list[TokenId]
+    completion_ids: list[TokenId]
+    logprobs: list[float]
+    loss_mask: list[bool]
+    text: str
+
+    @field_validator("logprobs", "loss_mask")
+    @classmethod
+    def _one_per_completion_token(cls, values: list, info: ValidationInfo) -> list:
+        _per_completion_token(len(values), info.data.get("completion_ids"))
+        return values
+
+    def decode(self) -> Trajectory:
+        return Trajectory(self.prompt_ids, self.completion_ids, self.logprobs, self.loss_mask, self.text)
+
+
+class SavedReward(Saved):
+    total: float
+    parts: dict[str, float] = {}
+    hint: str | None = None
+
+    def decode(self) -> Reward:
+        return Reward(self.total, self.parts, self.hint)
+
+
+class SavedTopK(Saved):
+    """``[T][K]``: K distinct ids per completion token (T >= 1: a teacher scores a token at least), and
+    their logprobs."""
+
+    ids: Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    logprobs: list[list[TopKLogprob]]
+
+    @field_validator("ids")
+    @classmethod
+    def _k_distinct_per_token(cls, ids: list[list[int]]) -> list[list[int]]:
+        for t, row in enumerate(ids):
+            if len(row) != len(ids[0]) or len(set(row)) != len(row):
+                raise ValueError(
+                    f"token {t} has {len(row)} ids, {len(set(row))} of them distinct; a teacher's top-k has the "
+                    f"same K distinct ids at every token ({len(ids[0])} at token 0)"
+                )
+        return ids
+
+    @field_validator("logprobs")
+    @classmethod
+    def _shaped_as_ids(cls, logprobs: list[list[float]], info: ValidationInfo) -> list[list[float]]:
+        ids = info.data.get("ids")
+        if ids is not None and [len(row) for row in logprobs] != [len(row) for row in ids]:
+            raise ValueError("is not shaped as ids (one logprob per id)")
+        return logprobs
+
+    def decode(self) -> TopK:
+        ids = np.array(self.ids, dtype=np.int64).reshape(len(self.ids), -1)
+        return TopK(ids, np.array(self.logprobs, dtype=np.float32).reshape(ids.shape))
+
+
+class SavedRow(Saved):
+    kind: Annotated[RowKind, Strict(False)]  # its value, e.g. "sample"
+    trajectory: SavedTrajectory
+    version: Version
+    teacher: str | None = None
+    reward: SavedReward
+    distill: SavedTopK | None = None
+    reference_logprobs: list[float] | None = None  # absent in checkpoints written before the reference existed
+
+    @field_validator("distill", "reference_logprobs")
+    @classmethod
+    def _one_per_completion_token(cls, values: SavedTopK | list | None, info: ValidationInfo) -> Any:
+        trajectory = info.data.get("trajectory")
+        if values is not None and trajectory is not None:
+            count = len(values.ids if isinstance(values, SavedTopK) else values)
+            _per_completion_token(count, trajectory.completion_ids)
+        return values
+
+    def decode(self) -> Row:
+        distill = None if self.distill is None else self.distill.decode()
+        return Row(
+            self.kind,
+            self.trajectory.decode(),
+            self.version,
+            self.teacher,
+            self.reward.decode(),
+            distill,
+            self.reference_logprobs,
+        )
+
+
+class SavedGroup(Saved):
+    problem: SavedProblem
+    index: int = Field(ge=0)
+    rows: list[SavedRow]
+
+    def decode(self) -> RolloutGroup:
+        return RolloutGroup(self.problem.decode(), self.index, tuple(row.decode() for row in self.rows))
+
+
+class SavedLoad(Saved):
+    requests: int = Field(0, ge=0)
+    rows: int = Field(0, ge=0)
+    busy_seconds: float = 0.0
+    load_seconds: float = 0.0
+    reward_seconds: float = 0.0
+
+    def decode(self) -> TargetLoad:
+        return TargetLoad(self.requests, self.rows, self.busy_seconds, self.load_seconds, self.reward_seconds)
+
+
+class SavedCollected(Saved):
+    groups: list[SavedGroup]
+    distill_teacher: str | None
+    seconds: dict[str, float]
+    teacher_metrics: dict[str, dict[str, float]]
+    generators: list[SavedLoad] = []
+    episode_metrics: dict[str, float] = {}
+
+    def decode(self) -> Collected:
+        from mesh.controller import Collected  # the controller imports this module
+
+        return Collected(
+            [group.decode() for group in self.groups],
+            self.distill_teacher,
+            self.seconds,
+            self.teacher_metrics,
+            [load.decode() for load in self.generators],
+            self.episode_metrics,
+        )
+
+
+class SavedInFlight(Saved):
+    format: int
+    collected: list[SavedCollected]
+
+    @field_validator("format")
+    @classmethod
+    def _this_format(cls, version: int) -> int:
+        if version != FORMAT:
+            raise ValueError(f"in-flight batches of format {version}; this code reads format {FORMAT}")
+        return version
+
+    def decode(self) -> list[Collected]:
+        return [collected.decode() for collected in self.collected]

@@ -153,20 +153,21 @@ def render(path: str, overrides: list[str], directory: Path) -> int:
 
 def check_resume(topology: Topology, checkpoint: Path) -> None:
     """Refuse, before anything starts, a checkpoint that is damaged, was trained for another
-    model, tokenizer or task, or has nothing left to train (exit 2, like a bad topology)."""
+    model, tokenizer or task, has nothing left to train, or holds a state.json this version
+    does not write (``mesh/resume.py``): exit 2, like a bad topology."""
     from actors.checkpoint import CheckpointError, checkpoint_state  # torch: only a resume reads a checkpoint
     from mesh.fingerprint import FingerprintError, topology_fingerprint
+    from mesh.resume import check_state, recorded_fingerprint
 
     try:
         state = checkpoint_state(checkpoint)
-        recorded = state.get("fingerprint")
-        if not isinstance(recorded, dict):
+        if not isinstance(state.get("fingerprint"), dict):
             raise TopologyError(
                 f"{checkpoint} records no fingerprint (the model, tokenizer and task it was trained for; checkpoints "
                 "written before fingerprints lack it), so whether it fits this topology cannot be checked; resume "
                 "from a checkpoint written by this version, or start without --resume"
             )
-        differences = topology_fingerprint(topology).differences(recorded)
+        differences = topology_fingerprint(topology).differences(recorded_fingerprint(checkpoint, state))
     except (CheckpointError, FingerprintError) as error:
         raise TopologyError(str(error)) from None
     if differences:
@@ -182,6 +183,10 @@ def check_resume(topology: Topology, checkpoint: Path) -> None:
             f"{checkpoint} is at step {step} and the topology runs {topology.loop.steps} steps, so nothing is "
             f"left to train; raise loop.steps (e.g. --set loop.steps={step + 100})"
         )
+    try:
+        check_state(checkpoint, state, topology)  # once it is known to be this job's: its vocabulary
+    except CheckpointError as error:
+        raise TopologyError(str(error)) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""What ``--resume`` reads from a checkpoint's state.json, checked before any process starts.
+
+A checkpoint's checksums catch damage, not intent: whoever can write the run directory
+can rewrite state.json and its checksum. So everything in it is validated by the models
+here (``actors/checkpoint.py``'s for the optimizer's param groups, ``mesh/inflight.py``'s
+for the batches in flight) against the topology that resumes it: token ids below the
+policy's vocabulary, one logprob and mask value per completion token, finite numbers,
+JSON's own types, versions not after the step. A failure is a ``CheckpointError`` naming
+the checkpoint and the field's path in state.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from actors.checkpoint import FiniteJson, validated
+from mesh.inflight import Saved, SavedInFlight
+
+if TYPE_CHECKING:
+    from mesh.topology import Topology
+
+
+class SavedFingerprint(Saved):
+    """``mesh/fingerprint.py``'s record, compared with the topology's key by key."""
+
+    model: dict[str, FiniteJson]
+    tokenizer: dict[str, FiniteJson]
+    task: dict[str, FiniteJson]
+
+
+class SavedTAID(Saved):
+    """``TAIDScheduler.state_dict()``."""
+
+    t: float = Field(ge=0, le=1)
+    steps_done: int = Field(ge=0)
+    momentum: float
+    previous_loss: float | None
+
+
+class SavedState(Saved):
+    """state.json as ``Trainer.save`` writes it, with the controller's fingerprint and batches in flight
+    (the optimizer's param groups aside: ``checkpoint_state`` checked and dropped them)."""
+
+    step: int = Field(ge=0)
+    version: int = Field(ge=0)
+    fingerprint: SavedFingerprint
+    inflight: SavedInFlight | None = None  # a bounded-async run's batches sampled before the checkpoint
+    taid: SavedTAID | None = None
+
+    @field_validator("version")
+    @classmethod
+    def _not_after_the_step(cls, version: int, info: ValidationInfo) -> int:
+        step = info.data.get("step")
+        if step is not None and version > step:
+            raise ValueError(f"policy version {version} is after step {step}; training a step makes one version")
+        return version
+
+
+def recorded_fingerprint(checkpoint: Path, state: dict) -> dict:
+    """The checkpoint's fingerprint (from ``checkpoint_state``), in the shape ``Fingerprint.differences`` reads."""
+    return validated(checkpoint, SavedFingerprint, state["fingerprint"], ("fingerprint",)).model_dump()
+
+
+def check_state(checkpoint: Path, state: dict, topology: Topology) -> SavedState:
+    """The whole of ``state`` (from ``checkpoint_state``) validated against ``topology``; token ids are
+    checked where the policy's files give its vocabulary."""
+    from mesh.topology import _vocabulary_rows
+
+    context = {"vocabulary": _vocabulary_rows(topology.model_facts()), "version": state.get("version")}
+    return validated(checkpoint, SavedState, state, (), context)
