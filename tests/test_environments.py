@@ -330,14 +330,20 @@ def test_a_taskset_by_package_name_follows_verifiers_convention(tmp_path, monkey
     [
         (f"{ARITH.partition(':')[0]}:Nope", {}, "has no attribute 'Nope'"),
         ("json:dumps", {}, "not a verifiers Taskset subclass"),
-        ("no-such-taskset", {}, "taskset 'no-such-taskset' not found"),
         (ARITH, {"cont": 3}, "its config does not take {'cont': 3}"),
     ],
 )
-def test_a_taskset_that_cannot_load_says_why(taskset, config, message):
+def test_a_taskset_that_cannot_load_says_why_when_first_used(taskset, config, message):
+    task = VerifiersTask(taskset, config)  # building it (as checking a topology does) only finds the module
     with pytest.raises(ValueError, match="verifiers taskset") as error:
-        VerifiersTask(taskset, config)
+        task.problems(0, 0, 1)
     assert message in str(error.value)
+
+
+def test_a_taskset_whose_module_is_missing_is_refused_when_built():
+    with pytest.raises(ValueError, match="cannot find verifiers taskset 'no-such-taskset'") as error:
+        VerifiersTask("no-such-taskset")
+    assert "'verifiers.v1.tasksets.no_such_taskset' or 'no_such_taskset'" in str(error.value)
 
 
 async def test_the_rewarder_logs_each_verifiers_reward_function_as_its_own_part():

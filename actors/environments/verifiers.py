@@ -14,6 +14,8 @@ Loading, by ``taskset``:
   ``name`` (dashes as underscores) or a built-in (``verifiers.v1.tasksets.name``),
   exporting exactly one ``Taskset`` subclass through ``__all__``.
 ``config`` fills the taskset's config class (its ``TasksetConfig`` subclass).
+A taskset is user code, so building the task (which checking a topology does) only
+locates its module, running none of it; it is loaded on first use, inside the run.
 
 Prompts are deterministic in ``(seed, step)``: a finite taskset is read in a fresh
 permutation per pass (epoch) over it, drawn from ``(taskset, seed, epoch)``; an
@@ -46,9 +48,30 @@ import verifiers.v1 as vf
 from pydantic import ValidationError
 from verifiers.v1.utils.generic import concrete_type
 
+from actors import registry
 from actors.tasks import Problem
 
 T = TypeVar("T")
+
+
+def locate_taskset(taskset: str) -> str:
+    """The module ``taskset`` is loaded from (see the module docstring), found by the import
+    system's finders without running it or its parent packages; ``ValueError`` if there is none."""
+    if ":" in taskset:
+        if not registry.IMPORT_PATH.match(taskset):
+            raise ValueError(f"verifiers taskset {taskset!r} is not an import path of the form 'package.module:Class'")
+        candidates = [taskset.partition(":")[0]]
+    else:  # verifiers' plugin id: an optional owner/ and @version around the package name
+        name = taskset.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+        candidates = [f"verifiers.v1.tasksets.{name}", name]
+    found = next((module for module in candidates if registry.find_module(module)), None)
+    if found is None:
+        raise ValueError(
+            f"cannot find verifiers taskset {taskset!r}: no module {' or '.join(map(repr, candidates))} is installed "
+            "or on PYTHONPATH. Name a Taskset subclass as 'package.module:Class', or an installed verifiers "
+            "taskset package by name"
+        )
+    return found
 
 
 def load_taskset(taskset: str, config: dict[str, Any]) -> vf.Taskset:
@@ -75,12 +98,13 @@ def load_taskset(taskset: str, config: dict[str, Any]) -> vf.Taskset:
 class VerifiersTask:
     """The ``Task`` protocol over a verifiers taskset; ``reward_parts`` gives each reward function's
     weighted value. ``alphabet`` matters only for the tiny character tokenizer; printable ASCII
-    covers text tasksets."""
+    covers text tasksets. Building it only locates the taskset; ``taskset`` loads it."""
 
     def __init__(self, taskset: str, config: dict[str, Any] | None = None, alphabet: str = string.printable):
+        locate_taskset(taskset)
         self.name = taskset
-        self.taskset = load_taskset(taskset, dict(config or {}))
-        self.task_type = self.taskset.task_type()
+        self._config = dict(config or {})
+        self._taskset: vf.Taskset | None = None
         self._alphabet = alphabet
         self._rows: list[vf.Task] | None = None  # a finite taskset's tasks, read on first use
         self._stream: tuple[int, Iterator[vf.Task]] | None = None  # an infinite one's: position, iterator
@@ -88,6 +112,17 @@ class VerifiersTask:
     @property
     def alphabet(self) -> str:
         return self._alphabet
+
+    @property
+    def taskset(self) -> vf.Taskset:
+        """The taskset, loaded (its module run) on first use."""
+        if self._taskset is None:
+            self._taskset = load_taskset(self.name, self._config)
+        return self._taskset
+
+    @property
+    def task_type(self) -> type[vf.Task]:
+        return self.taskset.task_type()
 
     def problems(self, seed: int, step: int, count: int) -> list[Problem]:
         tasks = self._drawn(seed, step, count) if self.taskset.bounded else self._streamed(max(step, 0) * count, count)
