@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.procs import alive_since
+from mesh.topology import MAX_FILE_BYTES, TopologyError, check_bounded
 
 CONTROL = "control"
 EVENTS = "events.jsonl"
@@ -127,10 +128,17 @@ class ControlChannel:
         """The run has ended: clients are told so at once instead of waiting for a reply that will not come."""
         (self.control / "pid").unlink(missing_ok=True)
 
-    def _parse(self, command_id: str, text: str) -> Command:
+    def _parse(self, command_id: str, text: bytes) -> Command:
+        if len(text) > MAX_FILE_BYTES:
+            raise _Refused(
+                f"the request is larger than {MAX_FILE_BYTES // 1000} kB; send commands with python -m mesh.ctl"
+            )
         try:
             request = json.loads(text)
-        except ValueError as error:
+            check_bounded(request, "the request")  # the limits of a topology file (mesh/topology.py)
+        except TopologyError as error:
+            raise _Refused(f"{error}; send commands with python -m mesh.ctl") from None
+        except (ValueError, RecursionError) as error:
             raise _Refused(f"the request is not JSON ({error}); send commands with python -m mesh.ctl") from None
         if not isinstance(request, dict):
             raise _Refused("the request is not a JSON object; send commands with python -m mesh.ctl")
@@ -270,14 +278,16 @@ def _ended(run_path: Path) -> str | None:
     )
 
 
-def _claim(path: Path) -> str | None:
-    """Read and delete ``path``; None if it is gone (another party claimed it first). Deleting is the claim."""
+def _claim(path: Path) -> bytes | None:
+    """Read (at most one byte past a topology file's limit) and delete ``path``; None if it is gone
+    (another party claimed it first). Deleting is the claim."""
     try:
-        text = path.read_text()
+        with path.open("rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
         path.unlink()
     except FileNotFoundError:
         return None
-    return text
+    return data
 
 
 def _write_atomic(path: Path, text: str, mode: int) -> None:

@@ -23,11 +23,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import yaml
-
 from actors import registry
 from actors.bindings.config import BindingConfig
 from mesh.control import NAME_PATTERN, ControlError, read_teachers, send
+from mesh.topology import TopologyError, parse_yaml
 
 EXAMPLE_SPEC = "'{kind: hf, path: ./teacher, use: [distill]}'"
 
@@ -118,12 +117,9 @@ def _parse_spec(text: str) -> dict:
     caller's.
     """
     try:
-        spec = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        where = getattr(error, "problem_mark", None)
-        at = f" at column {where.column + 1}" if where else ""
-        why = getattr(error, "problem", None) or "cannot parse it"
-        raise UsageError(f"SPEC is not valid YAML ({why}{at}); write a mapping like {EXAMPLE_SPEC}") from None
+        spec = parse_yaml(text, "SPEC")  # the topology file's safe, bounded reader
+    except TopologyError as error:
+        raise UsageError(str(error)) from None
     if not isinstance(spec, dict):
         raise UsageError(f"SPEC must be a mapping like {EXAMPLE_SPEC}, got {text!r}")
     allowed = [field.name for field in dataclasses.fields(BindingConfig)]

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 TRACEBACK = "Traceback (most recent call last):"
 _FRAME_NOISE = ("Traceback", "During handling", "The above exception", "File ")
+# Past these a run would never end on its own: a day for one actor call (a step, a checkpoint of
+# a large model), and a thousand replaced processes (a fault loop, not bad luck).
+MAX_CALL_TIMEOUT_S = 86_400
+MAX_RESTARTS = 1000
 
 
 @dataclass(frozen=True)
@@ -33,10 +37,15 @@ class FaultTolerance:
     call_timeout: float = 600.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be an integer >= 0 (0: never restart), got {self.max_restarts!r}")
-        if not math.isfinite(self.call_timeout) or self.call_timeout <= 0:
-            raise ValueError(f"call_timeout must be a finite number of seconds > 0, got {self.call_timeout!r}")
+        if not isinstance(self.max_restarts, int) or not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise ValueError(
+                f"max_restarts must be an integer in [0, {MAX_RESTARTS}] (0: never restart), got {self.max_restarts!r}"
+            )
+        if not math.isfinite(self.call_timeout) or not 0 < self.call_timeout <= MAX_CALL_TIMEOUT_S:
+            raise ValueError(
+                f"call_timeout must be a number of seconds in (0, {MAX_CALL_TIMEOUT_S}] (a day), "
+                f"got {self.call_timeout!r}"
+            )
 
 
 @dataclass(frozen=True)

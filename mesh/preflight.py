@@ -10,14 +10,24 @@ launchers that place every process on this machine (``local``, ``process``) chec
 trainer of a cluster launcher creates its store on a node of its own, whose memory this
 machine cannot read (a full ``/dev/shm`` there fails the trainer's start, naming it).
 
-The slots must also leave RAM for the rest of the run (``RAM_MARGIN``): the trainer's
+The slots must also leave RAM for the rest of the run (``ram_margin``): the trainer's
 own weights, gradients and two AdamW moments (4 x the weights in fp32, whatever dtype
 the slots publish them in) and, per launched process, the Python, torch and
 transformers runtime (``RUNTIME_BYTES``).
+
+And for a step's batch (``BatchPlan``): its rows (``prompts_per_step x group_size``, plus
+the teachers' traces) of at least ``max_new_tokens + 1`` tokens each, held by the
+controller and the trainer; on CPU meshes also the ``hf`` generators' KV cache and
+next-token logits of every row (each samples its share of a step as one padded batch;
+vLLM's cache is a fixed size), and each trainer process's saved activations and logits
+chunk. Each is a lower bound (a prompt's own length is not known before the
+run), so a batch refused here cannot fit. A run that starts DiLoCo replicas on this
+machine gives each its share of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +42,8 @@ if TYPE_CHECKING:
 MEMINFO = Path("/proc/meminfo")
 TRAINER_COPIES = 4  # weights, gradients, AdamW's two moments
 RUNTIME_BYTES = 512 * 2**20  # a process with torch and transformers loaded, before any model
+TOKEN_BYTES = 12  # a token id (int64) and its logprob (float32): the least a holder of the batch keeps per token
+FLOAT_BYTES = 4  # CPU meshes compute in float32
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,11 @@ class FreeMemory:
             shm = stat.f_bavail * stat.f_frsize
         return cls(shm, _mem_available())
 
+    def share(self, runs: int) -> FreeMemory:
+        """One run's share when ``runs`` runs (DiLoCo replicas) split this machine."""
+        shm, ram = (None if free is None else free // runs for free in (self.shm, self.ram))
+        return FreeMemory(shm, ram)
+
 
 @dataclass(frozen=True)
 class StorePlan:
@@ -60,6 +77,7 @@ class StorePlan:
     processes: int
     master_bytes: int | None  # the trainer's fp32 weights (None: unknown, as slot_bytes)
     reference_bytes: int = 0  # the KL penalty's reference models held in RAM (on CPU meshes), all copies
+    batch_bytes: int = 0  # a step's batch (``BatchPlan``), where the memory check counts it
 
     @classmethod
     def of(cls, topology: Topology) -> StorePlan:
@@ -72,7 +90,12 @@ class StorePlan:
 
     @property
     def ram_margin(self) -> int:
-        return TRAINER_COPIES * (self.master_bytes or 0) + self.reference_bytes + RUNTIME_BYTES * self.processes
+        return (
+            TRAINER_COPIES * (self.master_bytes or 0)
+            + self.reference_bytes
+            + self.batch_bytes
+            + RUNTIME_BYTES * self.processes
+        )
 
     def slots_that_fit(self, free: FreeMemory) -> int | None:
         """The most slots this machine holds (None: nothing to check)."""
@@ -84,6 +107,78 @@ class StorePlan:
         if free.ram is not None:
             limits.append(max(free.ram - self.ram_margin, 0) // self.slot_bytes)
         return min(limits, default=None)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The least RAM one step's batch takes (see the module docstring): ``fixed`` bytes (the trainer's
+    micro-batches) plus ``per_prompt`` bytes for each of ``prompts`` prompts."""
+
+    prompts: int
+    tokens: int  # per row, at least
+    per_prompt: int
+    fixed: int
+
+    @classmethod
+    def of(cls, topology: Topology) -> BatchPlan:
+        loop, cfg = topology.loop, topology.actors
+        tokens = cfg.generator.max_new_tokens + 1
+        trainer_rows = loop.group_size + _traces_per_prompt(topology)
+        per_prompt = 2 * trainer_rows * tokens * TOKEN_BYTES  # the controller's copy and the trainer ranks' shards
+        shape = _Shape.of(topology.model_facts())
+        fixed = 0
+        if shape is not None and cfg.generator.engine == "hf" and not topology.meshes[cfg.generator.mesh].gpus:
+            per_prompt += loop.group_size * shape.sampling_bytes(tokens)  # one padded batch per request
+        trainer = topology.meshes[cfg.trainer.mesh]
+        if shape is not None and not trainer.gpus:
+            ranks = trainer.procs * trainer.hosts
+            micro = min(cfg.trainer.micro_batch_size, -(-loop.prompts_per_step * trainer_rows // ranks))
+            fixed = ranks * shape.training_bytes(micro * tokens, cfg.trainer.loss.chunk_tokens)
+        return cls(loop.prompts_per_step, tokens, per_prompt, fixed)
+
+    @property
+    def bytes(self) -> int:
+        return self.fixed + self.prompts * self.per_prompt
+
+    def prompts_that_fit(self, free_bytes: int) -> int:
+        return max(free_bytes - self.fixed, 0) // self.per_prompt
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a step's memory depends on in the policy: its layers, hidden size, key/value width, vocabulary."""
+
+    layers: int
+    hidden: int
+    kv_width: int
+    vocab: int
+
+    @classmethod
+    def of(cls, facts: ModelFacts) -> _Shape | None:
+        tensors = facts.tensors or {}
+        keys = [shape for name, shape in tensors.items() if name.endswith("self_attn.k_proj.weight")]
+        embedding = tensors.get("model.embed_tokens.weight")
+        if not keys or embedding is None or len(embedding) != 2:
+            return None
+        return cls(len(keys), embedding[1], keys[0][0], embedding[0])
+
+    def sampling_bytes(self, tokens: int) -> int:
+        """A sampled row's KV cache (keys and values of every layer) and one step's next-token logits."""
+        return (self.layers * 2 * self.kv_width * tokens + self.vocab) * FLOAT_BYTES
+
+    def training_bytes(self, tokens: int, chunk_tokens: int) -> int:
+        """A micro-batch's hidden state saved at each layer for the backward pass, and one logits chunk."""
+        return (tokens * self.hidden * self.layers + min(tokens, chunk_tokens) * self.vocab) * FLOAT_BYTES
+
+
+def _traces_per_prompt(topology: Topology) -> int:
+    """The teachers' traces a prompt's group gets on top of its samples: the warm-start one, and one per
+    replayed teacher."""
+    loop, cfg = topology.loop, topology.actors
+    bindings = cfg.teachers.bindings if cfg.teachers else {}
+    replayed = {name for name, binding in bindings.items() if "replay" in binding.use}
+    warm = {loop.warm_start.teacher} if loop.warm_start.steps else set()
+    return len(warm | replayed) if cfg.trainer.loss.beta_replay > 0 else len(warm)
 
 
 def _reference_bytes(topology: Topology) -> int:
@@ -100,19 +195,22 @@ def _reference_bytes(topology: Topology) -> int:
 
 
 def check_memory(topology: Topology, free: FreeMemory | None = None) -> None:
-    """Refuse a ``max_policy_lag`` whose weight-store slots this machine cannot hold."""
-    plan, free = StorePlan.of(topology), free or FreeMemory.now()
+    """Refuse a batch, or a ``max_policy_lag``, whose memory this machine cannot hold."""
+    runs = topology.runs_here()
+    plan, batch, free = StorePlan.of(topology), BatchPlan.of(topology), (free or FreeMemory.now()).share(runs)
+    _check_batch(topology, plan, batch, free, runs)
+    plan = dataclasses.replace(plan, batch_bytes=batch.bytes)
     fit = plan.slots_that_fit(free)
     if fit is None or plan.slots <= fit:
         return
     lag = topology.loop.max_policy_lag
     short = []
     if plan.transport == "shm" and free.shm is not None and plan.slots * plan.slot_bytes > free.shm:
-        short.append(f"/dev/shm has {size(free.shm)} free")
+        short.append(f"/dev/shm has {size(free.shm)} free{_shared(runs)}")
     if free.ram is not None and plan.slots * plan.slot_bytes + plan.ram_margin > free.ram:
         short.append(
-            f"RAM has {size(free.ram)} available, of which {size(plan.ram_margin)} must stay for the run's "
-            f"{plan.processes} processes and the trainer's weights, gradients and AdamW moments"
+            f"RAM has {size(free.ram)} available{_shared(runs)}, of which {size(plan.ram_margin)} must stay for the "
+            f"run's {plan.processes} processes, a step's batch and the trainer's weights, gradients and AdamW moments"
             + (" and the reference model" if plan.reference_bytes else "")
         )
     fix = (
@@ -125,6 +223,37 @@ def check_memory(topology: Topology, free: FreeMemory | None = None) -> None:
         f"{size(plan.slot_bytes)} = {size(plan.slots * plan.slot_bytes)} ({_where(plan.transport)}), but "
         f"{' and '.join(short)}; {fix}"
     )
+
+
+def _check_batch(topology: Topology, plan: StorePlan, batch: BatchPlan, free: FreeMemory, runs: int) -> None:
+    """Refuse a step's batch that cannot fit in RAM beside the run's processes and a weight store of
+    the fewest slots (2), naming the largest ``prompts_per_step`` that fits."""
+    if free.ram is None:
+        return
+    store = 2 * plan.slot_bytes if plan.slot_bytes and plan.transport != "cuda_ipc" else 0
+    room = free.ram - plan.ram_margin - store
+    if batch.bytes <= room:
+        return
+    loop = topology.loop
+    fits = batch.prompts_that_fit(room)
+    fix = (
+        f"the largest batch that can fit is loop.prompts_per_step: {fits} at group_size {loop.group_size} (this "
+        "counts the least a step takes); lower loop.prompts_per_step or loop.group_size"
+        if fits
+        else "not even one prompt fits: lower loop.group_size or actors.generator.max_new_tokens, free memory on "
+        "this machine, or place the job on a cluster (launcher.kind: slurm or k8s)"
+    )
+    raise ValueError(
+        f"loop.prompts_per_step x loop.group_size is {loop.prompts_per_step} x {loop.group_size}, rows of at least "
+        f"{batch.tokens} tokens (actors.generator.max_new_tokens + 1), whose sampling and training take at least "
+        f"{size(batch.bytes)} of RAM, but RAM has {size(free.ram)} available{_shared(runs)}, of which "
+        f"{size(plan.ram_margin + store)} must stay for the run's {plan.processes} processes, the trainer's weights "
+        f"and the smallest weight store; {fix}"
+    )
+
+
+def _shared(runs: int) -> str:
+    return f" for each of the diloco.replicas: {runs}" if runs > 1 else ""
 
 
 def describe_store(topology: Topology, free: FreeMemory | None = None) -> str:

@@ -59,6 +59,9 @@ NAME_MAX_CHARS = 64
 # numpy and vLLM take 32-bit seeds (numpy refuses negative ones), and each generator process
 # seeds itself with seed + 1000 x its rank: half the 32-bit range is left for the ranks.
 SEED_LIMIT = 2**31
+# A billion steps is centuries of the fastest step; a larger count is a typo, and step numbers must
+# stay small enough to name checkpoints and metrics rows.
+MAX_STEPS = 10**9
 
 
 class TopologyError(Exception):
@@ -157,7 +160,7 @@ class Evaluation(Section):
 
 
 class LoopSection(Section):
-    steps: int = Field(ge=1)
+    steps: int = Field(ge=1, le=MAX_STEPS)
     prompts_per_step: int = Field(ge=1)
     group_size: int = Field(ge=2)
     max_policy_lag: int = Field(0, ge=0, description="0 = synchronous")
@@ -304,6 +307,11 @@ class Topology(Section):
         its own (evaluation prompts stay the topology's, the same for every replica)."""
         replica = self.diloco_replica()
         return self.seed if not replica else (self.seed + replica * 1_000_003) % 2**31
+
+    def runs_here(self) -> int:
+        """The runs this one starts, each with all of its meshes: ``diloco.replicas`` when it starts the
+        DiLoCo replicas (children of this process, placed by the same launcher), else 1."""
+        return self.diloco.replicas if self.starts_replicas() else 1
 
     def replica_meshes(self) -> list[str]:
         """The generator's meshes, one per replica: its own ``mesh``, then copies of it named
@@ -533,7 +541,7 @@ def _read_mapping(path: Path) -> dict:
             f"{path}: larger than {MAX_FILE_BYTES // 1000} kB, but a topology is a few kilobytes of YAML; "
             "pass the topology file itself (e.g. topologies/tiny.yaml)"
         )
-    raw = _parse(_decode(data, path), path, "the file")
+    raw = parse_yaml(_decode(data, path), f"{path}: the file")
     if not isinstance(raw, dict):
         raise TopologyError(
             f"{path}: the file holds a {type(raw).__name__}, not a mapping; a topology is a YAML mapping with keys "
@@ -574,8 +582,10 @@ class _BoundedLoader(yaml.SafeLoader):
             self.depth -= 1
 
 
-def _parse(text: str, path: Path, what: str, plain_text_ok: bool = False) -> Any:
-    """``text`` as YAML, read safely (no tags run code) and bounded (see the MAX_* above). With
+def parse_yaml(text: str, where: str, plain_text_ok: bool = False) -> Any:
+    """``text`` as YAML, read safely (no tags run code) and bounded (see the MAX_* above); every
+    YAML a user hands in is read this way (a topology, a ``--set`` value, ``mesh.ctl``'s SPEC).
+    ``where`` names the text in ``TopologyError``'s message (``"<file>: the file"``). With
     ``plain_text_ok`` (a ``--set`` value), text that is not YAML is taken as the string it is."""
     try:
         value = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 -- a SafeLoader
@@ -583,22 +593,22 @@ def _parse(text: str, path: Path, what: str, plain_text_ok: bool = False) -> Any
         if plain_text_ok:
             return text
         raise TopologyError(
-            f"{path}: {what} is not valid YAML ({_one_line(str(error))}); only plain YAML is read "
+            f"{where} is not valid YAML ({_one_line(str(error))}); only plain YAML is read "
             "(no !!python tags), so fix the syntax at the line shown"
         ) from None
     except (_TooLarge, RecursionError):
         raise TopologyError(
-            f"{path}: {what} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep, "
-            "but a topology is a few hundred values a few levels deep; check that this is a topology file"
+            f"{where} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep, "
+            "but a topology (or a teacher spec) is a few hundred values a few levels deep; check that it is one"
         ) from None
     except (ValueError, OverflowError) as error:  # a scalar YAML cannot convert (an int of > 4300 digits, a bad date)
         reason = _one_line(str(error)).split(";")[0]
-        raise TopologyError(f"{path}: {what} holds a value YAML cannot convert ({reason}); fix that value") from None
-    _check_bounded(value, path, what)
+        raise TopologyError(f"{where} holds a value YAML cannot convert ({reason}); fix that value") from None
+    check_bounded(value, where)
     return value
 
 
-def _check_bounded(value: Any, path: Path, what: str) -> None:
+def check_bounded(value: Any, where: str) -> None:
     """Walk the loaded structure with a budget, an alias counted each time it is reached, so
     a small file expanding to billions of values ("billion laughs") is refused before
     anything walks all of them."""
@@ -608,13 +618,13 @@ def _check_bounded(value: Any, path: Path, what: str) -> None:
         seen += 1
         if seen > MAX_VALUES or depth > MAX_DEPTH:
             raise TopologyError(
-                f"{path}: {what} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep "
+                f"{where} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep "
                 "once its aliases are expanded (each counted every time it is used), but a topology is a few "
                 "hundred values a few levels deep; write the values out instead of nesting aliases"
             )
         if isinstance(node, str | bytes) and len(node) > MAX_TEXT:
             raise TopologyError(
-                f"{path}: {what} holds a text of {len(node)} characters, but no topology value is longer than "
+                f"{where} holds a text of {len(node)} characters, but no topology value is longer than "
                 f"{MAX_TEXT} (a path); check the file"
             )
         if isinstance(node, dict):
@@ -627,7 +637,7 @@ def _apply_override(raw: dict, override: str, path: Path) -> None:
     key, sep, text = override.partition("=")
     if not sep or not key:
         raise TopologyError(f"{path}: --set {_short(override)}: expected key.path=value, e.g. --set loop.steps=10")
-    value = _parse(text, path, f"--set {_short(key)}", plain_text_ok=True)
+    value = parse_yaml(text, f"{path}: --set {_short(key)}", plain_text_ok=True)
     node = raw
     parts = key.split(".")
     for depth, part in enumerate(parts[:-1]):

@@ -18,7 +18,7 @@ from actors.inner_loops import TrainerConfig
 from actors.weights_config import slot_bytes
 from mesh import launchers
 from mesh.fingerprint import topology_fingerprint
-from mesh.preflight import RUNTIME_BYTES, FreeMemory, StorePlan, check_memory, describe_store, size
+from mesh.preflight import RUNTIME_BYTES, BatchPlan, FreeMemory, StorePlan, check_memory, describe_store, size
 from mesh.run import main
 from mesh.topology import TopologyError, describe, load_topology
 
@@ -376,9 +376,9 @@ def test_a_lag_whose_slots_do_not_fit_names_the_bytes_and_the_largest_lag_that_f
     assert f"1002 slots x {size(slot)} = {size(1002 * slot)} (in /dev/shm)" in message
     assert f"/dev/shm has {size(100 * slot)} free" in message
     assert "the largest lag that fits is 98: set loop.max_policy_lag to at most 98" in message
-    plan = StorePlan.of(topology)  # RAM keeps the margin: 4 x the weights and a runtime per process
+    plan = StorePlan.of(topology)  # RAM keeps the margin: 4 x the weights, a runtime per process, a step's batch
     with pytest.raises(ValueError, match="largest lag that fits is 8:"):
-        check_memory(topology, FreeMemory(shm=10**12, ram=plan.ram_margin + 10 * slot))
+        check_memory(topology, FreeMemory(shm=10**12, ram=plan.ram_margin + BatchPlan.of(topology).bytes + 10 * slot))
     with pytest.raises(ValueError, match="not even max_policy_lag 0"):
         check_memory(topology, FreeMemory(shm=slot, ram=10**12))
 
@@ -392,7 +392,7 @@ def test_the_pre_flight_keeps_ram_for_a_reference_model_in_each_process_that_hol
     topology = load_topology(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "loop.max_policy_lag=1000"])
     slot = StorePlan.of(topology).slot_bytes
     with pytest.raises(ValueError, match="AdamW moments and the reference model"):
-        check_memory(topology, FreeMemory(shm=10**12, ram=StorePlan.of(topology).ram_margin + 10 * slot))
+        check_memory(topology, FreeMemory(shm=10**12, ram=StorePlan.of(topology).ram_margin + 10 * slot + 10**7))
 
 
 def test_an_impossible_lag_is_refused_at_load_and_the_dry_run_prints_the_pre_flight(tmp_path):

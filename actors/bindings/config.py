@@ -8,12 +8,12 @@ which alone loads it.
 
 from __future__ import annotations
 
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from actors import registry
+from actors.urls import check_url
 
 Use = Literal["distill", "replay"]
 USES = ("distill", "replay")
@@ -96,9 +96,10 @@ def check_replay(cfg: BindingConfig) -> None:
 
 def check_openai(cfg: BindingConfig) -> None:
     require(cfg, "url", "model")
-    parsed = urllib.parse.urlparse(cfg.url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+    try:
+        check_url(cfg.url, ("http", "https"))
+    except ValueError as error:
         raise ValueError(
-            f"openai teacher url {cfg.url!r} is not an http(s) URL; give the server's API base, "
+            f"openai teacher url {cfg.url!r} is not an http(s) URL ({error}); give the server's API base, "
             "e.g. http://localhost:8000/v1"
-        )
+        ) from None

@@ -26,10 +26,12 @@ import string
 from dataclasses import dataclass, field, replace
 
 from actors.tasks import Problem
+from actors.urls import check_url
 
 # The character tokenizer of a tiny model (model.init) reads the observations too: every
 # character an environment may say must be in its vocabulary, or it reads as <unk>.
 OBSERVATION_ALPHABET = string.ascii_letters + string.digits + " .,;:!?'-()\n"
+MAX_TIMEOUT_S = 86_400  # a day: no environment call is meant to take longer, and asyncio takes any finite number
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,14 @@ class OpenEnvConfig:
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://", "ws://", "wss://")):
-            raise ValueError(f"OpenEnv url {self.url!r} needs a scheme: http://host:port (or ws://)")
-        if self.max_concurrent < 1 or self.timeout_s <= 0:
+        try:
+            check_url(self.url, ("http", "https", "ws", "wss"))
+        except ValueError as error:
+            raise ValueError(f"OpenEnv url {self.url!r}: {error}; give http://host:port (or ws://)") from None
+        if self.max_concurrent < 1 or not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(
-                f"OpenEnv {self.url}: max_concurrent must be >= 1 and timeout_s > 0, "
-                f"got {self.max_concurrent} and {self.timeout_s}"
+                f"OpenEnv {self.url}: max_concurrent must be >= 1 and timeout_s in (0, {MAX_TIMEOUT_S}] seconds "
+                f"(a day), got {self.max_concurrent} and {self.timeout_s}"
             )
 
 

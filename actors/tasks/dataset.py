@@ -20,6 +20,7 @@ or from the training rows when no ``eval_dataset`` is given (then it is not held
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import random
@@ -37,6 +38,9 @@ SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes:
 # The character tokenizer of a tiny model (model.init) needs every character a prompt can hold
 # before any row is read: printable ASCII; anything else reads as <unk>.
 PRINTABLE = "\n" + "".join(chr(c) for c in range(32, 127))
+# The topology check reads at most this much of a data file (a record's columns, a saved data set's
+# header): a file of any size, or one long line, is checked in the time of reading a few MB.
+HEADER_BYTES = 4 * 2**20
 
 
 class DatasetError(ValueError):
@@ -243,16 +247,40 @@ def _only(splits: Mapping, path: str) -> str:
 
 
 def _json_columns(path: Path) -> list[str]:
-    """The keys of the first record: the first line of JSON Lines, or the first element of a JSON list."""
+    """The keys of the first record: the first line of JSON Lines, or the first element of a JSON
+    list, read from the file's first ``HEADER_BYTES`` (whatever the file's size)."""
     try:
-        with path.open(encoding="utf-8") as file:
-            first = next((line for line in file if line.strip()), "")
-            record = json.loads(first) if not first.lstrip().startswith("[") else json.loads(path.read_text())[0]
-    except (OSError, ValueError, IndexError, KeyError) as error:
+        head, cut = _head(path)
+        record = _first_record(head)
+    except OSError as error:
+        raise DatasetError(f"cannot read {path} ({error.strerror}); check the path and its permissions") from None
+    except ValueError as error:
+        if cut and not isinstance(error, UnicodeDecodeError):
+            raise DatasetError(
+                f"{path}: no whole record in its first {HEADER_BYTES // 2**20} MB (a prompt row is far shorter), so "
+                "it is not JSON Lines of prompts; write one JSON object per line"
+            ) from None
         raise DatasetError(f"cannot read {path} as JSON Lines ({error}); write one JSON object per line") from None
     if not isinstance(record, dict):
         raise DatasetError(f"{path}: the first record is a {type(record).__name__}, not a JSON object with columns")
     return list(record)
+
+
+def _first_record(head: str) -> Any:
+    """The first JSON value of ``head``: a JSON list's first element, else the first non-blank line's
+    value (a line cut short by the end of ``head`` does not parse)."""
+    text = head.lstrip()
+    if text.startswith("["):
+        return json.JSONDecoder().raw_decode(text[1:].lstrip())[0]
+    return json.loads(text.partition("\n")[0])
+
+
+def _head(path: Path) -> tuple[str, bool]:
+    """The file's first ``HEADER_BYTES`` as UTF-8 (a character cut at the end is left out), and whether
+    the file goes on past them."""
+    with path.open("rb") as file:
+        data = file.read(HEADER_BYTES + 1)
+    return codecs.getincrementaldecoder("utf-8")().decode(data[:HEADER_BYTES]), len(data) > HEADER_BYTES
 
 
 def _saved_columns(directory: Path, split: str | None) -> list[str]:
@@ -273,7 +301,10 @@ def _saved_columns(directory: Path, split: str | None) -> list[str]:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        head, cut = _head(path)
+        data = json.loads(head)
     except (OSError, ValueError) as error:
+        if isinstance(error, ValueError) and cut:
+            error = f"larger than {HEADER_BYTES // 2**20} MB, but it is a header of a few kB"
         raise DatasetError(f"cannot read {path} ({error}); save the data set again with save_to_disk") from None
     return data if isinstance(data, dict) else {}

@@ -132,11 +132,12 @@ def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
 
 
 def check_capacity(topology: Topology, launcher: str) -> None:
-    """Refuse more processes, GPUs or weight-store memory than this machine holds (generator replicas counted)."""
+    """Refuse more processes, GPUs or memory than this machine holds (generator and DiLoCo replicas counted)."""
     meshes = topology.launched_meshes().values()
-    replicas = topology.actors.generator.replicas
-    counted = f" (actors.generator.replicas: {replicas} counted)" if replicas > 1 else ""
-    procs = sum(m.procs * m.hosts for m in meshes)
+    replicas, runs = topology.actors.generator.replicas, topology.runs_here()
+    notes = [f"actors.generator.replicas: {replicas}"] * (replicas > 1) + [f"diloco.replicas: {runs}"] * (runs > 1)
+    counted = f" ({' and '.join(notes)} counted)" if notes else ""
+    procs = runs * sum(m.procs * m.hosts for m in meshes)
     limit = PROCS_PER_CORE * (os.cpu_count() or 1)
     if procs > limit:
         raise ValueError(
