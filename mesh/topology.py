@@ -619,13 +619,14 @@ def check_bounded(value: Any, where: str) -> None:
         if seen > MAX_VALUES or depth > MAX_DEPTH:
             raise TopologyError(
                 f"{where} holds more than {MAX_VALUES} values or nests them more than {MAX_DEPTH} levels deep "
-                "once its aliases are expanded (each counted every time it is used), but a topology is a few "
-                "hundred values a few levels deep; write the values out instead of nesting aliases"
+                "once its aliases are expanded (each counted every time it is used), but a topology (or a teacher "
+                "spec) is a few hundred values a few levels deep; check that it is one, and write values out instead "
+                "of nesting aliases"
             )
         if isinstance(node, str | bytes) and len(node) > MAX_TEXT:
             raise TopologyError(
                 f"{where} holds a text of {len(node)} characters, but no topology value is longer than "
-                f"{MAX_TEXT} (a path); check the file"
+                f"{MAX_TEXT} (a path); check that value"
             )
         if isinstance(node, dict):
             stack.extend((item, depth + 1) for pair in node.items() for item in pair)

@@ -54,9 +54,9 @@ from actors.tasks import Problem
 T = TypeVar("T")
 
 
-def locate_taskset(taskset: str) -> str:
-    """The module ``taskset`` is loaded from (see the module docstring), found by the import
-    system's finders without running it or its parent packages; ``ValueError`` if there is none."""
+def locate_taskset(taskset: str) -> None:
+    """Find the module ``taskset`` is loaded from (see the module docstring) by the import system's
+    finders alone, running neither it nor its parent packages; ``ValueError`` if there is none."""
     if ":" in taskset:
         if not registry.IMPORT_PATH.match(taskset):
             raise ValueError(f"verifiers taskset {taskset!r} is not an import path of the form 'package.module:Class'")
@@ -64,14 +64,12 @@ def locate_taskset(taskset: str) -> str:
     else:  # verifiers' plugin id: an optional owner/ and @version around the package name
         name = taskset.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
         candidates = [f"verifiers.v1.tasksets.{name}", name]
-    found = next((module for module in candidates if registry.find_module(module)), None)
-    if found is None:
+    if not any(registry.find_module(module) for module in candidates):
         raise ValueError(
             f"cannot find verifiers taskset {taskset!r}: no module {' or '.join(map(repr, candidates))} is installed "
             "or on PYTHONPATH. Name a Taskset subclass as 'package.module:Class', or an installed verifiers "
             "taskset package by name"
         )
-    return found
 
 
 def load_taskset(taskset: str, config: dict[str, Any]) -> vf.Taskset:
