@@ -144,6 +144,12 @@ class ModelFacts:
             head_size = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
         return cls(head_size, _safetensors_shapes(directory))
 
+    @property
+    def vocabulary_rows(self) -> int | None:
+        """The rows of the input embedding (the vocabulary), as far as the files say."""
+        shape = (self.tensors or {}).get("model.embed_tokens.weight")
+        return shape[0] if shape else None
+
 
 def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
     """Every tensor's shape, from the files ``from_pretrained`` reads (a sharded checkpoint's index, or

@@ -67,7 +67,5 @@ def recorded_fingerprint(checkpoint: Path, state: dict) -> dict:
 def check_state(checkpoint: Path, state: dict, topology: Topology) -> SavedState:
     """The whole of ``state`` (from ``checkpoint_state``) validated against ``topology``; token ids are
     checked where the policy's files give its vocabulary."""
-    from mesh.topology import _vocabulary_rows
-
-    context = {"vocabulary": _vocabulary_rows(topology.model_facts()), "version": state.get("version")}
+    context = {"vocabulary": topology.model_facts().vocabulary_rows, "version": state.get("version")}
     return validated(checkpoint, SavedState, state, (), context)

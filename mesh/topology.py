@@ -411,8 +411,8 @@ class Topology(Section):
         if reference.path is None:
             return
         ours, theirs = (
-            _vocabulary_rows(self._facts),
-            _vocabulary_rows(ModelFacts.of_directory(Path(reference.path).expanduser())),
+            self._facts.vocabulary_rows,
+            ModelFacts.of_directory(Path(reference.path).expanduser()).vocabulary_rows,
         )
         if None not in (ours, theirs) and ours != theirs:
             raise ValueError(
@@ -489,12 +489,6 @@ class Topology(Section):
                 f"named {', '.join(map(repr, self.replica_meshes()[1:]))}, but meshes already defines "
                 f"{', '.join(map(repr, taken))}; rename that mesh (or lower actors.generator.replicas)"
             )
-
-
-def _vocabulary_rows(facts: ModelFacts) -> int | None:
-    """The rows of a model's input embedding (its vocabulary), as far as its files say."""
-    shape = (facts.tensors or {}).get("model.embed_tokens.weight")
-    return shape[0] if shape else None
 
 
 # ----------------------------------------------------------------------------- loading
