@@ -73,7 +73,12 @@ class DiLoCoSyncer(Actor):
             from actors.diloco.object_store import ObjectStoreTransport
 
             self.transport = ObjectStoreTransport(
-                self.cfg.store, self.cfg.replicas, self.replica, rank=self.rank, round_timeout=self.cfg.round_timeout
+                self.cfg.store,
+                self.cfg.replicas,
+                self.replica,
+                rank=self.rank,
+                round_timeout=self.cfg.round_timeout,
+                secret=self.cfg.secret(),
             )
         return this_proc()
 

@@ -1,0 +1,164 @@
+"""The DiLoCo surface as a hostile user or a foreign writer of the store tries it: every case is refused in one
+paragraph naming the cause, and nothing they wrote is ever averaged into a replica's weights.
+
+The store cases run two replicas (threads) against a real local directory and a real S3 API (moto), with the
+forged entry put there the way anyone who can write the store could."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.diloco.object_store import ObjectStoreTransport, RefusedEntry, checksum, encode_delta
+from mesh.topology import TopologyError, load_topology
+from test_diloco_config import TINY_DILOCO
+from test_diloco_object_store import (
+    Store,
+    float32_mean,
+    make_delta,
+    run_round,
+    store,  # noqa: F401  (the fixture)
+    s3_endpoint,  # noqa: F401  (the fixture)
+)
+
+SECRET = b"shared between the replicas"
+
+
+def plant(store: Store, name: str, data: bytes, round: int = 1) -> None:
+    fs, _ = store.fs()
+    path = store.path(round, name)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # a local directory; nothing on s3
+    fs.pipe_file(path, data)
+
+
+def nan_delta() -> dict[str, torch.Tensor]:
+    delta = make_delta(2)
+    delta["layer.weight"][1, 2] = float("nan")
+    return delta
+
+
+def two_replicas(store: Store, **kwargs) -> dict[int, ObjectStoreTransport]:
+    return {i: store.transport(i, replicas=3, round_timeout=1.0, **kwargs) for i in (0, 1)}
+
+
+def test_a_nan_delta_with_a_valid_checksum_is_refused_naming_replica_and_round(store: Store) -> None:
+    forged = encode_delta(nan_delta(), replica=2, round=1, rank=0)  # a valid checksum: anyone can compute it
+    plant(store, "replica_2.safetensors", forged)
+    with pytest.raises(RefusedEntry) as info:
+        run_round(two_replicas(store), 1, {i: make_delta(i) for i in range(2)})
+    message = str(info.value)
+    assert "round 1" in message and "replica 2" in message and "replica_2.safetensors" in message
+    assert "non-finite" in message and "'layer.weight'" in message and "diloco.secret_env" in message
+
+
+def test_a_replica_never_writes_its_own_non_finite_delta(store: Store) -> None:
+    transport = store.transport(0, replicas=2)
+    delta = make_delta(0)
+    delta["layer.bias"][0] = float("inf")
+    with pytest.raises(RefusedEntry, match=r"round 3 .*own pseudo-gradient \(replica 0\) has 1 non-finite"):
+        transport.average(3, delta)
+    fs, root = store.fs()
+    assert not fs.exists(store.path(3, "replica_0.safetensors"))
+
+
+def test_replaying_a_round_with_a_nan_delta_is_refused(store: Store) -> None:
+    plant(store, "replica_1.safetensors", encode_delta(nan_delta(), replica=1, round=1, rank=0))
+    plant(store, "closed_1.json", json.dumps({"round": 1, "rank": 0, "replica": 1, "members": [1]}).encode())
+    with pytest.raises(RefusedEntry, match="round 1 .*replica 1: it has 1 non-finite"):
+        store.transport(0, replicas=2).mean_of(1)
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other secret", "signed then changed"])
+def test_with_a_secret_a_delta_written_without_it_is_refused(store: Store, forgery: str) -> None:
+    delta = make_delta(2)
+    secret = {"unsigned": None, "other secret": b"guessed", "signed then changed": SECRET}[forgery]
+    data = encode_delta(delta, replica=2, round=1, rank=0, secret=secret)
+    if forgery == "signed then changed":  # the values changed, the checksum recomputed: only the secret can sign
+        changed = {name: t.clone() for name, t in delta.items()}
+        changed["layer.weight"] += 1
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
+        from safetensors.torch import save
+
+        data = save(changed, {**header, "checksum": checksum(changed)})
+    plant(store, "replica_2.safetensors", data)
+    with pytest.raises(RefusedEntry) as info:
+        run_round(two_replicas(store, secret=SECRET), 1, {i: make_delta(i) for i in range(2)})
+    message = str(info.value)
+    assert "round 1" in message and "claims to be written by replica 2" in message
+    assert ("no signature" if forgery == "unsigned" else "signature is wrong") in message
+
+
+def test_with_a_secret_an_unsigned_close_marker_is_refused(store: Store) -> None:
+    for i in (0, 1):
+        plant(store, f"replica_{i}.safetensors", encode_delta(make_delta(i), replica=i, round=1, rank=0, secret=SECRET))
+    plant(store, "closed_0.json", json.dumps({"round": 1, "rank": 0, "replica": 0, "members": [1]}).encode())
+    with pytest.raises(RefusedEntry, match=r"closed_0\.json, which claims to be written by replica 0: it carries no"):
+        store.transport(2, replicas=3, secret=SECRET).mean_of(1)
+
+
+def test_with_a_secret_signed_replicas_average_exactly(store: Store) -> None:
+    deltas = {i: make_delta(i) for i in range(2)}
+    transports = {i: store.transport(i, replicas=2, round_timeout=10.0, secret=SECRET) for i in (0, 1)}
+    results = run_round(transports, 1, deltas)
+    assert all(r.members == (0, 1) for r in results.values())
+    torch.testing.assert_close(results[0].mean, float32_mean([deltas[0], deltas[1]]), rtol=0, atol=0)
+    late = store.transport(1, replicas=2, secret=SECRET)
+    torch.testing.assert_close(late.mean_of(1), results[1].mean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_a_file_store_others_can_write_is_refused(tmp_path, mode: int) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    with pytest.raises(ValueError, match=rf"mode {mode:04o}, which lets its group or others write in it.*chmod go-w"):
+        ObjectStoreTransport(shared.as_uri(), 2, 0)
+    assert list(shared.iterdir()) == []
+
+
+def test_a_file_store_of_another_user_is_refused(tmp_path) -> None:
+    if os.getuid() == 0:  # root hands a directory of its own to nobody
+        other = tmp_path / "theirs"
+        other.mkdir(mode=0o755)
+        os.chown(other, 65534, 65534)
+    else:
+        other = next(Path(p) for p in ("/usr", "/etc", "/") if os.stat(p).st_uid != os.getuid())
+    with pytest.raises(ValueError, match=r"owned by uid \d+.*, not by uid \d+ .*the user of this process"):
+        ObjectStoreTransport(other.as_uri(), 2, 0)
+
+
+def test_a_missing_file_store_is_created_private(tmp_path) -> None:
+    ObjectStoreTransport((tmp_path / "new" / "store").as_uri(), 2, 0)
+    assert stat.S_IMODE(os.stat(tmp_path / "new" / "store").st_mode) == 0o700
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["diloco.round_timeout=1e308"], "at most 86400 (a day), got 1e+308"),
+        (["diloco.round_timeout=inf"], "should be a finite number"),
+        (["diloco.replicas=100000"], "replicas must be in 1..1024"),
+        (["diloco.outer_optimizer.lr=1e300"], "at most 10, got 1e+300"),
+        (["diloco.transport=object_store", "diloco.secret_env=CM_TEST_UNSET_SECRET"], "'CM_TEST_UNSET_SECRET'"),
+        (["diloco.transport=object_store", "diloco.secret_env=CM_TEST_EMPTY_SECRET"], "'CM_TEST_EMPTY_SECRET'"),
+        (["diloco.secret_env=CM_TEST_SET_SECRET"], "drop secret_env or use transport: object_store"),
+    ],
+)
+def test_diloco_values_past_their_limits_are_refused(monkeypatch, overrides: list[str], words: str) -> None:
+    monkeypatch.delenv("CM_TEST_UNSET_SECRET", raising=False)
+    monkeypatch.setenv("CM_TEST_EMPTY_SECRET", "")
+    monkeypatch.setenv("CM_TEST_SET_SECRET", "x")
+    with pytest.raises(TopologyError) as info:
+        load_topology(TINY_DILOCO, overrides)
+    assert words in str(info.value) and "diloco" in str(info.value)
+
+
+def test_a_set_secret_env_passes_the_check(monkeypatch) -> None:
+    monkeypatch.setenv("CM_TEST_SET_SECRET", "x")
+    topology = load_topology(TINY_DILOCO, ["diloco.transport=object_store", "diloco.secret_env=CM_TEST_SET_SECRET"])
+    assert topology.diloco.secret() == b"x"
