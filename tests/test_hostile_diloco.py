@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ import torch
 
 from actors.diloco.object_store import ObjectStoreTransport, RefusedEntry, checksum, encode_delta
 from mesh.topology import TopologyError, load_topology
+from test_diloco import SMALL, start, wait_for_run, wait_for_step
 from test_diloco_config import TINY_DILOCO
 from test_diloco_object_store import (
     Store,
@@ -27,6 +32,7 @@ from test_diloco_object_store import (
 )
 
 SECRET = b"shared between the replicas"
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
 
 def plant(store: Store, name: str, data: bytes, round: int = 1) -> None:
@@ -162,3 +168,105 @@ def test_a_set_secret_env_passes_the_check(monkeypatch) -> None:
     monkeypatch.setenv("CM_TEST_SET_SECRET", "x")
     topology = load_topology(TINY_DILOCO, ["diloco.transport=object_store", "diloco.secret_env=CM_TEST_SET_SECRET"])
     assert topology.diloco.secret() == b"x"
+
+
+# ----------------------------------------------------------------------------- a parent killed with SIGKILL
+
+PARENT = """
+import sys, time
+from mesh.replicas import start_child
+child = start_child([sys.executable, "-c", "import time; time.sleep(120)"], sys.stderr.buffer)
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie waiting for init to reap it has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive after ``seconds`` (returns as soon as none is)."""
+    deadline = time.monotonic() + seconds
+    while (alive := [pid for pid in pids if not gone(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def test_a_child_started_for_a_replica_dies_with_its_sigkilled_parent() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=ENV)
+    child = int(parent.stdout.readline())
+    assert not gone(child)
+    parent.kill()
+    parent.wait(timeout=10)
+    assert wait_gone([child], 10.0) == []
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat_file.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat_file.parent.name))
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+    return kids
+
+
+@pytest.mark.slow
+def test_diloco_replicas_and_their_meshes_die_within_10_s_of_a_sigkilled_parent(tmp_path) -> None:
+    process = start(tmp_path, 200, "object_store")
+    runs = [wait_for_run(tmp_path, i) for i in (0, 1)]
+    for run in runs:
+        wait_for_step(run, 5)  # checkpoints every 5 steps: step_000005 is written
+    replicas = children_of(process.pid)
+    meshes = [p["pid"] for run in runs for mesh in json.loads((run / "procs.json").read_text()).values() for p in mesh["procs"]]
+    assert len(replicas) == 2 and len(meshes) == 6 and not any(map(gone, replicas + meshes))
+    process.kill()
+    process.communicate(timeout=10)
+    assert wait_gone(replicas + meshes, 10.0) == []
+    for run in runs:
+        assert (run / "checkpoints" / "step_000005" / "diloco_rank0.pt").is_file()
+
+
+# ----------------------------------------------------------------------------- a stop during a sync
+
+
+def test_a_stop_closes_a_round_whose_partner_never_comes_at_once(store: Store) -> None:
+    asked = time.monotonic() + 0.5
+    transport = store.transport(0, replicas=2, round_timeout=60.0, stop_requested=lambda: time.monotonic() > asked)
+    result = transport.average(1, make_delta(0))
+    assert result.members == (0,) and result.seconds < 5.0  # not the 60 s round_timeout
+    late = store.transport(1, replicas=2, round_timeout=60.0).average(1, make_delta(1))
+    assert late.members == (0,) and late.seconds < 5.0  # the partner that comes later adopts the closed round
+
+
+@pytest.mark.slow
+def test_a_signal_during_a_sync_whose_partner_never_comes_stops_within_10_s(tmp_path) -> None:
+    """Replica 0 of 2 started alone: its first sync waits for replica 1, which never comes."""
+    store_url = (tmp_path / "store").as_uri()
+    sets = [*SMALL, "loop.steps=20", "diloco.transport=object_store", f"diloco.store={store_url}"]
+    command = [sys.executable, "-m", "mesh.run", str(TINY_DILOCO), "--replica", "0", "--no-progress"]
+    command += ["--run-root", str(tmp_path / "runs"), *(arg for s in [*sets, "diloco.round_timeout=600"] for arg in ("--set", s))]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    waiting = tmp_path / "store" / "round_000001" / "rank_0" / "replica_0.safetensors"
+    deadline = time.monotonic() + 240
+    while not waiting.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    time.sleep(1.0)  # well into the wait for replica 1
+    asked = time.monotonic()
+    process.send_signal(signal.SIGINT)
+    try:
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()  # a run still waiting for its round (the failure this test is about) goes with the test
+    assert time.monotonic() - asked < 10.0 and process.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stopped: SIGINT: the run stopped at a step boundary with a checkpoint in"), err
+    checkpoint = Path(last.split("--resume ")[1])
+    assert checkpoint.name == "step_000005" and (checkpoint / "diloco_rank0.pt").is_file()

@@ -18,8 +18,10 @@ it, never averaged. Objects appear whole: on a local filesystem through a tempor
 same directory and a rename; on an object store one PUT is already atomic.
 
 A round closes for a replica when every replica's delta is in the store, when a close marker
-already exists (the round was closed by someone else, waiting longer changes nothing), or
-``round_timeout`` seconds after the replica wrote its own delta. Replicas that close a round on
+already exists (the round was closed by someone else, waiting longer changes nothing),
+``round_timeout`` seconds after the replica wrote its own delta, or at once when its run is
+asked to stop (``stop_requested``: a signal ends the run at this step boundary, not a round
+timeout later). Replicas that close a round on
 their own clocks could see different sets of deltas and then apply different means, their
 weights drifting apart with nothing reporting it. So membership is agreed through the markers:
 a replica that finds no marker writes its own (listing the deltas it sees); every replica
@@ -58,7 +60,7 @@ import re
 import struct
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +251,7 @@ class ObjectStoreTransport:
         storage_options: dict[str, Any] | None = None,
         settle_s: float | None = None,
         secret: bytes | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
     ) -> None:
         _check_ids(replicas, replica, rank)
         if round_timeout <= 0 or poll_s <= 0:
@@ -260,7 +263,7 @@ class ObjectStoreTransport:
         self.replicas, self.replica, self.rank = replicas, replica, rank
         self.round_timeout, self.poll_s = round_timeout, poll_s
         self.settle_s = 3 * poll_s if settle_s is None else settle_s
-        self.secret = secret
+        self.secret, self.stop_requested = secret, stop_requested
         self._closed = False
         if replicas == 1:  # a world of one never touches the store: nothing to average with
             self.fs, self.root = None, ""
@@ -441,11 +444,12 @@ class ObjectStoreTransport:
         return [int(m.group(1)) for n in self._names(self.root) if (m := ROUND_DIR.fullmatch(n))]
 
     def _wait(self, round: int, deadline: float) -> Listing:
-        """Poll until every delta is in, a marker says the round closed, or the deadline passed."""
+        """Poll until every delta is in, a marker says the round closed, the deadline passed or a stop was asked."""
         everyone = frozenset(range(self.replicas))
         while True:
             listing = self._list(round)
-            if everyone <= listing.deltas or listing.markers or time.monotonic() >= deadline:
+            closed = everyone <= listing.deltas or listing.markers or time.monotonic() >= deadline
+            if closed or self.stop_requested():
                 return listing
             time.sleep(self.poll_s)
 
