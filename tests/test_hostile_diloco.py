@@ -270,3 +270,34 @@ def test_a_signal_during_a_sync_whose_partner_never_comes_stops_within_10_s(tmp_
     assert last.startswith("stopped: SIGINT: the run stopped at a step boundary with a checkpoint in"), err
     checkpoint = Path(last.split("--resume ")[1])
     assert checkpoint.name == "step_000005" and (checkpoint / "diloco_rank0.pt").is_file()
+
+
+@pytest.mark.slow
+def test_a_run_with_a_secret_refuses_an_unsigned_delta_naming_it_and_fails_with_one_paragraph(tmp_path) -> None:
+    """Replica 0 of 2 with secret_env (the trainer's processes read the variable); a writer without the secret
+    puts replica 1's delta, with a valid checksum, beside replica 0's: the run stops at the sync, rc 1."""
+    store = tmp_path / "store"
+    sets = [*SMALL, "loop.steps=20", "diloco.transport=object_store", f"diloco.store={store.as_uri()}"]
+    sets += ["diloco.round_timeout=600", "diloco.secret_env=CM_TEST_DILOCO_SECRET"]
+    command = [sys.executable, "-m", "mesh.run", str(TINY_DILOCO), "--replica", "0", "--no-progress"]
+    command += ["--run-root", str(tmp_path / "runs"), *(arg for s in sets for arg in ("--set", s))]
+    env = {**ENV, "CM_TEST_DILOCO_SECRET": SECRET.decode()}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        own = store / "round_000001" / "rank_0" / "replica_0.safetensors"
+        deadline = time.monotonic() + 240
+        while not own.exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.1)
+        from safetensors.torch import load
+
+        forged = encode_delta(load(own.read_bytes()), replica=1, round=1, rank=0)  # unsigned, checksum valid
+        (own.parent / ".forging").write_bytes(forged)
+        (own.parent / ".forging").rename(own.parent / "replica_1.safetensors")
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 1 and "Traceback" not in err, err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "RefusedEntry: DiLoCo round 1 (rank 0): refused" in line and "replica_1.safetensors" in line
+    assert "claims to be written by replica 1: it carries no signature" in line
