@@ -68,7 +68,7 @@ def test_a_replica_never_writes_its_own_non_finite_delta(store: Store) -> None:
     delta["layer.bias"][0] = float("inf")
     with pytest.raises(RefusedEntry, match=r"round 3 .*own pseudo-gradient \(replica 0\) has 1 non-finite"):
         transport.average(3, delta)
-    fs, root = store.fs()
+    fs, _ = store.fs()
     assert not fs.exists(store.path(3, "replica_0.safetensors"))
 
 
@@ -217,6 +217,10 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
+def procs_of(run: Path) -> list[dict]:
+    return list(json.loads((run / "procs.json").read_text()).values())
+
+
 @pytest.mark.slow
 def test_diloco_replicas_and_their_meshes_die_within_10_s_of_a_sigkilled_parent(tmp_path) -> None:
     process = start(tmp_path, 200, "object_store")
@@ -224,7 +228,7 @@ def test_diloco_replicas_and_their_meshes_die_within_10_s_of_a_sigkilled_parent(
     for run in runs:
         wait_for_step(run, 5)  # checkpoints every 5 steps: step_000005 is written
     replicas = children_of(process.pid)
-    meshes = [p["pid"] for run in runs for mesh in json.loads((run / "procs.json").read_text()).values() for p in mesh["procs"]]
+    meshes = [p["pid"] for run in runs for mesh in procs_of(run) for p in mesh["procs"]]
     assert len(replicas) == 2 and len(meshes) == 6 and not any(map(gone, replicas + meshes))
     process.kill()
     process.communicate(timeout=10)
@@ -251,7 +255,8 @@ def test_a_signal_during_a_sync_whose_partner_never_comes_stops_within_10_s(tmp_
     store_url = (tmp_path / "store").as_uri()
     sets = [*SMALL, "loop.steps=20", "diloco.transport=object_store", f"diloco.store={store_url}"]
     command = [sys.executable, "-m", "mesh.run", str(TINY_DILOCO), "--replica", "0", "--no-progress"]
-    command += ["--run-root", str(tmp_path / "runs"), *(arg for s in [*sets, "diloco.round_timeout=600"] for arg in ("--set", s))]
+    sets.append("diloco.round_timeout=600")
+    command += ["--run-root", str(tmp_path / "runs"), *(arg for s in sets for arg in ("--set", s))]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     waiting = tmp_path / "store" / "round_000001" / "rank_0" / "replica_0.safetensors"
     deadline = time.monotonic() + 240

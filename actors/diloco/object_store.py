@@ -43,6 +43,15 @@ delta listed in a marker is skipped by all of them alike. One exception: a repli
 own delta from memory, not from the store; were its stored copy damaged after the write, the
 others would skip it (and log the object) while it includes itself.
 
+What is never averaged, whoever wrote it: a delta holding NaN or inf (a replica does not write
+its own, and one read from the store fails the round with :class:`RefusedEntry` naming the
+entry, the replica it claims to be from and the round: a damaged delta is skipped, but this one
+was written whole by something that must stop). The checksum catches damage, not forgery:
+anyone can recompute it. With a ``secret`` (``diloco.secret_env``) every delta and close marker
+also carries an HMAC-SHA256 signature over its identity and content, and an entry without a
+valid one fails the round the same way; without a secret, any writer of the store can add
+deltas. A ``file://`` store must be a directory of this user that group and others cannot write.
+
 A replica that missed rounds replays them from the store: ``latest_round`` (the newest round
 with a close marker for this rank), ``members_of`` and ``mean_of`` (the mean recomputed from the
 stored deltas of the members, identical to what they got). Rounds are never deleted on their
@@ -289,7 +298,8 @@ class ObjectStoreTransport:
                 f"has {where}, so it is not written to {self.url}: its training diverged since the last sync (see "
                 "train/loss in metrics.jsonl). Resume from an earlier checkpoint, with a lower learning rate"
             )
-        sent = self._put(self._delta_path(round, self.replica), encode_delta(own, **self._ids(round), secret=self.secret))
+        encoded = encode_delta(own, **self._ids(round), secret=self.secret)
+        sent = self._put(self._delta_path(round, self.replica), encoded)
         listing = self._wait(round, deadline=time.monotonic() + self.round_timeout)
         reads = _Reads(deltas={self.replica: own})
         if not listing.markers:  # at once: the longer from listing to marker, the wider the race
