@@ -117,11 +117,12 @@ class DiLoCoSyncer(Actor):
         return self.stop_file is not None and self.stop_file.exists()
 
     @endpoint
-    def sync(self, stop_file: str) -> SyncReport | None:
+    def sync(self, stop_file: str | None = None) -> SyncReport | None:
         """One outer step: catch up if behind, average the pseudo-gradients, step θ₀, load it into the trainer.
-        ``stop_file`` appears when the run is asked to stop: waiting for missing replicas ends then."""
+        ``stop_file`` (``STOP_FILE`` in the run directory) appears when the run is asked to stop: waiting for
+        missing replicas ends then."""
         start = time.perf_counter()
-        self.stop_file = Path(stop_file)
+        self.stop_file = Path(stop_file) if stop_file is not None else None
         rounds_before = self.outer.rounds if self.outer else 0
         replayed = self._replay_closed_rounds()
         members, moved = (), 0
