@@ -515,10 +515,13 @@ class Controller:
         than after round_timeout."""
         stop_file = self.run.path / STOP_FILE
         call = asyncio.ensure_future(self.actors.syncer.sync.call(str(stop_file)))
-        while not call.done():
-            await asyncio.wait([call], timeout=STOP_POLL_S)
-            if self.stopper is not None and self.stopper.requested is not None and not stop_file.exists():
-                stop_file.touch()
+        try:
+            while not call.done():
+                await asyncio.wait([call], timeout=STOP_POLL_S)
+                if self.stopper is not None and self.stopper.requested is not None and not stop_file.exists():
+                    stop_file.touch()
+        finally:
+            call.cancel()  # a second signal cancelled this wait: the run ends without the sync's answer
         return next(r for r in call.result().values() if r is not None)
 
     async def _skip_to(self, step: int) -> None:

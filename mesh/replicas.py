@@ -180,7 +180,8 @@ def start_child(command: list[str], out: IO[bytes]) -> subprocess.Popen:
 def _die_with_parent() -> Callable[[], None] | None:
     """What the child runs between fork and exec so that it gets SIGKILL when this process exits: prctl's
     parent-death signal, which exec keeps. The parent is alive then (it waits for the exec), so no death can
-    come before the request. None where the platform has no prctl."""
+    come before the request. The signal follows the thread that forks, so start replicas from the main thread.
+    None where the platform has no prctl."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, called after it
