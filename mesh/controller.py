@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from actors.bindings import TopK, TopKRequest
+from actors.diloco.syncer import STOP_FILE, SyncReport
 from actors.engines import sampling_seeds
 from actors.environments.openenv_task import EpisodeSpec
 from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
@@ -70,6 +71,8 @@ from mesh.router import Routed, Router, TargetLoad
 from mesh.rundir import RunDir
 from mesh.teachers import Snapshot, TeacherBinding, TeacherBoard
 from mesh.topology import Topology
+
+STOP_POLL_S = 0.2  # how often a DiLoCo sync in progress looks for a signal to pass on
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -495,7 +498,7 @@ class Controller:
         """DiLoCo: average the replicas' pseudo-gradients and take the outer step (``actors/diloco``), then
         publish the result under the step's version, which no generator holds yet. A replica that caught
         up with the others (it was restarted from an older checkpoint) goes on from their step."""
-        sync = next(r for r in (await self.actors.syncer.sync.call()).values() if r is not None)
+        sync = await self._sync()
         self.weights = next(w for w in (await self.actors.trainer.publish.call()).values() if w is not None)
         self.synced_to = sync.round * self.topology.diloco.interval
         return {
@@ -505,6 +508,21 @@ class Controller:
             "diloco/bytes": sync.bytes,
             "diloco/rounds_caught_up": sync.caught_up,
         }
+
+    async def _sync(self) -> SyncReport:
+        """The syncer's round. A signal that asks the run to stop meanwhile is passed on (``STOP_FILE``): the
+        round closes with the replicas present, and the run stops at this step boundary within seconds rather
+        than after round_timeout."""
+        stop_file = self.run.path / STOP_FILE
+        call = asyncio.ensure_future(self.actors.syncer.sync.call(str(stop_file)))
+        try:
+            while not call.done():
+                await asyncio.wait([call], timeout=STOP_POLL_S)
+                if self.stopper is not None and self.stopper.requested is not None and not stop_file.exists():
+                    stop_file.touch()
+        finally:
+            call.cancel()  # a second signal cancelled this wait: the run ends without the sync's answer
+        return next(r for r in call.result().values() if r is not None)
 
     async def _skip_to(self, step: int) -> None:
         """Go on from ``step``: the inner steps before it were taken by the replicas this one caught up with."""

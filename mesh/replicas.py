@@ -14,18 +14,25 @@ them its signals. The parent's run directory holds::
 
 On one machine the replicas split its cores between them (each child's CPU affinity), so the
 threads each replica's meshes start match the cores it has.
+
+The replicas die with this run: were it killed with SIGKILL (no handler runs, nothing is passed
+on), the kernel kills each replica at once (Linux's parent-death signal), and a replica's meshes
+end with their replica as a single run's do. Each keeps the last checkpoint it wrote.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from tqdm import tqdm
 
@@ -35,6 +42,7 @@ from mesh.topology import Topology
 
 POLL_S = 0.5
 LIGHTHOUSE_FILE = "lighthouse"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -155,10 +163,29 @@ def _start(index: int, name: str, path: str, overrides: list[str], parent: Path,
         os.sched_setaffinity(0, cores)
     try:
         with log.open("wb") as out:
-            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            process = start_child(command, out)
     finally:
         os.sched_setaffinity(0, mine)
     return Replica(index, process, log, runs, f"{name}-r{index}")
+
+
+def start_child(command: list[str], out: IO[bytes]) -> subprocess.Popen:
+    """``command`` in a session of its own (this run hands it its signals itself), killed by the kernel when
+    this process dies, however it dies: no replica trains on, unwatched, after its parent was SIGKILLed."""
+    return subprocess.Popen(
+        command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent()
+    )
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """What the child runs between fork and exec so that it gets SIGKILL when this process exits: prctl's
+    parent-death signal, which exec keeps. The parent is alive then (it waits for the exec), so no death can
+    come before the request. The signal follows the thread that forks, so start replicas from the main thread.
+    None where the platform has no prctl."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, called after it
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _watch(replicas: list[Replica], steps: int, progress: bool) -> None:

@@ -43,7 +43,7 @@ def test_each_replica_draws_its_own_prompt_stream_and_replica_0_the_topologys():
         (["diloco.outer_optimizer.momentum=0"], "Nesterov is a kind of momentum"),
         (["diloco.outer_optimizer.lr=0"], "lr must be a number > 0"),
         (["diloco.round_timeout=0"], "round_timeout"),
-        (["diloco.replicas=0"], "must be >= 1"),
+        (["diloco.replicas=0"], "replicas must be in 1..1024"),
         (["diloco.fragments=3", "diloco.transport=object_store"], "divide sync_every (10)"),
         (["diloco.fragments=2"], "object_store only"),
     ],

@@ -41,7 +41,7 @@ def s3_endpoint():
     endpoint = f"http://{host}:{port}"
     s3fs.S3FileSystem(
         key="testing", secret="testing", client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True
-    ).mkdir(BUCKET)
+    ).makedirs(BUCKET, exist_ok=True)  # moto keeps its buckets per process, across servers
     yield endpoint
     server.stop()
 

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlparse
 
 Transport = Literal["torchft", "object_store"]
 STORE_SCHEMES = {"file": None, "s3": "s3fs"}  # fsspec protocols the object store is tested on -> the module they need
+# The largest values the keys take: past them a value is a typo, not a setting (a day of waiting for a replica,
+# more replicas than one store's listing of a round is meant to hold, a step beyond any outer learning rate in use)
+MAX_ROUND_TIMEOUT_S = 86_400.0
+MAX_REPLICAS = 1024
+MAX_OUTER_LR = 10.0
 
 
 @dataclass(frozen=True)
@@ -26,8 +32,11 @@ class OuterOptimizerConfig:
     nesterov: bool = True
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"outer_optimizer.lr must be a number > 0, got {self.lr}; the DiLoCo paper uses 0.7")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= MAX_OUTER_LR):
+            raise ValueError(
+                f"outer_optimizer.lr must be a number > 0 and at most {MAX_OUTER_LR:g}, got {self.lr}; "
+                "the DiLoCo paper uses 0.7"
+            )
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer_optimizer.momentum must be in [0, 1), got {self.momentum}; the paper uses 0.9")
         if self.nesterov and self.momentum == 0:
@@ -52,6 +61,9 @@ class DiLoCoConfig:
     round_timeout: float = 60.0
     replica: int | None = None  # which replica this run is (--replica i); None: the run starts them all
     fragments: int = 1  # streaming DiLoCo: > 1 syncs one fragment of the model every sync_every / fragments steps
+    # object_store: the NAME of an environment variable holding a secret every replica shares; each delta and
+    # close marker is then signed with it (HMAC-SHA256) and entries without a valid signature are refused
+    secret_env: str | None = None
 
     @property
     def interval(self) -> int:
@@ -59,10 +71,10 @@ class DiLoCoConfig:
         return self.sync_every // self.fragments
 
     def __post_init__(self) -> None:
-        if self.replicas < 1 or self.sync_every < 1:
+        if not (1 <= self.replicas <= MAX_REPLICAS and self.sync_every >= 1):
             raise ValueError(
-                f"replicas and sync_every must be >= 1, got {self.replicas} and {self.sync_every}; "
-                "e.g. replicas: 2, sync_every: 16"
+                f"replicas must be in 1..{MAX_REPLICAS} and sync_every >= 1, got {self.replicas} and "
+                f"{self.sync_every}; e.g. replicas: 2, sync_every: 16"
             )
         if self.fragments < 1 or self.sync_every % self.fragments:
             raise ValueError(
@@ -79,14 +91,32 @@ class DiLoCoConfig:
                 f"replica {self.replica} is outside this run's replicas 0..{self.replicas - 1} "
                 f"(diloco.replicas is {self.replicas}); give --replica a number in that range"
             )
-        if not (math.isfinite(self.round_timeout) and self.round_timeout > 0):
-            raise ValueError(f"round_timeout must be a number of seconds > 0, got {self.round_timeout}")
+        if not (math.isfinite(self.round_timeout) and 0 < self.round_timeout <= MAX_ROUND_TIMEOUT_S):
+            raise ValueError(
+                f"round_timeout must be a number of seconds > 0 and at most {MAX_ROUND_TIMEOUT_S:g} (a day), "
+                f"got {self.round_timeout}; e.g. 60"
+            )
         if self.store is not None:
             _check_store(self.store)
         if self.transport == "torchft" and self.store is not None:
             raise ValueError("diloco.store is where the object_store transport keeps rounds; with torchft, drop it")
         if self.transport == "object_store" and self.lighthouse is not None:
             raise ValueError("diloco.lighthouse is torchft's; with the object_store transport, drop it")
+        if self.secret_env is not None:
+            _check_secret_env(self.secret_env, self.transport)
+
+    def secret(self) -> bytes | None:
+        """The shared secret the store's entries are signed with (``secret_env``'s value, read in the calling
+        process: the trainer's, which may run on another host than the one that checked the topology), or None."""
+        if self.secret_env is None:
+            return None
+        if not os.environ.get(self.secret_env):
+            raise RuntimeError(
+                f"diloco.secret_env names {self.secret_env!r}, which is unset or empty in the trainer's process on "
+                f"{os.uname().nodename}; the trainer's hosts need it too: pass it to their environment (Slurm passes "
+                "the submitting shell's on; on Kubernetes set it in the pods' env)"
+            )
+        return os.environ[self.secret_env].encode()
 
 
 def _check_store(url: str) -> None:
@@ -99,4 +129,18 @@ def _check_store(url: str) -> None:
     if module is not None and importlib.util.find_spec(module) is None:
         raise ValueError(
             f"diloco.store {url!r} needs {module}, which is not installed: pip install 'composer-mesh[diloco]'"
+        )
+
+
+def _check_secret_env(name: str, transport: Transport) -> None:
+    if transport != "object_store":
+        raise ValueError(
+            "diloco.secret_env signs what the replicas write into the object store; torchft's replicas meet through "
+            "a lighthouse and exchange nothing through a store, so drop secret_env or use transport: object_store"
+        )
+    if not os.environ.get(name):
+        raise ValueError(
+            f"diloco.secret_env names the environment variable {name!r}, which is unset or empty in this process; "
+            f"export {name}=<the secret every replica shares> (the same value for every replica) before starting, "
+            "or drop secret_env"
         )

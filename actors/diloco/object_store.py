@@ -18,8 +18,10 @@ it, never averaged. Objects appear whole: on a local filesystem through a tempor
 same directory and a rename; on an object store one PUT is already atomic.
 
 A round closes for a replica when every replica's delta is in the store, when a close marker
-already exists (the round was closed by someone else, waiting longer changes nothing), or
-``round_timeout`` seconds after the replica wrote its own delta. Replicas that close a round on
+already exists (the round was closed by someone else, waiting longer changes nothing),
+``round_timeout`` seconds after the replica wrote its own delta, or at once when its run is
+asked to stop (``stop_requested``: a signal ends the run at this step boundary, not a round
+timeout later). Replicas that close a round on
 their own clocks could see different sets of deltas and then apply different means, their
 weights drifting apart with nothing reporting it. So membership is agreed through the markers:
 a replica that finds no marker writes its own (listing the deltas it sees); every replica
@@ -41,6 +43,15 @@ delta listed in a marker is skipped by all of them alike. One exception: a repli
 own delta from memory, not from the store; were its stored copy damaged after the write, the
 others would skip it (and log the object) while it includes itself.
 
+What is never averaged, whoever wrote it: a delta holding NaN or inf (a replica does not write
+its own, and one read from the store fails the round with :class:`RefusedEntry` naming the
+entry, the replica it claims to be from and the round: a damaged delta is skipped, but this one
+was written whole by something that must stop). The checksum catches damage, not forgery:
+anyone can recompute it. With a ``secret`` (``diloco.secret_env``) every delta and close marker
+also carries an HMAC-SHA256 signature over its identity and content, and an entry without a
+valid one fails the round the same way; without a secret, any writer of the store can add
+deltas. A ``file://`` store must be a directory of this user that group and others cannot write.
+
 A replica that missed rounds replays them from the store: ``latest_round`` (the newest round
 with a close marker for this rank), ``members_of`` and ``mean_of`` (the mean recomputed from the
 stored deltas of the members, identical to what they got). Rounds are never deleted on their
@@ -49,13 +60,16 @@ own; ``forget_before`` removes older rounds once no replica needs to replay them
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import os
 import re
 import struct
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +82,7 @@ from safetensors.torch import save as safetensors_save
 from torch import Tensor
 
 from actors.diloco.transport import RoundResult
+from actors.weights.storedir import foreign_hands
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +94,16 @@ MARKER_FILE = re.compile(r"closed_(\d+)\.json")
 
 class CorruptDelta(ValueError):
     """A stored delta that cannot be averaged: unreadable, checksum wrong, or not the one expected."""
+
+
+class RefusedEntry(RuntimeError):
+    """An entry of the store that must never be trained on (a delta with non-finite values, an entry without
+    a valid signature): the round fails naming it, rather than going on without it as for a damaged delta,
+    since someone or something is writing what it should not."""
+
+
+class Unsigned(ValueError):
+    """Why an entry's signature does not verify (``decode_delta`` and the markers raise it)."""
 
 
 @dataclass(frozen=True)
@@ -101,28 +126,39 @@ class _Reads:
 # --- encoding ---------------------------------------------------------------------------------
 
 
-def checksum(tensors: Mapping[str, Tensor]) -> str:
-    """xxh3_64 over each tensor's name, dtype, shape and bytes, in name order: a flipped byte
+def _digest(digest: Any, tensors: Mapping[str, Tensor]) -> Any:
+    """``digest`` fed each tensor's name, dtype, shape and bytes, in name order: a flipped byte
     anywhere in the data, or a tensor stored under another name or shape, changes it."""
-    digest = xxhash.xxh3_64()
     for name in sorted(tensors):
         tensor = tensors[name]
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
+    return digest
 
 
-def encode_delta(delta: Mapping[str, Tensor], *, replica: int, round: int, rank: int) -> bytes:
+def checksum(tensors: Mapping[str, Tensor]) -> str:
+    """xxh3_64 of the tensors (``_digest``): catches damage, not forgery, since anyone can recompute it."""
+    return _digest(xxhash.xxh3_64(), tensors).hexdigest()
+
+
+def signature(secret: bytes, ids: Mapping[str, str], tensors: Mapping[str, Tensor] | None = None) -> str:
+    """HMAC-SHA256 with ``secret`` over an entry's identity (format, replica, round, rank, ...) and its
+    tensors: only a holder of the secret can write an entry that verifies, and only for that identity."""
+    mac = hmac.new(secret, json.dumps(dict(ids), sort_keys=True).encode(), hashlib.sha256)
+    return (_digest(mac, tensors) if tensors is not None else mac).hexdigest()
+
+
+def encode_delta(
+    delta: Mapping[str, Tensor], *, replica: int, round: int, rank: int, secret: bytes | None = None
+) -> bytes:
     """The safetensors bytes of ``delta`` (CPU, contiguous), with who/when and the checksum in
-    the metadata so that a reader can tell a misplaced or damaged object from a good one."""
+    the metadata so that a reader can tell a misplaced or damaged object from a good one; with a
+    ``secret``, also its signature, so that it can tell one written without the secret."""
     tensors = {name: t.detach().cpu().contiguous() for name, t in delta.items()}
-    metadata = {
-        "format": FORMAT,
-        "replica": str(replica),
-        "round": str(round),
-        "rank": str(rank),
-        "checksum": checksum(tensors),
-    }
+    metadata = {"format": FORMAT, "replica": str(replica), "round": str(round), "rank": str(rank)}
+    if secret is not None:
+        metadata["signature"] = signature(secret, metadata, tensors)
+    metadata["checksum"] = checksum(tensors)
     return safetensors_save(tensors, metadata)
 
 
@@ -143,11 +179,16 @@ def _metadata(data: bytes) -> dict[str, str]:
     return metadata
 
 
-def decode_delta(data: bytes, *, replica: int, round: int, rank: int) -> dict[str, Tensor]:
+def decode_delta(
+    data: bytes, *, replica: int, round: int, rank: int, secret: bytes | None = None
+) -> dict[str, Tensor]:
     """The tensors of a stored delta, after checking that it is whole (checksum) and that it is
-    the delta of ``replica`` for ``round`` and ``rank``; raises :class:`CorruptDelta` naming why."""
+    the delta of ``replica`` for ``round`` and ``rank``; raises :class:`CorruptDelta` naming why.
+    With a ``secret``, an entry whose signature is missing or wrong raises :class:`Unsigned`."""
     metadata = _metadata(data)
     expected = {"format": FORMAT, "replica": str(replica), "round": str(round), "rank": str(rank)}
+    if secret is not None and "signature" not in metadata:
+        raise Unsigned("it carries no signature: it was written without diloco.secret_env's secret")
     for key, value in expected.items():
         if metadata.get(key) != value:
             raise CorruptDelta(f"metadata {key}={metadata.get(key)!r}, expected {value!r}")
@@ -155,9 +196,20 @@ def decode_delta(data: bytes, *, replica: int, round: int, rank: int) -> dict[st
         tensors = safetensors_load(data)
     except Exception as exc:  # safetensors raises its own error type for damaged bytes
         raise CorruptDelta(f"unreadable safetensors data ({exc})") from exc
+    if secret is not None and not hmac.compare_digest(signature(secret, expected, tensors), metadata["signature"]):
+        raise Unsigned("its signature is wrong: it was written with another secret, or changed since it was signed")
     if checksum(tensors) != metadata.get("checksum"):
         raise CorruptDelta("checksum mismatch: the stored bytes are damaged")
     return tensors
+
+
+def non_finite(tensors: Mapping[str, Tensor]) -> str | None:
+    """Where ``tensors`` hold a NaN or an infinity (the first tensor by name and how many), or None."""
+    for name in sorted(tensors):
+        bad = int((~torch.isfinite(tensors[name])).sum())
+        if bad:
+            return f"{bad} non-finite value(s) (NaN or inf) in {name!r} of {tensors[name].numel()}"
+    return None
 
 
 def layout_mismatch(tensors: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> str | None:
@@ -207,6 +259,8 @@ class ObjectStoreTransport:
         poll_s: float = 0.1,
         storage_options: dict[str, Any] | None = None,
         settle_s: float | None = None,
+        secret: bytes | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
     ) -> None:
         _check_ids(replicas, replica, rank)
         if round_timeout <= 0 or poll_s <= 0:
@@ -218,6 +272,7 @@ class ObjectStoreTransport:
         self.replicas, self.replica, self.rank = replicas, replica, rank
         self.round_timeout, self.poll_s = round_timeout, poll_s
         self.settle_s = 3 * poll_s if settle_s is None else settle_s
+        self.secret, self.stop_requested = secret, stop_requested
         self._closed = False
         if replicas == 1:  # a world of one never touches the store: nothing to average with
             self.fs, self.root = None, ""
@@ -237,7 +292,14 @@ class ObjectStoreTransport:
         if self.replicas == 1:
             return RoundResult(dict(delta), (self.replica,), 0, 0, time.monotonic() - start)
         own = {name: t.detach().cpu() for name, t in delta.items()}
-        sent = self._put(self._delta_path(round, self.replica), encode_delta(own, **self._ids(round)))
+        if (where := non_finite(own)) is not None:
+            raise RefusedEntry(
+                f"DiLoCo round {round} (rank {self.rank}): this replica's own pseudo-gradient (replica {self.replica}) "
+                f"has {where}, so it is not written to {self.url}: its training diverged since the last sync (see "
+                "train/loss in metrics.jsonl). Resume from an earlier checkpoint, with a lower learning rate"
+            )
+        encoded = encode_delta(own, **self._ids(round), secret=self.secret)
+        sent = self._put(self._delta_path(round, self.replica), encoded)
         listing = self._wait(round, deadline=time.monotonic() + self.round_timeout)
         reads = _Reads(deltas={self.replica: own})
         if not listing.markers:  # at once: the longer from listing to marker, the wider the race
@@ -328,7 +390,7 @@ class ObjectStoreTransport:
         bucket = self.root.split("/", 1)[0]
         try:
             if self._atomic_by_rename:
-                self.fs.makedirs(self.root, exist_ok=True)
+                os.makedirs(self.root, mode=0o700, exist_ok=True)
             else:
                 self.fs.info(bucket)
         except Exception as exc:
@@ -342,6 +404,19 @@ class ObjectStoreTransport:
                 f"{exc}). Check the URL, the endpoint_url, credentials and permissions in storage_options, and "
                 "that this host can reach the store."
             ) from exc
+        if self._atomic_by_rename:
+            self._check_local_owner()
+
+    def _check_local_owner(self) -> None:
+        """A directory another user can write to lets that user put deltas into every replica's mean: refuse
+        it, as the weight store refuses a store that is not this user's (``actors/weights/storedir.py``)."""
+        hands = foreign_hands(os.stat(self.root))
+        if hands is not None:
+            raise ValueError(
+                f"the DiLoCo object store {self.url} is a directory {hands}, so someone besides this user could "
+                "write deltas that every replica averages in. Use a directory of your own that only you can write "
+                f"(chmod go-w {self.root}, or a fresh diloco.store path; the run creates a missing one with mode 0700)"
+            )
 
     def _put(self, path: str, data: bytes) -> int:
         """Write ``data`` so that readers see all of it or nothing; returns the bytes written."""
@@ -379,11 +454,12 @@ class ObjectStoreTransport:
         return [int(m.group(1)) for n in self._names(self.root) if (m := ROUND_DIR.fullmatch(n))]
 
     def _wait(self, round: int, deadline: float) -> Listing:
-        """Poll until every delta is in, a marker says the round closed, or the deadline passed."""
+        """Poll until every delta is in, a marker says the round closed, the deadline passed or a stop was asked."""
         everyone = frozenset(range(self.replicas))
         while True:
             listing = self._list(round)
-            if everyone <= listing.deltas or listing.markers or time.monotonic() >= deadline:
+            closed = everyone <= listing.deltas or listing.markers or time.monotonic() >= deadline
+            if closed or self.stop_requested():
                 return listing
             time.sleep(self.poll_s)
 
@@ -400,10 +476,12 @@ class ObjectStoreTransport:
         try:
             data = self.fs.cat_file(path)
             reads.received += len(data)
-            tensors = decode_delta(data, **self._ids(round, replica))
+            tensors = decode_delta(data, **self._ids(round, replica), secret=self.secret)
             reason = layout_mismatch(tensors, reference) if reference is not None else None
             if reason is not None:
                 raise CorruptDelta(f"layout differs from this replica's delta: {reason}")
+        except Unsigned as exc:
+            raise self._refused(path, round, replica, f"{exc}") from None
         except (CorruptDelta, FileNotFoundError) as exc:
             log.warning(
                 "DiLoCo object store: skipping %s (round %d, rank %d, replica %d), not averaged: %s",
@@ -415,13 +493,31 @@ class ObjectStoreTransport:
             )
             reads.rejected.add(replica)
             return None
+        if (where := non_finite(tensors)) is not None:
+            raise self._refused(path, round, replica, f"it has {where}")
         reads.deltas[replica] = tensors
         return tensors
+
+    def _refused(self, path: str, round: int, replica: int, why: str) -> RefusedEntry:
+        """The error that fails a round on an entry nobody may train on, naming it and its claimed writer."""
+        signed = (
+            "Every replica must run with the same diloco.secret_env secret; if they do, someone else wrote it"
+            if self.secret is not None
+            else "Only the replicas of this run should write the store: find what else writes there, and set "
+            "diloco.secret_env so that entries written without a shared secret are refused"
+        )
+        return RefusedEntry(
+            f"DiLoCo round {round} (rank {self.rank}): refused {self.fs.unstrip_protocol(path)}, which claims to be "
+            f"written by replica {replica}: {why}. It is not averaged and the round fails rather than train on it. "
+            f"{signed}; then resume each replica from its last checkpoint"
+        )
 
     # -- markers --
 
     def _marker(self, round: int, members: Iterable[int]) -> bytes:
         record = {"round": round, "rank": self.rank, "replica": self.replica, "members": sorted(members)}
+        if self.secret is not None:
+            record["signature"] = signature(self.secret, _marker_ids(record))
         return json.dumps(record, sort_keys=True).encode()
 
     def _agreed_members(self, round: int, reads: _Reads) -> tuple[int, ...] | None:
@@ -435,6 +531,8 @@ class ObjectStoreTransport:
                 continue
             reads.received += len(data)
             members = self._parse_marker(data, round, writer)
+            if self.secret is not None and (why := self._unsigned_marker(data)) is not None:
+                raise self._refused(path, round, writer, why)
             if members is not None:
                 return members
             log.warning("DiLoCo object store: ignoring the damaged close marker %s", self.fs.unstrip_protocol(path))
@@ -450,6 +548,19 @@ class ObjectStoreTransport:
         if not ok or not members or not all(0 <= i < self.replicas for i in members):
             return None
         return members
+
+    def _unsigned_marker(self, data: bytes) -> str | None:
+        """Why a close marker's signature does not verify with this transport's secret, or None."""
+        try:
+            record = json.loads(data)
+            claimed = record.pop("signature", None)
+        except (ValueError, AttributeError):
+            return "it is not a JSON object, so it carries no signature"
+        if not isinstance(claimed, str):
+            return "it carries no signature: it was written without diloco.secret_env's secret"
+        if not hmac.compare_digest(signature(self.secret, _marker_ids(record)), claimed):
+            return "its signature is wrong: it was written with another secret, or changed since it was signed"
+        return None
 
     def _report(self, round: int, averaged: tuple[int, ...]) -> None:
         """One warning line when the mean is not over every replica: which ids, and why if known."""
@@ -494,6 +605,11 @@ class ObjectStoreTransport:
             raise RuntimeError(f"this object-store transport (replica {self.replica}) was closed; make a new one")
         if round < 1:
             raise ValueError(f"round={round} is not a DiLoCo round: rounds count from 1; pass round >= 1")
+
+
+def _marker_ids(record: Mapping[str, Any]) -> dict[str, str]:
+    """What a close marker's signature covers: everything in it but the signature."""
+    return {"format": "diloco-marker/1", **{key: json.dumps(value) for key, value in record.items()}}
 
 
 def _ids(pattern: re.Pattern[str], names: Sequence[str]) -> frozenset[int]:

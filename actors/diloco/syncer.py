@@ -39,6 +39,10 @@ COMMIT_ATTEMPTS = 3  # torchft rounds a member's failure may abort before the sy
 # up to sync_every steps first); a dead replica leaves the quorum within the lighthouse's heartbeat timeout
 QUORUM_TIMEOUT_S = 1800.0
 NO_SHARE = 2**62  # what a rank with nothing to exchange contributes to a MIN over the ranks
+# in the run directory: the controller creates it when a signal asks the run to stop during a sync, so that the
+# round closes with the replicas present instead of waiting round_timeout for the others (the trainer's hosts see
+# the run directory: they write its checkpoints)
+STOP_FILE = "diloco_stop"
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class DiLoCoSyncer(Actor):
         """``cfg`` names where the replicas meet: ``store`` (object_store) or ``lighthouse`` (torchft)."""
         self.cfg, self.replica = cfg, replica
         self.transport: Transport | None = None
+        self.stop_file: Path | None = None
 
     @endpoint
     def start(self) -> ProcInfo:
@@ -73,7 +78,13 @@ class DiLoCoSyncer(Actor):
             from actors.diloco.object_store import ObjectStoreTransport
 
             self.transport = ObjectStoreTransport(
-                self.cfg.store, self.cfg.replicas, self.replica, rank=self.rank, round_timeout=self.cfg.round_timeout
+                self.cfg.store,
+                self.cfg.replicas,
+                self.replica,
+                rank=self.rank,
+                round_timeout=self.cfg.round_timeout,
+                secret=self.cfg.secret(),
+                stop_requested=self._stop_requested,
             )
         return this_proc()
 
@@ -102,10 +113,16 @@ class DiLoCoSyncer(Actor):
             quorum_timeout_s=QUORUM_TIMEOUT_S,
         )
 
+    def _stop_requested(self) -> bool:
+        return self.stop_file is not None and self.stop_file.exists()
+
     @endpoint
-    def sync(self) -> SyncReport | None:
-        """One outer step: catch up if behind, average the pseudo-gradients, step θ₀, load it into the trainer."""
+    def sync(self, stop_file: str | None = None) -> SyncReport | None:
+        """One outer step: catch up if behind, average the pseudo-gradients, step θ₀, load it into the trainer.
+        ``stop_file`` (``STOP_FILE`` in the run directory) appears when the run is asked to stop: waiting for
+        missing replicas ends then."""
         start = time.perf_counter()
+        self.stop_file = Path(stop_file) if stop_file is not None else None
         rounds_before = self.outer.rounds if self.outer else 0
         replayed = self._replay_closed_rounds()
         members, moved = (), 0
@@ -123,7 +140,7 @@ class DiLoCoSyncer(Actor):
         from actors.diloco.torchft import RoundNotCommitted, TorchFTTransport
 
         if self.outer.rounds == 0 and isinstance(self.transport, TorchFTTransport):
-            self.transport.wait_for_replicas(self.cfg.replicas, self.cfg.round_timeout)
+            self.transport.wait_for_replicas(self.cfg.replicas, self.cfg.round_timeout, self._stop_requested)
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             try:
                 result = self.transport.average(self.outer.rounds + 1, self.outer.pseudo_gradient())

@@ -302,13 +302,18 @@ class TorchFTTransport:
         self._healed = True
         self._user_load_state_dict(state)
 
-    def wait_for_replicas(self, count: int, timeout_s: float) -> int:
-        """Wait until ``count`` replicas heartbeat to the lighthouse (or ``timeout_s`` passes); returns how
-        many do. Call it before the first round: a replica that asks for a quorum while the others have not
-        started yet gets a quorum of its own, and torchft then forms each one's next quorum from the same
-        members at once ("fast quorum"), so replicas that started apart would never meet."""
+    def wait_for_replicas(
+        self, count: int, timeout_s: float, stop_requested: Callable[[], bool] = lambda: False
+    ) -> int:
+        """Wait until ``count`` replicas heartbeat to the lighthouse (or ``timeout_s`` passes, or
+        ``stop_requested()``: the run is stopping); returns how many do. Call it before the first round: a
+        replica that asks for a quorum while the others have not started yet gets a quorum of its own, and
+        torchft then forms each one's next quorum from the same members at once ("fast quorum"), so replicas
+        that started apart would never meet."""
         deadline = time.monotonic() + timeout_s
         while (beating := _heartbeating(self.lighthouse)) < count and time.monotonic() < deadline:
+            if stop_requested():
+                break
             time.sleep(0.1)
         if beating < count:
             log.warning(

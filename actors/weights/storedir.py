@@ -332,6 +332,17 @@ def _check_dir(st: os.stat_result, path: str) -> None:
     )
 
 
+def foreign_hands(st: os.stat_result) -> str | None:
+    """Who besides this user could change what is in the directory ``st`` describes, in words (its owner,
+    or its group or others through the mode), or None when no one can. The weight store asks for more
+    (mode exactly 0700, ``_check_dir``); a directory that others may read but not write passes here."""
+    if st.st_uid != os.getuid():
+        return f"owned by {_user(st.st_uid)}, not by {_user(os.getuid())} (the user of this process)"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"with mode {stat.S_IMODE(st.st_mode):04o}, which lets its group or others write in it"
+    return None
+
+
 def _not_a_dir(path: str) -> str:
     try:
         st = os.lstat(path)
