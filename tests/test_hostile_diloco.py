@@ -153,6 +153,9 @@ def test_a_missing_file_store_is_created_private(tmp_path) -> None:
         (["diloco.transport=object_store", "diloco.secret_env=CM_TEST_UNSET_SECRET"], "'CM_TEST_UNSET_SECRET'"),
         (["diloco.transport=object_store", "diloco.secret_env=CM_TEST_EMPTY_SECRET"], "'CM_TEST_EMPTY_SECRET'"),
         (["diloco.secret_env=CM_TEST_SET_SECRET"], "drop secret_env or use transport: object_store"),
+        (["diloco.transport=torchft", "diloco.lighthouse=http://[::1"], "is not a lighthouse's URL (it does not parse"),
+        (["diloco.transport=torchft", "diloco.lighthouse=http://h:99999"], "is not a lighthouse's URL (it does not parse"),
+        (["diloco.transport=torchft", "diloco.lighthouse=lighthouse:29510"], "it needs a scheme: http://"),
     ],
 )
 def test_diloco_values_past_their_limits_are_refused(monkeypatch, overrides: list[str], words: str) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlparse
 
+from actors.urls import check_url
+
 Transport = Literal["torchft", "object_store"]
 STORE_SCHEMES = {"file": None, "s3": "s3fs"}  # fsspec protocols the object store is tested on -> the module they need
 # The largest values the keys take: past them a value is a typo, not a setting (a day of waiting for a replica,
@@ -102,6 +104,8 @@ class DiLoCoConfig:
             raise ValueError("diloco.store is where the object_store transport keeps rounds; with torchft, drop it")
         if self.transport == "object_store" and self.lighthouse is not None:
             raise ValueError("diloco.lighthouse is torchft's; with the object_store transport, drop it")
+        if self.lighthouse is not None:
+            _check_lighthouse(self.lighthouse)
         if self.secret_env is not None:
             _check_secret_env(self.secret_env, self.transport)
 
@@ -130,6 +134,16 @@ def _check_store(url: str) -> None:
         raise ValueError(
             f"diloco.store {url!r} needs {module}, which is not installed: pip install 'composer-mesh[diloco]'"
         )
+
+
+def _check_lighthouse(url: str) -> None:
+    try:
+        check_url(url, ("http",))
+    except ValueError as error:
+        raise ValueError(
+            f"diloco.lighthouse {url!r} is not a lighthouse's URL ({error}); give the address torchft's lighthouse "
+            "prints, e.g. http://lighthouse:29510"
+        ) from None
 
 
 def _check_secret_env(name: str, transport: Transport) -> None:
