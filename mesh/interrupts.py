@@ -1,57 +1,96 @@
 """SIGINT and SIGTERM: stop at a step boundary with a checkpoint; a second signal stops at once.
 
-The first signal only asks: the controller finishes the step it is in, writes a
-checkpoint (unless that step just wrote one) and raises :class:`Interrupted`, which
-names the checkpoint and the command that resumes from it. A second signal, or one
-before the first step (nothing to save yet), cancels the run at once; the runtime's
-cleanup still removes the weight store and closes the control channel.
+While a run trains, the first signal only asks: the controller finishes the step it is in,
+writes a checkpoint (unless that step just wrote one) and raises :class:`Interrupted`, which
+names the checkpoint and the command that resumes from it. A second signal, or one before
+the first step (nothing to save yet), cancels the run at once; the runtime's cleanup still
+removes the weight store and closes the control channel, and the message names the newest
+checkpoint that a ``--resume`` takes, if there is one.
+
+Outside a run (``python -m mesh.run`` importing, reading the topology, or exiting), a signal
+ends the program with one line (``QuietStop`` in ``mesh/run.py``), never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
 from pathlib import Path
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+CHECKPOINT_NAME = re.compile(r"step_\d+")  # not step_N.partial (being written) nor step_N.replaced
+CHECKSUMS = "checksums.json"  # written last, before a checkpoint is renamed into place (actors/checkpoint.py)
 
 
 class Interrupted(RuntimeError):
-    """The run stopped on a signal; ``exit_code`` is the shell's convention (130 for SIGINT, 143 for SIGTERM)."""
+    """The run stopped on a signal; ``exit_code`` is the shell's convention (130 for SIGINT, 143 for SIGTERM).
 
-    def __init__(self, signum: int, run_path: Path, checkpoint: Path | None):
+    ``at_once``: a second signal (or one before the first step) cut the run short, so ``checkpoint`` is the
+    newest one written before, not one of the step the run was in."""
+
+    def __init__(self, signum: int, run_path: Path, checkpoint: Path | None, at_once: bool = False):
         self.signum, self.checkpoint = signum, checkpoint
         self.exit_code = 128 + signum
         name = signal.Signals(signum).name
         if checkpoint is None:
-            message = f"{name}: the run in {run_path} stopped before its first step; there is nothing to resume"
+            message = f"{name}: the run in {run_path} stopped before its first checkpoint; there is nothing to resume"
         else:
+            where = (
+                f"at once; its newest checkpoint is {checkpoint}"
+                if at_once
+                else f"at a step boundary with a checkpoint in {checkpoint}"
+            )
             message = (
-                f"{name}: the run stopped at a step boundary with a checkpoint in {checkpoint}; resume with "
+                f"{name}: the run stopped {where}; resume with "
                 f"python -m mesh.run {run_path / 'topology.yaml'} --resume {checkpoint}"
             )
         super().__init__(message)
 
 
+def newest_checkpoint(run_path: Path, recorded: Path | None, outer_state: str | None) -> Path | None:
+    """The newest checkpoint a ``--resume`` takes after a stop at once: ``recorded`` (the controller's last, of
+    this run or of the run it resumed) or a newer one of this run, which the trainer finished writing after the
+    signal cancelled the controller's wait for it. A checkpoint is renamed into place only once whole, so a
+    directory named ``step_N`` is one; a DiLoCo run's also needs its outer state (the file ``outer_state``),
+    which is saved after the trainer's files. Every checkpoint of this run is newer than one it resumed from."""
+    whole = [
+        path
+        for path in (run_path / "checkpoints").glob("step_*")
+        if CHECKPOINT_NAME.fullmatch(path.name)
+        and (path / CHECKSUMS).is_file()
+        and (outer_state is None or (path / outer_state).is_file())
+    ]
+    return max(whole, key=lambda path: int(path.name.removeprefix("step_")), default=recorded)
+
+
 class Stopper:
-    """Turns signals into a request the controller reads at step boundaries (``requested``)."""
+    """Turns signals into a request the controller reads at step boundaries (``requested``).
+
+    Installed for the whole of a run, from before its directory is made to after everything is
+    stopped; removing it gives the signals back to the handlers that were there before."""
 
     def __init__(self) -> None:
         self.requested: int | None = None  # the first signal's number
         self.training = False  # set by the controller once its loop runs: from then on a signal can wait
         self._task: asyncio.Task | None = None
+        self._previous: dict[int, object] = {}
 
     def install(self) -> None:
         loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
+        self._previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
         for signum in SIGNALS:
             loop.add_signal_handler(signum, self._received, signum)
 
     def remove(self) -> None:
+        """asyncio leaves SIGINT to ``KeyboardInterrupt`` and SIGTERM to the default (no message at all)."""
         loop = asyncio.get_running_loop()
         for signum in SIGNALS:
             loop.remove_signal_handler(signum)
+            if self._previous.get(signum) is not None:
+                signal.signal(signum, self._previous[signum])
 
     def _received(self, signum: int) -> None:
         if self.requested is None and self.training:

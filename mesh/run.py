@@ -6,13 +6,38 @@ topology or the command line is wrong (nothing was spawned).
 
 from __future__ import annotations
 
-import argparse
-import asyncio
+import signal
 import sys
-from pathlib import Path
 
-from mesh.launchers.k8s_objects import write_objects
-from mesh.topology import Topology, TopologyError, describe, load_topology
+
+class QuietStop:
+    """Until a run's ``Stopper`` takes over (``mesh/interrupts.py``), and after it lets go, SIGINT or SIGTERM
+    prints one line saying the program stopped ``doing`` and exits 128 + the signal's number, instead of a
+    traceback from whatever import or check it landed in. ``SystemExit`` unwinds like any exception
+    (``finally`` blocks run) and Python prints no traceback for it."""
+
+    def __init__(self) -> None:
+        self.doing = "while starting, before the run began; there is nothing to clean up or resume"
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._received)
+
+    def _received(self, signum: int, _frame: object) -> None:
+        print(f"\n{signal.Signals(signum).name}: stopped {self.doing}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+
+QUIET = QuietStop()
+if __name__ == "__main__":  # first of all: the imports below take seconds
+    QUIET.install()
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from mesh.launchers.k8s_objects import write_objects  # noqa: E402
+from mesh.topology import Topology, TopologyError, describe, load_topology  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from mesh.interrupts import Interrupted
     from mesh.runtime import RunFailed, run
 
+    QUIET.doing = "while exiting; the run had stopped everything it started"  # the run's Stopper is in between
     try:
         run_dir = asyncio.run(run(topology, args.run_root, progress=not args.no_progress, resume=args.resume))
     except RunDirError as error:  # raised before anything is spawned

@@ -33,7 +33,7 @@ from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
 from actors.bindings import Student  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
-from actors.diloco.syncer import DiLoCoSyncer  # noqa: E402
+from actors.diloco.syncer import DiLoCoSyncer, checkpoint_name  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
@@ -48,7 +48,7 @@ from mesh.control import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import Actors, Controller  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
-from mesh.interrupts import Interrupted, Stopper  # noqa: E402
+from mesh.interrupts import Interrupted, Stopper, newest_checkpoint  # noqa: E402
 from mesh.placement import trainer_memory_share, vllm_share  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
 from mesh.replicas import serve_lighthouse  # noqa: E402
@@ -78,6 +78,15 @@ async def run(
     ``resume``: a checkpoint directory of an earlier run of this topology; training goes
     on from its step with its policy, optimizer, loss state and in-flight batches.
     """
+    stopper = Stopper()
+    stopper.install()  # before the run directory is made, until all is stopped: a signal stops the run, with cleanup
+    try:
+        return await _run(topology, run_root, progress, resume, stopper)
+    finally:
+        stopper.remove()
+
+
+async def _run(topology: Topology, run_root: str | None, progress: bool, resume: str | None, stopper: Stopper) -> RunDir:
     logging = topology.logging
     resumed_from = Path(resume).parent.parent if resume else None  # <run>/checkpoints/step_N
     run_dir = RunDir.create(
@@ -90,7 +99,6 @@ async def run(
     )
     bar = Progress(topology, enabled=progress)
     faults = _FaultLog(run_dir.path, bar)
-    stopper = Stopper()
     controller: Controller | None = None
     if progress:
         print(f"run directory: {run_dir.path} (change its teachers: python -m mesh.ctl {run_dir.path} teachers)")
@@ -98,8 +106,6 @@ async def run(
         async with AsyncExitStack() as cleanup:  # undone in reverse: the trainer (its weight store) before the meshes
             cleanup.push(run_dir)  # closed last, with the run's outcome
             cleanup.callback(bar.close)
-            stopper.install()
-            cleanup.callback(stopper.remove)
             monarch.actor.unhandled_fault_hook = faults.monarch  # recorded; once the fleet exists its calls fail over
             launcher = topology.launcher.launcher()
             cleanup.push_async_callback(_stop, launcher)
@@ -127,7 +133,9 @@ async def run(
     except asyncio.CancelledError:  # a second signal, or one before the first step
         if stopper.requested is None:
             raise
-        raise Interrupted(stopper.requested, run_dir.path, controller and controller.last_checkpoint) from None
+        outer_state = checkpoint_name(0) if topology.diloco is not None else None
+        newest = newest_checkpoint(run_dir.path, controller and controller.last_checkpoint, outer_state)
+        raise Interrupted(stopper.requested, run_dir.path, newest, at_once=True) from None
     except Exception as error:
         step = controller.step if controller is not None else None
         raise RunFailed(_failure_message(run_dir, error, step, faults)) from error

@@ -1,0 +1,182 @@
+"""SIGINT and SIGTERM at every instant of ``python -m mesh.run``: one line and exit 128 + the signal's number,
+never a traceback, nothing left that a normal stop removes; a second signal names the newest checkpoint a
+``--resume`` takes.
+
+Each run is ``tiny.yaml`` started as a user starts it, in a process of its own, and signalled from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.weights.storedir import OWNER, StoreOwner
+from actors.weights_config import store_root
+from mesh.interrupts import Interrupted, newest_checkpoint
+from mesh.run import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "topologies" / "tiny.yaml"
+SHORT = ["loop.steps=100", "loop.prompts_per_step=8", "loop.group_size=4", "loop.evaluation.every=0"]
+STARTING = "stopped while starting, before the run began; there is nothing to clean up or resume"
+OUTER_STATE = "diloco_rank0.pt"
+
+
+def start(root: Path, *overrides: str) -> subprocess.Popen:
+    sets = [f"--set={o}" for o in [*SHORT, *overrides]]
+    command = [sys.executable, "-m", "mesh.run", str(TINY), "--no-progress", f"--run-root={root}", *sets]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``signum`` (Python itself catches only SIGINT)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
+def wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout} s")
+        time.sleep(0.002)
+
+
+def only_run(root: Path) -> Path | None:
+    runs = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    return runs[0] if runs else None
+
+
+def stores_of(run: Path) -> list[Path]:
+    """The weight stores still there whose creator was one of the run's processes (``procs.json``)."""
+    meshes = json.loads((run / "procs.json").read_text())
+    pids = {proc["pid"] for mesh in meshes.values() for proc in mesh["procs"]}
+    stores = store_root().glob(f"composer-mesh-{os.getuid()}-*")
+    return [s for s in stores if StoreOwner.decode((s / OWNER).read_bytes()).pid in pids]
+
+
+def stopped(process: subprocess.Popen, signum: int) -> list[str]:
+    """The process's stderr lines, once it has exited 128 + ``signum`` without a traceback."""
+    _, err = process.communicate(timeout=180)
+    assert process.returncode == 128 + signum, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    return err.strip().splitlines()
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+@pytest.mark.parametrize("after", [0.5, 1.0])
+def test_a_signal_while_the_program_imports_stops_it_in_one_line(tmp_path, after):
+    """The reproduction: SIGINT half a second and a second after the start (on main: a 30-40 line
+    KeyboardInterrupt traceback from whichever import it landed in)."""
+    process = start(tmp_path)
+    time.sleep(after)
+    process.send_signal(signal.SIGINT)
+    assert stopped(process, signal.SIGINT) == [f"SIGINT: {STARTING}"]
+    assert only_run(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "sig, offset",
+    [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.0), (signal.SIGINT, 0.3)],
+    ids=["SIGINT-first-instant", "SIGTERM-first-instant", "SIGINT-0.3s"],
+)
+def test_a_signal_from_the_first_instant_the_program_can_answer_stops_it_in_one_line(tmp_path, sig, offset):
+    """From the moment the program takes charge of the signals (its first lines, before any import of its
+    own), through the imports that follow."""
+    process = start(tmp_path)
+    wait_for(lambda: catches(process.pid, signal.SIGTERM), "handler of SIGTERM", timeout=30)
+    time.sleep(offset)
+    process.send_signal(sig)
+    assert stopped(process, sig) == [f"{signal.Signals(sig).name}: {STARTING}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("instant", ["run directory", "meshes"])
+def test_a_signal_after_the_run_directory_or_the_meshes_exist_stops_the_run_and_removes_its_store(
+    tmp_path, instant
+):
+    """Once the run directory exists the run's own handler answers: it stops what it started (the meshes,
+    the trainer's weight store) and says there is nothing to resume."""
+    process = start(tmp_path)
+    made = "topology.yaml" if instant == "run directory" else "procs.json"
+    wait_for(lambda: (run := only_run(tmp_path)) is not None and (run / made).is_file(), made)
+    process.send_signal(signal.SIGINT)
+    lines = stopped(process, signal.SIGINT)
+    run = only_run(tmp_path)
+    assert lines[-1] == f"stopped: SIGINT: the run in {run} stopped before its first checkpoint; there is nothing to resume"
+    assert not (run / "control" / "pid").exists()
+    if (run / "procs.json").is_file():
+        assert not stores_of(run)
+
+
+# ----------------------------------------------------------------------------- a second signal
+
+
+def test_a_second_signal_during_a_checkpoint_write_names_the_checkpoint_and_it_resumes(tmp_path):
+    """The reproduction: the first SIGINT asks for a checkpoint at the step boundary; the second lands while
+    the trainer writes it (``step_N.partial`` exists). The trainer finishes the write as it stops, so
+    ``step_N`` is whole and resumes (on main: "stopped before its first step; there is nothing to resume")."""
+    process = start(tmp_path, "checkpointing.every=0")
+    wait_for(lambda: (run := only_run(tmp_path)) is not None and (run / "metrics.jsonl").is_file(), "first step")
+    run = only_run(tmp_path)
+    process.send_signal(signal.SIGINT)
+    partials = lambda: list((run / "checkpoints").glob("step_*.partial"))  # noqa: E731
+    wait_for(lambda: partials() or process.poll() is not None, "checkpoint write")
+    (partial,) = partials()
+    process.send_signal(signal.SIGINT)
+    lines = stopped(process, signal.SIGINT)
+    checkpoint = partial.with_name(partial.name.removesuffix(".partial"))
+    assert lines[-1] == (
+        f"stopped: SIGINT: the run stopped at once; its newest checkpoint is {checkpoint}; resume with "
+        f"python -m mesh.run {run / 'topology.yaml'} --resume {checkpoint}"
+    )
+    assert not stores_of(run)
+    resume = [str(run / "topology.yaml"), "--dry-run", "--resume", str(checkpoint)]
+    assert main(resume) == 0  # the checks a --resume makes before it starts anything
+
+
+def whole(run: Path, step: int, *files: str) -> Path:
+    """A checkpoint directory as ``actors/checkpoint.py`` leaves it once renamed into place."""
+    path = run / "checkpoints" / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    for name in ("checksums.json", *files):
+        (path / name).write_text("{}")
+    return path
+
+
+def test_the_newest_checkpoint_is_a_whole_one_of_this_run_or_the_one_recorded(tmp_path):
+    run, earlier = tmp_path / "run", tmp_path / "earlier" / "checkpoints" / "step_000004"
+    assert newest_checkpoint(run, None, None) is None
+    assert newest_checkpoint(run, earlier, None) == earlier  # a resumed run that wrote none of its own yet
+    second, tenth = whole(run, 2), whole(run, 10)
+    (run / "checkpoints" / "step_000012.partial").mkdir()  # being written when the run stopped
+    (run / "checkpoints" / "step_000011").mkdir()  # no checksums: not written by a save
+    whole(run, 9).rename(run / "checkpoints" / "step_000014.replaced")
+    assert newest_checkpoint(run, second, None) == newest_checkpoint(run, earlier, None) == tenth
+    # DiLoCo saves its outer state after the trainer's files: a checkpoint without it is not whole
+    assert newest_checkpoint(run, second, OUTER_STATE) == second
+    assert newest_checkpoint(run, None, OUTER_STATE) is None
+    twentieth = whole(run, 20, OUTER_STATE)
+    assert newest_checkpoint(run, second, OUTER_STATE) == newest_checkpoint(run, None, None) == twentieth
+
+
+def test_the_message_of_a_stop_at_once_says_which_checkpoint_resumes(tmp_path):
+    checkpoint = tmp_path / "checkpoints" / "step_000006"
+    at_once = str(Interrupted(signal.SIGTERM, tmp_path, checkpoint, at_once=True))
+    assert at_once == (
+        f"SIGTERM: the run stopped at once; its newest checkpoint is {checkpoint}; resume with "
+        f"python -m mesh.run {tmp_path / 'topology.yaml'} --resume {checkpoint}"
+    )
+    nothing = Interrupted(signal.SIGINT, tmp_path, None, at_once=True)
+    assert str(nothing).endswith("stopped before its first checkpoint; there is nothing to resume")
+    assert nothing.exit_code == 130
