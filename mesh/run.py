@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         from mesh.replicas import run_replicas
 
         # while it watches them, signals go on to the replicas (``mesh/replicas.py``)
-        QUIET.doing = "while starting the DiLoCo replicas or after they ended; each replica_<i>.log in the run directory says where it stopped"
+        QUIET.doing = (
+            "while starting the DiLoCo replicas or after they ended; each replica_<i>.log in the run directory "
+            "says where it stopped"
+        )
         try:
             return run_replicas(topology, args.topology, args.set, args.run_root, progress=not args.no_progress)
         except RunDirError as error:

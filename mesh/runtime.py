@@ -79,14 +79,16 @@ async def run(
     on from its step with its policy, optimizer, loss state and in-flight batches.
     """
     stopper = Stopper()
-    stopper.install()  # before the run directory is made, until all is stopped: a signal stops the run, with cleanup
+    stopper.install()  # from before the run directory is made until all is stopped: a signal stops it, cleanly
     try:
         return await _run(topology, run_root, progress, resume, stopper)
     finally:
         stopper.remove()
 
 
-async def _run(topology: Topology, run_root: str | None, progress: bool, resume: str | None, stopper: Stopper) -> RunDir:
+async def _run(
+    topology: Topology, run_root: str | None, progress: bool, resume: str | None, stopper: Stopper
+) -> RunDir:
     logging = topology.logging
     resumed_from = Path(resume).parent.parent if resume else None  # <run>/checkpoints/step_N
     run_dir = RunDir.create(

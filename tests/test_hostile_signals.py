@@ -113,7 +113,8 @@ def test_a_signal_after_the_run_directory_or_the_meshes_exist_stops_the_run_and_
     process.send_signal(signal.SIGINT)
     lines = stopped(process, signal.SIGINT)
     run = only_run(tmp_path)
-    assert lines[-1] == f"stopped: SIGINT: the run in {run} stopped before its first checkpoint; there is nothing to resume"
+    nothing = f"stopped: SIGINT: the run in {run} stopped before its first checkpoint; there is nothing to resume"
+    assert lines[-1] == nothing
     assert not (run / "control" / "pid").exists()
     if (run / "procs.json").is_file():
         assert not stores_of(run)
