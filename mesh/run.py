@@ -6,6 +6,8 @@ topology or the command line is wrong (nothing was spawned).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 
@@ -13,18 +15,35 @@ import sys
 class QuietStop:
     """Until a run's ``Stopper`` takes over (``mesh/interrupts.py``), and after it lets go, SIGINT or SIGTERM
     prints one line saying the program stopped ``doing`` and exits 128 + the signal's number, instead of a
-    traceback from whatever import or check it landed in. ``SystemExit`` unwinds like any exception
-    (``finally`` blocks run) and Python prints no traceback for it."""
+    traceback from whatever import or check it landed in.
+
+    Before the run, ``SystemExit`` unwinds like any exception (``finally`` blocks run) and Python prints no
+    traceback for it. Once the program is exiting (after the run, which stopped everything it started, or
+    after a first signal) there is nothing left to unwind, and an exception raised in the exit handlers
+    (Monarch's among them) would be printed: it ends at once."""
 
     def __init__(self) -> None:
         self.doing = "while starting, before the run began; there is nothing to clean up or resume"
+        self.exiting = False
 
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._received)
 
+    def ended(self, doing: str) -> None:
+        """From now on the program is exiting: a signal says it stopped ``doing``."""
+        self.doing, self.exiting = doing, True
+
     def _received(self, signum: int, _frame: object) -> None:
+        if self.exiting:  # one line, however many signals come
+            for each in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(each, signal.SIG_IGN)
         print(f"\n{signal.Signals(signum).name}: stopped {self.doing}", file=sys.stderr, flush=True)
+        if self.exiting:
+            with contextlib.suppress(RuntimeError, OSError, ValueError):  # a flush this signal interrupted
+                sys.stdout.flush()  # what the run printed, e.g. its run directory
+            os._exit(128 + signum)
+        self.ended("while exiting")
         raise SystemExit(128 + signum)
 
 
@@ -115,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from mesh.interrupts import Interrupted
     from mesh.runtime import RunFailed, run
 
-    QUIET.doing = "while exiting; the run had stopped everything it started"  # the run's Stopper is in between
+    QUIET.ended("while exiting; the run had stopped everything it started")  # the run's Stopper is in between
     try:
         run_dir = asyncio.run(run(topology, args.run_root, progress=not args.no_progress, resume=args.resume))
     except RunDirError as error:  # raised before anything is spawned

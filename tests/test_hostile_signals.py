@@ -120,6 +120,20 @@ def test_a_signal_after_the_run_directory_or_the_meshes_exist_stops_the_run_and_
         assert not stores_of(run)
 
 
+@pytest.mark.slow
+def test_signals_while_the_program_exits_after_its_run_end_it_in_one_line(tmp_path):
+    """After the run has stopped everything (its last act draws reward.png), signal after signal lands in
+    the program's exit, Monarch's exit handlers among them: one line, never a traceback from them."""
+    process = start(tmp_path, "loop.steps=2")
+    wait_for(lambda: (run := only_run(tmp_path)) is not None and (run / "reward.png").is_file(), "reward.png")
+    while process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+    out, err = process.communicate()
+    assert process.returncode in (0, 130) and "Traceback" not in err and "Exception ignored" not in err, err
+    assert out.strip().splitlines()[-1] == f"run directory: {only_run(tmp_path)}"
+
+
 # ----------------------------------------------------------------------------- a second signal
 
 
