@@ -81,8 +81,11 @@ def test_a_signal_while_the_program_imports_stops_it_in_one_line(tmp_path, after
     process = start(tmp_path)
     time.sleep(after)
     process.send_signal(signal.SIGINT)
-    assert stopped(process, signal.SIGINT) == [f"SIGINT: {STARTING}"]
-    assert only_run(tmp_path) is None
+    lines = stopped(process, signal.SIGINT)
+    if (run := only_run(tmp_path)) is None:
+        assert lines == [f"SIGINT: {STARTING}"]
+    else:  # a machine fast enough to have begun the run: its own one line
+        assert lines[-1].startswith(f"stopped: SIGINT: the run in {run} stopped before its first checkpoint")
 
 
 @pytest.mark.parametrize(
