@@ -148,6 +148,20 @@ def _covariance_rule(per_token: Tensor, limited: Tensor, log_ratio: Tensor, chos
     return torch.where(cut, torch.zeros_like(per_token), per_token), limited | cut
 
 
+def _ratio_corrected(k3: Tensor, ratio: Tensor, ref_minus: Tensor, logprobs: Tensor, name: str) -> Tensor:
+    """``ratio * k3`` (``kl_unbiased``; ``ref_minus``: ref - logprobs, k3's d), with an exact gradient.
+
+    Autograd would sum ``k3 * ratio`` and ``ratio * (1 - e^d)``, two terms of size e^d that cancel,
+    losing every digit once the reference gives a token far more probability than the policy. With
+    a token's own ratio they cancel exactly, leaving ``ratio * (logprobs - ref)`` (verl's ``k3+``):
+    that gradient is taken in closed form, and the value is unchanged. GSPO's ratio is the row's (its
+    gradient reaches every token of the row), which this form does not express: autograd's is kept."""
+    if name == "gspo":
+        return k3 * ratio
+    gradient = (-ratio * ref_minus).detach()
+    return (k3 * ratio).detach() + gradient * (logprobs - logprobs.detach())
+
+
 def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Channel-1 loss of the trainer's token logprobs ``[B, T]`` (carrying the gradient).
 
@@ -186,7 +200,8 @@ def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tu
         ref_minus = inputs.ref_logprobs.detach() - logprobs
         k3 = ref_minus.exp() - ref_minus - 1
         metrics["kl"] = masked_sum_per_row(k3.detach(), mask).sum() / inputs.counts.tokens
-        per_token = per_token + cfg.kl_coef * (k3 * ratio if cfg.kl_unbiased else k3)
+        kl = _ratio_corrected(k3, ratio, ref_minus, logprobs, cfg.name) if cfg.kl_unbiased else k3
+        per_token = per_token + cfg.kl_coef * kl
     if inputs.token_weights is not None:
         per_token = per_token * inputs.token_weights
     return aggregate(per_token, mask, cfg.aggregation, inputs.counts), metrics

@@ -234,6 +234,47 @@ def test_k3_gradient_direction(unbiased):
     assert (estimate - other).norm() / other.norm() > 0.2
 
 
+def one_token_kl(logprob: float, old: float, ref: float, dtype: torch.dtype, name: str = "grpo"):
+    """The ratio-corrected k3 loss of one token (A = 0, kl_coef 1, token mean) and its gradient."""
+    leaf = torch.tensor([[logprob]], dtype=dtype, requires_grad=True)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    inputs = PolicyInputs(
+        mask,
+        torch.zeros(1, dtype=dtype),
+        Counts.from_mask(mask),
+        old_logprobs=torch.tensor([[old]], dtype=dtype),
+        ref_logprobs=torch.tensor([[ref]], dtype=dtype),
+    )
+    cfg = PolicyConfig(name=name, kl_coef=1.0, kl_unbiased=True, aggregation="token_mean")
+    loss, _ = policy_loss(leaf, inputs, cfg)
+    return loss, grad_of(loss, leaf)
+
+
+def test_ratio_corrected_k3_gradient_is_exact_where_the_reference_is_far_more_likely():
+    """Issue 28's case: old = logprob = -45, ref = -5. The gradient is r * (logprob - ref) = -40;
+    autograd of r * k3 gave -32 in float64 (its e^40 terms cancel) and 0 in float32."""
+    for dtype in (torch.float64, torch.float32):
+        loss, grad = one_token_kl(-45.0, -45.0, -5.0, dtype)
+        assert grad.item() == -40.0, dtype
+        assert loss.item() == pytest.approx(math.exp(40) - 40 - 1, rel=1e-6)  # the value is k3, unchanged
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", ["grpo", "gspo_token"])
+@pytest.mark.parametrize("gap", [0.0, 0.5, 5.0, 10.0, 17.0, 20.0, 30.0, 40.0])
+@pytest.mark.parametrize("log_ratio", [0.0, -0.3])
+def test_ratio_corrected_k3_gradient_matches_the_float64_closed_form_at_gaps_up_to_40_nats(
+    dtype, name, gap, log_ratio
+):
+    logprob = -45.0
+    old, ref = logprob - log_ratio, logprob + gap
+    loss, grad = one_token_kl(logprob, old, ref, dtype, name)
+    ratio = math.exp(log_ratio)
+    exact = ratio * (logprob - ref)  # d(r * k3)/d(logprob), r = e^(logprob - old), k3 = e^d - d - 1, d = ref - logprob
+    assert grad.item() == pytest.approx(exact, rel=1e-6, abs=1e-6)
+    assert loss.item() == pytest.approx(ratio * math.expm1(gap) - ratio * gap, rel=1e-5, abs=1e-6)
+
+
 def test_gspo_sequence_ratio_is_length_normalized():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     logprobs = torch.full((2, 4), -1.0, dtype=torch.float64)
