@@ -4,7 +4,7 @@
 runs/<name>-<time>/
   topology.yaml        the resolved topology (after --set), what actually ran
   model/               the policy's starting point (a built tiny model, or a note of the path)
-  metrics.jsonl        one JSON object per step
+  metrics.jsonl        one JSON object per step (strict JSON: a number that is not finite is null)
   tensorboard/         the same scalars as TensorBoard events
   wandb/               logging.wandb: W&B's files (offline: the whole run, for wandb sync)
   trackers.json        the W&B and trackio runs it logs to, which a --resume of it continues
@@ -35,7 +35,7 @@ import yaml
 
 from actors.disk import DISK_FULL, errno_of, write_cause
 from mesh import events
-from mesh.sinks import Tracker, TrackerError, cause, open_trackers, scalars
+from mesh.sinks import Tracker, TrackerError, cause, json_line, open_trackers, scalars
 
 if TYPE_CHECKING:
     from mesh.topology import Logging
@@ -118,7 +118,7 @@ class RunDir:
         """Append one step's metrics to metrics.jsonl and TensorBoard, then hand its scalars to the
         trackers; a write that fails (a full disk) is a RunDirError and leaves both files whole (no
         half line or record). A tracker that fails is dropped with a warning: metrics.jsonl has it all."""
-        line = (json.dumps({"step": step, **metrics}) + "\n").encode()
+        line = json_line({"step": step, **metrics}).encode()
         records = [(self.metrics_file, line)]
         values = scalars(metrics)
         if self.events_file is not None:
@@ -145,7 +145,7 @@ class RunDir:
         records = read_metrics(self.metrics_file)
         kept = [r for r in records if r["step"] < step]
         partial = self.metrics_file.with_name(self.metrics_file.name + ".partial")
-        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial.write_text("".join(json_line(r) for r in kept))
         partial.replace(self.metrics_file)
         return [r for r in records if r["step"] >= step]
 

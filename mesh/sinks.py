@@ -77,6 +77,21 @@ def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     return values
 
 
+def json_line(record: Mapping[str, Any]) -> str:
+    """``record`` as one line of strict JSON (RFC 8259, which has no NaN or Infinity): a number that is
+    not finite is written as null, so every JSON reader can read metrics.jsonl; what a plot can show
+    (``scalars``) leaves it out."""
+    return json.dumps(_finite_or_null(record), allow_nan=False) + "\n"
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _finite_or_null(inner) for key, inner in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def open_trackers(logging: Logging, run_path: Path, config: dict, resumed_from: Path | None) -> list[Tracker]:
     """Start the trackers ``logging`` names for the run in ``run_path`` and record them in its
     trackers.json; ``resumed_from``: the run directory whose tracker runs this run continues."""

@@ -139,6 +139,34 @@ def test_a_run_survives_a_dead_or_hung_actor_and_trains_on_exactly_the_same_samp
     assert ("no answer within fault_tolerance.call_timeout" in fault["cause"]) == (sig == signal.SIGSTOP)
 
 
+REFERENCE_ALONE = [
+    "actors.trainer.loss.policy.kl_coef=0.05",
+    "meshes.reference={procs: 1}",
+    "actors.reference.mesh=reference",
+]
+
+
+@pytest.mark.slow  # two runs: the KL penalty's own baseline, then the killed one
+def test_a_killed_reference_actor_is_replaced_and_the_kl_and_learning_are_the_unkilled_runs(tmp_path):
+    """The Reference actor on a mesh of its own (issue 28: it had no chaos case): its process killed
+    mid-run, the fleet replaces it and the controller asks it again for the same rows' logprobs."""
+    expected = uninterrupted(tmp_path / "baseline", *REFERENCE_ALONE)
+    assert all(r["train/policy/kl"] > 0 for r in expected[1:])  # the penalty is on: the reference's numbers count
+    placed = [f"--set={o}" for o in REFERENCE_ALONE]
+    process = start_run(tmp_path / "runs", "--set=fault_tolerance.call_timeout=120", *placed)
+    fault_at_random_step(tmp_path / "runs", "reference", signal.SIGKILL, random.Random("reference"))
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    path = only_run(tmp_path / "runs")
+    rows = records(path)
+    assert learning(rows) == expected
+    assert rows[-1]["faults/restarts"] == 1
+    events = [json.loads(line) for line in (path / "events.jsonl").read_text().splitlines()]
+    (fault,) = [e for e in events if e["event"] == "fault"]
+    assert fault["actor"].startswith("reference (mesh reference") and fault["endpoint"] == "logprobs"
+    assert fault["restart"] == 1 and f"fault: {fault['actor']} in logprobs: " in err
+
+
 def test_out_of_restarts_the_run_fails_naming_the_actor_and_the_cause(tmp_path):
     process = start_run(tmp_path, "--set=fault_tolerance.max_restarts=0")
     fault_at_random_step(tmp_path, "generator", signal.SIGKILL, random.Random(0))

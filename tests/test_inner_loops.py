@@ -154,6 +154,7 @@ def stepped(loop_name: str, model_dir: str, cfg: TrainerConfig, batch):
     loop = registry.load("inner_loop", loop_name)(model_dir, replace(cfg, inner_loop=loop_name), rank=0, world=1)
     metrics = loop.forward_backward(batch, taid_t=0.6)
     grads = {name: grad.clone() for name, grad in loop.gradients().items()}
+    loop.clip_gradients()
     loop.optimizer_step()
     return loop, metrics, grads
 

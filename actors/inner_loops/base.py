@@ -2,11 +2,16 @@
 
 A step is: zero the gradients, run micro-batch passes over this rank's rows (channels 1
 and 2) and over its preference rows (channel 3, by gradient caching), then clip and take
-one optimizer step. Each micro-batch's loss is normalized by the *whole step's* token,
-sequence and pair counts, so summing micro-batches and ranks gives exactly the
-full-batch loss whatever the split. That is what makes the four inner loops agree to
-float error: they differ only in the hooks below (how the model computes the policy's
-distribution, how gradients sync, which optimizer steps).
+one optimizer step, unless the step's loss or gradient norm is not finite: then no weight
+changes and ``NonFiniteLoss`` names the first input of the batch that is not finite (or, all
+being finite, the model). Both numbers are global (summed over ranks), so every rank refuses
+the same step, and checking them costs nothing: they are already on the host.
+
+Each micro-batch's loss is normalized by the *whole step's* token, sequence and pair
+counts, so summing micro-batches and ranks gives exactly the full-batch loss whatever the
+split. That is what makes the four inner loops agree to float error: they differ only in
+the hooks below (how the model computes the policy's distribution, how gradients sync,
+which optimizer steps).
 
 Precision: ``compute_dtype`` is the dtype of the model's matmuls (``TrainerConfig.precision``
 resolved for this loop's device). In bf16 every loop keeps fp32 weights, gradients and
@@ -17,6 +22,7 @@ outside any autocast region on whatever dtype the head hands them.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -122,8 +128,12 @@ class MicroBatchLoop(ABC):
     def zero_grad(self) -> None: ...
 
     @abstractmethod
-    def optimizer_step(self) -> float:
-        """Clip the global gradient norm, step (optimizer and LR schedule); return the norm before clipping."""
+    def clip_gradients(self) -> float:
+        """Clip the global gradient norm; return the norm before clipping."""
+
+    @abstractmethod
+    def optimizer_step(self) -> None:
+        """Step the optimizer and the LR schedule on the clipped gradients."""
 
     @abstractmethod
     def gradients(self) -> dict[str, Tensor]:
@@ -141,7 +151,9 @@ class MicroBatchLoop(ABC):
 
     def train_step(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
         metrics = self.forward_backward(batch, taid_t)
-        metrics["grad_norm"] = self.optimizer_step()
+        metrics["grad_norm"] = self.clip_gradients()
+        refuse_non_finite(batch, metrics.get("loss", 0.0), metrics["grad_norm"])
+        self.optimizer_step()
         return metrics
 
     def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
@@ -296,6 +308,95 @@ class HFModelLoop(MicroBatchLoop):
         self.model.load_state_dict(model)
         self.optimizer.load_state_dict(optimizer)
         return state
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A step's loss or gradient norm is not finite, so the optimizer did not step; the message names
+    the first input of the batch that is not finite, where it came from and the fix."""
+
+
+@dataclass(frozen=True)
+class LossInput:
+    """One input of the loss from the batch: its values where the loss reads them, and its source."""
+
+    name: str
+    values: Tensor
+    read: Tensor  # bool, where the loss reads ``values`` (broadcast to their shape)
+    source: str  # where the values come from, and the fix
+
+    def non_finite(self) -> str | None:
+        """How many of the values read are not finite and where the first is; None if all are."""
+        read = self.read.expand_as(self.values)
+        bad = read & ~torch.isfinite(self.values)
+        if not bad.any():
+            return None
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        at = f"row {first[0]}" + (f", token {first[1]}" if len(first) > 1 else "")
+        return f"{int(bad.sum())} of {int(read.sum())} values, the first {float(self.values[first])} at {at}"
+
+
+def refuse_non_finite(batch: TrainBatch, loss: float, grad_norm: float) -> None:
+    """``NonFiniteLoss`` unless the step's ``loss`` and ``grad_norm`` are both finite numbers."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    found = [f"the {i.name} ({where}), {i.source}" for i in loss_inputs(batch) if (where := i.non_finite())]
+    if found:
+        cause = f"the first input that is not finite is {found[0]}" + "".join(f"; also {f}" for f in found[1:])
+    else:
+        cause = (
+            "every input of the batch is finite, so the policy's own forward or backward overflowed (its weights "
+            "grew too large, or bf16 overflowed): lower actors.trainer.optimizer.lr, keep optimizer.grad_clip above "
+            "0, or set actors.trainer.precision: fp32, then resume from the last checkpoint"
+        )
+    raise NonFiniteLoss(
+        f"the step's loss is {loss} and its gradient norm {grad_norm}, so the optimizer did not step and the "
+        f"weights are the last step's; {cause}"
+    )
+
+
+def loss_inputs(batch: TrainBatch) -> list[LossInput]:
+    """The numbers of ``batch`` a loss reads, in the order it meets them. The sampler's logprobs are
+    read as they are only by the replay pairs (the policy loss takes the trainer's own where they are
+    not finite), the reference's and the teacher's only at the tokens they score."""
+    inputs = [
+        LossInput(
+            "advantages",
+            batch.advantages,
+            batch.policy_rows,
+            "made from the step's rewards, which are checked where they are made: a resumed checkpoint's in-flight "
+            "batches are the other source; resume from an earlier checkpoint",
+        )
+    ]
+    if batch.pairs is not None:
+        in_pairs = torch.zeros(len(batch), dtype=torch.bool, device=batch.pairs.device)
+        in_pairs[batch.pairs.flatten()] = True
+        inputs.append(
+            LossInput(
+                "old (sampling) logprobs",
+                batch.inference_logprobs,
+                batch.completion_mask & in_pairs[:, None],
+                "which the generator's engine returned with the replayed traces (actors.generator.engine)",
+            )
+        )
+    if batch.ref_logprobs is not None:
+        inputs.append(
+            LossInput(
+                "reference logprobs",
+                batch.ref_logprobs,
+                batch.completion_mask & batch.policy_rows[:, None],
+                "which the reference model scored (loss.policy.kl_coef): check its weights, or score in fp32",
+            )
+        )
+    if batch.distill_logprobs is not None:
+        inputs.append(
+            LossInput(
+                "teacher logprobs",
+                batch.distill_logprobs,
+                batch.distill_mask[..., None],
+                "the distill teacher's top-k (actors.teachers): check its binding",
+            )
+        )
+    return inputs
 
 
 def _accumulate(totals: dict[str, float], metrics: dict[str, float]) -> None:

@@ -62,8 +62,9 @@ class NativeLoop(HFModelLoop):
     def no_sync(self) -> AbstractContextManager:
         return self.hidden.no_sync() if self.world > 1 else nullcontext()
 
-    def optimizer_step(self) -> float:
+    def clip_gradients(self) -> float:
         max_norm = self.cfg.optimizer.grad_clip or float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def optimizer_step(self) -> None:
         self.optimizer.step()
-        return norm

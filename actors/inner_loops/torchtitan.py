@@ -427,12 +427,13 @@ class TorchTitanLoop(MicroBatchLoop):
     def zero_grad(self) -> None:
         self.optimizers.zero_grad(set_to_none=True)
 
-    def optimizer_step(self) -> float:
+    def clip_gradients(self) -> float:
         max_norm = self.cfg.optimizer.grad_clip or float("inf")
-        norm = clip_grad_norm_(list(self.model.parameters()), max_norm)
+        return float(clip_grad_norm_(list(self.model.parameters()), max_norm))
+
+    def optimizer_step(self) -> None:
         self.optimizers.step()
         self.schedulers.step()
-        return float(norm)
 
     # -- weights, gradients, checkpoints (collectives: every rank calls) -----------------------
 

@@ -185,12 +185,13 @@ class TRLLoop(HFModelLoop):
     def no_sync(self) -> AbstractContextManager:
         return self.trainer.accelerator.no_sync(self.wrapped) if self.world > 1 else nullcontext()
 
-    def optimizer_step(self) -> float:
+    def clip_gradients(self) -> float:
         max_norm = self.cfg.optimizer.grad_clip or float("inf")
-        norm = float(self.trainer.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        return float(self.trainer.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def optimizer_step(self) -> None:
         self.optimizer.step()
         self.trainer.lr_scheduler.step()
-        return norm
 
 
 def _no_reward(completions: list, **kwargs) -> list[float]:
