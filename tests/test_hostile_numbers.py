@@ -217,7 +217,7 @@ def test_nan_advantages_are_refused_before_the_optimizer_steps_in_every_inner_lo
     message = refused(loop_of(model_dir, inner_loop), batch)
     assert message.startswith("the step's loss is nan and its gradient norm nan")
     assert "the first input that is not finite is the advantages (1 of 20 values, the first nan at row 2)" in message
-    assert "made from the step's rewards" in message
+    assert "made from the step's rewards" in message and "in-flight batches" in message
 
 
 def test_an_infinite_reference_logprob_is_named(model_dir):

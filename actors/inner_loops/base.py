@@ -345,8 +345,8 @@ def refuse_non_finite(batch: TrainBatch, loss: float, grad_norm: float) -> None:
     else:
         cause = (
             "every input of the batch is finite, so the policy's own forward or backward overflowed (its weights "
-            "grew too large, or bf16 overflowed): lower actors.trainer.optimizer.lr, keep optimizer.grad_clip above "
-            "0, or set actors.trainer.precision: fp32, then resume from the last checkpoint"
+            "grew too large): lower actors.trainer.optimizer.lr, keep optimizer.grad_clip above 0, or set "
+            "actors.trainer.precision: fp32, then resume from the last checkpoint"
         )
     raise NonFiniteLoss(
         f"the step's loss is {loss} and its gradient norm {grad_norm}, so the optimizer did not step and the "
@@ -363,8 +363,8 @@ def loss_inputs(batch: TrainBatch) -> list[LossInput]:
             "advantages",
             batch.advantages,
             batch.policy_rows,
-            "made from the step's rewards, which are checked where they are made: a resumed checkpoint's in-flight "
-            "batches are the other source; resume from an earlier checkpoint",
+            "made from the step's rewards; a reward function's or a task's is refused where it is made, so these "
+            "came from an environment's episode returns or a resumed checkpoint's in-flight batches",
         )
     ]
     if batch.pairs is not None:
@@ -384,7 +384,7 @@ def loss_inputs(batch: TrainBatch) -> list[LossInput]:
                 "reference logprobs",
                 batch.ref_logprobs,
                 batch.completion_mask & batch.policy_rows[:, None],
-                "which the reference model scored (loss.policy.kl_coef): check its weights, or score in fp32",
+                "which the reference model scored (loss.policy.kl_coef): check its weights (actors.reference.path)",
             )
         )
     if batch.distill_logprobs is not None:
