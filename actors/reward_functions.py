@@ -75,7 +75,7 @@ class RewardFunctions:
         task_rewards = [sum(values) for values in zip(*parts.values())]
         for name, (path, fn) in self.functions.items():
             values = [fn(p, c) for p, c in zip(problems, completions)]
-            parts[name] = finite(f"reward function {path}", values, problems, completions)
+            parts[name] = _finite(f"reward function {path}", values, problems, completions)
         totals = [sum(values) for values in zip(*parts.values())]
         hints = [self._hint(p, c, r) for p, c, r in zip(problems, completions, task_rewards)]
         return RewardReply(totals, parts, hints, time.perf_counter() - start)
@@ -86,11 +86,14 @@ class RewardFunctions:
         task = f"task {self.task_name}"
         if not hasattr(self.task, "reward_parts"):
             values = [self.task.reward(p, c) for p, c in zip(problems, completions)]
-            return {"task": finite(f"the reward of {task}", values, problems, completions)}
+            return {"task": _finite(f"the reward of {task}", values, problems, completions)}
         rows = [self.task.reward_parts(p, c) for p, c in zip(problems, completions)]
         names = sorted({name for row in rows for name in row})
-        parts = {name: [row.get(name, 0.0) for row in rows] for name in names}
-        return {name: finite(f"reward function {name} of {task}", parts[name], problems, completions) for name in names}
+        parts = {}
+        for name in names:
+            values = [row.get(name, 0.0) for row in rows]
+            parts[name] = _finite(f"reward function {name} of {task}", values, problems, completions)
+        return parts
 
     def _hint(self, problem: Problem, completion: str, task_reward: float) -> str | None:
         if task_reward >= 1.0:
@@ -99,7 +102,7 @@ class RewardFunctions:
         return feedback(problem, completion) if feedback else (problem.answer or None)
 
 
-def finite(source: str, values: Iterable, problems: list[Problem], completions: list[str]) -> list[float]:
+def _finite(source: str, values: Iterable, problems: list[Problem], completions: list[str]) -> list[float]:
     """``values`` as floats, or ``InvalidReward`` naming ``source`` at the first that is not a finite number."""
     floats = []
     for value, problem, completion in zip(values, problems, completions):
