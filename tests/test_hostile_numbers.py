@@ -217,7 +217,7 @@ def test_nan_advantages_are_refused_before_the_optimizer_steps_in_every_inner_lo
     message = refused(loop_of(model_dir, inner_loop), batch)
     assert message.startswith("the step's loss is nan and its gradient norm nan")
     assert "the first input that is not finite is the advantages (1 of 20 values, the first nan at row 2)" in message
-    assert "made from the step's rewards" in message and "in-flight batches" in message
+    assert "made from the step's rewards" in message and "environment's episode returns" in message
 
 
 def test_an_infinite_reference_logprob_is_named(model_dir):
@@ -240,6 +240,8 @@ def test_nan_teacher_logprobs_and_replayed_sampling_logprobs_are_named_in_order(
         inference_logprobs=with_value(batch.inference_logprobs, math.nan, (pair_row, 0)),
         distill_logprobs=with_value(batch.distill_logprobs, math.nan, (*distilled, 1)),
     )
+    outside = tuple(int(i) for i in batch.distill_mask.nonzero()[-1])  # -inf: a token outside the teacher's support
+    batch = replace(batch, distill_logprobs=with_value(batch.distill_logprobs, -math.inf, (*outside, 3)))
     message = refused(loop_of(model_dir, loss=ALL_CHANNELS), batch)
     first, also = message.split("; also ")
     assert "first input that is not finite is the old (sampling) logprobs (1 of" in first and "replayed traces" in first

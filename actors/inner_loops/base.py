@@ -323,11 +323,13 @@ class LossInput:
     values: Tensor
     read: Tensor  # bool, where the loss reads ``values`` (broadcast to their shape)
     source: str  # where the values come from, and the fix
+    outside_support: bool = False  # -inf is a value (a token the source gives no probability), not a fault
 
     def non_finite(self) -> str | None:
         """How many of the values read are not finite and where the first is; None if all are."""
         read = self.read.expand_as(self.values)
-        bad = read & ~torch.isfinite(self.values)
+        allowed = torch.isneginf(self.values) if self.outside_support else torch.zeros_like(read)
+        bad = read & ~torch.isfinite(self.values) & ~allowed
         if not bad.any():
             return None
         first = tuple(int(i) for i in bad.nonzero()[0])
@@ -363,8 +365,8 @@ def loss_inputs(batch: TrainBatch) -> list[LossInput]:
             "advantages",
             batch.advantages,
             batch.policy_rows,
-            "made from the step's rewards; a reward function's or a task's is refused where it is made, so these "
-            "came from an environment's episode returns or a resumed checkpoint's in-flight batches",
+            "made from the step's rewards; a reward function's or a task's is refused where it is made (and a "
+            "checkpoint's when it is resumed), so look at the environment's episode returns",
         )
     ]
     if batch.pairs is not None:
@@ -394,6 +396,7 @@ def loss_inputs(batch: TrainBatch) -> list[LossInput]:
                 batch.distill_logprobs,
                 batch.distill_mask[..., None],
                 "the distill teacher's top-k (actors.teachers): check its binding",
+                outside_support=True,
             )
         )
     return inputs
