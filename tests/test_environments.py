@@ -227,6 +227,10 @@ async def test_a_hung_environment_times_out_with_the_call_named():
             json.dumps({"type": "observation", "data": {"observation": {"message": "hi"}, "reward": "high"}}),
             "a reward of type str, not a number",
         ),
+        (
+            json.dumps({"type": "observation", "data": {"observation": {"message": "hi"}, "reward": float("nan")}}),
+            "a reward of nan, not a finite number",
+        ),
         ("not json", "an answer the client cannot read (JSONDecodeError"),
         (
             json.dumps({"type": "error", "data": {"message": "boom", "code": "EXECUTION_ERROR"}}),

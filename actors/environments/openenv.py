@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -216,6 +217,8 @@ class OpenEnvSession:
             self._malformed(what, f"an observation of type {type(observation).__name__}, not an object")
         if reward is not None and not isinstance(reward, (int, float)):
             self._malformed(what, f"a reward of type {type(reward).__name__}, not a number")
+        if reward is not None and not math.isfinite(reward):
+            self._malformed(what, f"a reward of {reward}, not a finite number")
         if not isinstance(done, bool):
             self._malformed(what, f"a done flag of type {type(done).__name__}, not a bool")
         return Turn(self._text(what, observation), float(reward or 0.0), done)
