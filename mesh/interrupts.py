@@ -21,7 +21,6 @@ from pathlib import Path
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 CHECKPOINT_NAME = re.compile(r"step_\d+")  # not step_N.partial (being written) nor step_N.replaced
-CHECKSUMS = "checksums.json"  # written last, before a checkpoint is renamed into place (actors/checkpoint.py)
 
 
 class Interrupted(RuntimeError):
@@ -55,11 +54,13 @@ def newest_checkpoint(run_path: Path, recorded: Path | None, outer_state: str | 
     signal cancelled the controller's wait for it. A checkpoint is renamed into place only once whole, so a
     directory named ``step_N`` is one; a DiLoCo run's also needs its outer state (the file ``outer_state``),
     which is saved after the trainer's files. Every checkpoint of this run is newer than one it resumed from."""
+    from actors.checkpoint import CHECKSUMS_FILE  # torch: the DiLoCo parent imports this module, and needs none
+
     whole = [
         path
         for path in (run_path / "checkpoints").glob("step_*")
         if CHECKPOINT_NAME.fullmatch(path.name)
-        and (path / CHECKSUMS).is_file()
+        and (path / CHECKSUMS_FILE).is_file()  # written last, before the rename into place
         and (outer_state is None or (path / outer_state).is_file())
     ]
     return max(whole, key=lambda path: int(path.name.removeprefix("step_")), default=recorded)

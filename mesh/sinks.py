@@ -87,6 +87,8 @@ def json_line(record: Mapping[str, Any]) -> str:
 def _finite_or_null(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {key: _finite_or_null(inner) for key, inner in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(inner) for inner in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

@@ -274,7 +274,13 @@ def test_a_sampling_logprob_the_policy_loss_does_not_read_trains_as_before(model
 
 def test_metrics_jsonl_is_strict_json_with_null_for_a_number_that_is_not_finite(tmp_path):
     run = RunDir.create(tmp_path, "numbers", {}, tensorboard=True)
-    metrics = {"reward/mean": 0.5, "train/loss": math.nan, "kl": math.inf, "policy_age/counts": {"0": -math.inf}}
+    metrics = {
+        "reward/mean": 0.5,
+        "train/loss": math.nan,
+        "kl": math.inf,
+        "policy_age/counts": {"0": -math.inf},
+        "eval/rewards": [1.0, math.nan],
+    }
     run.log(0, metrics)
     run.log(1, {"reward/mean": 0.25, "train/loss": 1.0})
     lines = run.metrics_file.read_text().splitlines()
@@ -284,6 +290,7 @@ def test_metrics_jsonl_is_strict_json_with_null_for_a_number_that_is_not_finite(
         "train/loss": None,
         "kl": None,
         "policy_age/counts": {"0": None},
+        "eval/rewards": [1.0, None],
     }
     run.rewind(1)  # rewritten when a restarted trainer trains steps again: still strict
     (kept,) = run.metrics_file.read_text().splitlines()
