@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, Field, Strict, ValidationInfo, field_validator
@@ -30,10 +30,8 @@ from actors.bindings import TopK
 from actors.checkpoint import STRICT
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
+from mesh.collected import Collected
 from mesh.router import TargetLoad
-
-if TYPE_CHECKING:
-    from mesh.controller import Collected
 
 FORMAT = 2  # 2: rollout groups of tagged rows (1: a flat list of rollouts)
 
@@ -253,8 +251,6 @@ class SavedCollected(Saved):
     episode_metrics: dict[str, float] = {}
 
     def decode(self) -> Collected:
-        from mesh.controller import Collected  # the controller imports this module
-
         return Collected(
             [group.decode() for group in self.groups],
             self.distill_teacher,

@@ -85,8 +85,8 @@ class Routed:
     version: int
     seconds: float
     loads: list[TargetLoad]  # by target index
+    rewards: list[list[Reward | None]]  # per prompt, per trajectory: None where the generators do not reward
     outcomes: list[list[EpisodeOutcome]] = field(default_factory=list)  # per prompt, when these are episodes
-    rewards: list[list[Reward]] = field(default_factory=list)  # per prompt, when the generators reward
 
     @property
     def load_seconds(self) -> float:
@@ -220,10 +220,11 @@ class Router:
                 generation.load_seconds + pushed,
                 generation.reward_seconds,
             )
-            trajectories += generation.trajectories()
+            per_prompt = generation.trajectories()
+            trajectories += per_prompt
             outcomes += generation.episode_outcomes()
-            rewards += generation.row_rewards()
-        return Routed(trajectories, version, time.perf_counter() - start, loads, outcomes, rewards)
+            rewards += generation.row_rewards() or [[None] * len(group) for group in per_prompt]
+        return Routed(trajectories, version, time.perf_counter() - start, loads, rewards, outcomes)
 
     def _requests(self, count: int) -> int:
         per_target = REQUESTS_PER_TARGET if self.policy == "least_loaded" and len(self.targets) > 1 else 1

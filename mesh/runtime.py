@@ -45,8 +45,21 @@ from actors.tasks import build_task  # noqa: E402
 from actors.teachers import TeacherPool  # noqa: E402
 from actors.trainer import Trainer  # noqa: E402
 from mesh.control import EVENTS, ControlChannel  # noqa: E402
-from mesh.controller import Actors, Controller  # noqa: E402
+from mesh.controller import (  # noqa: E402
+    CollectSettings,
+    Controller,
+    LoopSettings,
+    ReferenceInTrainer,
+    ReferenceScoring,
+    RemoteReference,
+    RemoteRewarder,
+    RewardedInGenerators,
+    Rewarding,
+    RunContext,
+    Services,
+)
 from mesh.faults import explain, paragraph  # noqa: E402
+from mesh.fingerprint import topology_fingerprint  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.interrupts import Interrupted, Stopper, newest_checkpoint  # noqa: E402
 from mesh.placement import trainer_memory_share, vllm_share  # noqa: E402
@@ -125,10 +138,11 @@ async def _run(
             fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))
             await fleet.start(launcher.start(topology))
             _write_procs(run_dir.path, fleet)
-            actors = _actors(topology, fleet)
-            if actors.teacher_pool is not None:
-                await board.attach(actors.teacher_pool)
-            controller = Controller(topology, actors, task, run_dir, bar, board, control, fleet, stopper, episodes)
+            services = _services(topology, fleet)
+            if services.teacher_pool is not None:
+                await board.attach(services.teacher_pool)
+            context = RunContext(run_dir, bar, control, stopper, fleet)
+            controller = Controller(_loop_settings(topology, episodes), services, task, board, context, episodes)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
     except Interrupted:
         raise
@@ -310,8 +324,9 @@ async def _start_all(actors: ActorMesh) -> list[ProcInfo]:
     return list((await actors.start.call()).values())
 
 
-def _actors(topology: Topology, fleet: Fleet) -> Actors:
-    """Supervised handles: every call goes through the fleet, which replaces dead processes."""
+def _services(topology: Topology, fleet: Fleet) -> Services:
+    """Supervised handles: every call goes through the fleet, which replaces dead processes. Where rewarding
+    and reference scoring run is decided here, once."""
     cfg = topology.actors
     targets = [
         fleet.handle("generator", name, proc)
@@ -320,16 +335,48 @@ def _actors(topology: Topology, fleet: Fleet) -> Actors:
     ]
     router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
-    teacher_pool = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
-    syncer = fleet.handle("syncer", cfg.trainer.mesh) if topology.diloco_replica() is not None else None
-    reference = topology.reference()
-    return Actors(
+    rewarding: Rewarding = RewardedInGenerators()
+    if not topology.rewards_in_generators():
+        rewarding = RemoteRewarder(fleet.handle("rewarder", cfg.rewarder.mesh, 0))
+    reference: ReferenceScoring = ReferenceInTrainer()  # also when there is no reference
+    if (config := topology.reference()) is not None and not topology.reference_in_trainer():
+        reference = RemoteReference(fleet.handle("reference", config.mesh, 0))
+    return Services(
         fleet.handle("trainer", cfg.trainer.mesh),
         router,
-        None if topology.rewards_in_generators() else fleet.handle("rewarder", cfg.rewarder.mesh, 0),
-        teacher_pool,
-        syncer,
-        None if reference is None or topology.reference_in_trainer() else fleet.handle("reference", reference.mesh, 0),
+        rewarding,
+        reference,
+        fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None,
+        fleet.handle("syncer", cfg.trainer.mesh) if topology.diloco_replica() is not None else None,
+    )
+
+
+def _loop_settings(topology: Topology, episodes: EpisodeSpec | None) -> LoopSettings:
+    """What the controller's parts read of the topology, read once."""
+    loop, loss = topology.loop, topology.actors.trainer.loss
+    collect = CollectSettings(
+        prompts_per_step=loop.prompts_per_step,
+        group_size=loop.group_size,
+        prompt_seed=topology.prompt_seed(),
+        seed=topology.seed,
+        evaluation_prompts=loop.evaluation.prompts,
+        warm_start_teacher=loop.warm_start.teacher,
+        warm_start_steps=loop.warm_start.steps,
+        replay=loss.beta_replay > 0,
+        distill=loss.alpha_sdpo > 0,
+    )
+    return LoopSettings(
+        steps=loop.steps,
+        max_policy_lag=loop.max_policy_lag,
+        evaluation_every=loop.evaluation.every,
+        checkpoint_every=topology.checkpointing.every,
+        advantage=loss.policy.advantage,
+        # every reply of an episode
+        max_completion_len=topology.actors.generator.max_new_tokens * (episodes.max_turns if episodes else 1),
+        reference=topology.reference() is not None,
+        diloco_interval=topology.diloco.interval if topology.diloco_replica() is not None else None,
+        fingerprint=topology_fingerprint(topology).to_json(),
+        collect=collect,
     )
 
 

@@ -185,7 +185,7 @@ async def test_two_replicas_all_serve_log_their_load_and_end_holding_the_final_v
     class Recording(Controller):
         async def train(self, start_step: int = 0) -> list[dict]:
             history = await super().train(start_step)
-            held.extend([await handle.held_version.call_one() for handle in self.actors.generators.handles])
+            held.extend([await handle.held_version.call_one() for handle in self.services.generators.handles])
             return history
 
     monkeypatch.setattr(runtime, "Controller", Recording)

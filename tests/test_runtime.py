@@ -13,7 +13,8 @@ import torch
 from actors.model import TinyModelSpec, build_tiny_model
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
-from mesh.controller import Collected, Controller, StalenessError
+from mesh.controller import Collected, StalenessError
+from mesh.controller.scheduler import Scheduler
 from mesh.runtime import RunFailed, run
 from mesh.topology import load_topology
 
@@ -123,14 +124,18 @@ async def test_process_launcher_places_a_trainer_across_two_hosts_from_a_model_d
     assert not (run_dir.path / "model").exists()  # the given directory was used, not a built one
 
 
-def test_a_batch_older_than_the_lag_is_never_trained_on(tmp_path):
-    topology = small(tmp_path, "loop.max_policy_lag=1")
-    controller = Controller(topology, actors=None, task=Reverse(), run=None, progress=None, board=None)
+def test_a_batch_older_than_the_lag_is_never_trained_on():
     problem = Reverse().problems(0, 0, 1)[0]
     stale = Row(RowKind.SAMPLE, Trajectory.single_turn([3], [4, 1], [-1.0, -1.0], "a"), version=2, reward=Reward(0.0))
     collected = Collected([RolloutGroup(problem, 0, (stale,) * 4)], None, seconds={}, teacher_metrics={})
+
+    async def take_step_4() -> None:  # with max_policy_lag 1, the batch a checkpoint kept for step 4
+        scheduler = Scheduler(collect=None, steps=8, max_policy_lag=1)
+        scheduler.restore(4, [collected])
+        await scheduler.take(4)
+
     with pytest.raises(StalenessError, match="policy age 2 > max_policy_lag"):
-        asyncio.run(controller._train(4, collected))  # fails before any actor is called
+        asyncio.run(take_step_4())  # refused as the loop takes it, before the trainer is given it
 
 
 @pytest.mark.gpu

@@ -1,0 +1,33 @@
+"""The controller and its parts (``controller.py`` draws them)."""
+
+from mesh.collected import Collected
+from mesh.controller.collection import EnvironmentDown
+from mesh.controller.controller import Controller, RunContext
+from mesh.controller.scheduler import StalenessError
+from mesh.controller.services import (
+    ReferenceInTrainer,
+    ReferenceScoring,
+    RemoteReference,
+    RemoteRewarder,
+    RewardedInGenerators,
+    Rewarding,
+    Services,
+)
+from mesh.controller.settings import CollectSettings, LoopSettings
+
+__all__ = [
+    "CollectSettings",
+    "Collected",
+    "Controller",
+    "EnvironmentDown",
+    "LoopSettings",
+    "ReferenceInTrainer",
+    "ReferenceScoring",
+    "RemoteReference",
+    "RemoteRewarder",
+    "RewardedInGenerators",
+    "Rewarding",
+    "RunContext",
+    "Services",
+    "StalenessError",
+]

@@ -1,0 +1,342 @@
+"""A step's collection: the rollout groups the trainer takes, built by an ordered list of stages.
+
+``SampleCollection`` (a task with answers) passes a ``Rollout`` through its stages, each taking
+and returning it:
+
+    generate   the policy's G samples per prompt (Router -> Generator replicas), beside the tracing
+               teachers' traces (TeacherPool), then those traces with the policy's logprobs
+    reward     a Reward per row, and a hint for a wrong answer (``Rewarding``)
+    teachers   the distill teacher's top-k at the policy's own tokens (channel 2)
+    reference  the reference's logprobs of the rows that train the policy (``ReferenceScoring``)
+    join       one RolloutGroup per prompt, its rows tagged SAMPLE, WARM_START or REPLAY
+
+A warm-start trace joins its prompt's group in channel 1; replayed traces enter only channel 3's
+pairs. ``EpisodeCollection`` (an environment task, ``task: {name: openenv}``) is the other
+collection: the generators play each prompt's G episodes against the environment
+(``Generator.play``), each episode one trajectory whose reward is the environment's return, a
+failed episode left out of its group; no teacher and no Rewarder are asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from actors.bindings import TopK, TopKRequest
+from actors.engines import sampling_seeds
+from actors.environments.openenv_task import EpisodeSpec
+from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.tasks import Problem, Task
+from actors.weights import WeightVersion
+from mesh.collected import Collected
+from mesh.controller.metrics import teacher_metrics
+from mesh.controller.services import Rows, Services
+from mesh.controller.settings import CollectSettings
+from mesh.router import Routed, TargetLoad
+from mesh.teachers import Snapshot, TeacherBinding
+
+
+class EnvironmentDown(RuntimeError):
+    """Every episode of a step failed: the environment, not one episode, is the problem."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A step's collection as it passes through the stages: its prompts, the weights and teachers it
+    started with, the rows so far (per prompt) and what each stage took."""
+
+    step: int
+    problems: list[Problem]
+    seeds: list[int]  # one per prompt: its sampling, whichever generator serves it
+    weights: WeightVersion
+    teachers: Snapshot  # bound when the collection started
+    rows: Rows = dataclasses.field(default_factory=list)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # generate, load, reward, teachers, reference
+    generators: list[TargetLoad] = dataclasses.field(default_factory=list)  # per generator target
+    tracers: list[TeacherBinding] = dataclasses.field(default_factory=list)  # the teachers that traced prompts
+    trace_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per tracing teacher
+    distill_teacher: str | None = None  # the teacher whose top-k the rows carry, if any did
+    distill_seconds: float = 0.0
+    groups: list[RolloutGroup] = dataclasses.field(default_factory=list)  # once joined
+
+    def collected(self) -> Collected:
+        distilled = {self.distill_teacher: {"latency_s": self.distill_seconds}} if self.distill_teacher else {}
+        return Collected(
+            groups=self.groups,
+            distill_teacher=self.distill_teacher,
+            seconds=self.seconds,
+            teacher_metrics=teacher_metrics(self.groups, self.tracers, self.trace_seconds) | distilled,
+            generators=self.generators,
+        )
+
+
+Stage = Callable[[Rollout], Awaitable[Rollout]]
+
+
+@dataclass
+class Traces:
+    """Each tracing teacher's completion of each prompt (None where it has none) and its latency."""
+
+    texts: dict[str, list[str | None]]  # teacher name -> per prompt
+    seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class PolicyTrace:
+    """A tracing teacher's completion of one prompt as the policy sees it: with the logprobs of
+    policy ``version`` and, when the generators reward, its reward."""
+
+    trajectory: Trajectory
+    version: int
+    reward: Reward | None
+
+    def row(self, kind: RowKind, teacher: str) -> Row:
+        return Row(kind, self.trajectory, self.version, teacher=teacher, reward=self.reward)
+
+
+class _Collection:
+    def __init__(self, settings: CollectSettings, task: Task, services: Services):
+        self.settings, self.task, self.services = settings, task, services
+
+    def _prompts(self, step: int) -> tuple[list[Problem], list[int]]:
+        """Step ``step``'s prompts, seeded by (seed, step), and their sampling seeds."""
+        problems = self.task.problems(self.settings.prompt_seed, step, self.settings.prompts_per_step)
+        return problems, sampling_seeds(self.settings.prompt_seed, f"step {step}", len(problems))
+
+    def _evaluation_prompts(self, step: int) -> tuple[list[Problem], list[int]]:
+        """The held-out prompts (the task's step -1), sampled afresh at each ``step`` that evaluates."""
+        count = self.settings.evaluation_prompts
+        problems = self.task.problems(self.settings.seed, -1, count)
+        return problems, sampling_seeds(self.settings.seed, f"eval {step}", count)
+
+
+class SampleCollection(_Collection):
+    def __init__(self, settings: CollectSettings, task: Task, services: Services):
+        super().__init__(settings, task, services)
+        self.stages: list[Stage] = [self.generate, self.reward, self.teachers, self.reference, self.join]
+
+    async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
+        """Step ``step``'s rollout groups, sampled with ``weights`` and the ``teachers`` bound when it started."""
+        rollout = Rollout(step, *self._prompts(step), weights, teachers)
+        for stage in self.stages:
+            rollout = await stage(rollout)
+        return rollout.collected()
+
+    async def evaluate(self, step: int, weights: WeightVersion) -> float:
+        """Mean reward of one sample per prompt on the held-out prompts."""
+        problems, seeds = self._evaluation_prompts(step)
+        sampled = await self.services.generators.generate(problems, 1, weights, seeds)
+        rows = [_sampled_rows(i, sampled) for i in range(len(problems))]
+        rows, _ = await self.services.rewarding.reward(problems, rows)
+        return sum(row.reward.total for group in rows for row in group) / len(problems)
+
+    # ------------------------------------------------------------------------- the stages
+
+    async def generate(self, rollout: Rollout) -> Rollout:
+        """The policy's samples and the tracing teachers' traces (in parallel), then the traces with the
+        policy's logprobs; rewarded already when the generators reward what they write."""
+        settings, problems, weights = self.settings, rollout.problems, rollout.weights
+        warm = rollout.teachers.get(settings.warm_start_teacher) if rollout.step < settings.warm_start_steps else None
+        replay = [t for t in rollout.teachers.values() if "replay" in t.config.use] if settings.replay else []
+        tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
+        tracing = asyncio.ensure_future(self._trace(tracers, problems))  # beside the sampling
+        try:  # awaited, not gathered: the generators' requests leave in this turn of the event loop
+            sampled = await self.services.generators.generate(problems, settings.group_size, weights, rollout.seeds)
+        except BaseException:
+            tracing.cancel()
+            raise
+        traces = await tracing
+        traced, traced_loads = await self._trajectories_of(problems, traces, weights)
+        return replace(
+            rollout,
+            rows=[_rows_of(i, sampled, traced, warm, replay) for i in range(len(problems))],
+            seconds={
+                "generate": sampled.sampling_seconds,
+                "load": sampled.load_seconds,
+                "reward": sampled.reward_seconds,
+                "teachers": sum(traces.seconds.values()),
+                "reference": 0.0,
+            },
+            generators=[a + b for a, b in zip(sampled.loads, traced_loads)] if traced_loads else sampled.loads,
+            tracers=tracers,
+            trace_seconds=traces.seconds,
+        )
+
+    async def reward(self, rollout: Rollout) -> Rollout:
+        rows, seconds = await self.services.rewarding.reward(rollout.problems, rollout.rows)
+        return replace(rollout, rows=rows, seconds=rollout.seconds | {"reward": rollout.seconds["reward"] + seconds})
+
+    async def teachers(self, rollout: Rollout) -> Rollout:
+        """The distill teacher's top-k joined into the rows it scored (when the loss distills)."""
+        distiller = next((t for t in rollout.teachers.values() if "distill" in t.config.use), None)
+        if distiller is None or not self.settings.distill:
+            return rollout
+        top_k, seconds = await self._distill(distiller, rollout.problems, rollout.rows, rollout.weights)
+        if not top_k:
+            return rollout
+        rows = [
+            [replace(row, distill=top_k[i, j]) if (i, j) in top_k else row for j, row in enumerate(group)]
+            for i, group in enumerate(rollout.rows)
+        ]
+        return replace(
+            rollout,
+            rows=rows,
+            seconds=rollout.seconds | {"teachers": rollout.seconds["teachers"] + seconds},
+            distill_teacher=distiller.name,
+            distill_seconds=seconds,
+        )
+
+    async def reference(self, rollout: Rollout) -> Rollout:
+        rows, seconds = await self.services.reference.score(rollout.rows)
+        return replace(rollout, rows=rows, seconds=rollout.seconds | {"reference": seconds})
+
+    async def join(self, rollout: Rollout) -> Rollout:
+        return replace(rollout, groups=_joined(rollout.problems, rollout.rows))
+
+    # ------------------------------------------------------------------------- their calls
+
+    async def _trace(self, tracers: list[TeacherBinding], problems: list[Problem]) -> Traces:
+        """Each tracing teacher's completion of each prompt."""
+        if not tracers:
+            return Traces({}, {})
+        reply = await self.services.teacher_pool.trace.call_one([t.binding_id for t in tracers], problems)
+        return Traces(
+            {t.name: reply.texts[t.binding_id] for t in tracers}, {t.name: reply.seconds[t.binding_id] for t in tracers}
+        )
+
+    async def _trajectories_of(
+        self, problems: list[Problem], traces: Traces, weights: WeightVersion
+    ) -> tuple[dict[tuple[str, int], PolicyTrace], list[TargetLoad]]:
+        """The teachers' traces as the policy sees them, by (teacher, prompt); and what the generators
+        did for it."""
+        wanted = [(name, i) for name, texts in traces.texts.items() for i, text in enumerate(texts) if text is not None]
+        if not wanted:
+            return {}, []
+        routed = await self.services.generators.logprobs_of(
+            [problems[i] for _, i in wanted], [traces.texts[name][i] for name, i in wanted], weights
+        )
+        return {
+            key: PolicyTrace(group[0], routed.version, reward[0])
+            for key, group, reward in zip(wanted, routed.trajectories, routed.rewards)
+        }, routed.loads
+
+    async def _distill(
+        self, teacher: TeacherBinding, problems: list[Problem], rows: Rows, weights: WeightVersion
+    ) -> tuple[dict[tuple[int, int], TopK], float]:
+        """The distill teacher's top-k at the policy's own tokens, by (prompt, row), with the hint where it
+        reads one; and the seconds it took."""
+        targets = [
+            (i, j)
+            for i, group in enumerate(rows)
+            for j, row in enumerate(group)
+            if row.kind is RowKind.SAMPLE and (row.reward.hint is not None or not teacher.needs_hint)
+        ]
+        if not targets:
+            return {}, 0.0
+        requests = [
+            TopKRequest(
+                problems[i].prompt,
+                rows[i][j].trajectory.completion_ids,
+                rows[i][j].reward.hint,
+                problems[i].system_prompt,
+            )
+            for i, j in targets
+        ]
+        reply = await self.services.teacher_pool.top_k.call_one(teacher.binding_id, requests, weights)
+        return dict(zip(targets, reply.top_k)), reply.seconds + reply.load_seconds
+
+
+class EpisodeCollection(_Collection):
+    def __init__(
+        self,
+        settings: CollectSettings,
+        task: Task,
+        services: Services,
+        episodes: EpisodeSpec,
+        note: Callable[[str], None],
+    ):
+        """``episodes``: how to play the task's episodes (its server's url resolved); ``note``: reports a line."""
+        super().__init__(settings, task, services)
+        self.episodes, self.note = episodes, note
+
+    async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
+        """Step ``step``'s episodes: each prompt's group is its episodes that did not fail, each row
+        rewarded with the environment's return. Failures are reported and counted, not trained on;
+        a step where every episode failed stops the run (the environment is down). No teacher is asked."""
+        problems, seeds = self._prompts(step)
+        played = await self.services.generators.play(problems, self.settings.group_size, weights, seeds, self.episodes)
+        outcomes = [outcome for per_prompt in played.outcomes for outcome in per_prompt]
+        failures = [outcome.failure for outcome in outcomes if outcome.failure is not None]
+        if len(failures) == len(outcomes):
+            raise EnvironmentDown(
+                f"every episode of step {step} failed, so there is nothing to train on; the first: {failures[0]}"
+            )
+        if failures:
+            self.note(f"step {step}: {len(failures)} of {len(outcomes)} episodes failed; the first: {failures[0]}")
+        rows, reference_seconds = await self.services.reference.score(
+            [_episode_rows(played.trajectories[i], played.outcomes[i], played.version) for i in range(len(problems))]
+        )
+        finished = [outcome for outcome in outcomes if outcome.failure is None]
+        return Collected(
+            groups=_joined(problems, rows),
+            distill_teacher=None,
+            seconds={
+                "generate": played.sampling_seconds,
+                "load": played.load_seconds,
+                "reward": 0.0,
+                "teachers": 0.0,
+                "reference": reference_seconds,
+            },
+            teacher_metrics={},
+            generators=played.loads,
+            episode_metrics={
+                "episodes/failed": len(failures),
+                "episodes/turns": sum(o.turns for o in finished) / len(finished),
+                "episodes/ended_by_environment": sum(o.done for o in finished) / len(finished),
+            },
+        )
+
+    async def evaluate(self, step: int, weights: WeightVersion) -> float:
+        """Mean return of one episode per prompt on the held-out prompts; a failed episode earns nothing."""
+        problems, seeds = self._evaluation_prompts(step)
+        played = await self.services.generators.play(problems, 1, weights, seeds, self.episodes)
+        return sum(o.reward for per in played.outcomes for o in per if o.failure is None) / len(problems)
+
+
+def _joined(problems: list[Problem], rows: Rows) -> list[RolloutGroup]:
+    """The step's groups: each prompt's rows, in prompt order (a prompt whose every episode failed has none)."""
+    return [RolloutGroup(problem, i, tuple(rows[i])) for i, problem in enumerate(problems) if rows[i]]
+
+
+def _rows_of(
+    i: int,
+    sampled: Routed,
+    traced: dict[tuple[str, int], PolicyTrace],
+    warm: TeacherBinding | None,
+    replay: list[TeacherBinding],
+) -> list[Row]:
+    """Prompt ``i``'s rows: the policy's samples, the warm-start trace, the replayed traces (rewarded
+    when the generators reward)."""
+    rows = _sampled_rows(i, sampled)
+    if warm is not None and (warm.name, i) in traced:
+        rows.append(traced[warm.name, i].row(RowKind.WARM_START, warm.name))
+    return rows + [traced[t.name, i].row(RowKind.REPLAY, t.name) for t in replay if (t.name, i) in traced]
+
+
+def _sampled_rows(i: int, sampled: Routed) -> list[Row]:
+    """Prompt ``i``'s samples as rows, with their rewards when the generators reward."""
+    return [
+        Row(RowKind.SAMPLE, trajectory, sampled.version, reward=reward)
+        for trajectory, reward in zip(sampled.trajectories[i], sampled.rewards[i])
+    ]
+
+
+def _episode_rows(trajectories: list[Trajectory], outcomes: list[EpisodeOutcome], version: int) -> list[Row]:
+    """A prompt's episodes as rows, rewarded with the environment's return; the failed ones left out."""
+    return [
+        Row(RowKind.SAMPLE, trajectory, version, reward=Reward(outcome.reward))
+        for trajectory, outcome in zip(trajectories, outcomes)
+        if outcome.failure is None
+    ]

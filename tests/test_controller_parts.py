@@ -1,0 +1,309 @@
+"""The controller's parts in-process, without Monarch meshes: the scheduler's lag window, the collection's
+stages over a real Router and real reward functions (actor endpoints stood in for), and the metrics as
+functions of a step's results."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from actors.bindings.config import BindingConfig
+from actors.generator import Generation
+from actors.reward_functions import RewardFunctions
+from actors.rewarder_config import RewarderConfig
+from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.tasks import TaskConfig
+from actors.tasks.strings import Reverse
+from actors.trainer import StepReport
+from actors.weights import WeightVersion
+from mesh.collected import Collected
+from mesh.controller import (
+    CollectSettings,
+    ReferenceInTrainer,
+    RemoteReference,
+    RemoteRewarder,
+    RewardedInGenerators,
+    Services,
+    StalenessError,
+)
+from mesh.controller.collection import SampleCollection
+from mesh.controller.metrics import step_metrics, teacher_metrics
+from mesh.controller.scheduler import Scheduler, policy_ages
+from mesh.router import Router, TargetLoad
+from mesh.teachers import TeacherBinding
+
+TASK = Reverse()
+REWARDS = RewardFunctions(TaskConfig("reverse"), RewarderConfig("generator"))
+
+
+def version(v: int) -> WeightVersion:
+    return WeightVersion(v, checksum=v, nbytes=1, store="/nowhere")
+
+
+def row(version: int, text: str = "ab", kind: RowKind = RowKind.SAMPLE, reward: float = 0.0, teacher=None) -> Row:
+    trajectory = Trajectory.single_turn([1], [2, 3], [-0.5, -1.5], text)
+    return Row(kind, trajectory, version, teacher=teacher, reward=Reward(reward, {"task": reward}))
+
+
+def collected_at(version: int) -> Collected:
+    return Collected([RolloutGroup(TASK.problems(0, 0, 1)[0], 0, (row(version),))], None, {}, {})
+
+
+# ----------------------------------------------------------------------------- the scheduler
+
+
+async def run_window(lag: int, steps: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """A loop over the scheduler as the controller drives it, each collection sampled by the version
+    published when it started: the most collections in flight at each boundary, each step's policy
+    ages, and the steps in the order their collections started."""
+    published, started, in_flight, ages = 0, [], [], []
+
+    def collect(step: int):
+        started.append(step)
+        sampled_by = published  # read when the collection starts, as the controller's weights are
+
+        async def collection() -> Collected:
+            await asyncio.sleep(0.001 * (step % 3))  # finishing out of order
+            return collected_at(sampled_by)
+
+        return collection()
+
+    scheduler = Scheduler(collect, steps, lag)
+    for step in range(steps):
+        await scheduler.fill()
+        in_flight.append(len(scheduler.collecting))
+        collected, step_ages = await scheduler.take(step)
+        ages.append(step_ages)
+        published = step + 1  # the trainer's new version
+    return in_flight, ages, started
+
+
+@pytest.mark.parametrize("lag", [0, 1, 3])
+async def test_the_window_holds_at_most_lag_plus_one_collections_and_no_sample_is_older_than_the_lag(lag):
+    in_flight, ages, started = await run_window(lag, steps=8)
+    assert max(in_flight) == lag + 1 and in_flight[-1] == 1  # the window drains at the end, never past ``steps``
+    assert started == list(range(8))  # each step collected once, in order
+    assert all(max(a) <= lag for a in ages)
+    assert ages[lag + 1 :] == [[lag]] * (8 - lag - 1)  # once the window is full, batches are exactly lag old
+
+
+async def test_a_synchronous_window_samples_every_step_with_the_weights_just_published():
+    _, ages, _ = await run_window(0, steps=4)
+    assert ages == [[0]] * 4
+
+
+def test_a_batch_older_than_the_lag_is_refused():
+    assert policy_ages(4, collected_at(3), max_policy_lag=1) == [1]
+    with pytest.raises(StalenessError, match="step 4: samples of policy age 2 > max_policy_lag"):
+        policy_ages(4, collected_at(2), max_policy_lag=1)
+
+
+async def test_restored_batches_come_back_in_flight_in_order_and_collection_goes_on_after_them():
+    started = []
+
+    def collect(step: int):
+        started.append(step)
+
+        async def collection() -> Collected:
+            return collected_at(step)
+
+        return collection()
+
+    scheduler = Scheduler(collect, steps=10, max_policy_lag=2)
+    scheduler.restore(5, [collected_at(4), collected_at(5)])  # a checkpoint at step 5 kept batches 5 and 6
+    await scheduler.fill()
+    assert started == [7]  # only the one the window still has room for
+    assert [c.rows()[0].version for c in await scheduler.in_flight()] == [4, 5, 7]
+    assert (await scheduler.take(5))[1] == [1]
+
+
+async def test_cancel_stops_the_running_collections_and_empties_the_window():
+    cancelled = []
+
+    def collect(step: int):
+        async def collection() -> Collected:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(step)
+                raise
+
+        return collection()
+
+    scheduler = Scheduler(collect, steps=10, max_policy_lag=1)
+    await scheduler.fill()
+    await scheduler.cancel()
+    assert cancelled == [0, 1] and not scheduler.collecting
+    scheduler.skip_to(6)
+    await scheduler.fill()
+    assert scheduler.scheduled == 8
+    await scheduler.cancel()
+
+
+# ----------------------------------------------------------------------------- the collection's stages
+
+
+class Endpoint:
+    def __init__(self, name: str, log: list[str], reply):
+        self.name, self.log, self.reply = name, log, reply
+
+    async def call_one(self, *args):
+        self.log.append(self.name)
+        return self.reply(*args)
+
+
+class Generators:
+    """A generator proc: of each prompt's completions it writes every second one is the answer but its last
+    letter, the others all wrong; with ``rewarding`` it rewards them itself, with the task's real reward functions."""
+
+    def __init__(self, log: list[str], rewarding: bool):
+        self.rewarding = rewarding
+        self.generate = Endpoint("generator.generate", log, self._generate)
+        self.logprobs_of = Endpoint("generator.logprobs_of", log, self._logprobs_of)
+
+    def _generation(self, problems, texts, per_prompt, weights):
+        rows = [Trajectory.single_turn([1], [2] * len(t), [-0.25] * len(t), t) for t in texts]
+        expanded = [p for p in problems for _ in range(per_prompt)]
+        rewards = REWARDS.reward(expanded, texts) if self.rewarding else None
+        return Generation.of(rows, per_prompt, weights.version, 0.01, 0.0, rewards=rewards)
+
+    def _generate(self, problems, group_size, weights, seeds):
+        texts = [p.answer[:-1] if j % 2 else "zz" for p in problems for j in range(group_size)]
+        return self._generation(problems, texts, group_size, weights)
+
+    def _logprobs_of(self, problems, texts, weights):
+        return self._generation(problems, texts, 1, weights)
+
+
+ORACLE = TeacherBinding("oracle", "oracle#0", BindingConfig("task_oracle", use="replay"), 0, needs_hint=False)
+SETTINGS = CollectSettings(
+    prompts_per_step=3,
+    group_size=2,
+    prompt_seed=0,
+    seed=0,
+    evaluation_prompts=4,
+    warm_start_teacher=None,
+    warm_start_steps=0,
+    replay=True,
+    distill=False,
+)
+
+
+def services(log: list[str], in_generators: bool, remote_reference: bool) -> Services:
+    def traces(ids, problems):  # the oracle writes each prompt's answer
+        return SimpleNamespace(texts={"oracle#0": [p.answer for p in problems]}, seconds={"oracle#0": 0.5})
+
+    def logprobs(trajectories):
+        return SimpleNamespace(logprobs=[[-2.0] * len(t.completion_ids) for t in trajectories], seconds=0.25)
+
+    trace = SimpleNamespace(trace=Endpoint("teachers.trace", log, traces))
+    rewarder = SimpleNamespace(reward=Endpoint("rewarder.reward", log, REWARDS.reward))
+    reference = SimpleNamespace(logprobs=Endpoint("reference.logprobs", log, logprobs))
+    return Services(
+        trainer=None,
+        generators=Router([Generators(log, rewarding=in_generators)], "round_robin"),
+        rewarding=RewardedInGenerators() if in_generators else RemoteRewarder(rewarder),
+        reference=RemoteReference(reference) if remote_reference else ReferenceInTrainer(),
+        teacher_pool=trace,
+    )
+
+
+async def collect(in_generators: bool, remote_reference: bool = False) -> tuple[Collected, list[str]]:
+    log = []
+    collection = SampleCollection(SETTINGS, TASK, services(log, in_generators, remote_reference))
+    return await collection.collect(0, version(3), {"oracle": ORACLE}), log
+
+
+def rows_of(collected: Collected) -> list[tuple]:
+    return [(r.kind, r.trajectory.text, r.version, r.teacher, r.reward) for r in collected.rows()]
+
+
+async def test_rewarding_in_the_generators_or_by_the_rewarder_gives_the_same_groups_one_call_apart():
+    in_generators, calls_in = await collect(in_generators=True)
+    by_rewarder, calls_by = await collect(in_generators=False)
+    assert rows_of(in_generators) == rows_of(by_rewarder)
+    rewards = {r.reward.total for r in by_rewarder.rows()}
+    assert min(rewards) == 0.0 and max(rewards) == 1.0 and len(rewards) > 2  # really rewarded, with partial credit
+    assert calls_in == ["generator.generate", "teachers.trace", "generator.logprobs_of"]  # the samples' leave first
+    assert calls_by == calls_in + ["rewarder.reward"]  # every row of the step in one call
+    assert [len(g.rows) for g in by_rewarder.groups] == [3, 3, 3]  # 2 samples and the oracle's replayed trace
+    assert [r.kind for r in by_rewarder.groups[0].rows] == [RowKind.SAMPLE, RowKind.SAMPLE, RowKind.REPLAY]
+
+
+async def test_the_stages_run_in_order_and_the_seconds_and_teacher_metrics_come_through():
+    collection = SampleCollection(SETTINGS, TASK, services([], False, False))
+    assert [stage.__name__ for stage in collection.stages] == ["generate", "reward", "teachers", "reference", "join"]
+    collected, _ = await collect(in_generators=False)
+    assert list(collected.seconds) == ["generate", "load", "reward", "teachers", "reference"]
+    assert collected.seconds["teachers"] == 0.5 and collected.seconds["reference"] == 0.0
+    oracle = collected.teacher_metrics["oracle"]
+    assert oracle["latency_s"] == 0.5 and oracle["reward"] == 1.0
+    assert oracle["pairs"] == 6 and oracle["won"] == 1.0  # the answer beats each prompt's two samples
+
+
+async def test_rows_that_the_rewarding_generators_left_unrewarded_are_refused():
+    with pytest.raises(RuntimeError, match="6 rows arrived from the generators without a reward"):
+        unrewarded = dataclasses.replace(row(0), reward=None)
+        await RewardedInGenerators().reward(TASK.problems(0, 0, 2), [[unrewarded] * 3] * 2)
+
+
+async def test_the_reference_actor_scores_the_rows_that_train_the_policy_and_the_trainer_placement_asks_none():
+    remote, calls = await collect(in_generators=False, remote_reference=True)
+    assert calls[-1] == "reference.logprobs" and remote.seconds["reference"] == 0.25
+    for r in remote.rows():
+        assert r.reference_logprobs == ([-2.0] * len(r.trajectory.completion_ids) if r.kind.trains_policy else None)
+    in_trainer, calls = await collect(in_generators=False, remote_reference=False)
+    assert "reference.logprobs" not in calls and all(r.reference_logprobs is None for r in in_trainer.rows())
+
+
+async def test_evaluation_rewards_through_the_same_interface():
+    log = []
+    collection = SampleCollection(SETTINGS, TASK, services(log, in_generators=False, remote_reference=False))
+    assert await collection.evaluate(3, version(3)) == 0.0  # one sample per prompt: the first, always wrong
+    assert log == ["generator.generate", "rewarder.reward"]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def report(metrics: dict | None = None) -> StepReport:
+    return StepReport(metrics or {"loss": 0.5}, version(7), seconds=1.0, publish_seconds=0.25, reference_seconds=0.5)
+
+
+def test_step_metrics_are_a_function_of_the_collected_rows_the_report_and_the_ages():
+    problem = TASK.problems(0, 0, 1)[0]
+    group = RolloutGroup(problem, 0, (row(5, reward=1.0), row(6, reward=0.0), row(6, "cd", RowKind.WARM_START, 1.0)))
+    seconds = {"generate": 2.0, "load": 0.125, "reward": 0.5, "teachers": 0.75, "reference": 0.25}
+    collected = Collected([group], None, seconds, {}, [TargetLoad(2, 3, 1.5)])
+    metrics = step_metrics(collected, report(), ages=[2, 1, 1], reference=True)
+    assert metrics["version"] == 7 and metrics["warm_start"] == 1
+    assert metrics["reward/mean"] == 0.5 and metrics["reward/exact"] == 0.5 and metrics["reward/task"] == 0.5
+    assert metrics["reward/std"] == pytest.approx(2**-0.5)  # the samples only: a teacher's reward is never the policy's
+    assert metrics["policy_age/counts"] == {"1": 2, "2": 1} and metrics["policy_age/max"] == 2
+    assert metrics["completion_len/mean"] == 2
+    assert metrics["time/weight_sync"] == 0.375 and metrics["time/reference"] == 0.75
+    assert metrics["generator/0/rows"] == 3 and metrics["train/loss"] == 0.5
+    assert "time/reference" not in step_metrics(collected, report(), [2, 1, 1], reference=False)
+
+
+def test_the_distill_teachers_agreement_comes_from_the_trainers_report():
+    seconds = {"generate": 0.0, "load": 0.0, "reward": 0.0, "teachers": 0.0}
+    group = RolloutGroup(TASK.problems(0, 0, 1)[0], 0, (row(1),))
+    collected = Collected([group], "hinter", seconds, {"hinter": {"latency_s": 0.5}})
+    metrics = step_metrics(collected, report({"distill/agreement": 0.25}), [0], reference=False)
+    assert metrics["teachers/hinter/latency_s"] == 0.5 and metrics["teachers/hinter/agreement"] == 0.25
+
+
+def test_teacher_metrics_count_a_replay_teachers_pairs_and_wins():
+    problem = TASK.problems(0, 0, 1)[0]
+    trace = RowKind.REPLAY
+    groups = [
+        RolloutGroup(problem, 0, (row(1, "a", reward=0.0), row(1, "b", reward=1.0), row(1, "c", trace, 0.5, "oracle"))),
+        RolloutGroup(problem, 1, (row(1, "a", reward=0.0), row(1, "d", trace, 1.0, "oracle"))),
+    ]
+    metrics = teacher_metrics(groups, [ORACLE], {"oracle": 0.125})["oracle"]
+    assert metrics["latency_s"] == 0.125 and metrics["reward"] == 0.75
+    assert metrics["pairs"] == 3 and metrics["won"] == pytest.approx(2 / 3)
