@@ -20,9 +20,9 @@ import sys
 import time
 from collections.abc import Awaitable
 from contextlib import AsyncExitStack
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 # Monarch notices a dead process when it next polls its supervision state, by default every
 # 10 s: a run that replaces dead processes wants to hear within a second. Read when Monarch starts.
@@ -131,14 +131,15 @@ async def _run(
             model_path = _prepare_model(topology, getattr(task, "alphabet", None), run_dir)
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
             board = TeacherBoard(bindings, topology.actors.trainer.loss)
-            roles = _roles(topology, model_path, board, _diloco_meeting(topology, run_dir, cleanup))
+            placement = _service_placement(topology)
+            roles = _roles(topology, model_path, board, _diloco_meeting(topology, run_dir, cleanup), placement)
             fleet = Fleet(launcher, roles, topology.fault_tolerance, topology.actors.trainer.mesh, faults.record)
             cleanup.push_async_callback(_stop_trainer, fleet)
             monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
             fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))
             await fleet.start(launcher.start(topology))
             _write_procs(run_dir.path, fleet)
-            services = _services(topology, fleet)
+            services = _services(topology, fleet, placement)
             if services.teacher_pool is not None:
                 await board.attach(services.teacher_pool)
             context = RunContext(run_dir, bar, control, stopper, fleet)
@@ -253,8 +254,29 @@ def _prepare_model(topology: Topology, alphabet: str | None, run_dir: RunDir) ->
     return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))
 
 
+@dataclass(frozen=True)
+class ServicePlacement:
+    """Where rewarding and reference scoring run, decided once for the run: the actors spawned (``_roles``)
+    and the controller's services (``_services``) both follow it."""
+
+    rewarder: Literal["in_generator", "own_mesh"]  # in_generator: each generator rewards what it writes
+    reference: Literal["in_trainer", "own_mesh"] | None  # in_trainer: on the trainer's ranks; None: no reference
+
+
+def _service_placement(topology: Topology) -> ServicePlacement:
+    """The one place the services' placement is read from the topology."""
+    reference = None
+    if topology.reference() is not None:
+        reference = "in_trainer" if topology.reference_in_trainer() else "own_mesh"
+    return ServicePlacement("in_generator" if topology.rewards_in_generators() else "own_mesh", reference)
+
+
 def _roles(
-    topology: Topology, model_path: str, board: TeacherBoard, diloco: DiLoCoConfig | None
+    topology: Topology,
+    model_path: str,
+    board: TeacherBoard,
+    diloco: DiLoCoConfig | None,
+    placement: ServicePlacement,
 ) -> dict[str, list[Role]]:
     """Mesh name -> the actors placed on it, the trainer first on its mesh (then DiLoCo's syncer)."""
     cfg, seed = topology.actors, topology.seed
@@ -265,14 +287,14 @@ def _roles(
         slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
         place = _placement(topology, cfg.trainer.mesh, "trainer")
         args = (model_path, cfg.trainer, seed, slots, place, topology.loop.steps)
-        reference = (topology.reference().path or model_path) if topology.reference_in_trainer() else None
+        reference = (topology.reference().path or model_path) if placement.reference == "in_trainer" else None
         return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype(), reference)
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
     if diloco is not None:
         syncer = _spawner("syncer", DiLoCoSyncer, diloco, topology.diloco_replica())
         roles[cfg.trainer.mesh].append(Role("syncer", syncer, _start_all))
-    rewarding = (topology.task.config, cfg.rewarder) if topology.rewards_in_generators() else ()
+    rewarding = (topology.task.config, cfg.rewarder) if placement.rewarder == "in_generator" else ()
     for name in topology.replica_meshes():
         place = _placement(topology, name, "generator")
         spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding)
@@ -281,7 +303,8 @@ def _roles(
         roles[cfg.rewarder.mesh].append(
             Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all)
         )
-    if (reference := topology.reference()) is not None and not topology.reference_in_trainer():
+    if placement.reference == "own_mesh":
+        reference = topology.reference()
         place = _placement(topology, reference.mesh, "reference")
         args = (reference.path or model_path, model_path, place, cfg.trainer.micro_batch_size)
         spawn = _spawner("reference", Reference, *args, cfg.trainer.loss.chunk_tokens)
@@ -324,9 +347,9 @@ async def _start_all(actors: ActorMesh) -> list[ProcInfo]:
     return list((await actors.start.call()).values())
 
 
-def _services(topology: Topology, fleet: Fleet) -> Services:
-    """Supervised handles: every call goes through the fleet, which replaces dead processes. Where rewarding
-    and reference scoring run is decided here, once."""
+def _services(topology: Topology, fleet: Fleet, placement: ServicePlacement) -> Services:
+    """Supervised handles: every call goes through the fleet, which replaces dead processes; rewarding and
+    reference scoring in the implementation ``placement`` chose."""
     cfg = topology.actors
     targets = [
         fleet.handle("generator", name, proc)
@@ -336,11 +359,11 @@ def _services(topology: Topology, fleet: Fleet) -> Services:
     router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
     rewarding: Rewarding = RewardedInGenerators()
-    if not topology.rewards_in_generators():
+    if placement.rewarder == "own_mesh":
         rewarding = RemoteRewarder(fleet.handle("rewarder", cfg.rewarder.mesh, 0))
     reference: ReferenceScoring = ReferenceInTrainer()  # also when there is no reference
-    if (config := topology.reference()) is not None and not topology.reference_in_trainer():
-        reference = RemoteReference(fleet.handle("reference", config.mesh, 0))
+    if placement.reference == "own_mesh":
+        reference = RemoteReference(fleet.handle("reference", topology.reference().mesh, 0))
     return Services(
         fleet.handle("trainer", cfg.trainer.mesh),
         router,
