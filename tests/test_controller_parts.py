@@ -1,16 +1,18 @@
 """The controller's parts in-process, without Monarch meshes: the scheduler's lag window, the collection's
-stages over a real Router and real reward functions (actor endpoints stood in for), and the metrics as
-functions of a step's results."""
+stages over a real Router and real reward functions (actor endpoints stood in for), the metrics as
+functions of a step's results, and the DiLoCo hook."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from actors.bindings.config import BindingConfig
+from actors.diloco.syncer import STOP_FILE, SyncReport
 from actors.generator import Generation
 from actors.reward_functions import RewardFunctions
 from actors.rewarder_config import RewarderConfig
@@ -30,6 +32,7 @@ from mesh.controller import (
     StalenessError,
 )
 from mesh.controller.collection import SampleCollection
+from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.metrics import step_metrics, teacher_metrics
 from mesh.controller.scheduler import Scheduler, policy_ages
 from mesh.router import Router, TargetLoad
@@ -307,3 +310,42 @@ def test_teacher_metrics_count_a_replay_teachers_pairs_and_wins():
     metrics = teacher_metrics(groups, [ORACLE], {"oracle": 0.125})["oracle"]
     assert metrics["latency_s"] == 0.125 and metrics["reward"] == 0.75
     assert metrics["pairs"] == 3 and metrics["won"] == pytest.approx(2 / 3)
+
+
+# ----------------------------------------------------------------------------- the DiLoCo hook
+
+
+class Call:
+    def __init__(self, reply):
+        self.reply, self.args = reply, []
+
+    async def call(self, *args):
+        self.args.append(args)
+        return await self.reply(*args)
+
+
+async def test_the_diloco_hook_steps_every_interval_passes_a_stop_on_and_says_when_it_fell_behind(tmp_path):
+    async def sync(stop_file: str) -> dict:  # a round that closes only when told to stop
+        while not Path(stop_file).exists():
+            await asyncio.sleep(0.01)
+        return {"rank0": SyncReport(round=3, replicas_in_round=1, seconds=0.5, bytes=64, caught_up=2), "rank1": None}
+
+    async def publish() -> dict:
+        return {"rank0": version(9), "rank1": None}
+
+    syncer, trainer = SimpleNamespace(sync=Call(sync)), SimpleNamespace(publish=Call(publish))
+    stopper = SimpleNamespace(requested=None)
+    hook = DiLoCoHook(syncer, trainer, interval=2, stop_file=tmp_path / STOP_FILE, stopper=stopper)
+    assert await hook.after_step(0) == (None, {}) and not syncer.sync.args  # step 1 of 2: no round
+    stopper.requested = 15  # a signal while the round waits for the other replicas
+    weights, metrics = await hook.after_step(1)
+    assert (tmp_path / STOP_FILE).exists() and weights == version(9)
+    assert metrics == {
+        "diloco/round": 3,
+        "diloco/replicas_in_round": 1,
+        "diloco/sync_s": 0.5,
+        "diloco/bytes": 64,
+        "diloco/rounds_caught_up": 2,
+    }
+    assert hook.synced_to == 6 and hook.caught_up(2) == 6 and hook.caught_up(6) is None
+    assert hook.holds(5) and not hook.holds(6)  # collections wait for the others' step

@@ -18,6 +18,9 @@ STOP_POLL_S = 0.2  # how often a DiLoCo sync in progress looks for a signal to p
 
 
 class DiLoCoHook:
+    """Called by the loop after each optimizer step, and at its start and checkpoints (the syncer's state
+    travels with the trainer's)."""
+
     def __init__(self, syncer: ActorMesh, trainer: ActorMesh, interval: int, stop_file: Path, stopper: Stopper | None):
         """``stop_file``: where a signal to stop is passed on to the syncer (``STOP_FILE`` in the run directory)."""
         self.syncer, self.trainer, self.interval = syncer, trainer, interval

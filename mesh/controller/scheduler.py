@@ -5,9 +5,9 @@ batch of the step the trainer takes next. Each starts with the newest weights wh
 so a batch taken at step k was sampled by a version at most L older than the trainer's, and a batch
 older than that is refused, never trained on (``StalenessError``).
 
-    scheduled:     k+1 ... k+L+1          (collections running, oldest first)
-    collecting:  [ batch k+1 | ... | batch k+L+1 ]  <- started at the step boundary after step k
-    take(k+1) ->   batch k+1, each row's policy age (k+1 - the version that sampled it)
+    before step k trains:  collecting = [ batch k | batch k+1 | ... | batch k+L ]   (oldest first)
+    take(k):               batch k, each row's policy age = k - the version that sampled it (<= L)
+    once version k+1 is published, fill(): batch k+L+1 starts, sampled by version k+1
 """
 
 from __future__ import annotations
