@@ -99,12 +99,10 @@ class Controller:
             else EpisodeCollection(settings.collect, task, services, episodes, context.progress.note)
         )
         self.scheduler = Scheduler(self._start_collection, settings.steps, settings.max_policy_lag)
-        self.diloco = None
+        self.diloco: DiLoCoHook | None = None  # a DiLoCo replica's outer loop, after the optimizer steps
         if services.syncer is not None:
-            stop_file = context.run.path / STOP_FILE
-            self.diloco = DiLoCoHook(
-                services.syncer, services.trainer, settings.diloco_interval, stop_file, context.stopper
-            )
+            stop_file, stopper = context.run.path / STOP_FILE, context.stopper
+            self.diloco = DiLoCoHook(services.syncer, services.trainer, settings.diloco_interval, stop_file, stopper)
         self.weights: WeightVersion | None = None
         self.step: int | None = None  # the step being trained (None before the first)
         self.last_checkpoint: Path | None = None
