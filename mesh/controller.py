@@ -70,7 +70,7 @@ from mesh.interrupts import Interrupted, Stopper
 from mesh.router import Routed, Router, TargetLoad
 from mesh.rundir import RunDir
 from mesh.teachers import Snapshot, TeacherBinding, TeacherBoard
-from mesh.topology import Topology
+from mesh.plan import RunPlan
 
 STOP_POLL_S = 0.2  # how often a DiLoCo sync in progress looks for a signal to pass on
 
@@ -137,7 +137,7 @@ class StalenessError(RuntimeError):
 class Controller:
     def __init__(
         self,
-        topology: Topology,
+        plan: RunPlan,
         actors: Actors,
         task: Task,
         run: RunDir,
@@ -149,7 +149,8 @@ class Controller:
         episodes: EpisodeSpec | None = None,
     ):
         """``episodes``: how to play an environment task's episodes (its server's url resolved)."""
-        self.topology, self.actors, self.task, self.run = topology, actors, task, run
+        topology = plan.topology
+        self.plan, self.topology, self.actors, self.task, self.run = plan, topology, actors, task, run
         self.episodes = episodes
         self.progress = progress
         self.board, self.control = board, control
@@ -307,8 +308,8 @@ class Controller:
         ``RolloutGroup``s once, at the end.
         """
         loop = self.topology.loop
-        problems = self.task.problems(self.topology.prompt_seed(), step, loop.prompts_per_step)
-        seeds = sampling_seeds(self.topology.prompt_seed(), f"step {step}", len(problems))
+        problems = self.task.problems(self.plan.prompt_seed, step, loop.prompts_per_step)
+        seeds = sampling_seeds(self.plan.prompt_seed, f"step {step}", len(problems))
         if self.episodes is not None:
             return await self._play(step, problems, seeds, weights)
         warm = bound.get(loop.warm_start.teacher) if step < loop.warm_start.steps else None
@@ -553,7 +554,7 @@ class Controller:
             "time/train": report.seconds,
             "time/weight_sync": report.publish_seconds + seconds["load"],
         }
-        if self.topology.reference() is not None:
+        if self.plan.reference is not None:
             metrics["time/reference"] = seconds.get("reference", 0.0) + report.reference_seconds
         for name in sorted({name for row in samples for name in row.reward.parts}):
             metrics[f"reward/{name}"] = sum(row.reward.parts.get(name, 0.0) for row in samples) / len(samples)

@@ -24,6 +24,7 @@ from mesh.launchers.grammars import DNS_LABEL, DNS_SUBDOMAIN, IMAGE, LABEL_KEY, 
 
 if TYPE_CHECKING:
     from mesh.launchers.k8s_launcher import K8sLauncher
+    from mesh.plan import RunPlan
     from mesh.topology import Topology
 
 # The operator names a StatefulSet after the mesh and labels each of its pods
@@ -88,11 +89,12 @@ class K8sOptions(LauncherOptions):
     tolerations: tuple[Toleration, ...] = ()
     run_volume: RunVolume = RunVolume()
 
-    def check(self, topology: Topology) -> None:
+    def check(self, plan: RunPlan) -> None:
         """Names that Kubernetes takes (the meshes' and those made from the topology's name) and (when
         the run starts here) the ``kubernetes`` client installed; ``share_gpus_with`` is refused by
         the placement (``one_machine`` is False)."""
-        mesh_names(topology)
+        topology = plan.topology
+        mesh_names(plan)
         if not DNS_LABEL.matches(name := objects.controller_name(topology)):
             raise ValueError(
                 f"name: the controller's Job is named after the topology, {DNS_LABEL.refusal(name)}; shorten the "
@@ -104,11 +106,11 @@ class K8sOptions(LauncherOptions):
                 f"run `{INSTALL_HINT}`"
             )
 
-    def describe(self, topology: Topology) -> list[str]:
+    def describe(self, plan: RunPlan) -> list[str]:
         lines = ["", f"# kubernetes objects (namespace {self.namespace}; --render DIR writes them)"]
-        return lines + [f"{o['kind']}/{o['metadata']['name']}" for o in self._objects(topology, "", [])]
+        return lines + [f"{o['kind']}/{o['metadata']['name']}" for o in self._objects(plan, "", [])]
 
-    def render(self, topology: Topology, topology_text: str, overrides: list[str]) -> list[dict[str, Any]]:
+    def render(self, plan: RunPlan, topology_text: str, overrides: list[str]) -> list[dict[str, Any]]:
         """Every object of the run, in the order to apply them: the controller's, then the meshes.
         ``topology_text`` and ``overrides`` are what the controller Job runs."""
         if not self.image:
@@ -117,11 +119,11 @@ class K8sOptions(LauncherOptions):
                 "build k8s/Dockerfile, push it where the cluster pulls from, and pass "
                 "--set launcher.image=<registry>/composer-mesh:<tag>"
             )
-        return self._objects(topology, topology_text, overrides)
+        return self._objects(plan, topology_text, overrides)
 
-    def _objects(self, topology: Topology, topology_text: str, overrides: list[str]) -> list[dict[str, Any]]:
-        meshes = [objects.monarch_mesh(topology, self, mesh, name) for mesh, name in mesh_names(topology).items()]
-        return objects.controller_objects(topology, self, topology_text, overrides) + meshes
+    def _objects(self, plan: RunPlan, topology_text: str, overrides: list[str]) -> list[dict[str, Any]]:
+        meshes = [objects.monarch_mesh(plan, self, mesh, name) for mesh, name in mesh_names(plan).items()]
+        return objects.controller_objects(plan.topology, self, topology_text, overrides) + meshes
 
     def launcher(self) -> K8sLauncher:
         from mesh.launchers.k8s_launcher import K8sLauncher  # imports kubernetes and Monarch
@@ -134,11 +136,12 @@ def k8s_name(name: str) -> str:
     return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def mesh_names(topology: Topology) -> dict[str, str]:
+def mesh_names(plan: RunPlan) -> dict[str, str]:
     """Launched mesh -> its ``MonarchMesh`` name, ``<topology><mesh>`` made valid for Kubernetes
     (the topology's name keeps two topologies' meshes apart in one namespace)."""
+    topology = plan.topology
     names: dict[str, str] = {}
-    for mesh in topology.launched_meshes():
+    for mesh in plan.meshes:
         name = k8s_name(topology.name + mesh)
         if not name[:1].isalpha() or len(name) > NAME_MAX:
             raise ValueError(

@@ -27,6 +27,7 @@ from mesh.preflight import StorePlan
 
 if TYPE_CHECKING:
     from mesh.launchers.k8s import K8sOptions
+    from mesh.plan import RunPlan
     from mesh.topology import Topology
 
 MONARCH_API = "monarch.pytorch.org/v1alpha1"
@@ -67,11 +68,11 @@ def claim_name(topology: Topology, options: K8sOptions) -> str:
     return options.run_volume.claim or f"{topology.name.replace('_', '-')}-runs"
 
 
-def shm_bytes(topology: Topology, mesh: str) -> int:
+def shm_bytes(run: RunPlan, mesh: str) -> int:
     """``/dev/shm`` of each pod of ``mesh``: the weight store's slots where they live in shared memory
     (the trainer's host, with the ``shm`` transport), as the memory pre-flight counts them."""
-    plan = StorePlan.of(topology)
-    holds_store = mesh == topology.actors.trainer.mesh and plan.transport == "shm" and plan.slot_bytes
+    plan = StorePlan.of(run)
+    holds_store = mesh == run.topology.actors.trainer.mesh and plan.transport == "shm" and plan.slot_bytes
     return SHM_BASE_BYTES + (plan.slots * plan.slot_bytes if holds_store else 0)
 
 
@@ -94,10 +95,10 @@ def queue_labels(options: K8sOptions) -> dict[str, str]:
     return {QUEUE_LABEL: options.queue} if options.queue else {}
 
 
-def worker_pod_template(topology: Topology, options: K8sOptions, mesh: str) -> dict[str, Any]:
+def worker_pod_template(plan: RunPlan, options: K8sOptions, mesh: str) -> dict[str, Any]:
     """The pod of one host of ``mesh``: a Monarch worker with the host's GPUs (requests = limits:
     GPUs are not overcommitted), ``/dev/shm`` sized for it, and the run volume."""
-    spec = topology.launched_meshes()[mesh]
+    topology, spec = plan.topology, plan.meshes[mesh]
     container: dict[str, Any] = {
         "name": "worker",
         "image": options.image,
@@ -111,21 +112,21 @@ def worker_pod_template(topology: Topology, options: K8sOptions, mesh: str) -> d
         gpus = {GPU: str(spec.procs * spec.gpus)}
         container["resources"] = {"requests": gpus, "limits": dict(gpus)}
     volumes = [
-        {"name": "dev-shm", "emptyDir": {"medium": "Memory", "sizeLimit": mebibytes(shm_bytes(topology, mesh))}},
+        {"name": "dev-shm", "emptyDir": {"medium": "Memory", "sizeLimit": mebibytes(shm_bytes(plan, mesh))}},
         {"name": "runs", "persistentVolumeClaim": {"claimName": claim_name(topology, options)}},
     ]
     return {"spec": {"containers": [container], "volumes": volumes, **pod_placement(options)}}
 
 
-def monarch_mesh(topology: Topology, options: K8sOptions, mesh: str, name: str) -> dict[str, Any]:
+def monarch_mesh(plan: RunPlan, options: K8sOptions, mesh: str, name: str) -> dict[str, Any]:
     """The ``MonarchMesh`` of launched mesh ``mesh``, named ``name`` (its Kubernetes name)."""
     metadata: dict[str, Any] = {"name": name, "namespace": options.namespace}
     if labels := queue_labels(options):
         metadata["labels"] = labels
     spec = {
-        "replicas": topology.launched_meshes()[mesh].hosts,
+        "replicas": plan.meshes[mesh].hosts,
         "port": MONARCH_PORT,
-        "podTemplate": worker_pod_template(topology, options, mesh),
+        "podTemplate": worker_pod_template(plan, options, mesh),
     }
     return {"apiVersion": MONARCH_API, "kind": "MonarchMesh", "metadata": metadata, "spec": spec}
 
