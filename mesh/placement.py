@@ -47,11 +47,7 @@ def gpus_needed(plan: RunPlan) -> int:
 
 def check_gpus(plan: RunPlan) -> None:
     """Refuse GPU layouts no actor can run on, naming the key and the fix."""
-    topology = plan.topology
-    meshes, cfg = topology.meshes, topology.actors
-    for name, spec in meshes.items():
-        if spec.share_gpus_with is not None:
-            _check_sharing(plan, name)
+    meshes, cfg = plan.topology.meshes, plan.topology.actors
     trainer = meshes[cfg.trainer.mesh]
     if trainer.gpus > 1:
         raise ValueError(
@@ -71,40 +67,6 @@ def check_gpus(plan: RunPlan) -> None:
             "tensor-parallel over the GPUs of its process"
         )
     _check_vllm_share(plan)
-
-
-def _check_sharing(plan: RunPlan, name: str) -> None:
-    topology = plan.topology
-    spec, meshes = topology.meshes[name], topology.meshes
-    owner = spec.share_gpus_with
-    key = f"meshes.{name}.share_gpus_with"
-    if not topology.launcher.one_machine:
-        raise ValueError(
-            f"{key} is {owner!r}, but launcher {topology.launcher.kind!r} starts each mesh on machines of its own, "
-            f"so no mesh can use another's GPUs; place the actors on one mesh instead (e.g. actors.generator.mesh: "
-            f"{owner}) and drop share_gpus_with"
-        )
-    if owner not in meshes or owner == name:
-        others = sorted(set(meshes) - {name})
-        raise ValueError(f"{key} is {owner!r}, but it must name another mesh: one of {others}")
-    if meshes[owner].share_gpus_with is not None or not meshes[owner].gpus:
-        raise ValueError(
-            f"{key} is {owner!r}, but mesh {owner!r} has no GPUs of its own to share; name a mesh with gpus > 0 "
-            "and without share_gpus_with"
-        )
-    wanted, held = spec.gpus * spec.size, meshes[owner].gpus * meshes[owner].size
-    if not spec.gpus or wanted > held:
-        raise ValueError(
-            f"{key} is {owner!r}: its {spec.size} process(es) x gpus {spec.gpus} would need {wanted} "
-            f"of the {held} GPU(s) of mesh {owner!r}; set meshes.{name}.gpus between 1 and {held // spec.size or 1} "
-            "per process, or fewer procs"
-        )
-    copies = topology.actors.generator.copies
-    if name == topology.actors.generator.mesh and copies > 1:
-        raise ValueError(
-            f"{key} is {owner!r} and actors.generator.copies is {copies}, but every copy of the generator would "
-            "then land on the same GPUs; give the generator's mesh GPUs of its own, or one copy"
-        )
 
 
 def _check_vllm_share(plan: RunPlan) -> None:

@@ -136,6 +136,11 @@ class RunPlan:
             record["diloco"] = {"replica": self.diloco_replica, "runs_here": self.runs_here}
         return record
 
+    def on_publishing_gpu(self, followers: list[str]) -> bool:
+        """Whether every process of the ``followers`` meshes sees the trainer's publishing GPU as its first."""
+        devices = _physical_gpus(self.topology.launcher.one_machine, self.meshes, self.gpus)
+        return _on_publishing_gpu(devices, self.topology.actors.trainer.mesh, followers)
+
     def runs(self, actor: str) -> bool:
         return any(actor in names for names in self.actors.values())
 

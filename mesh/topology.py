@@ -291,6 +291,9 @@ class Topology(Section):
                     f"add a mesh named {mesh!r} or place the actor on one of those"
                 )
         self._check_copies()
+        for name, spec in self.meshes.items():
+            if spec.share_gpus_with is not None:
+                self._check_sharing(name)
         self._check_teachers()
         self._check_episodes()
         self._check_diloco()
@@ -440,6 +443,39 @@ class Topology(Section):
                 "model.init.tokenizer: bpe, or use model.path for a model with its own tokenizer"
             )
         return ModelFacts.of_spec(self.model.init, alphabet if isinstance(alphabet, str) else None)
+
+    def _check_sharing(self, name: str) -> None:
+        """A mesh on another's GPUs: one machine, a mesh with GPUs of its own, enough of them."""
+        spec, meshes = self.meshes[name], self.meshes
+        owner = spec.share_gpus_with
+        key = f"meshes.{name}.share_gpus_with"
+        if not self.launcher.one_machine:
+            raise ValueError(
+                f"{key} is {owner!r}, but launcher {self.launcher.kind!r} starts each mesh on machines of its own, "
+                f"so no mesh can use another's GPUs; place the actors on one mesh instead (e.g. actors.generator.mesh: "
+                f"{owner}) and drop share_gpus_with"
+            )
+        if owner not in meshes or owner == name:
+            others = sorted(set(meshes) - {name})
+            raise ValueError(f"{key} is {owner!r}, but it must name another mesh: one of {others}")
+        if meshes[owner].share_gpus_with is not None or not meshes[owner].gpus:
+            raise ValueError(
+                f"{key} is {owner!r}, but mesh {owner!r} has no GPUs of its own to share; name a mesh with gpus > 0 "
+                "and without share_gpus_with"
+            )
+        wanted, held = spec.gpus * spec.size, meshes[owner].gpus * meshes[owner].size
+        if not spec.gpus or wanted > held:
+            raise ValueError(
+                f"{key} is {owner!r}: its {spec.size} process(es) x gpus {spec.gpus} would need {wanted} "
+                f"of the {held} GPU(s) of mesh {owner!r}; set meshes.{name}.gpus between 1 and {held // spec.size or 1} "
+                "per process, or fewer procs"
+            )
+        copies = self.actors.generator.copies
+        if name == self.actors.generator.mesh and copies > 1:
+            raise ValueError(
+                f"{key} is {owner!r} and actors.generator.copies is {copies}, but every copy of the generator would "
+                "then land on the same GPUs; give the generator's mesh GPUs of its own, or one copy"
+            )
 
     def _check_copies(self) -> None:
         gen = self.actors.generator
