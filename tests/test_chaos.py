@@ -26,7 +26,7 @@ import pytest
 from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights_config import store_root
 from mesh.runtime import run
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -78,7 +78,7 @@ def procs_of(run_path: Path, role: str) -> list[int]:
 
 
 def uninterrupted(root: Path, *extra: str) -> list[dict]:
-    return learning(records(asyncio.run(run(load_topology(TINY, overrides(root, *extra)), progress=False)).path))
+    return learning(records(asyncio.run(run(load_plan(TINY, overrides(root, *extra)), progress=False)).path))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
 from mesh.controller import Collected, Controller, StalenessError
 from mesh.runtime import RunFailed, run
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -35,7 +35,7 @@ def small(tmp_path: Path, *overrides: str):
         "checkpointing.every=2",
         f"logging.root={tmp_path}",
     ]
-    return load_topology(TINY, [*base, *overrides])
+    return load_plan(TINY, [*base, *overrides])
 
 
 def records(run_dir) -> list[dict]:
@@ -144,7 +144,7 @@ async def test_trainer_on_a_gpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_gpu_1gpu_topology_learns_with_trainer_and_generator_on_one_gpu(tmp_path):
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
-    rows = records(await run(load_topology(ROOT / "topologies" / "gpu_1gpu.yaml", overrides), progress=False))
+    rows = records(await run(load_plan(ROOT / "topologies" / "gpu_1gpu.yaml", overrides), progress=False))
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert last >= first + 0.25, (first, last)
@@ -230,7 +230,7 @@ async def test_every_actor_on_one_mesh_learns_like_the_default_placement(tmp_pat
     (``test_tiny_topology_learns_in_a_short_run``)."""
     placed = [f"actors.{actor}.mesh=trainer" for actor in ("generator", "rewarder", "teachers")]
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}", *placed]
-    rewards = [r["reward/mean"] for r in records(await run(load_topology(TINY, overrides), progress=False))]
+    rewards = [r["reward/mean"] for r in records(await run(load_plan(TINY, overrides), progress=False))]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)
 
@@ -252,7 +252,7 @@ async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop, precisi
     the native one in bf16: the policy's own reward climbs well clear of its start."""
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
     overrides += [f"actors.trainer.inner_loop={inner_loop}", f"actors.trainer.precision={precision}"]
-    topology = load_topology(TINY, overrides)
+    topology = load_plan(TINY, overrides)
     rewards = [r["reward/mean"] for r in records(await run(topology, progress=False))]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)
@@ -263,7 +263,7 @@ async def test_tiny_vllm_topology_learns_with_tis_and_logs_the_mismatch(tmp_path
     """topologies/tiny_vllm.yaml as shipped (vLLM in the generator, TIS), cut to 60 steps: the
     reward climbs, and every step logs the sampler/trainer mismatch and the TIS weight."""
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
-    rows = records(await run(load_topology(ROOT / "topologies" / "tiny_vllm.yaml", overrides), progress=False))
+    rows = records(await run(load_plan(ROOT / "topologies" / "tiny_vllm.yaml", overrides), progress=False))
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)

@@ -72,7 +72,7 @@ def test_dry_run_shows_the_node_split_and_each_meshs_job_script():
 
 def test_each_meshs_job_asks_for_the_gpus_of_its_node_and_numbers_them_from_zero():
     overrides = ["launcher.kind=slurm", "launcher.gpus_per_node=8", "meshes.generator.procs=2"]
-    overrides += ["meshes.generator.gpus=2", "actors.generator.replicas=2"]
+    overrides += ["meshes.generator.gpus=2", "actors.generator.copies=2"]
     topology = load_plan(GPU_NODE, overrides, placed_here=False)
     jobs = describe(topology).split("## mesh ")[1:]
     requests = {job.split(":")[0]: re.findall(r"--gpus-per-node=(\d+)", job) for job in jobs}

@@ -34,7 +34,7 @@ from actors.weights import (
     remove_store,
     slot_file,
 )
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 cloudpickle.register_pickle_by_value(
     sys.modules[__name__]
@@ -569,8 +569,8 @@ ONE_MESH = ["launcher.kind=process", "actors.generator.mesh=trainer", "actors.te
         (["launcher.kind=process"], "rdma"),  # the generator's mesh is another host
         (ONE_MESH, "shm"),  # the weight followers on the trainer's own single-host mesh
         ([*ONE_MESH, "meshes.trainer.hosts=2"], "rdma"),
-        ([*ONE_MESH, "actors.generator.replicas=2"], "rdma"),  # a replica is a mesh of its own
+        ([*ONE_MESH, "actors.generator.copies=2"], "rdma"),  # a copy is a mesh of its own
     ],
 )
 def test_the_runtime_picks_the_transport_from_the_placement(overrides: list[str], transport: str) -> None:
-    assert load_topology(REPO / "topologies" / "tiny.yaml", overrides).weight_transport() == transport
+    assert load_plan(REPO / "topologies" / "tiny.yaml", overrides).transport == transport
