@@ -116,7 +116,7 @@ def test_a_run_survives_a_dead_or_hung_actor_and_trains_on_exactly_the_same_samp
     timeout = 8 if sig == signal.SIGSTOP else 120  # a killed process is reported by Monarch, long before 120 s
     # tiny.yaml's generators reward what they write; here the Rewarder is an actor of its own, and
     # its rewards, like everything else the run learns from, must be the baseline's
-    placed = ["--set=actors.rewarder.mesh=service"] if role == "rewarder" else []
+    placed = ["--set=actors.rewarder={mesh: service}"] if role == "rewarder" else []
     process = start_run(tmp_path, f"--set=fault_tolerance.call_timeout={timeout}", *placed)
     fault_at_random_step(tmp_path, role, sig, rng)
     _, err = process.communicate(timeout=300)

@@ -163,7 +163,9 @@ def test_a_nan_reward_stops_the_run_at_its_step_naming_the_function(tmp_path, pl
     """Issue 28's reproduction: a reward function returning float('nan'). Before, reward/mean and
     train/loss were NaN from step 0, metrics.jsonl held NaN, and the run died at step 2 blaming the
     generator's 'probability tensor contains inf/nan'."""
-    result = run_command(tmp_path, f"actors.rewarder.functions=[{HERE}:nan_reward]", f"actors.rewarder.mesh={placed}")
+    placement = "in_generator" if placed == "generator" else "own_mesh"
+    functions = f"actors.rewarder.functions=[{HERE}:nan_reward]"
+    result = run_command(tmp_path, functions, f"actors.rewarder.mesh={placed}", f"actors.rewarder.placement={placement}")
     assert result.returncode == 1, result.stderr[-3000:]
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: run ") and "stopped at step 0: " in message

@@ -44,7 +44,7 @@ HEAVY = (
 CHECKED = [  # every shipped topology, and the backends a --set can name where the topology allows them
     ("tiny.yaml", []),
     ("tiny_distill.yaml", []),
-    ("tiny_replicas.yaml", []),
+    ("tiny_copies.yaml", []),
     ("tiny_vllm.yaml", []),
     ("tiny_diloco.yaml", []),
     ("math_small.yaml", []),
@@ -68,8 +68,8 @@ def test_every_shipped_topology_is_checked_without_importing_a_backend():
     assert {name for name, _ in CHECKED} == {p.name for p in topologies.glob("*.yaml")}
     for name, overrides in CHECKED:
         statement = (
-            "from mesh.topology import describe, load_topology\n"  # GPU topologies as read on a GPU machine
-            f"describe(load_topology({str(topologies / name)!r}, {overrides!r}, placed_here={not name.startswith('gpu')}))"
+            "from mesh.describe import describe\nfrom mesh.preflight import load_plan\n"  # GPU ones as on a GPU machine
+            f"describe(load_plan({str(topologies / name)!r}, {overrides!r}, placed_here={not name.startswith('gpu')}))"
         )
         assert loaded_after(statement, HEAVY) == [], (name, overrides)
 

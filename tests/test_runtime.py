@@ -22,6 +22,7 @@ TINY = ROOT / "topologies" / "tiny.yaml"
 
 
 TIMED = ("time/", "samples_per_s", "generator/")  # what a placement may change
+PLACEMENT = {"generator": "in_generator", "service": "own_mesh"}  # the Rewarder on that mesh
 
 
 def small(tmp_path: Path, *overrides: str):
@@ -87,6 +88,7 @@ async def test_generators_that_reward_what_they_write_train_exactly_as_a_rewarde
         overrides = (
             "loop.max_policy_lag=0",
             f"actors.rewarder.mesh={mesh}",
+            f"actors.rewarder.placement={PLACEMENT[mesh]}",
             "actors.rewarder.functions=[test_runtime:half]",
         )
         run_dir = await run(small(tmp_path / mesh, *overrides), progress=False)
@@ -173,7 +175,8 @@ async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_resul
     tmp_path, monkeypatch, placed, failed
 ):
     let_workers_import_this_file(monkeypatch)
-    topology = small(tmp_path, "actors.rewarder.functions=[test_runtime:explode]", f"actors.rewarder.mesh={placed}")
+    explode = "actors.rewarder.functions=[test_runtime:explode]"
+    topology = small(tmp_path, explode, f"actors.rewarder.mesh={placed}", f"actors.rewarder.placement={PLACEMENT[placed]}")
     with pytest.raises(RunFailed) as info:
         await run(topology, progress=False)
     message = str(info.value)
