@@ -5,7 +5,7 @@ everything else is shared: the slot's header and seqlock (``slot.py``), the chec
 (``checksum.py``), the manifest (``manifest.py``), the publisher's copy-and-hash
 (``store.py``)::
 
-    WeightPublisher ──create(ring)──▶ SlotBackend ◀──attach(record)── WeightFollower
+    WeightPublisher ──create(store)─▶ SlotBackend ◀──attach(record)── WeightFollower
       writes each version into        shm       files in the store directory, mapped in place
       slot v % slots (seqlock,        cuda_ipc  GPU memory, opened in place through CUDA IPC handles
       checksum), returns its          rdma      registered memory, pulled into a private copy
@@ -13,8 +13,9 @@ everything else is shared: the slot's header and seqlock (``slot.py``), the chec
 
 ``shm`` and ``cuda_ipc`` share the follower that opens the slots where they are
 (``in_place.WeightSubscriber``); ``rdma``'s follower pulls a copy (``rdma.RdmaReceiver``).
-The table below holds import paths, as ``actors/registry.py`` does, so that naming a
-transport imports nothing and no backend module has to import this package's users.
+The table below holds import paths, as ``actors/registry.py`` does: the backends import
+this module for the interface and the shared follower looks its backend up by name, so a
+table of imported classes here would make an import circle.
 """
 
 from __future__ import annotations
