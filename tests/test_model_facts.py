@@ -11,8 +11,7 @@ import torch
 
 from actors.model import build_tiny_model, load_policy
 from actors.model_config import ModelFacts, TinyModelSpec
-from actors.weights import WeightPublisher, slot_file
-from actors.weights.store import HEADER_BYTES
+from actors.weights import HEADER_BYTES, WeightPublisher, slot_file
 from actors.weights_config import SLOT_HEADER_BYTES, slot_bytes
 
 ALPHABET = "abc="
