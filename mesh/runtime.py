@@ -31,7 +31,6 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
-from actors.bindings import Student  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import DiLoCoSyncer, checkpoint_name  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
@@ -42,7 +41,8 @@ from actors.model import Placement, build_tiny_model  # noqa: E402
 from actors.reference import Reference  # noqa: E402
 from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
-from actors.teachers import TeacherPool  # noqa: E402
+from actors.teachers.bindings import Student  # noqa: E402
+from actors.teachers.pool import TeacherPool  # noqa: E402
 from actors.trainer import Trainer  # noqa: E402
 from mesh.control import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import Actors, Controller  # noqa: E402

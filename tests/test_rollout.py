@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.bindings import TopK
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
+from actors.teachers.bindings import TopK
 from actors.train_batch import build_train_batch, row_advantages, split_rows
 from losses import group_advantages
 from mesh.controller import Collected
