@@ -31,9 +31,9 @@ import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
 from actors import registry
+from actors.compute import Placement
 from actors.inner_loops import TrainerConfig
 from actors.lifecycle import ProcInfo, this_proc
-from actors.model import Placement
 from actors.reference import ReferenceModel
 from actors.train_batch import TrainBatch, split_rows
 from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store

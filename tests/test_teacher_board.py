@@ -12,7 +12,8 @@ import sys
 import pytest
 from monarch.actor import this_host
 
-from actors.model import Placement, TinyModelSpec, build_tiny_model
+from actors.compute import Placement
+from actors.model import TinyModelSpec, build_tiny_model
 from actors.tasks import Problem
 from actors.teachers.bindings import Student
 from actors.teachers.bindings.config import BindingConfig
