@@ -62,7 +62,7 @@ from actors.teachers.bindings import TopK, TopKRequest
 from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
-from mesh.control import ControlChannel
+from mesh.commands import ControlChannel
 from mesh.fingerprint import topology_fingerprint
 from mesh.fleet import Fleet, TrainerLost
 from mesh.inflight import collected_from_json, collected_to_json

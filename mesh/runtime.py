@@ -45,7 +45,7 @@ from actors.tasks import build_task  # noqa: E402
 from actors.teachers.bindings import Student  # noqa: E402
 from actors.teachers.pool import TeacherPool  # noqa: E402
 from actors.trainer import Trainer  # noqa: E402
-from mesh.control import EVENTS, ControlChannel  # noqa: E402
+from mesh.commands import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import Actors, Controller  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402

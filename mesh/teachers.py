@@ -18,7 +18,7 @@ from losses.config import LossConfig
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh
 
-    from mesh.control import Command
+    from mesh.commands import Command
 
 
 @dataclass(frozen=True)

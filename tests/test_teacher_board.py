@@ -20,7 +20,7 @@ from actors.teachers.bindings.config import BindingConfig
 from actors.teachers.config import TeachersConfig
 from actors.teachers.pool import TeacherPool
 from losses.config import LossConfig
-from mesh.control import Command
+from mesh.commands import Command
 from mesh.teachers import TeacherBoard
 
 ORACLE = "actors.teachers.bindings.task_oracle:TaskOracle"  # a registered binding, named by its import path
