@@ -55,7 +55,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from mesh.launchers.k8s_objects import write_objects  # noqa: E402
+from mesh.launchers.k8s import write_objects  # noqa: E402
 from mesh.topology import Topology, TopologyError, describe, load_topology  # noqa: E402
 
 

@@ -14,8 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mesh.launchers.k8s import mesh_names
-from mesh.launchers.k8s_objects import GPU, SHM_BASE_BYTES, mebibytes
+from mesh.launchers.k8s import GPU, SHM_BASE_BYTES, mebibytes, mesh_names
 from mesh.placement import gpu_sets
 from mesh.preflight import StorePlan
 from mesh.run import main

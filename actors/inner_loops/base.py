@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
-from actors.inner_loops import TrainerConfig
+from actors.inner_loops.config import TrainerConfig
 from actors.shares import split_evenly
 from actors.train_batch import TrainBatch
 from losses import (
