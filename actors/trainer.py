@@ -31,11 +31,12 @@ import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
 from actors import registry
+from actors.compute import Placement
 from actors.inner_loops import TrainerConfig
 from actors.lifecycle import ProcInfo, this_proc
-from actors.model import Placement
 from actors.reference import ReferenceModel
-from actors.train_batch import TrainBatch, split_rows
+from actors.shares import split_evenly
+from actors.train_batch import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store
 from actors.weights_config import store_root
 from losses import TAIDScheduler
@@ -145,7 +146,7 @@ class Trainer(Actor):
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
         """``batch`` with the reference's logprobs of this rank's rows that train the policy (the loop
         trains only on its own rows; the other ranks fill in theirs, and replayed traces take no KL)."""
-        share = split_rows(len(batch), self.world)[self.rank]
+        share = split_evenly(len(batch), self.world)[self.rank]
         rows = torch.arange(len(batch))[share][batch.policy_rows[share]]
         values = torch.zeros(batch.targets.shape, device=self.reference.device)
         values[rows] = self.reference.logprobs(batch.sequences().rows(rows))

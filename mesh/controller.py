@@ -53,16 +53,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors.bindings import TopK, TopKRequest
 from actors.diloco.syncer import STOP_FILE, SyncReport
 from actors.engines import sampling_seeds
 from actors.environments.openenv_task import EpisodeSpec
 from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem, Task
+from actors.teachers.bindings import TopK, TopKRequest
 from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
-from mesh.control import ControlChannel
+from mesh.commands import ControlChannel
 from mesh.fingerprint import topology_fingerprint
 from mesh.fleet import Fleet, TrainerLost
 from mesh.inflight import collected_from_json, collected_to_json

@@ -56,7 +56,7 @@ import asyncio  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from mesh.describe import describe  # noqa: E402
-from mesh.launchers.k8s_objects import write_objects  # noqa: E402
+from mesh.launchers.k8s import write_objects  # noqa: E402
 from mesh.preflight import load_plan  # noqa: E402
 from mesh.topology import Topology, TopologyError, load_topology  # noqa: E402
 

@@ -31,20 +31,21 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
-from actors.bindings import Student  # noqa: E402
+from actors.compute import Placement  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import DiLoCoSyncer, checkpoint_name  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
-from actors.model import Placement, build_tiny_model  # noqa: E402
+from actors.model import build_tiny_model  # noqa: E402
 from actors.reference import Reference  # noqa: E402
 from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
-from actors.teachers import TeacherPool  # noqa: E402
+from actors.teachers.bindings import Student  # noqa: E402
+from actors.teachers.pool import TeacherPool  # noqa: E402
 from actors.trainer import Trainer  # noqa: E402
-from mesh.control import EVENTS, ControlChannel  # noqa: E402
+from mesh.commands import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import Actors, Controller  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402

@@ -45,7 +45,7 @@ from actors.model_config import ModelFacts, TinyModelSpec
 from actors.reference_config import ReferenceConfig
 from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig, build_task
-from actors.teachers_config import TeachersConfig, check_weighted
+from actors.teachers.config import TeachersConfig, check_weighted
 from mesh.faults import FaultTolerance
 from mesh.launchers import LauncherOptions, launcher_options
 from mesh.sinks import missing

@@ -14,16 +14,17 @@ import torch
 from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
-from actors.bindings import top_k_of
+from actors.compute import Placement
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.diloco.syncer import DiLoCoSyncer
 from actors.engines import sampling_seeds
 from actors.generator import Generator, GeneratorConfig
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
-from actors.model import Placement, TinyModelSpec, build_tiny_model, load_policy
+from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
+from actors.teachers.bindings import top_k_of
 from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import Trainer
 from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from actors.tasks.dataset import DatasetError, DatasetSource
-from mesh.control import ControlChannel
+from mesh.commands import ControlChannel
 from mesh.ctl import main as ctl_main
 from mesh.preflight import BatchPlan, FreeMemory, StorePlan, check_memory, load_plan
 from mesh.topology import TopologyError, load_topology

@@ -23,8 +23,7 @@ from monarch._rust_bindings.monarch_hyperactor.config import clear_runtime_confi
 from monarch._src.job.service_identity import SERVICE_PROC_IDS_ENV, SERVICE_PROC_RANK_ENV
 from monarch.job.kubernetes import ImageSpec, KubeConfig, KubernetesJob
 
-from mesh.launchers.k8s import mesh_names
-from mesh.launchers.k8s_objects import GPU, MONARCH_PORT
+from mesh.launchers.k8s import GPU, MONARCH_PORT, mesh_names
 from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,11 +14,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mesh.launchers.k8s import mesh_names
-from mesh.launchers.k8s_objects import GPU, SHM_BASE_BYTES, mebibytes
-from mesh.preflight import StorePlan
+from mesh.launchers.k8s import GPU, SHM_BASE_BYTES, mebibytes, mesh_names
+from mesh.preflight import StorePlan, load_plan
 from mesh.run import main
-from mesh.preflight import load_plan
 from mesh.topology import TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]

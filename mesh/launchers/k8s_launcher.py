@@ -19,9 +19,16 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from mesh.launchers import k8s_objects as objects
 from mesh.launchers import spawn_procs
-from mesh.launchers.k8s import INSTALL_HINT, K8sOptions, mesh_names
+from mesh.launchers.k8s import (
+    INSTALL_HINT,
+    WORKER_LABELS,
+    K8sOptions,
+    controller_name,
+    mesh_names,
+    queue_labels,
+    worker_pod_template,
+)
 from mesh.launchers.k8s_pods import not_ready_pods, readiness_fix
 
 if TYPE_CHECKING:
@@ -91,8 +98,8 @@ class K8sLauncher:
                     "launcher.image is not set, so its pods cannot be created; set launcher.image to the image "
                     "built from k8s/Dockerfile, or apply the MonarchMeshes from --render first"
                 )
-            template = pod_template(objects.worker_pod_template(self.plan, self.options, mesh))
-            self.job.add_mesh(name, hosts, pod_template=template, labels=objects.queue_labels(self.options) or None)
+            template = pod_template(worker_pod_template(self.plan, self.options, mesh))
+            self.job.add_mesh(name, hosts, pod_template=template, labels=queue_labels(self.options) or None)
             self.created.append(name)
         with self.api_errors("creating the MonarchMeshes"):
             self.job.apply()
@@ -110,7 +117,7 @@ class K8sLauncher:
         while True:
             waiting: dict[str, list[Any]] = {}
             for mesh, name in self.names.items():
-                selector = objects.WORKER_LABELS.format(name=name)
+                selector = WORKER_LABELS.format(name=name)
                 with self.api_errors(f"listing the pods of MonarchMesh {name}"):
                     pods = core.list_namespaced_pod(self.options.namespace, label_selector=selector).items
                 if late := not_ready_pods(pods, self.specs[mesh].hosts):
@@ -210,7 +217,7 @@ def status_body(error: Exception) -> dict[str, Any]:
 
 def explain_api_error(error: Exception, options: K8sOptions, topology: Topology) -> str:
     status, message = getattr(error, "status", None), status_body(error).get("message") or str(error).strip()
-    ns, role = options.namespace, objects.controller_name(topology)
+    ns, role = options.namespace, controller_name(topology)
     if status == 401:
         return f"the cluster refused the credentials ({message}); renew them, or point KUBECONFIG at a valid kubeconfig"
     if status == 403:
