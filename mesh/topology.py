@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import sys
 import types
 import typing
 from pathlib import Path
@@ -48,7 +49,6 @@ from actors.tasks import TaskConfig, build_task
 from actors.teachers.config import TeachersConfig, check_weighted
 from mesh.faults import FaultTolerance
 from mesh.launchers import LauncherOptions, launcher_options
-from mesh.sinks import missing
 
 # A run's name goes into its directory's name, runs/<name>-<YYYYmmdd-HHMMSS>-<n>. 64 keeps it far
 # below NAME_MAX (255 bytes on every Linux file system) and a name still reads whole on a terminal line.
@@ -175,11 +175,24 @@ class Checkpointing(Section):
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
 
 
+TRACKERS = {"wandb": "wandb==0.31.0", "trackio": "trackio==0.43.0"}  # as pyproject.toml pins them
+
+
+def install_hint(key: str) -> str:
+    """How to get the tracker ``logging.<key>`` names (``mesh/sinks.py`` drives it), or do without it."""
+    return (
+        f"install it with pip install -e '.[logging]' (or pip install {TRACKERS[key]}), or remove logging.{key} "
+        "to log to metrics.jsonl and TensorBoard only"
+    )
+
+
 def _check_installed(key: str, section: Section, info: ValidationInfo) -> Section:
     """A tracker's library must be installed where the run starts (not for ``--dry-run`` of a job
     placed elsewhere): found without importing it, so a run never fails on it after starting."""
     if (info.context or {}).get("placed_here", True) and not registry.find_module(key):
-        raise ValueError(missing(key))
+        raise ValueError(
+            f"names a tracker, but {key} is not installed in this Python ({sys.executable}); {install_hint(key)}"
+        )
     return section
 
 
