@@ -4,6 +4,17 @@ The kernels (``policy.py``, ``distill.py``, ``preference.py``, ``compose.py``) r
 keeping them apart means a topology can be checked, and its resolved values printed,
 without loading torch. Invalid values and combinations fail when a config is built,
 with a ``ValueError`` that names the fix.
+
+Channel 1 has one config per method, ``PolicyConfig`` their union keyed by ``name``::
+
+    BasePolicyConfig              what every method reads (aggregation, advantage, KL, IS weights)
+    |- ClippedPolicyConfig        clip_low/high, dual_clip: grpo, dr_grpo, dapo, gspo, gspo_token
+    |  '- + CovariancePolicyConfig                            clip_cov
+    |- CovariancePolicyConfig     cov_fraction:               kl_cov
+    '- cispo, dppo, sapo          each its own trust region
+
+A method's class holds its published defaults. ``policy_config(name, ...)`` and a topology's
+``loss.policy`` (``_ByName``) refuse a field the chosen method does not read, listing its fields.
 """
 
 from __future__ import annotations
