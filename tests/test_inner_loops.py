@@ -57,7 +57,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def config(policy: str, channels: bool, **fields) -> TrainerConfig:
-    loss = replace(ALL_CHANNELS if channels else LossConfig(), policy=POLICIES.get(policy) or policy_config(name=policy))
+    loss = replace(ALL_CHANNELS if channels else LossConfig(), policy=POLICIES.get(policy) or policy_config(policy))
     return TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_size=3, **fields)
 
 
