@@ -280,8 +280,8 @@ PolicyConfig = (
 )
 POLICIES: dict[str, type[BasePolicyConfig]] = {_name_of(method): method for method in typing.get_args(PolicyConfig)}
 COVARIANCE = tuple(name for name, method in POLICIES.items() if issubclass(method, CovariancePolicyConfig))
-# What a method that does not clip the ratio bounds it with instead.
 DEFAULT_POLICY = "dapo"  # when the topology names none
+# What a method that does not clip the ratio bounds it with instead.
 TRUST_REGIONS = {
     "cispo": "cispo_max_ratio",
     "dppo": "dppo_mask_low/high",
@@ -315,16 +315,16 @@ def check_fields(name: str, keys: Iterable[str]) -> None:
 
 
 def policy_config(name: str = DEFAULT_POLICY, **fields: Any) -> PolicyConfig:
-    """The config of policy loss ``name`` (``DEFAULT_POLICY`` unless named) with ``fields`` set; a field that is
-    not the method's is refused (``check_fields``)."""
+    """The config of policy loss ``name`` (``DEFAULT_POLICY`` unless named) with ``fields`` set;
+    a field that is not the method's is refused (``check_fields``)."""
     check_fields(name, fields)
     return POLICIES[name](**fields)
 
 
 class _ByName:
     """How the topology's schema (pydantic) reads ``loss.policy``: as the config of the method
-    its ``name`` names (``DEFAULT_POLICY`` when absent), after ``check_fields``. pydantic calls this while it
-    builds the schema, so ``losses`` itself never imports pydantic."""
+    its ``name`` names (``DEFAULT_POLICY`` when absent), after ``check_fields``. pydantic calls
+    this while it builds the schema, so ``losses`` itself never imports pydantic."""
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
         from pydantic import Field
