@@ -28,7 +28,7 @@ from actors.reward_functions import InvalidReward, RewardFunctions
 from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
-from losses import LossConfig, PolicyConfig
+from losses import LossConfig, policy_config
 from mesh.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def test_an_infinite_reference_logprob_is_named(model_dir):
     row, token = 3, 0
     assert batch.completion_mask[row, token] and batch.policy_rows[row]
     batch = replace(batch, ref_logprobs=with_value(torch.zeros_like(batch.inference_logprobs), -math.inf, (row, token)))
-    message = refused(loop_of(model_dir, loss=LossConfig(policy=PolicyConfig(name="grpo", kl_coef=0.1))), batch)
+    message = refused(loop_of(model_dir, loss=LossConfig(policy=policy_config(name="grpo", kl_coef=0.1))), batch)
     read = int(batch.completion_mask.sum())
     assert f"is the reference logprobs (1 of {read} values, the first -inf at row 3, token 0)" in message
     assert "reference model" in message
