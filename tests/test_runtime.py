@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from actors.model import TinyModelSpec, build_tiny_model
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
@@ -72,6 +73,9 @@ async def test_synchronous_run_fills_the_run_directory(tmp_path, monkeypatch):
 
     path = run_dir.path
     assert (path / "topology.yaml").read_text().startswith("name: tiny")
+    plan = yaml.safe_load((path / "plan.yaml").read_text())  # what the run did with it
+    assert plan["services"] == {"rewarder": "in_generator", "reference": None}
+    assert plan["weights"] == {"transport": "shm", "dtype": "float32", "store_slots": 2}
     assert (path / "model" / "config.json").is_file()
     assert (path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((path / "tensorboard").glob("events.out.tfevents.*"))
