@@ -84,7 +84,6 @@ class Actors:
     generators: Router  # every proc of every generator replica; requests are routed among them
     rewarder: ActorMesh | None  # None when the generators reward what they write (the Rewarder on their mesh)
     teacher_pool: ActorMesh | None
-    syncer: ActorMesh | None = None  # DiLoCo's outer loop, beside the trainer's ranks
     reference: ActorMesh | None = None  # the KL penalty's reference, unless it runs on the trainer's ranks
 
 
@@ -202,8 +201,6 @@ class Controller:
         step, restored, self.synced_to = 0, [], None
         if checkpoint is not None:
             state = next(iter((await self.actors.trainer.load.call(str(checkpoint))).values()))
-            if self.actors.syncer is not None:
-                await self.actors.syncer.load.call(str(checkpoint))
             step, restored = state["step"], collected_from_json(state["inflight"]) if "inflight" in state else []
             self.last_checkpoint = checkpoint
         self.weights = next(w for w in (await self.actors.trainer.publish.call()).values() if w is not None)
@@ -490,7 +487,7 @@ class Controller:
         report = next(r for r in reports.values() if r is not None)
         self.weights = report.weights
         outer = {}
-        if self.actors.syncer is not None and (step + 1) % self.topology.diloco.interval == 0:
+        if self.plan.diloco_replica is not None and (step + 1) % self.topology.diloco.interval == 0:
             outer = await self._outer_step()
         self.actors.generators.push(self.weights)  # to every replica, off the critical path
         return report, ages, outer
@@ -511,11 +508,11 @@ class Controller:
         }
 
     async def _sync(self) -> SyncReport:
-        """The syncer's round. A signal that asks the run to stop meanwhile is passed on (``STOP_FILE``): the
+        """The trainer's DiLoCo round. A signal that asks the run to stop meanwhile is passed on (``STOP_FILE``): the
         round closes with the replicas present, and the run stops at this step boundary within seconds rather
         than after round_timeout."""
         stop_file = self.run.path / STOP_FILE
-        call = asyncio.ensure_future(self.actors.syncer.sync.call(str(stop_file)))
+        call = asyncio.ensure_future(self.actors.trainer.sync.call(str(stop_file)))
         try:
             while not call.done():
                 await asyncio.wait([call], timeout=STOP_POLL_S)
@@ -589,8 +586,6 @@ class Controller:
         if collected:
             extra["inflight"] = collected_to_json(collected)
         await self.actors.trainer.save.call(str(self.run.checkpoint_dir(step)), step, extra)
-        if self.actors.syncer is not None:
-            await self.actors.syncer.save.call(str(self.run.checkpoint_dir(step)))
         self.last_checkpoint = self.run.checkpoint_dir(step)
 
     async def evaluate(self) -> float:

@@ -91,6 +91,8 @@ def _placed(actor: str, mesh: str, plan: RunPlan) -> str:
         inside.append("rewarder")
     if actor == "trainer" and plan.reference is not None and plan.reference.placement == "in_trainer":
         inside.append("reference")
+    if actor == "trainer" and plan.diloco_replica is not None:
+        inside.append("syncer")
     return actor + "".join(f" + {service} (inside each {actor.split()[0]} process)" for service in inside)
 
 

@@ -176,12 +176,11 @@ def _actors_by_mesh(
     topology: Topology, meshes: dict[str, MeshSpec], generator_meshes: tuple[str, ...], reference: ReferencePlan | None
 ) -> dict[str, tuple[str, ...]]:
     """Mesh -> the actors placed on it, in the order they are spawned there. A service that runs
-    in-process (rewarding in the generators, reference scoring on the trainer's ranks) is no actor."""
+    in-process (rewarding in the generators, reference scoring and DiLoCo's syncer on the trainer's ranks) is
+    no actor."""
     cfg = topology.actors
     placed: dict[str, list[str]] = {name: [] for name in meshes}
     placed[cfg.trainer.mesh].append("trainer")
-    if topology.diloco is not None and not (topology.diloco.replicas > 1 and topology.diloco.replica is None):
-        placed[cfg.trainer.mesh].append("syncer")
     for name in generator_meshes:
         placed[name].append("generator")
     if _rewarder_placement(topology) == "own_mesh":

@@ -33,7 +33,7 @@ from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
 from actors.compute import Placement  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
-from actors.diloco.syncer import DiLoCoSyncer, checkpoint_name  # noqa: E402
+from actors.diloco.syncer import checkpoint_name  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
@@ -239,7 +239,7 @@ def _prepare_model(plan: RunPlan, alphabet: str | None, run_dir: RunDir) -> str:
 
 
 def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoConfig | None) -> dict[str, list[Role]]:
-    """Mesh name -> the actors placed on it, the trainer first on its mesh (then DiLoCo's syncer)."""
+    """Mesh name -> the actors placed on it, the trainer first on its mesh (a DiLoCo replica's owns its syncer)."""
     topology = plan.topology
     cfg, seed = topology.actors, topology.seed
     roles: dict[str, list[Role]] = {name: [] for name in plan.meshes}
@@ -251,12 +251,10 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
         args = (model_path, cfg.trainer, seed, plan.store_slots, place, topology.loop.steps)
         in_trainer = reference is not None and reference.placement == "in_trainer"
         scored = model_path_of(reference, model_path) if in_trainer else None
-        return procs.spawn("trainer", Trainer, *args, plan.transport, plan.weights_dtype, scored)
+        args += (plan.transport, plan.weights_dtype, scored, diloco, plan.diloco_replica)
+        return procs.spawn("trainer", Trainer, *args)
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
-    if diloco is not None:
-        syncer = _spawner("syncer", DiLoCoSyncer, diloco, plan.diloco_replica)
-        roles[cfg.trainer.mesh].append(Role("syncer", syncer, _start_all))
     rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else ()
     for name in plan.generator_meshes:
         place = _placement(plan, name, "generator")
@@ -316,13 +314,11 @@ def _actors(plan: RunPlan, fleet: Fleet) -> Actors:
     router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
     teacher_pool = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
-    syncer = fleet.handle("syncer", cfg.trainer.mesh) if plan.runs("syncer") else None
     return Actors(
         fleet.handle("trainer", cfg.trainer.mesh),
         router,
         fleet.handle("rewarder", cfg.rewarder.mesh, 0) if plan.runs("rewarder") else None,
         teacher_pool,
-        syncer,
         fleet.handle("reference", plan.reference.mesh, 0) if plan.runs("reference") else None,
     )
 
