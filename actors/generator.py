@@ -26,6 +26,7 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
+from actors.compute import Placement
 from actors.engines import sampling_seeds
 from actors.environments import Environments
 from actors.environments.episode import run_episode
@@ -33,7 +34,6 @@ from actors.environments.openenv_task import EpisodeSpec, episode_seed
 from actors.environments.tokens import ChatFrame, TokenPolicy
 from actors.generator_config import GeneratorConfig
 from actors.lifecycle import ProcInfo, this_proc
-from actors.model import Placement
 from actors.prompts import render
 from actors.reward_functions import RewardFunctions, RewardReply
 from actors.rewarder_config import RewarderConfig

@@ -46,7 +46,7 @@ class GeneratorConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: all tokens
-    replicas: int = 1  # generator meshes, each shaped like ``mesh``, behind one router
+    copies: int = 1  # generator meshes, each shaped like ``mesh`` and holding the whole model, behind one router
     router: str = "round_robin"  # or "least_loaded"
     # vllm on GPUs: its share of each GPU (weights, activations, KV cache); None: VLLM_OWN_GPU_SHARE
     # of GPUs of its own; required when it shares the trainer's GPUs (``mesh/placement.py``)
@@ -55,8 +55,8 @@ class GeneratorConfig:
     def __post_init__(self) -> None:
         registry.resolve("engine", self.engine)
         self.sampling  # noqa: B018 -- validates the sampling parameters
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.copies < 1:
+            raise ValueError(f"copies must be >= 1, got {self.copies}")
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share < 1:
             raise ValueError(

@@ -13,7 +13,6 @@ shipped arithmetic word problems.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -130,26 +129,6 @@ def causal_lm(spec: TinyModelSpec, vocab_size: int):
         eos_token_id=1,
     )
     return model_class(config)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one actor's process computes: its CPU threads, and the GPUs it sees. The launcher
-    starts each process seeing exactly its GPUs (``mesh/placement.py``), so they are always
-    ``cuda:0`` .. ``cuda:gpus-1`` here. ``memory_share``: the share of each GPU's memory the
-    actor may take when another process holds the rest (None: all of it)."""
-
-    threads: int = 1
-    gpus: int = 0
-    memory_share: float | None = None
-
-    def device(self) -> torch.device:
-        """The process's first GPU, made the current CUDA device; or the CPU."""
-        if not self.gpus:
-            return torch.device("cpu")
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        return device
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):

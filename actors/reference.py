@@ -17,9 +17,10 @@ import torch
 from monarch.actor import Actor, endpoint
 from torch import Tensor
 
+from actors.compute import Placement
 from actors.inner_loops.native import HiddenStates
 from actors.lifecycle import ProcInfo, this_proc
-from actors.model import Placement, load_policy
+from actors.model import load_policy
 from actors.rollout import Trajectory
 from actors.train_batch import Sequences, pack_sequences
 from losses import token_logprobs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -12,14 +13,15 @@ class ReferenceConfig:
     """``actors.reference``: the frozen policy whose logprobs of the sampled tokens feed
     ``loss.policy.kl_coef``.
 
-    - ``mesh``: the trainer's mesh computes them on the trainer's own ranks, each rank for
-      its rows right before its step; any other mesh runs a ``Reference`` actor there, asked
-      while the batch is collected.
+    - ``placement: in_trainer``: the trainer's own ranks compute them, each rank for its rows
+      right before its step; ``own_mesh`` (the default): a ``Reference`` actor on ``mesh``,
+      asked while the batch is collected.
     - ``path``: a Hugging Face model directory with the policy's tokenizer; None: the
       policy's initial weights (the model the run starts from, also after a resume).
     """
 
-    mesh: str
+    mesh: str | None = None
+    placement: Literal["in_trainer", "own_mesh"] | None = None
     path: str | None = None
 
     def __post_init__(self) -> None:

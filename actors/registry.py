@@ -56,21 +56,25 @@ BACKENDS: dict[str, dict[str, Backend]] = {
         "vllm": Backend("actors.engines.vllm:VLLMEngine", check="actors.generator_config:check_vllm"),
     },
     "teacher": {
-        "task_oracle": Backend("actors.bindings.task_oracle:TaskOracle", uses=("replay",)),
+        "task_oracle": Backend("actors.teachers.bindings.task_oracle:TaskOracle", uses=("replay",)),
         "replay": Backend(
-            "actors.bindings.replay:ReplayTeacher", check="actors.bindings.config:check_replay", uses=("replay",)
+            "actors.teachers.bindings.replay:ReplayTeacher",
+            check="actors.teachers.bindings.config:check_replay",
+            uses=("replay",),
         ),
         "hf": Backend(
-            "actors.bindings.hf:HFTeacher", check="actors.bindings.config:check_hf", uses=("distill", "replay")
+            "actors.teachers.bindings.hf:HFTeacher",
+            check="actors.teachers.bindings.config:check_hf",
+            uses=("distill", "replay"),
         ),
         "self_hint": Backend(
-            "actors.bindings.self_hint:SelfHintTeacher",
-            check="actors.bindings.config:check_self_hint",
+            "actors.teachers.bindings.self_hint:SelfHintTeacher",
+            check="actors.teachers.bindings.config:check_self_hint",
             uses=("distill",),
         ),
         "openai": Backend(
-            "actors.bindings.openai:OpenAITeacher",
-            check="actors.bindings.config:check_openai",
+            "actors.teachers.bindings.openai:OpenAITeacher",
+            check="actors.teachers.bindings.config:check_openai",
             uses=("distill", "replay"),
         ),
     },

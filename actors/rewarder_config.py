@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from actors import registry
 
 
 @dataclass(frozen=True)
 class RewarderConfig:
-    mesh: str
+    """``actors.rewarder``: the task's reward plus the user's ``functions``, computed
+
+    - ``placement: in_generator``: inside each generator, on what it writes, in the same call
+      (no actor of its own, one actor call per step fewer);
+    - ``placement: own_mesh`` (the default): by a Rewarder actor on ``mesh``.
+    """
+
+    mesh: str | None = None
+    placement: Literal["in_generator", "own_mesh"] | None = None
     functions: tuple[str, ...] = ()  # "package.module:function" each; loaded in the Rewarder
 
     def __post_init__(self) -> None:

@@ -217,13 +217,3 @@ def _distill_fields(rows: list[Row], completion_mask: Tensor) -> dict[str, Tenso
             logprobs[i, :length] = torch.from_numpy(row.distill.logprobs)
             has_teacher[i, :length] = True
     return {"distill_ids": ids, "distill_logprobs": logprobs, "distill_mask": completion_mask & has_teacher}
-
-
-def split_rows(rows: int, parts: int) -> list[slice]:
-    """Contiguous near-equal shares of ``rows`` (a rank's rows, a generator's prompts);
-    the first ``rows % parts`` shares are one larger."""
-    base, extra = divmod(rows, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (i < extra))
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]

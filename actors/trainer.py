@@ -17,6 +17,10 @@ holds a frozen copy of it and fills in its rows' reference logprobs before its s
 
 The trainer also owns the loss's own state: TAID's schedule for t advances once per
 step on the distillation loss and is saved in (and restored from) checkpoints.
+
+In a DiLoCo replica each rank also owns the replica's outer loop (``actors/diloco/syncer.py``),
+built in ``start`` on the parameters the trainer lends it (``TrainerParameters``): ``sync``
+takes an outer step on them in place, and ``save``/``load`` carry its state beside the trainer's.
 """
 
 from __future__ import annotations
@@ -31,24 +35,17 @@ import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
 from actors import registry
+from actors.compute import Placement
+from actors.diloco.config import DiLoCoConfig
+from actors.diloco.syncer import DiLoCoSyncer, SyncReport, TrainerParameters
 from actors.inner_loops import TrainerConfig
 from actors.lifecycle import ProcInfo, this_proc
-from actors.model import Placement
 from actors.reference import ReferenceModel
-from actors.train_batch import TrainBatch, split_rows
+from actors.shares import split_evenly
+from actors.train_batch import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store
 from actors.weights_config import store_root
 from losses import TAIDScheduler
-
-_IN_THIS_PROCESS: dict[str, Trainer] = {}  # the trainer actor started in this process, if any
-
-
-def local_trainer() -> Trainer:
-    """The trainer started in this process. An actor spawned on the trainer's processes (the
-    DiLoCo syncer) works on its parameters in place through it, copying nothing through messages."""
-    if "trainer" not in _IN_THIS_PROCESS:
-        raise RuntimeError("no trainer has started in this process; spawn this actor on the trainer's mesh after it")
-    return _IN_THIS_PROCESS["trainer"]
 
 
 @dataclass
@@ -72,18 +69,22 @@ class Trainer(Actor):
         transport: str = "shm",
         weights_dtype: str = "float32",  # the followers' (Topology.weights_dtype)
         reference_path: str | None = None,  # the reference model's, when it runs on the trainer's ranks
+        diloco: DiLoCoConfig | None = None,  # a DiLoCo replica's: where the replicas meet
+        replica: int | None = None,  # which DiLoCo replica this trainer is (given with ``diloco``)
     ):
         # built in ``start`` (actors/lifecycle.py)
         self.model_path, self.cfg, self.seed, self.place, self.total_steps = model_path, cfg, seed, place, total_steps
         self.slots, self.transport, self.weights_dtype = slots, transport, weights_dtype
-        self.reference_path = reference_path
+        self.reference_path, self.diloco, self.replica = reference_path, diloco, replica
+        self.syncer: DiLoCoSyncer | None = None  # made in ``start`` when ``diloco`` is given
         self.reference: ReferenceModel | None = None
         self.store: str | None = None  # rank 0's, made in ``start``
         self.publisher: WeightPublisher | None = None
 
     @endpoint
     def start(self) -> ProcInfo:
-        """Join the trainer mesh's process group, build the inner loop and (rank 0) the weight store."""
+        """Join the trainer mesh's process group, build the inner loop, (rank 0) the weight store and (a DiLoCo
+        replica) the outer loop, whose θ₀ is the parameters as they are now (a checkpoint's ``load`` replaces it)."""
         torch.set_num_threads(self.place.threads)
         torch.manual_seed(self.seed)
         device = self.place.device()
@@ -111,7 +112,9 @@ class Trainer(Actor):
             self.store = str(create_store(store_root()))
             dtype = getattr(torch, self.weights_dtype)
             self.publisher = WeightPublisher(self.store, state, self.slots, transport=self.transport, dtype=dtype)
-        _IN_THIS_PROCESS["trainer"] = self
+        if self.diloco is not None:
+            lent = TrainerParameters(self.loop.parameter_shards(), self.loop.device, self.rank, self.world)
+            self.syncer = DiLoCoSyncer(self.diloco, self.replica, lent)
         return this_proc()
 
     @endpoint
@@ -145,28 +148,39 @@ class Trainer(Actor):
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
         """``batch`` with the reference's logprobs of this rank's rows that train the policy (the loop
         trains only on its own rows; the other ranks fill in theirs, and replayed traces take no KL)."""
-        share = split_rows(len(batch), self.world)[self.rank]
+        share = split_evenly(len(batch), self.world)[self.rank]
         rows = torch.arange(len(batch))[share][batch.policy_rows[share]]
         values = torch.zeros(batch.targets.shape, device=self.reference.device)
         values[rows] = self.reference.logprobs(batch.sequences().rows(rows))
         return dataclasses.replace(batch, ref_logprobs=values)
 
     @endpoint
+    def sync(self, stop_file: str | None = None) -> SyncReport | None:
+        """DiLoCo's outer step on this replica's parameters (``DiLoCoSyncer.sync``); rank 0 reports it."""
+        return self.syncer.sync(stop_file)
+
+    @endpoint
     def save(self, directory: str, step: int, extra: dict | None = None) -> None:
         """A checkpoint of ``step``: policy, optimizer, version, TAID's schedule, and the caller's
-        ``extra`` (JSON: what a resume must match, the batches a bounded-async run collected ahead)."""
+        ``extra`` (JSON: what a resume must match, the batches a bounded-async run collected ahead);
+        then DiLoCo's outer state beside it (``actors/diloco/syncer.py``'s files)."""
         state = {"step": step, "version": self.version, **(extra or {})}
         if self.taid is not None:
             state["taid"] = self.taid.state_dict()
         self.loop.save(Path(directory), state)
+        if self.syncer is not None:
+            self.syncer.save(directory)
 
     @endpoint
     def load(self, directory: str) -> dict:
-        """Resume from a checkpoint: policy, optimizer, version and TAID's schedule; returns its saved state."""
+        """Resume from a checkpoint: policy, optimizer, version, TAID's schedule and DiLoCo's outer state;
+        returns its saved state."""
         state = self.loop.load(Path(directory))
         self.version = state["version"]
         if self.taid is not None and "taid" in state:
             self.taid.load_state_dict(state["taid"])
+        if self.syncer is not None:
+            self.syncer.load(directory)
         return state
 
     def __cleanup__(self, exc: Exception | None) -> None:
@@ -174,5 +188,7 @@ class Trainer(Actor):
             self.publisher.close()
         if self.store is not None:
             remove_store(self.store)
+        if self.syncer is not None:
+            self.syncer.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -39,7 +39,7 @@ from mesh.faults import FaultTolerance
 from mesh.fleet import Fleet, Role
 from mesh.rundir import read_metrics
 from mesh.runtime import run
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -117,7 +117,7 @@ async def recovery(role: str | None, root: Path) -> dict[str, float]:
     thread = threading.Thread(target=kill, daemon=True) if role else None
     if thread:
         thread.start()
-    run_dir = await run(load_topology(TINY, tiny_overrides(root)), progress=False)
+    run_dir = await run(load_plan(TINY, tiny_overrides(root)), progress=False)
     rows = read_metrics(run_dir.metrics_file)
     steps = [r["time/step"] for r in rows[2:-1]]
     out = {"median_step_s": statistics.median(steps)}

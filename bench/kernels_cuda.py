@@ -58,7 +58,7 @@ def liger_step(channel: str, d):
     grpo, jsd = liger_losses()
     hidden, weight = d["hidden"], d["weight"]
     if channel == "policy":
-        cfg = losses.PolicyConfig(name="dapo")
+        cfg = losses.policy_config(name="dapo")
         loss_fn = grpo(
             beta=0.0, use_ref_model=False, loss_type="dapo", epsilon_low=cfg.clip_low, epsilon_high=cfg.clip_high
         )

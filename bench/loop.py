@@ -41,7 +41,7 @@ from monarch.actor import Actor, endpoint, this_host
 from actors.weights import WeightPublisher, WeightSubscriber, WeightVersion
 from mesh.rundir import read_metrics
 from mesh.runtime import run
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -66,7 +66,7 @@ async def loop_run(lag: int, steps: int, root: Path, *overrides: str) -> list[di
         f"logging.root={root}",
         *overrides,
     ]
-    run_dir = await run(load_topology(ROOT / "topologies" / "tiny.yaml", settings), progress=False)
+    run_dir = await run(load_plan(ROOT / "topologies" / "tiny.yaml", settings), progress=False)
     return read_metrics(run_dir.metrics_file)[2:-1]
 
 

@@ -70,7 +70,7 @@ def make_step(channel: str, variant: str, d):
 
     hidden, weight, targets = d["hidden"], d["weight"], d["targets"]
     if channel in POLICY_METHODS:
-        cfg = losses.LossConfig(policy=losses.PolicyConfig(name=POLICY_METHODS[channel]))
+        cfg = losses.LossConfig(policy=losses.policy_config(name=POLICY_METHODS[channel]))
         inputs = losses.LossInputs(targets, policy=d["policy"])
         if variant == "naive":
 

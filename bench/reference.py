@@ -34,7 +34,7 @@ from loop import OUT, loop_run
 KL = "actors.trainer.loss.policy.kl_coef=0.04"
 PLACEMENTS = {
     "none": (),
-    "trainer": (KL, "actors.reference.mesh=trainer"),
+    "trainer": (KL, "actors.reference.placement=in_trainer"),
     "own mesh": (KL, "actors.reference.mesh=service"),
 }
 MODES = {"sync": 0, "async": 1}

@@ -57,7 +57,7 @@ def trl(topology: Topology, steps: int, root: Path, model_dir: Path) -> float:
     from trl import GRPOConfig, GRPOTrainer
 
     task, loop = build_task(topology.task.config), topology.loop
-    problems = [p for step in range(steps) for p in task.problems(topology.prompt_seed(), step, loop.prompts_per_step)]
+    problems = [p for step in range(steps) for p in task.problems(topology.seed, step, loop.prompts_per_step)]
     rows = datasets.Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
 
     def reward(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:

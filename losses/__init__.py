@@ -5,8 +5,10 @@ entropy-aware OPD against a teacher's distribution (SDPO when the teacher is the
 policy with a hint). Channel 3 (``preference``): DPO / SimPO over trace pairs.
 ``compose_loss`` adds them up; ``logprobs`` keeps ``[tokens x vocab]`` logits out of memory.
 
-The configs load with the package and import no torch; every other name loads its
-module (and torch) on first use (PEP 562), so checking a topology never pays for torch.
+The configs load with the package and import no torch (``PolicyConfig`` is the union of one
+config per policy method; ``policy_config(name, ...)`` builds the one ``name`` picks); every
+other name loads its module (and torch) on first use (PEP 562), so checking a topology never
+pays for torch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from losses.config import DistillConfig, LossConfig, PolicyConfig, PreferenceConfig
+from losses.config import DistillConfig, LossConfig, PolicyConfig, PreferenceConfig, policy_config
 
 _LAZY = {
     "group_advantages": "losses.advantages",
@@ -49,7 +51,7 @@ _LAZY = {
     "preference_loss": "losses.preference",
 }
 
-__all__ = sorted(["DistillConfig", "LossConfig", "PolicyConfig", "PreferenceConfig", *_LAZY])
+__all__ = sorted(["DistillConfig", "LossConfig", "PolicyConfig", "PreferenceConfig", "policy_config", *_LAZY])
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from losses.batch import DistillInputs, PolicyInputs, PreferenceInputs, masked_sum_per_row
-from losses.config import COVARIANCE, LossConfig, PolicyConfig
+from losses.config import COVARIANCE, CovariancePolicyConfig, LossConfig
 from losses.distill import distill_loss
 from losses.logprobs import (
     fused_linear_loss,
@@ -96,7 +96,7 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
     return loss_of_rows
 
 
-def _with_held_back(head: Head, inputs: LossInputs, cfg: PolicyConfig) -> PolicyInputs:
+def _with_held_back(head: Head, inputs: LossInputs, cfg: CovariancePolicyConfig) -> PolicyInputs:
     """The policy inputs with Clip-Cov's or KL-Cov's tokens chosen over all their rows, before the
     head is evaluated chunk by chunk (each chunk choosing its own would depend on the chunking).
     Without old or sampler logprobs the old policy is the current one: a no-grad pass gives them."""

@@ -4,76 +4,44 @@ The kernels (``policy.py``, ``distill.py``, ``preference.py``, ``compose.py``) r
 keeping them apart means a topology can be checked, and its resolved values printed,
 without loading torch. Invalid values and combinations fail when a config is built,
 with a ``ValueError`` that names the fix.
+
+Channel 1 has one config per method, ``PolicyConfig`` their union keyed by ``name``::
+
+    BasePolicyConfig              what every method reads (aggregation, advantage, KL, IS weights)
+    |- ClippedPolicyConfig        clip_low/high, dual_clip: grpo, dr_grpo, dapo, gspo, gspo_token
+    |  '- + CovariancePolicyConfig                            clip_cov
+    |- CovariancePolicyConfig     cov_fraction:               kl_cov
+    '- cispo, dppo, sapo          each its own trust region
+
+A method's class holds its published defaults. ``policy_config(name, ...)`` and a topology's
+``loss.policy`` (``_ByName``) refuse a field the chosen method does not read, listing its fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-PolicyName = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo", "dppo", "sapo", "clip_cov", "kl_cov"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 AdvantageEstimator = Literal["group_std", "group_mean", "rloo"]
 
-CLIPPED = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "clip_cov")
-COVARIANCE = ("clip_cov", "kl_cov")  # pick tokens by the covariance of logprob and advantage
-# Published defaults: (eps_low, eps_high, aggregation).
-DEFAULTS: dict[str, tuple[float | None, float | None, Aggregation]] = {
-    "grpo": (0.2, 0.2, "seq_mean_token_mean"),  # DeepSeekMath, arXiv 2402.03300
-    "dr_grpo": (0.2, 0.2, "constant"),  # arXiv 2503.20783
-    "dapo": (0.2, 0.28, "token_mean"),  # clip-higher, arXiv 2503.14476
-    "gspo": (3e-4, 4e-4, "seq_mean_token_mean"),  # Qwen3, arXiv 2507.18071
-    "gspo_token": (3e-4, 4e-4, "seq_mean_token_mean"),
-    "cispo": (None, None, "token_mean"),  # MiniMax-M1, arXiv 2506.13585
-    "dppo": (None, None, "token_mean"),  # PRIME-RL's default loss @559b44772
-    "sapo": (None, None, "seq_mean_token_mean"),  # arXiv 2511.20347, TRL's aggregation for it
-    "clip_cov": (0.2, 0.2, "token_mean"),  # arXiv 2505.22617, verl's clip_ratio and loss_agg_mode
-    "kl_cov": (None, None, "token_mean"),
-}
-# Published advantage estimators: group-normalized (GRPO's) unless the method drops the std.
-MEAN_CENTRED = ("dr_grpo", "dppo")  # Dr. GRPO removes the std; PRIME-RL centres on the group mean only
-
 
 @dataclass(frozen=True)
-class PolicyConfig:
-    """Knobs of channel 1. ``None`` fields take the method's published default.
+class BasePolicyConfig:
+    """The knobs every method of channel 1 reads; each method's own config adds its trust region's.
 
-    - ``clip_low``/``clip_high``: PPO clip range ``[1 - clip_low, 1 + clip_high]``
-      (clipped methods only).
-    - ``dual_clip``: dual-clip PPO's ``c`` (verl's ``clip_ratio_c``, published 3.0): for a
-      negative advantage the token's loss is at most ``-c * A``, so a ratio that grew far
-      past the clip range cannot blow the loss up. TRL's and Liger's ``delta``
-      (INTELLECT-2's two-sided clipping, an upper clamp on the ratio) is the same loss for
-      every ``delta > 1 + clip_high``, the only range INTELLECT-2 uses: set ``dual_clip``.
-      Clipped methods only.
-    - ``sapo_tau_pos``/``sapo_tau_neg``: SAPO's temperatures for positive and non-positive
-      advantages (published 1.0 and 1.05): the ratio's hard clip becomes the soft gate
-      ``sigmoid(tau * (r - 1)) * 4 / tau``, whose slope is 1 at ``r = 1``.
-    - ``clip_cov`` and ``kl_cov`` (arXiv 2505.22617, as verl implements them): the tokens
-      whose centred logprob times centred advantage (their covariance, which drives the
-      policy's entropy down) is largest are held back. ``clip_cov`` is the clipped
-      objective with a random ``cov_fraction`` of the tokens (at least one), picked among
-      those whose covariance lies in ``(clip_cov_low, clip_cov_high)``, cut from the loss
-      where the clip left them alone; ``kl_cov`` is the unclipped ``-r * A`` with
-      ``kl_cov_coef * |log r|`` added at the ``cov_fraction`` of the tokens (at least one)
-      of largest covariance. Published: ``cov_fraction`` 2e-4, window (1, 5), ``kl_cov_coef``
-      1. The tokens are chosen once per step (``covariance_selection``: over all its policy
-      tokens, with the old policy's logprobs, the sampler's unless given), where verl
-      chooses per micro-batch with the current logprobs (the same values in an on-policy
-      first update): so micro-batch size, chunking and inner loop cannot change the choice.
-      Clip-Cov's random pick is seeded by its candidates, so retries and resumes agree.
+    - ``aggregation``: how per-token losses become the loss (``seq_mean_token_mean``,
+      ``token_mean`` or ``constant``); each method defaults to its published one.
+    - ``advantage``: how a group's rewards become advantages: ``group_std`` (GRPO's
+      ``(r - mean) / (std + eps)``), ``group_mean`` (``r - mean``: Dr. GRPO, PRIME-RL) or
+      ``rloo`` (``r - mean of the others``, leave-one-out); each method defaults to its own.
     - ``entropy_coef``: an entropy bonus (verl's ``entropy_coeff``): ``entropy_coef`` times the
       policy's token entropy, aggregated like the loss, is subtracted from it. Needs the
       whole distribution (not the ``prime_rl`` inner loop, whose loss sees token logprobs).
-    - ``cispo_max_ratio``: CISPO's IS-weight cap, an *absolute* cap
-      ``sg(min(r, cispo_max_ratio))`` (the TRL/Liger convention; ScaleRL uses 5.0).
-    - ``dppo_*``: PRIME-RL's probability-difference trust region: for A > 0 a token whose
-      probability rose by more than ``dppo_mask_high`` gets no policy gradient, for A < 0
-      one that fell by more than ``dppo_mask_low``; plus ``dppo_kl_tau * log_ratio**2``.
-    - ``advantage``: how a group's rewards become advantages: ``group_std`` (GRPO's
-      ``(r - mean) / (std + eps)``), ``group_mean`` (``r - mean``: Dr. GRPO, PRIME-RL) or
-      ``rloo`` (``r - mean of the others``, leave-one-out). Unset: the method's own.
     - ``kl_coef``: beta of the k3 KL to the reference; ``kl_unbiased`` multiplies k3 by the
       ratio, which makes its gradient the unbiased ``grad KL(pi || ref)`` (DeepSeek-V3.2).
     - ``is_mode``: where the inference/trainer mismatch is corrected. Unset, the sampler's
@@ -86,77 +54,27 @@ class PolicyConfig:
       the sampler (decoupled PPO).
     """
 
-    name: PolicyName = "dapo"
-    clip_low: float | None = None
-    clip_high: float | None = None
-    aggregation: Aggregation | None = None
-    advantage: AdvantageEstimator | None = None
-    dual_clip: float | None = None
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    cov_fraction: float = 2e-4
-    clip_cov_low: float = 1.0
-    clip_cov_high: float = 5.0
-    kl_cov_coef: float = 1.0
+    name: str
+    aggregation: Aggregation = "seq_mean_token_mean"
+    advantage: AdvantageEstimator = "group_std"
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_unbiased: bool = False
-    cispo_max_ratio: float = 5.0
-    dppo_mask_low: float = 0.2
-    dppo_mask_high: float = 0.2
-    dppo_adv_tau: float = 1.0
-    dppo_kl_tau: float = 1e-3
     is_mode: ISMode | None = None
     is_min: float = 0.0
     is_max: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.name not in DEFAULTS:
-            raise ValueError(f"unknown policy loss {self.name!r}; choose one of {sorted(DEFAULTS)}")
-        low, high, aggregation = DEFAULTS[self.name]
-        if self.name not in CLIPPED and (self.clip_low is not None or self.clip_high is not None):
-            instead = {"cispo": "cispo_max_ratio", "sapo": "sapo_tau_pos/neg", "kl_cov": "kl_cov_coef"}.get(
-                self.name, "dppo_mask_low/high"
-            )
-            raise ValueError(
-                f"policy loss {self.name!r} does not clip the ratio, so clip_low/clip_high do not apply; "
-                f"set {instead} instead."
-            )
-        object.__setattr__(self, "clip_low", low if self.clip_low is None else self.clip_low)
-        object.__setattr__(self, "clip_high", high if self.clip_high is None else self.clip_high)
-        object.__setattr__(self, "aggregation", self.aggregation or aggregation)
-        published = "group_mean" if self.name in MEAN_CENTRED else "group_std"
-        object.__setattr__(self, "advantage", self.advantage or published)
+        if POLICIES.get(self.name) is not type(self):
+            raise ValueError(f"{type(self).__name__} is policy loss {_name_of(type(self))!r}, not {self.name!r}")
         if self.advantage not in ("group_std", "group_mean", "rloo"):
             raise ValueError(f"unknown advantage {self.advantage!r}; choose 'group_std', 'group_mean' or 'rloo'")
         if self.aggregation not in ("seq_mean_token_mean", "token_mean", "constant"):
             raise ValueError(f"unknown aggregation {self.aggregation!r}")
-        if self.name in CLIPPED and not (0 < self.clip_low < 1 and self.clip_high > 0):
-            raise ValueError(
-                f"clip range needs 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}"
-            )
-        if self.dual_clip is not None:
-            if self.name not in CLIPPED:
-                raise ValueError(f"dual_clip caps the clipped objective, and {self.name!r} does not clip; unset it")
-            if not self.dual_clip > 1:
-                raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c; 3.0 is published), got {self.dual_clip}")
-        if not 0 < self.cov_fraction <= 1:
-            raise ValueError(f"cov_fraction is a share of the tokens, in (0, 1], got {self.cov_fraction}")
-        if not self.clip_cov_low < self.clip_cov_high or self.kl_cov_coef < 0:
-            raise ValueError(
-                f"Clip-Cov's window needs clip_cov_low < clip_cov_high (published 1.0, 5.0), got "
-                f"{self.clip_cov_low}, {self.clip_cov_high}; kl_cov_coef must be >= 0, got {self.kl_cov_coef}"
-            )
-        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
-            raise ValueError(f"SAPO's temperatures must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
-        if self.cispo_max_ratio <= 0 or self.dppo_mask_low < 0 or self.dppo_mask_high < 0:
-            raise ValueError("cispo_max_ratio must be > 0 and dppo_mask_low/high >= 0")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0 (a bonus for entropy), got {self.entropy_coef}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.kl_coef and self.name == "dppo":
-            raise ValueError("dppo has its own KL term (dppo_kl_tau); leave kl_coef at 0")
         if self.kl_unbiased and not self.kl_coef:
             raise ValueError("kl_unbiased corrects the KL penalty, so it needs kl_coef > 0")
         if self.is_mode is not None:
@@ -164,6 +82,275 @@ class PolicyConfig:
                 raise ValueError(f"unknown is_mode {self.is_mode!r}")
             if not 0 <= self.is_min < self.is_max:
                 raise ValueError(f"importance weights need 0 <= is_min < is_max, got {self.is_min}, {self.is_max}")
+
+
+@dataclass(frozen=True)
+class ClippedPolicyConfig(BasePolicyConfig):
+    """A method that clips the ratio, PPO's way (GRPO's defaults).
+
+    - ``clip_low``/``clip_high``: the clip range ``[1 - clip_low, 1 + clip_high]``.
+    - ``dual_clip``: dual-clip PPO's ``c`` (verl's ``clip_ratio_c``, published 3.0): for a
+      negative advantage the token's loss is at most ``-c * A``, so a ratio that grew far
+      past the clip range cannot blow the loss up. TRL's and Liger's ``delta``
+      (INTELLECT-2's two-sided clipping, an upper clamp on the ratio) is the same loss for
+      every ``delta > 1 + clip_high``, the only range INTELLECT-2 uses: set ``dual_clip``.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise ValueError(
+                f"clip range needs 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}"
+            )
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c; 3.0 is published), got {self.dual_clip}")
+
+
+@dataclass(frozen=True)
+class CovariancePolicyConfig(BasePolicyConfig):
+    """Clip-Cov and KL-Cov (arXiv 2505.22617, as verl implements them) hold back the tokens
+    whose centred logprob times centred advantage (their covariance, which drives the
+    policy's entropy down) is largest; ``cov_fraction`` (published 2e-4) is the share of the
+    tokens held back, at least one. The tokens are chosen once per step (``covariance_selection``:
+    over all its policy tokens, with the old policy's logprobs, the sampler's unless given),
+    where verl chooses per micro-batch with the current logprobs (the same values in an
+    on-policy first update): so micro-batch size, chunking and inner loop cannot change the
+    choice. Not with the ``prime_rl`` inner loop, whose loss sees one sample at a time.
+    """
+
+    cov_fraction: float = 2e-4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.cov_fraction <= 1:
+            raise ValueError(f"cov_fraction is a share of the tokens, in (0, 1], got {self.cov_fraction}")
+
+
+@dataclass(frozen=True)
+class GRPOPolicyConfig(ClippedPolicyConfig):
+    """GRPO (DeepSeekMath, arXiv 2402.03300)."""
+
+    name: Literal["grpo"] = "grpo"
+
+
+@dataclass(frozen=True)
+class DrGRPOPolicyConfig(ClippedPolicyConfig):
+    """Dr. GRPO (arXiv 2503.20783): a constant normalizer, and no division by the group's std."""
+
+    name: Literal["dr_grpo"] = "dr_grpo"
+    aggregation: Aggregation = "constant"
+    advantage: AdvantageEstimator = "group_mean"
+
+
+@dataclass(frozen=True)
+class DAPOPolicyConfig(ClippedPolicyConfig):
+    """DAPO (arXiv 2503.14476): clip-higher and the token mean."""
+
+    name: Literal["dapo"] = "dapo"
+    aggregation: Aggregation = "token_mean"
+    clip_high: float = 0.28
+
+
+@dataclass(frozen=True)
+class GSPOPolicyConfig(ClippedPolicyConfig):
+    """GSPO (Qwen3, arXiv 2507.18071): the clip applies to the length-normalized sequence ratio."""
+
+    name: Literal["gspo"] = "gspo"
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+
+
+@dataclass(frozen=True)
+class GSPOTokenPolicyConfig(GSPOPolicyConfig):
+    """GSPO-token: the sequence ratio's value with each token's own gradient."""
+
+    name: Literal["gspo_token"] = "gspo_token"
+
+
+@dataclass(frozen=True)
+class CISPOPolicyConfig(BasePolicyConfig):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): ``cispo_max_ratio`` is the IS-weight cap, an
+    *absolute* cap ``sg(min(r, cispo_max_ratio))`` (the TRL/Liger convention; ScaleRL uses 5.0)."""
+
+    name: Literal["cispo"] = "cispo"
+    aggregation: Aggregation = "token_mean"
+    cispo_max_ratio: float = 5.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cispo_max_ratio <= 0:
+            raise ValueError(f"cispo_max_ratio must be > 0, got {self.cispo_max_ratio}")
+
+
+@dataclass(frozen=True)
+class DPPOPolicyConfig(BasePolicyConfig):
+    """PRIME-RL's default loss @559b44772, a probability-difference trust region: for A > 0 a
+    token whose probability rose by more than ``dppo_mask_high`` gets no policy gradient, for
+    A < 0 one that fell by more than ``dppo_mask_low``; plus ``dppo_kl_tau * log_ratio**2``,
+    its own KL term, so the reference's (``kl_coef``) does not apply."""
+
+    name: Literal["dppo"] = "dppo"
+    aggregation: Aggregation = "token_mean"
+    advantage: AdvantageEstimator = "group_mean"  # PRIME-RL centres on the group mean only
+    kl_coef: ClassVar[float] = 0.0
+    kl_unbiased: ClassVar[bool] = False
+    dppo_mask_low: float = 0.2
+    dppo_mask_high: float = 0.2
+    dppo_adv_tau: float = 1.0
+    dppo_kl_tau: float = 1e-3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dppo_mask_low < 0 or self.dppo_mask_high < 0:
+            raise ValueError(f"dppo_mask_low/high must be >= 0, got {self.dppo_mask_low}, {self.dppo_mask_high}")
+
+
+@dataclass(frozen=True)
+class SAPOPolicyConfig(BasePolicyConfig):
+    """SAPO (arXiv 2511.20347, TRL's aggregation for it): the ratio's hard clip becomes the soft
+    gate ``sigmoid(tau * (r - 1)) * 4 / tau``, whose slope is 1 at ``r = 1``, with temperature
+    ``sapo_tau_pos`` for positive and ``sapo_tau_neg`` for non-positive advantages."""
+
+    name: Literal["sapo"] = "sapo"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError(f"SAPO's temperatures must be > 0, got {self.sapo_tau_pos}, {self.sapo_tau_neg}")
+
+
+@dataclass(frozen=True)
+class ClipCovPolicyConfig(ClippedPolicyConfig, CovariancePolicyConfig):
+    """Clip-Cov: the clipped objective (verl's clip_ratio 0.2) with a random ``cov_fraction`` of
+    the tokens, picked among those whose covariance lies in ``(clip_cov_low, clip_cov_high)``
+    (published (1, 5)), cut from the loss where the clip left them alone. The random pick is
+    seeded by its candidates, so retries and resumes agree."""
+
+    name: Literal["clip_cov"] = "clip_cov"
+    aggregation: Aggregation = "token_mean"  # verl's loss_agg_mode
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.clip_cov_low < self.clip_cov_high:
+            raise ValueError(
+                f"Clip-Cov's window needs clip_cov_low < clip_cov_high (published 1.0, 5.0), got "
+                f"{self.clip_cov_low}, {self.clip_cov_high}"
+            )
+
+
+@dataclass(frozen=True)
+class KLCovPolicyConfig(CovariancePolicyConfig):
+    """KL-Cov: the unclipped ``-r * A`` with ``kl_cov_coef * |log r|`` (published 1) added at the
+    ``cov_fraction`` of the tokens of largest covariance."""
+
+    name: Literal["kl_cov"] = "kl_cov"
+    aggregation: Aggregation = "token_mean"  # verl's loss_agg_mode
+    kl_cov_coef: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kl_cov_coef < 0:
+            raise ValueError(f"kl_cov_coef must be >= 0, got {self.kl_cov_coef}")
+
+
+def _name_of(method: type) -> str:
+    """The policy loss a config class is for: its ``name`` field's default."""
+    return method.__dataclass_fields__["name"].default
+
+
+PolicyConfig = (
+    GRPOPolicyConfig
+    | DrGRPOPolicyConfig
+    | DAPOPolicyConfig
+    | GSPOPolicyConfig
+    | GSPOTokenPolicyConfig
+    | CISPOPolicyConfig
+    | DPPOPolicyConfig
+    | SAPOPolicyConfig
+    | ClipCovPolicyConfig
+    | KLCovPolicyConfig
+)
+POLICIES: dict[str, type[BasePolicyConfig]] = {_name_of(method): method for method in typing.get_args(PolicyConfig)}
+COVARIANCE = tuple(name for name, method in POLICIES.items() if issubclass(method, CovariancePolicyConfig))
+DEFAULT_POLICY = "dapo"  # when the topology names none
+# What a method that does not clip the ratio bounds it with instead.
+TRUST_REGIONS = {
+    "cispo": "cispo_max_ratio",
+    "dppo": "dppo_mask_low/high",
+    "sapo": "sapo_tau_pos/neg",
+    "kl_cov": "kl_cov_coef",
+}
+
+
+def policy_fields(name: str) -> list[str]:
+    """The keys policy loss ``name`` takes, sorted."""
+    return sorted(field.name for field in dataclasses.fields(POLICIES[name]))
+
+
+def check_fields(name: str, keys: Iterable[str]) -> None:
+    """Refuses an unknown method, and a key that is not a field of method ``name``: naming the
+    method's own fields, so that a knob of another method is never accepted and then ignored."""
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {', '.join(POLICIES)}")
+    for key in sorted(set(keys) - set(policy_fields(name))):
+        owners = [other for other in POLICIES if key in policy_fields(other)]
+        if not owners:
+            cause, fix = f"unknown key {key!r} (no policy loss has it)", "Fix the spelling or remove the key"
+        else:
+            cause = f"{key} does not apply to policy loss {name!r}"
+            fix = f"Remove it, or set name to a method that reads it: {', '.join(owners)}"
+            if key in ("clip_low", "clip_high", "dual_clip"):
+                cause += f" ({name!r} does not clip the ratio; set {TRUST_REGIONS[name]} instead)"
+            elif key in ("kl_coef", "kl_unbiased"):
+                cause += f" ({name!r} has its own KL term, dppo_kl_tau)"
+        raise ValueError(f"{cause}; the fields of {name!r} are: {', '.join(policy_fields(name))}. {fix}.")
+
+
+def policy_config(name: str = DEFAULT_POLICY, **fields: Any) -> PolicyConfig:
+    """The config of policy loss ``name`` (``DEFAULT_POLICY`` unless named) with ``fields`` set;
+    a field that is not the method's is refused (``check_fields``)."""
+    check_fields(name, fields)
+    return POLICIES[name](**fields)
+
+
+class _ByName:
+    """How the topology's schema (pydantic) reads ``loss.policy``: as the config of the method
+    its ``name`` names (``DEFAULT_POLICY`` when absent), after ``check_fields``. pydantic calls
+    this while it builds the schema, so ``losses`` itself never imports pydantic."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic import Field
+        from pydantic_core import core_schema
+
+        by_name = handler.generate_schema(typing.Annotated[source, Field(discriminator="name")])
+        return core_schema.no_info_wrap_validator_function(_validate_by_name, by_name)
+
+
+def _validate_by_name(value: Any, validate: Any) -> Any:
+    """``value`` checked by ``check_fields``, then validated as its method's config. pydantic
+    names the union's member in an error's location; a key path has no such part, so it is
+    dropped (``actors.trainer.loss.policy.clip_high``, not ``...policy.gspo.clip_high``)."""
+    from pydantic import ValidationError
+
+    if isinstance(value, dict):
+        value = {"name": DEFAULT_POLICY} | value
+        check_fields(value["name"], set(value) - {"name"})
+    try:
+        return validate(value)
+    except ValidationError as error:
+        untagged = [
+            {"type": e["type"], "loc": e["loc"][1:], "input": e["input"]} | ({"ctx": e["ctx"]} if "ctx" in e else {})
+            for e in error.errors()
+        ]
+        raise ValidationError.from_exception_data(error.title, untagged) from None
 
 
 Divergence = Literal["kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd"]
@@ -244,13 +431,15 @@ class PreferenceConfig:
 class LossConfig:
     """Every knob of the three-channel loss; invalid combinations fail when it is built.
 
+    - ``policy``: channel 1, the config of one method (``policy_config(name, ...)``, or in a
+      topology a mapping whose ``name`` picks the method); ``DEFAULT_POLICY`` unless set.
     - ``alpha_sdpo``: weight of channel 2 (distillation, e.g. SDPO hint self-distillation).
     - ``beta_replay``: weight of channel 3 (DPO/SimPO over teacher-trace pairs).
     - ``chunk_tokens``: with a ``LinearHead``, about this many tokens' logits exist at
       once (rounded to whole rows, at least one row).
     """
 
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    policy: Annotated[PolicyConfig, _ByName()] = field(default_factory=lambda: POLICIES[DEFAULT_POLICY]())
     distill: DistillConfig = field(default_factory=DistillConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     alpha_sdpo: float = 0.0
@@ -258,7 +447,7 @@ class LossConfig:
     chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
-        for name, kind in (("policy", PolicyConfig), ("distill", DistillConfig), ("preference", PreferenceConfig)):
+        for name, kind in (("policy", BasePolicyConfig), ("distill", DistillConfig), ("preference", PreferenceConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(
                     f"LossConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}"

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from losses.batch import Counts, PolicyInputs, masked_sum_per_row
-from losses.config import COVARIANCE, Aggregation, PolicyConfig
+from losses.config import COVARIANCE, Aggregation, CovariancePolicyConfig, PolicyConfig
 
 LOG_WEIGHT_BOUND = 20.0  # exp(+-20) guards importance weights against overflow (as verl)
 
@@ -47,7 +47,7 @@ def importance_weights(old: Tensor, inference: Tensor, mask: Tensor, cfg: Policy
 def old_logprobs(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> Tensor:
     """The policy the ratio is taken against (detached): given explicitly (several updates
     per batch), else the trainer's own logprobs when ``is_mode`` corrects the sampler
-    separately, else the sampler's (where finite) -- see ``PolicyConfig.is_mode``."""
+    separately, else the sampler's (where finite) -- see ``BasePolicyConfig.is_mode``."""
     trainer = logprobs.detach()
     if inputs.old_logprobs is not None:
         return inputs.old_logprobs.detach()
@@ -110,8 +110,8 @@ def _surrogate(logprobs: Tensor, old: Tensor, advantages: Tensor, log_ratio: Ten
     return per_token, limited
 
 
-def covariance_selection(logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: PolicyConfig) -> Tensor:
-    """Clip-Cov's and KL-Cov's tokens ``[B, T]`` (see ``PolicyConfig``): by the covariance of the
+def covariance_selection(logprobs: Tensor, advantages: Tensor, mask: Tensor, cfg: CovariancePolicyConfig) -> Tensor:
+    """Clip-Cov's and KL-Cov's tokens ``[B, T]`` (see ``CovariancePolicyConfig``): by the covariance of the
     old policy's logprob and the advantage over the ``mask`` tokens given, chosen once for all of
     them so that every slice, chunk and micro-batch of them applies the same choice."""
     mask = mask.bool() & torch.isfinite(logprobs)
@@ -139,7 +139,9 @@ def old_policy_logprobs(inputs: PolicyInputs) -> Tensor | None:
     return inputs.old_logprobs if inputs.old_logprobs is not None else inputs.inference_logprobs
 
 
-def _covariance_rule(per_token: Tensor, limited: Tensor, log_ratio: Tensor, chosen: Tensor, cfg: PolicyConfig):
+def _covariance_rule(
+    per_token: Tensor, limited: Tensor, log_ratio: Tensor, chosen: Tensor, cfg: CovariancePolicyConfig
+) -> tuple[Tensor, Tensor]:
     """KL-Cov adds ``kl_cov_coef * |log r|`` at the chosen tokens; Clip-Cov cuts the chosen ones the
     clip left alone from the loss. Returns the per-token loss and the tokens limited."""
     if cfg.name == "kl_cov":

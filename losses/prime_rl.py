@@ -12,7 +12,7 @@ Use it from PRIME-RL's own trainer (prime-rl need not be installed to import thi
     type = "custom"
     import_path = "losses.prime_rl.composer_loss"
     [trainer.loss.kwargs]
-    name = "dppo"          # any PolicyConfig field; the default reproduces PRIME-RL's default loss
+    name = "dppo"          # any field of the method's config; the default reproduces PRIME-RL's default loss
 
 Only token-sum aggregation fits the contract, so ``aggregation`` must stay ``token_mean``.
 """
@@ -25,7 +25,7 @@ from functools import lru_cache
 from torch import Tensor
 
 from losses.batch import Counts, PolicyInputs
-from losses.config import PolicyConfig
+from losses.config import PolicyConfig, policy_config
 from losses.policy import policy_loss
 
 UPSTREAM_COMMIT = "559b44772"
@@ -57,7 +57,7 @@ except ImportError:
 def _config(items: tuple) -> PolicyConfig:
     kwargs = dict(items)
     kwargs.setdefault("name", "dppo")
-    cfg = PolicyConfig(**kwargs)
+    cfg = policy_config(**kwargs)
     if cfg.aggregation != "token_mean":
         raise ValueError(
             f"PRIME-RL divides the returned sum by its global token count, so only token_mean aggregation fits; "
@@ -67,7 +67,7 @@ def _config(items: tuple) -> PolicyConfig:
 
 
 def composer_loss(inputs: LossInputs, **kwargs) -> LossOutputs:
-    """PRIME-RL custom loss: the masked token sum of a ``PolicyConfig(**kwargs)`` loss."""
+    """PRIME-RL custom loss: the masked token sum of a ``policy_config(**kwargs)`` loss."""
     cfg = _config(tuple(sorted(kwargs.items())))
     mask = inputs.loss_mask.bool()[None]
     batch = PolicyInputs(

@@ -6,11 +6,11 @@ python -m mesh.ctl runs/tiny-20261121-101500 teachers unbind big
 python -m mesh.ctl runs/tiny-20261121-101500 teachers list
 ```
 
-SPEC is a YAML flow mapping with the fields of ``actors.bindings.config.BindingConfig``. It is
+SPEC is a YAML flow mapping with the fields of ``actors.teachers.bindings.config.BindingConfig``. It is
 checked here before anything is sent; the run checks it again by building the binding
 (loading its model) and applies it at its next step boundary, or rejects it and keeps
 the old binding. Only the user who started the run can send commands (see
-``mesh/control.py``).
+``mesh/commands.py``).
 
 Exit codes: 0 applied or listed; 1 rejected by the run, or the run cannot be reached;
 2 the command line or the spec is wrong (nothing was sent).
@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from actors import registry
-from actors.bindings.config import BindingConfig
-from mesh.control import NAME_PATTERN, ControlError, read_teachers, send
+from actors.teachers.bindings.config import BindingConfig
+from mesh.commands import NAME_PATTERN, ControlError, read_teachers, send
 from mesh.topology import TopologyError, parse_yaml
 
 EXAMPLE_SPEC = "'{kind: hf, path: ./teacher, use: [distill]}'"

@@ -26,10 +26,10 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, Field, Strict, ValidationInfo, field_validator
 
-from actors.bindings import TopK
 from actors.checkpoint import STRICT
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
+from actors.teachers.bindings import TopK
 from mesh.collected import Collected
 from mesh.router import TargetLoad
 

@@ -1,14 +1,18 @@
-"""The memory pre-flight: the weight store's slots must fit where they live, with RAM to spare.
+"""The pre-flight: ``preflight(plan, machine)`` refuses a plan this machine cannot hold.
+
+Only the launchers that place every process on this machine (``local``, ``process``) check:
+the processes (at most ``PROCS_PER_CORE`` per core), the GPUs, and memory, below.
+
+The memory: the weight store's slots must fit where they live, with RAM to spare.
 
 The trainer publishes every policy version into a ring of ``max_policy_lag + 2`` slots
 (a version a generator may still use is never overwritten; ``actors/weights/store.py``),
 all reserved when the run starts: in ``/dev/shm`` for the ``shm`` transport (tmpfs, so
 its pages are RAM as well), in the trainer's memory for ``rdma``, on its GPU for
 ``cuda_ipc`` (not checked here). A lag whose slots do not fit would be an out-of-memory
-kill once the run has started, so it is refused when the topology is read. Only the
-launchers that place every process on this machine (``local``, ``process``) check: the
-trainer of a cluster launcher creates its store on a node of its own, whose memory this
-machine cannot read (a full ``/dev/shm`` there fails the trainer's start, naming it).
+kill once the run has started, so it is refused before anything starts. The trainer of a
+cluster launcher creates its store on a node of its own, whose memory this machine cannot
+read (a full ``/dev/shm`` there fails the trainer's start, naming it).
 
 The slots must also leave RAM for the rest of the run (``ram_margin``): the trainer's
 own weights, gradients and two AdamW moments (4 x the weights in fp32, whatever dtype
@@ -31,19 +35,20 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from actors.model_config import ModelFacts
 from actors.weights_config import SHM, slot_bytes
-
-if TYPE_CHECKING:
-    from mesh.topology import Topology
+from mesh.placement import check_gpus, gpus_needed
+from mesh.plan import RunPlan
+from mesh.topology import Topology, TopologyError, load_topology, one_line
 
 MEMINFO = Path("/proc/meminfo")
 TRAINER_COPIES = 4  # weights, gradients, AdamW's two moments
 RUNTIME_BYTES = 512 * 2**20  # a process with torch and transformers loaded, before any model
 TOKEN_BYTES = 12  # a token id (int64) and its logprob (float32): the least a holder of the batch keeps per token
 FLOAT_BYTES = 4  # CPU meshes compute in float32
+PROCS_PER_CORE = 4
+DEV = Path("/dev")
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,79 @@ class FreeMemory:
 
 
 @dataclass(frozen=True)
+class Machine:
+    """What the machine a run starts on holds: cores, GPUs a process started here can use, free memory."""
+
+    cores: int
+    gpus: int
+    free: FreeMemory
+
+    @classmethod
+    def here(cls) -> Machine:
+        return cls(os.cpu_count() or 1, gpu_count(), FreeMemory.now())
+
+
+def load_plan(path: str | Path, overrides: list[str] = (), placed_here: bool = True) -> RunPlan:
+    """Read, override and validate a topology file, resolve its plan and (``placed_here``: the job starts
+    on this machine, not only described) check that the plan fits this machine. Any mistake is a
+    ``TopologyError`` naming the file."""
+    topology = load_topology(path, overrides, placed_here)
+    try:
+        plan = RunPlan.of(topology)
+        check_gpus(plan)
+        topology.launcher.check(plan)
+        if placed_here:
+            preflight(plan, Machine.here())
+    except ValueError as error:
+        raise TopologyError(f"{path}: {one_line(str(error))}") from None
+    return plan
+
+
+def preflight(plan: RunPlan, machine: Machine) -> None:
+    """Refuse more processes, GPUs or memory than ``machine`` holds, where the launcher places every
+    process on it (generator copies and DiLoCo replicas counted)."""
+    launcher = plan.topology.launcher
+    if not launcher.one_machine:
+        return
+    copies, runs = len(plan.generator_meshes), plan.runs_here
+    notes = [f"actors.generator.copies: {copies}"] * (copies > 1) + [f"diloco.replicas: {runs}"] * (runs > 1)
+    counted = f" ({' and '.join(notes)} counted)" if notes else ""
+    procs = runs * sum(mesh.size for mesh in plan.meshes.values())
+    limit = PROCS_PER_CORE * machine.cores
+    if procs > limit:
+        raise ValueError(
+            f"meshes ask for {procs} processes in all{counted}, more than the {limit} this {machine.cores}-core "
+            f"machine can hold with launcher {launcher.kind!r} ({PROCS_PER_CORE} per core); lower meshes.*.procs or "
+            "actors.generator.copies, or place the job on a cluster (launcher.kind: slurm or k8s)"
+        )
+    gpus = gpus_needed(plan)
+    if gpus > machine.gpus:
+        raise ValueError(
+            f"meshes ask for {gpus} GPU{'s' * (gpus > 1)}{counted} but this machine has {machine.gpus}; "
+            "set meshes.*.gpus to 0 to run on CPU, or place the job on a cluster (launcher.kind: slurm or k8s)"
+        )
+    check_memory(plan, machine.free)
+
+
+def gpu_count() -> int:
+    """The GPUs a process started here can use, found without loading CUDA (or torch):
+    the NVIDIA device files, narrowed by ``CUDA_VISIBLE_DEVICES`` as CUDA reads it (indices
+    or ``GPU-``/``MIG-`` UUIDs, up to the first entry that is neither)."""
+    devices = len(list(DEV.glob("nvidia[0-9]*")))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return devices
+    count = 0
+    for entry in (e.strip() for e in visible.split(",")):
+        if not (entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < devices)):
+            break
+        count += 1
+    return min(count, devices)
+
+
+@dataclass(frozen=True)
 class StorePlan:
-    """The weight store a topology reserves, and the RAM the rest of its run keeps."""
+    """The weight store a run reserves, and the RAM the rest of its run keeps."""
 
     slots: int
     slot_bytes: int | None  # None: unknown (the model directory has no safetensors weights)
@@ -80,13 +156,12 @@ class StorePlan:
     batch_bytes: int = 0  # a step's batch (``BatchPlan``), where the memory check counts it
 
     @classmethod
-    def of(cls, topology: Topology) -> StorePlan:
-        tensors = topology.model_facts().tensors
-        processes = sum(m.procs * m.hosts for m in topology.launched_meshes().values())
-        size = None if tensors is None else slot_bytes(tensors, topology.weights_dtype())
+    def of(cls, plan: RunPlan) -> StorePlan:
+        tensors = plan.model.tensors
+        processes = sum(mesh.size for mesh in plan.meshes.values())
+        size = None if tensors is None else slot_bytes(tensors, plan.weights_dtype)
         masters = None if tensors is None else slot_bytes(tensors)
-        slots = topology.loop.max_policy_lag + 2
-        return cls(slots, size, topology.weight_transport(), processes, masters, _reference_bytes(topology))
+        return cls(plan.store_slots, size, plan.transport, processes, masters, _reference_bytes(plan))
 
     @property
     def ram_margin(self) -> int:
@@ -120,18 +195,19 @@ class BatchPlan:
     fixed: int
 
     @classmethod
-    def of(cls, topology: Topology) -> BatchPlan:
+    def of(cls, plan: RunPlan) -> BatchPlan:
+        topology = plan.topology
         loop, cfg = topology.loop, topology.actors
         tokens = cfg.generator.max_new_tokens + 1
-        trainer_rows = loop.group_size + _traces_per_prompt(topology)
+        trainer_rows = loop.group_size + _traces_per_prompt(plan)
         per_prompt = 2 * trainer_rows * tokens * TOKEN_BYTES  # the controller's copy and the trainer ranks' shards
-        shape = _Shape.of(topology.model_facts())
+        shape = _Shape.of(plan.model)
         fixed = 0
         if shape is not None and cfg.generator.engine == "hf" and not topology.meshes[cfg.generator.mesh].gpus:
             per_prompt += loop.group_size * shape.sampling_bytes(tokens)  # one padded batch per request
         trainer = topology.meshes[cfg.trainer.mesh]
         if shape is not None and not trainer.gpus:
-            ranks = trainer.procs * trainer.hosts
+            ranks = trainer.size
             micro = min(cfg.trainer.micro_batch_size, -(-loop.prompts_per_step * trainer_rows // ranks))
             fixed = ranks * shape.training_bytes(micro * tokens, cfg.trainer.loss.chunk_tokens)
         return cls(loop.prompts_per_step, tokens, per_prompt, fixed)
@@ -171,33 +247,30 @@ class _Shape:
         return (tokens * self.hidden * self.layers + min(tokens, chunk_tokens) * self.vocab) * FLOAT_BYTES
 
 
-def _traces_per_prompt(topology: Topology) -> int:
+def _traces_per_prompt(plan: RunPlan) -> int:
     """The teachers' traces a prompt's group gets on top of its samples: the warm-start one, and one per
     replayed teacher."""
-    loop, cfg = topology.loop, topology.actors
+    loop, cfg = plan.topology.loop, plan.topology.actors
     bindings = cfg.teachers.bindings if cfg.teachers else {}
     replayed = {name for name, binding in bindings.items() if "replay" in binding.use}
     warm = {loop.warm_start.teacher} if loop.warm_start.steps else set()
     return len(warm | replayed) if cfg.trainer.loss.beta_replay > 0 else len(warm)
 
 
-def _reference_bytes(topology: Topology) -> int:
+def _reference_bytes(plan: RunPlan) -> int:
     """The RAM the reference model takes: one fp32 copy in each process of its mesh (every trainer
     rank, on the trainer's), unless that mesh has GPUs; 0 when its size is unknown."""
-    reference = topology.reference()
-    if reference is None or topology.meshes[reference.mesh].gpus:
+    reference = plan.reference
+    if reference is None or plan.meshes[reference.mesh].gpus:
         return 0
-    facts = (
-        topology.model_facts() if reference.path is None else ModelFacts.of_directory(Path(reference.path).expanduser())
-    )
-    mesh = topology.meshes[reference.mesh]
-    return mesh.procs * mesh.hosts * slot_bytes(facts.tensors) if facts.tensors else 0
+    facts = plan.model if reference.path is None else ModelFacts.of_directory(Path(reference.path).expanduser())
+    return plan.meshes[reference.mesh].size * slot_bytes(facts.tensors) if facts.tensors else 0
 
 
-def check_memory(topology: Topology, free: FreeMemory | None = None) -> None:
+def check_memory(run: RunPlan, free: FreeMemory) -> None:
     """Refuse a batch, or a ``max_policy_lag``, whose memory this machine cannot hold."""
-    runs = topology.runs_here()
-    plan, batch, free = StorePlan.of(topology), BatchPlan.of(topology), (free or FreeMemory.now()).share(runs)
+    runs, topology = run.runs_here, run.topology
+    plan, batch, free = StorePlan.of(run), BatchPlan.of(run), free.share(runs)
     _check_batch(topology, plan, batch, free, runs)
     plan = dataclasses.replace(plan, batch_bytes=batch.bytes)
     fit = plan.slots_that_fit(free)
@@ -256,9 +329,9 @@ def _shared(runs: int) -> str:
     return f" for each of the diloco.replicas: {runs}" if runs > 1 else ""
 
 
-def describe_store(topology: Topology, free: FreeMemory | None = None) -> str:
+def describe_store(run: RunPlan, free: FreeMemory | None = None) -> str:
     """The pre-flight as ``--dry-run`` prints it."""
-    plan, free = StorePlan.of(topology), free or FreeMemory.now()
+    plan, free, topology = StorePlan.of(run), free or FreeMemory.now(), run.topology
     if plan.slot_bytes is None:
         return f"weight store: {plan.slots} slots (size unknown: model.path has no safetensors weights)"
     line = f"weight store: {plan.slots} slots x {size(plan.slot_bytes)} = {size(plan.slots * plan.slot_bytes)}"

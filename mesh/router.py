@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 from actors.environments.openenv_task import EpisodeSpec
 from actors.generator import Generation
 from actors.rollout import EpisodeOutcome, Reward, Trajectory
+from actors.shares import split_evenly
 from actors.tasks import Problem
-from actors.train_batch import split_rows
 from actors.weights import WeightVersion
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
@@ -205,7 +205,7 @@ class Router:
 
     async def _route(self, problems: list[Problem], rows_each: int, version: int, call: Call) -> Routed:
         start = time.perf_counter()
-        shares = [s for s in split_rows(len(problems), self._requests(len(problems))) if s.stop > s.start]
+        shares = [s for s in split_evenly(len(problems), self._requests(len(problems))) if s.stop > s.start]
         requests = [self._request(call, share, (share.stop - share.start) * rows_each, version) for share in shares]
         # one request is awaited, not gathered: it is sent in the caller's turn of the event loop
         replies = [await requests[0]] if len(requests) == 1 else await asyncio.gather(*requests)

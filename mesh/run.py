@@ -55,8 +55,10 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from mesh.launchers.k8s_objects import write_objects  # noqa: E402
-from mesh.topology import Topology, TopologyError, describe, load_topology  # noqa: E402
+from mesh.describe import describe  # noqa: E402
+from mesh.launchers.k8s import write_objects  # noqa: E402
+from mesh.preflight import load_plan  # noqa: E402
+from mesh.topology import Topology, TopologyError, load_topology  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         return render(args.topology, args.set, Path(args.render))
     try:
-        topology = load_topology(args.topology, args.set)
-        if args.resume and topology.starts_replicas():
+        plan = load_plan(args.topology, args.set)
+        topology = plan.topology
+        if args.resume and plan.starts_replicas:
             raise TopologyError(
                 f"a DiLoCo run of {topology.diloco.replicas} replicas is resumed replica by replica: "
                 f"python -m mesh.run {args.topology} --replica I --resume <replica I's checkpoint>, with the "
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mesh.rundir import RunDirError
 
-    if topology.starts_replicas():
+    if plan.starts_replicas:
         from mesh.replicas import run_replicas
 
         # while it watches them, signals go on to the replicas (``mesh/replicas.py``)
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     QUIET.ended("while exiting; the run had stopped everything it started")  # the run's Stopper is in between
     try:
-        run_dir = asyncio.run(run(topology, args.run_root, progress=not args.no_progress, resume=args.resume))
+        run_dir = asyncio.run(run(plan, args.run_root, progress=not args.no_progress, resume=args.resume))
     except RunDirError as error:  # raised before anything is spawned
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -168,15 +171,15 @@ def dry_run(path: str, overrides: list[str], resume: str | None) -> int:
     """Print the plan; a job that is right but does not fit this machine (a GPU node's topology
     read on a laptop) is still described, with what this machine lacks."""
     try:
-        topology = load_topology(path, overrides, placed_here=False)
+        plan = load_plan(path, overrides, placed_here=False)
         if resume:
-            check_resume(topology, Path(resume))
+            check_resume(plan.topology, Path(resume))
     except TopologyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(describe(topology))
+    print(describe(plan))
     try:
-        load_topology(path, overrides)
+        load_plan(path, overrides)
     except TopologyError as error:
         print(f"\n# this machine\ncannot run it: {error}")
     return 0
@@ -185,14 +188,15 @@ def dry_run(path: str, overrides: list[str], resume: str | None) -> int:
 def render(path: str, overrides: list[str], directory: Path) -> int:
     """Write the objects a cluster needs to run the topology (they are not placed here)."""
     try:
-        topology = load_topology(path, overrides, placed_here=False)
+        plan = load_plan(path, overrides, placed_here=False)
+        topology = plan.topology
         if topology.launcher.kind != "k8s":
             raise TopologyError(
                 f"--render writes Kubernetes objects, but launcher.kind is {topology.launcher.kind!r}; "
                 "add --set launcher.kind=k8s (or set it in the topology)"
             )
         text = Path(path).read_text(encoding="utf-8-sig")
-        written = write_objects(topology.launcher.render(topology, text, overrides), directory)
+        written = write_objects(topology.launcher.render(plan, text, overrides), directory)
     except (TopologyError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

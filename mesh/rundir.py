@@ -2,7 +2,8 @@
 
 ```
 runs/<name>-<time>/
-  topology.yaml        the resolved topology (after --set), what actually ran
+  topology.yaml        the resolved topology (after --set), what the user asked for
+  plan.yaml            what the run did with it: meshes, services, weight transport, slots (mesh/plan.py)
   model/               the policy's starting point (a built tiny model, or a note of the path)
   metrics.jsonl        one JSON object per step (strict JSON: a number that is not finite is null)
   tensorboard/         the same scalars as TensorBoard events
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
 METRICS_FILE = "metrics.jsonl"
+PLAN_FILE = "plan.yaml"
 ROOT_HINT = "--run-root (or the topology's logging.root)"
 
 
@@ -70,6 +72,7 @@ class RunDir:
         tensorboard: bool,
         logging: Logging | None = None,
         resumed_from: Path | None = None,
+        plan: dict | None = None,
     ) -> RunDir:
         """A new directory ``<root>/<name>-<time>`` (missing parents made), never one another run
         also got: the directory is made without ``exist_ok`` and a taken name gets a suffix.
@@ -97,6 +100,8 @@ class RunDir:
         try:
             run = cls(path, tensorboard)
             (path / "topology.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+            if plan is not None:
+                (path / PLAN_FILE).write_text(yaml.safe_dump(plan, sort_keys=False))
             if logging is not None:
                 run.trackers = open_trackers(logging, path, resolved, resumed_from)
         except OSError as error:

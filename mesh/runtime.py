@@ -20,9 +20,9 @@ import sys
 import time
 from collections.abc import Awaitable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 # Monarch notices a dead process when it next polls its supervision state, by default every
 # 10 s: a run that replaces dead processes wants to hear within a second. Read when Monarch starts.
@@ -31,20 +31,21 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
-from actors.bindings import Student  # noqa: E402
+from actors.compute import Placement  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
-from actors.diloco.syncer import DiLoCoSyncer, checkpoint_name  # noqa: E402
+from actors.diloco.syncer import checkpoint_name  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator import Generator  # noqa: E402
 from actors.lifecycle import ProcInfo  # noqa: E402
-from actors.model import Placement, build_tiny_model  # noqa: E402
+from actors.model import build_tiny_model  # noqa: E402
 from actors.reference import Reference  # noqa: E402
 from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
-from actors.teachers import TeacherPool  # noqa: E402
+from actors.teachers.bindings import Student  # noqa: E402
+from actors.teachers.pool import TeacherPool  # noqa: E402
 from actors.trainer import Trainer  # noqa: E402
-from mesh.control import EVENTS, ControlChannel  # noqa: E402
+from mesh.commands import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import (  # noqa: E402
     CollectSettings,
     Controller,
@@ -62,13 +63,12 @@ from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fingerprint import topology_fingerprint  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.interrupts import Interrupted, Stopper, newest_checkpoint  # noqa: E402
-from mesh.placement import trainer_memory_share, vllm_share  # noqa: E402
+from mesh.plan import RunPlan, model_path_of  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
 from mesh.replicas import serve_lighthouse  # noqa: E402
 from mesh.router import Router  # noqa: E402
 from mesh.rundir import RunDir  # noqa: E402
 from mesh.teachers import TeacherBoard  # noqa: E402
-from mesh.topology import Topology  # noqa: E402
 
 if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -83,10 +83,8 @@ class RunFailed(RuntimeError):
     """The run stopped on a fault; the message names the actor, the cause and where the results are."""
 
 
-async def run(
-    topology: Topology, run_root: str | None = None, progress: bool = True, resume: str | None = None
-) -> RunDir:
-    """Run ``topology`` to the end; returns its run directory.
+async def run(plan: RunPlan, run_root: str | None = None, progress: bool = True, resume: str | None = None) -> RunDir:
+    """Run ``plan`` to the end; returns its run directory.
 
     ``resume``: a checkpoint directory of an earlier run of this topology; training goes
     on from its step with its policy, optimizer, loss state and in-flight batches.
@@ -94,14 +92,13 @@ async def run(
     stopper = Stopper()
     stopper.install()  # from before the run directory is made until all is stopped: a signal stops it, cleanly
     try:
-        return await _run(topology, run_root, progress, resume, stopper)
+        return await _run(plan, run_root, progress, resume, stopper)
     finally:
         stopper.remove()
 
 
-async def _run(
-    topology: Topology, run_root: str | None, progress: bool, resume: str | None, stopper: Stopper
-) -> RunDir:
+async def _run(plan: RunPlan, run_root: str | None, progress: bool, resume: str | None, stopper: Stopper) -> RunDir:
+    topology = plan.topology
     logging = topology.logging
     resumed_from = Path(resume).parent.parent if resume else None  # <run>/checkpoints/step_N
     run_dir = RunDir.create(
@@ -111,6 +108,7 @@ async def _run(
         logging.tensorboard,
         logging,
         resumed_from,
+        plan.record(),
     )
     bar = Progress(topology, enabled=progress)
     faults = _FaultLog(run_dir.path, bar)
@@ -128,22 +126,21 @@ async def _run(
             cleanup.callback(control.close)
             task = build_task(topology.task.config)
             episodes = _episodes(task, run_dir, cleanup)
-            model_path = _prepare_model(topology, getattr(task, "alphabet", None), run_dir)
+            model_path = _prepare_model(plan, getattr(task, "alphabet", None), run_dir)
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
             board = TeacherBoard(bindings, topology.actors.trainer.loss)
-            placement = _service_placement(topology)
-            roles = _roles(topology, model_path, board, _diloco_meeting(topology, run_dir, cleanup), placement)
+            roles = _roles(plan, model_path, board, _diloco_meeting(plan, run_dir, cleanup))
             fleet = Fleet(launcher, roles, topology.fault_tolerance, topology.actors.trainer.mesh, faults.record)
             cleanup.push_async_callback(_stop_trainer, fleet)
             monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
             fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))
-            await fleet.start(launcher.start(topology))
+            await fleet.start(launcher.start(plan))
             _write_procs(run_dir.path, fleet)
-            services = _services(topology, fleet, placement)
+            services = _services(plan, fleet)
             if services.teacher_pool is not None:
                 await board.attach(services.teacher_pool)
             context = RunContext(run_dir, bar, control, stopper, fleet)
-            controller = Controller(_loop_settings(topology, episodes), services, task, board, context, episodes)
+            controller = Controller(_loop_settings(plan, episodes), services, task, board, context, episodes)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
     except Interrupted:
         raise
@@ -248,70 +245,47 @@ class _FaultLog:
             f.write(f"== {time.strftime('%Y-%m-%d %H:%M:%S')} {title}\n{summary}\n{traceback or ''}\n")
 
 
-def _prepare_model(topology: Topology, alphabet: str | None, run_dir: RunDir) -> str:
+def _prepare_model(plan: RunPlan, alphabet: str | None, run_dir: RunDir) -> str:
+    topology = plan.topology
     if topology.model.path is not None:
         return str(Path(topology.model.path).expanduser().resolve())
     return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))
 
 
-@dataclass(frozen=True)
-class ServicePlacement:
-    """Where rewarding and reference scoring run, decided once for the run: the actors spawned (``_roles``)
-    and the controller's services (``_services``) both follow it."""
-
-    rewarder: Literal["in_generator", "own_mesh"]  # in_generator: each generator rewards what it writes
-    reference: Literal["in_trainer", "own_mesh"] | None  # in_trainer: on the trainer's ranks; None: no reference
-
-
-def _service_placement(topology: Topology) -> ServicePlacement:
-    """The one place the services' placement is read from the topology."""
-    reference = None
-    if topology.reference() is not None:
-        reference = "in_trainer" if topology.reference_in_trainer() else "own_mesh"
-    return ServicePlacement("in_generator" if topology.rewards_in_generators() else "own_mesh", reference)
-
-
-def _roles(
-    topology: Topology,
-    model_path: str,
-    board: TeacherBoard,
-    diloco: DiLoCoConfig | None,
-    placement: ServicePlacement,
-) -> dict[str, list[Role]]:
-    """Mesh name -> the actors placed on it, the trainer first on its mesh (then DiLoCo's syncer)."""
+def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoConfig | None) -> dict[str, list[Role]]:
+    """Mesh name -> the actors placed on it, the trainer first on its mesh (a DiLoCo replica's owns its syncer)."""
+    topology = plan.topology
     cfg, seed = topology.actors, topology.seed
-    roles: dict[str, list[Role]] = {name: [] for name in topology.launched_meshes()}
+    roles: dict[str, list[Role]] = {name: [] for name in plan.meshes}
+    reference = plan.reference
 
     async def trainer(procs: ProcMesh) -> ActorMesh:
         await setup_torch_elastic_env_async(procs)
-        slots = topology.loop.max_policy_lag + 2  # a version in use is never overwritten (see actors/weights)
-        place = _placement(topology, cfg.trainer.mesh, "trainer")
-        args = (model_path, cfg.trainer, seed, slots, place, topology.loop.steps)
-        reference = (topology.reference().path or model_path) if placement.reference == "in_trainer" else None
-        return procs.spawn("trainer", Trainer, *args, topology.weight_transport(), topology.weights_dtype(), reference)
+        place = _placement(plan, cfg.trainer.mesh, "trainer")
+        args = (model_path, cfg.trainer, seed, plan.store_slots, place, topology.loop.steps)
+        in_trainer = reference is not None and reference.placement == "in_trainer"
+        scored = model_path_of(reference, model_path) if in_trainer else None
+        args += (plan.transport, plan.weights_dtype, scored, diloco, plan.diloco_replica)
+        return procs.spawn("trainer", Trainer, *args)
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
-    if diloco is not None:
-        syncer = _spawner("syncer", DiLoCoSyncer, diloco, topology.diloco_replica())
-        roles[cfg.trainer.mesh].append(Role("syncer", syncer, _start_all))
-    rewarding = (topology.task.config, cfg.rewarder) if placement.rewarder == "in_generator" else ()
-    for name in topology.replica_meshes():
-        place = _placement(topology, name, "generator")
+    rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else ()
+    for name in plan.generator_meshes:
+        place = _placement(plan, name, "generator")
         spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding)
         roles[name].append(Role("generator", spawn, _start_all))
-    if not rewarding:
+    if plan.rewarder == "own_mesh":
         roles[cfg.rewarder.mesh].append(
             Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all)
         )
-    if placement.reference == "own_mesh":
-        reference = topology.reference()
-        place = _placement(topology, reference.mesh, "reference")
-        args = (reference.path or model_path, model_path, place, cfg.trainer.micro_batch_size)
+    if reference is not None and reference.placement == "own_mesh":
+        place = _placement(plan, reference.mesh, "reference")
+        args = (model_path_of(reference, model_path), model_path, place, cfg.trainer.micro_batch_size)
         spawn = _spawner("reference", Reference, *args, cfg.trainer.loss.chunk_tokens)
         roles[reference.mesh].append(Role("reference", spawn, _start_all))
     if cfg.teachers is not None:
         student = Student(model_path, cfg.generator.max_new_tokens, seed)
-        spawn = _spawner("teachers", TeacherPool, student, _placement(topology, cfg.teachers.mesh, "teachers"))
+        spawn = _spawner("teachers", TeacherPool, student, _placement(plan, cfg.teachers.mesh, "teachers"))
 
         async def start_teachers(pool: ActorMesh) -> list[ProcInfo]:  # every binding in use, under its id
             return list((await pool.start.call(board.live())).values())
@@ -320,12 +294,12 @@ def _roles(
     return roles
 
 
-def _diloco_meeting(topology: Topology, run_dir: RunDir, cleanup: AsyncExitStack) -> DiLoCoConfig | None:
+def _diloco_meeting(plan: RunPlan, run_dir: RunDir, cleanup: AsyncExitStack) -> DiLoCoConfig | None:
     """This replica's ``diloco`` section with where the replicas meet filled in: the object store (the
     topology's, else ``<run>/diloco``), or a torchft lighthouse (the topology's, else one this run serves
     until it ends: a run of one replica)."""
-    diloco = topology.diloco
-    if topology.diloco_replica() is None:
+    diloco = plan.topology.diloco
+    if plan.diloco_replica is None:
         return None
     if diloco.transport == "object_store":
         return replace(diloco, store=diloco.store or (run_dir.path / "diloco").resolve().as_uri())
@@ -347,40 +321,33 @@ async def _start_all(actors: ActorMesh) -> list[ProcInfo]:
     return list((await actors.start.call()).values())
 
 
-def _services(topology: Topology, fleet: Fleet, placement: ServicePlacement) -> Services:
+def _services(plan: RunPlan, fleet: Fleet) -> Services:
     """Supervised handles: every call goes through the fleet, which replaces dead processes; rewarding and
-    reference scoring in the implementation ``placement`` chose."""
-    cfg = topology.actors
+    reference scoring in the implementation the plan placed them for, chosen here once."""
+    cfg = plan.topology.actors
     targets = [
-        fleet.handle("generator", name, proc)
-        for name in topology.replica_meshes()
-        for proc in range(topology.meshes[cfg.generator.mesh].procs * topology.meshes[cfg.generator.mesh].hosts)
+        fleet.handle("generator", name, proc) for name in plan.generator_meshes for proc in range(plan.meshes[name].size)
     ]
     router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
     rewarding: Rewarding = RewardedInGenerators()
-    if placement.rewarder == "own_mesh":
+    if plan.rewarder == "own_mesh":
         rewarding = RemoteRewarder(fleet.handle("rewarder", cfg.rewarder.mesh, 0))
     reference: ReferenceScoring = ReferenceInTrainer()  # also when there is no reference
-    if placement.reference == "own_mesh":
-        reference = RemoteReference(fleet.handle("reference", topology.reference().mesh, 0))
-    return Services(
-        fleet.handle("trainer", cfg.trainer.mesh),
-        router,
-        rewarding,
-        reference,
-        fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None,
-        fleet.handle("syncer", cfg.trainer.mesh) if topology.diloco_replica() is not None else None,
-    )
+    if plan.reference is not None and plan.reference.placement == "own_mesh":
+        reference = RemoteReference(fleet.handle("reference", plan.reference.mesh, 0))
+    teacher_pool = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
+    return Services(fleet.handle("trainer", cfg.trainer.mesh), router, rewarding, reference, teacher_pool)
 
 
-def _loop_settings(topology: Topology, episodes: EpisodeSpec | None) -> LoopSettings:
-    """What the controller's parts read of the topology, read once."""
+def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None) -> LoopSettings:
+    """What the controller's parts read of the plan, read once."""
+    topology = plan.topology
     loop, loss = topology.loop, topology.actors.trainer.loss
     collect = CollectSettings(
         prompts_per_step=loop.prompts_per_step,
         group_size=loop.group_size,
-        prompt_seed=topology.prompt_seed(),
+        prompt_seed=plan.prompt_seed,
         seed=topology.seed,
         evaluation_prompts=loop.evaluation.prompts,
         warm_start_teacher=loop.warm_start.teacher,
@@ -396,8 +363,8 @@ def _loop_settings(topology: Topology, episodes: EpisodeSpec | None) -> LoopSett
         advantage=loss.policy.advantage,
         # every reply of an episode
         max_completion_len=topology.actors.generator.max_new_tokens * (episodes.max_turns if episodes else 1),
-        reference=topology.reference() is not None,
-        diloco_interval=topology.diloco.interval if topology.diloco_replica() is not None else None,
+        reference=plan.reference is not None,
+        diloco_interval=topology.diloco.interval if plan.diloco_replica is not None else None,
         fingerprint=topology_fingerprint(topology).to_json(),
         collect=collect,
     )
@@ -412,16 +379,11 @@ def _write_procs(run_path: Path, fleet: Fleet) -> None:
     (run_path / PROCS).write_text(json.dumps(where, indent=1) + "\n")
 
 
-def _placement(topology: Topology, mesh: str, actor: str) -> Placement:
+def _placement(plan: RunPlan, mesh: str, actor: str) -> Placement:
     """Where ``actor`` computes on ``mesh``: CPU threads (the cores this run may use, shared among
-    the processes that compute, the trainer's and every generator replica's, at least one each),
+    the processes that compute, the trainer's and every generator copy's, at least one each),
     the GPUs each of the mesh's processes sees, and the share of their memory the actor may take."""
-    meshes = topology.launched_meshes()
-    compute = {topology.actors.trainer.mesh, *topology.replica_meshes()}
-    threads = max(1, len(os.sched_getaffinity(0)) // sum(meshes[m].procs * meshes[m].hosts for m in compute))
-    share = None
-    if actor == "trainer":
-        share = trainer_memory_share(topology)
-    elif actor == "generator" and topology.actors.generator.engine == "vllm":
-        share = vllm_share(topology)
-    return Placement(threads, meshes[mesh].gpus, share)
+    compute = {plan.topology.actors.trainer.mesh, *plan.generator_meshes}
+    threads = max(1, len(os.sched_getaffinity(0)) // sum(plan.meshes[m].size for m in compute))
+    share = {"trainer": plan.trainer_memory_share, "generator": plan.vllm_share}.get(actor)
+    return Placement(threads, plan.meshes[mesh].gpus, share)

@@ -22,13 +22,11 @@ import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from mesh.topology import Logging, TrackioLogging, WandbLogging
+from mesh.topology import Logging, TrackioLogging, WandbLogging, install_hint
 
 TRACKERS_FILE = "trackers.json"
-INSTALL = {"wandb": "wandb==0.31.0", "trackio": "trackio==0.43.0"}  # as pyproject.toml pins them
 
 
 class TrackerError(RuntimeError):
@@ -45,18 +43,6 @@ class Tracker(Protocol):
     def identity(self) -> dict[str, Any]:
         """What a resumed run needs to continue this tracker's run (written to trackers.json)."""
         ...
-
-
-def missing(key: str) -> str:
-    """Why ``logging.<key>`` cannot be used in this Python, and the fix."""
-    return f"names a tracker, but {key} is not installed in this Python ({sys.executable}); {_install(key)}"
-
-
-def _install(key: str) -> str:
-    return (
-        f"install it with pip install -e '.[logging]' (or pip install {INSTALL[key]}), or remove logging.{key} "
-        "to log to metrics.jsonl and TensorBoard only"
-    )
 
 
 def cause(error: BaseException) -> str:
@@ -130,7 +116,7 @@ def _import(key: str):
     try:
         return importlib.import_module(key)
     except ImportError as error:  # found when the topology was read, yet broken (a dependency of its own missing)
-        raise TrackerError(f"logging.{key}: importing {key} failed ({cause(error)}); {_install(key)}") from None
+        raise TrackerError(f"logging.{key}: importing {key} failed ({cause(error)}); {install_hint(key)}") from None
 
 
 def _cannot_start(key: str, error: Exception, fix: str) -> TrackerError:

@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from actors.bindings.config import BindingConfig
-from actors.teachers_config import check_one_distill, check_weighted
+from actors.teachers.bindings.config import BindingConfig
+from actors.teachers.config import check_one_distill, check_weighted
 from losses.config import LossConfig
 
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh
 
-    from mesh.control import Command
+    from mesh.commands import Command
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The topology file: one YAML mapping that describes a whole post-training job.
 
 The schema is pydantic over the actors' own config dataclasses, so a knob is declared
-once, where it is used. Loading is all-or-nothing: any mistake (an unknown key, a wrong
-type, a value that would fail later, an unknown backend, an actor on an undefined mesh, a
-missing model directory, more processes or memory than the launcher can place) raises
+once, where it is used. A ``Topology`` is what the user asked for; what the run will do
+(meshes, services, transport, slots) is resolved from it once, as a ``RunPlan``
+(``mesh/plan.py``), and checked against this machine by ``mesh/preflight.py``. Loading is
+all-or-nothing: any mistake (an unknown key, a wrong type, a value that would fail later,
+an unknown backend, an actor on an undefined mesh, a missing model directory) raises
 ``TopologyError`` with one paragraph naming the file, the key path and the fix, before
 any process is spawned.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import sys
 import types
 import typing
 from pathlib import Path
@@ -37,22 +40,16 @@ from pydantic import (
 
 from actors import registry
 from actors.diloco.config import DiLoCoConfig
-from actors.generator_config import GeneratorConfig, policy_dtype
+from actors.generator_config import GeneratorConfig
 from actors.inner_loops.config import TrainerConfig
 from actors.model_config import ModelFacts, TinyModelSpec
 from actors.reference_config import ReferenceConfig
 from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig, build_task
-from actors.teachers_config import TeachersConfig, check_weighted
-from actors.weights_config import choose_transport
+from actors.teachers.config import TeachersConfig, check_weighted
 from mesh.faults import FaultTolerance
 from mesh.launchers import LauncherOptions, launcher_options
-from mesh.launchers.local import LocalOptions
-from mesh.placement import check_gpus, describe_gpus, describe_memory, gpu_sets, on_publishing_gpu
-from mesh.preflight import describe_store
-from mesh.sinks import missing
 
-TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
 # A run's name goes into its directory's name, runs/<name>-<YYYYmmdd-HHMMSS>-<n>. 64 keeps it far
 # below NAME_MAX (255 bytes on every Linux file system) and a name still reads whole on a terminal line.
 NAME_MAX_CHARS = 64
@@ -137,6 +134,11 @@ class MeshSpec(Section):
     gpus: int = Field(0, ge=0, description="GPUs per process")
     share_gpus_with: str | None = Field(None, description="run on that mesh's GPUs instead of GPUs of its own")
 
+    @property
+    def size(self) -> int:
+        """Its processes in all: hosts x procs."""
+        return self.hosts * self.procs
+
 
 class ActorsSection(Section):
     trainer: TrainerConfig
@@ -144,6 +146,7 @@ class ActorsSection(Section):
     rewarder: RewarderConfig
     teachers: TeachersConfig | None = None
     reference: ReferenceConfig | None = None  # with loss.policy.kl_coef > 0: default, initial weights on the trainer
+
 
 
 class WarmStart(Section):
@@ -172,11 +175,24 @@ class Checkpointing(Section):
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
 
 
+TRACKERS = {"wandb": "wandb==0.31.0", "trackio": "trackio==0.43.0"}  # as pyproject.toml pins them
+
+
+def install_hint(key: str) -> str:
+    """How to get the tracker ``logging.<key>`` names (``mesh/sinks.py`` drives it), or do without it."""
+    return (
+        f"install it with pip install -e '.[logging]' (or pip install {TRACKERS[key]}), or remove logging.{key} "
+        "to log to metrics.jsonl and TensorBoard only"
+    )
+
+
 def _check_installed(key: str, section: Section, info: ValidationInfo) -> Section:
     """A tracker's library must be installed where the run starts (not for ``--dry-run`` of a job
     placed elsewhere): found without importing it, so a run never fails on it after starting."""
     if (info.context or {}).get("placed_here", True) and not registry.find_module(key):
-        raise ValueError(missing(key))
+        raise ValueError(
+            f"names a tracker, but {key} is not installed in this Python ({sys.executable}); {install_hint(key)}"
+        )
     return section
 
 
@@ -221,11 +237,24 @@ class Topology(Section):
     loop: LoopSection
     checkpointing: Checkpointing = Checkpointing()
     logging: Logging = Logging()
-    launcher: LauncherOptions = LocalOptions()
+    launcher: LauncherOptions = Field(default_factory=lambda: launcher_options({}))
     fault_tolerance: FaultTolerance = FaultTolerance()
     diloco: DiLoCoConfig | None = None
     _facts: ModelFacts | None = PrivateAttr(None)
     _placed_here: bool = PrivateAttr(True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, raw: Any) -> Any:
+        actors = raw.get("actors") if isinstance(raw, dict) else None
+        generator = actors.get("generator") if isinstance(actors, dict) else None
+        if isinstance(generator, dict) and "replicas" in generator:
+            raise ValueError(
+                "actors.generator.replicas is now actors.generator.copies (copies of the generator's mesh behind "
+                "one router), so that replicas are DiLoCo's alone (diloco.replicas); rename the key: "
+                f"copies: {generator['replicas']}"
+            )
+        return raw
 
     @field_validator("name")
     @classmethod
@@ -264,109 +293,27 @@ class Topology(Section):
         """The policy's head size and state-dict shapes, as far as known without loading it."""
         return self._facts
 
-    def placed_actors(self) -> dict[str, str]:
-        """Actor name -> mesh name, for every actor the topology runs."""
-        placed = {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name))}
-        if (reference := self.reference()) is not None:  # also when kl_coef alone puts it on the trainer
-            placed["reference"] = reference.mesh
-        return placed
-
-    def reference(self) -> ReferenceConfig | None:
-        """The reference model the KL penalty is taken against: ``actors.reference``, or with
-        ``kl_coef > 0`` and none given, the policy's initial weights on the trainer's ranks."""
-        if self.actors.reference is None and self.actors.trainer.loss.policy.kl_coef > 0:
-            return ReferenceConfig(self.actors.trainer.mesh)
-        return self.actors.reference
-
-    def reference_in_trainer(self) -> bool:
-        """Whether the trainer computes the reference's logprobs itself, on its own ranks (its mesh
-        is the trainer's), rather than a ``Reference`` actor of its own."""
-        reference = self.reference()
-        return reference is not None and reference.mesh == self.actors.trainer.mesh
-
-    def rewards_in_generators(self) -> bool:
-        """Whether the generators reward what they write: the Rewarder placed on the generator's
-        mesh runs inside each generator rather than as an actor of its own, and a step makes one
-        actor call fewer."""
-        return self.actors.rewarder.mesh == self.actors.generator.mesh
-
-    def starts_replicas(self) -> bool:
-        """Whether this run starts the DiLoCo replicas, each its own run (``mesh/replicas.py``),
-        rather than being one of them."""
-        return self.diloco is not None and self.diloco.replicas > 1 and self.diloco.replica is None
-
-    def diloco_replica(self) -> int | None:
-        """Which DiLoCo replica this run trains (a run of one replica is replica 0); None: not DiLoCo,
-        or the run that starts the replicas."""
-        if self.diloco is None or self.starts_replicas():
-            return None
-        return self.diloco.replica or 0
-
-    def prompt_seed(self) -> int:
-        """The seed of the training prompts and their sampling: each DiLoCo replica draws a stream of
-        its own (evaluation prompts stay the topology's, the same for every replica)."""
-        replica = self.diloco_replica()
-        return self.seed if not replica else (self.seed + replica * 1_000_003) % 2**31
-
-    def runs_here(self) -> int:
-        """The runs this one starts, each with all of its meshes: ``diloco.replicas`` when it starts the
-        DiLoCo replicas (children of this process, placed by the same launcher), else 1."""
-        return self.diloco.replicas if self.starts_replicas() else 1
-
-    def replica_meshes(self) -> list[str]:
-        """The generator's meshes, one per replica: its own ``mesh``, then copies of it named
-        ``<mesh>1``, ``<mesh>2``, ... (lowercase alphanumeric, as Kubernetes mesh names must be)."""
-        mesh = self.actors.generator.mesh
-        return [mesh] + [f"{mesh}{i}" for i in range(1, self.actors.generator.replicas)]
-
-    def launched_meshes(self) -> dict[str, MeshSpec]:
-        """Every mesh the launcher starts: the topology's own, then the generator's replica copies."""
-        spec = self.meshes[self.actors.generator.mesh]
-        return self.meshes | {name: spec for name in self.replica_meshes()[1:]}
-
-    def weight_transport(self) -> str:
-        """How weights reach the generators and teachers: shm, rdma or cuda_ipc (``actors/weights``).
-
-        Launcher ``local`` puts every mesh on this host. Any other starts each host of each
-        mesh apart (``process``: a worker process of its own, standing in for a machine), so
-        a follower shares the trainer's host only on the trainer's own single-host mesh.
-        CUDA IPC opens the trainer's GPU memory in place, so it needs every follower on the
-        trainer's publishing GPU (``mesh/placement.py``); followers on other GPUs get shm.
-        """
-        cfg = self.actors
-        followers = [*self.replica_meshes()] + ([cfg.teachers.mesh] if cfg.teachers else [])
-        together = cfg.generator.replicas == 1 and self.meshes[cfg.trainer.mesh].hosts == 1
-        together = together and all(mesh == cfg.trainer.mesh for mesh in followers)
-        return choose_transport(self.launcher.kind == "local" or together, on_publishing_gpu(self, followers))
-
-    def weights_dtype(self) -> str:
-        """The dtype weights are published in: the generator engine's on its mesh (teachers
-        that follow the policy adopt what the store holds)."""
-        gen = self.actors.generator
-        return policy_dtype(gen.engine, self.meshes[gen.mesh].gpus > 0)
-
-    def trainer_precision(self) -> str:
-        """``actors.trainer.precision`` as the trainer resolves it on its mesh (auto: bf16 with GPUs)."""
-        trainer = self.actors.trainer
-        return trainer.precision_on(self.meshes[trainer.mesh].gpus > 0)
-
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> Topology:
         self._placed_here = (info.context or {}).get("placed_here", True)
-        for actor, mesh in self.placed_actors().items():
+        self._check_services()
+        for actor, mesh in self._named_meshes().items():
             if mesh not in self.meshes:
                 raise ValueError(
                     f"actors.{actor}.mesh is {mesh!r}, but meshes defines only {sorted(self.meshes)}; "
                     f"add a mesh named {mesh!r} or place the actor on one of those"
                 )
-        self._check_replicas()
+        self._check_copies()
+        for name, spec in self.meshes.items():
+            if spec.share_gpus_with is not None:
+                self._check_sharing(name)
         self._check_teachers()
         self._check_episodes()
         self._check_diloco()
         self._facts = self._read_model()
         self._check_reference()
         rows = self.loop.prompts_per_step * self.loop.group_size
-        trainer_procs = self.meshes[self.actors.trainer.mesh].procs * self.meshes[self.actors.trainer.mesh].hosts
+        trainer_procs = self.meshes[self.actors.trainer.mesh].size
         if rows < trainer_procs:
             raise ValueError(
                 f"a step has {rows} samples (prompts_per_step x group_size) but the trainer mesh has "
@@ -375,9 +322,39 @@ class Topology(Section):
         gen = self.actors.generator
         if (check := registry.static_check("engine", gen.engine)) is not None:
             check(self._facts, self.meshes[gen.mesh].gpus > 0)
-        check_gpus(self)
-        self.launcher.check(self)
         return self
+
+    def _named_meshes(self) -> dict[str, str]:
+        """Actor name -> the mesh its section names."""
+        return {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name)) and cfg.mesh}
+
+    def _check_services(self) -> None:
+        """Rewarding and reference scoring run in-process (in the generators, on the trainer's ranks) or
+        as actors of their own, as ``placement`` says: a section that names the mesh of the actor it would
+        run inside, without a placement, must say which it means."""
+        cfg = self.actors
+        services = [("rewarder", cfg.rewarder, "in_generator", cfg.generator.mesh, "generator")]
+        if cfg.reference is not None:
+            services.append(("reference", cfg.reference, "in_trainer", cfg.trainer.mesh, "trainer"))
+        for name, service, inside, host_mesh, host in services:
+            if service.placement == inside:
+                if service.mesh not in (None, host_mesh):
+                    raise ValueError(
+                        f"actors.{name}.placement is {inside}, which runs it inside the {host} on the {host}'s mesh "
+                        f"{host_mesh!r}, but actors.{name}.mesh is {service.mesh!r}; drop the mesh, or set "
+                        f"placement: own_mesh to run a {name} actor there"
+                    )
+            elif service.mesh is None:
+                raise ValueError(
+                    f"actors.{name} needs a mesh to run on (actors.{name}.mesh), or placement: {inside} to run "
+                    f"inside the {host}"
+                )
+            elif service.placement is None and service.mesh == host_mesh:
+                raise ValueError(
+                    f"actors.{name}.mesh is the {host}'s mesh {host_mesh!r}; say how it runs there with "
+                    f"actors.{name}.placement: {inside} (inside the {host}, no actor call of its own) or own_mesh "
+                    f"(a {name} actor of its own on those processes)"
+                )
 
     def _check_diloco(self) -> None:
         diloco = self.diloco
@@ -480,14 +457,47 @@ class Topology(Section):
             )
         return ModelFacts.of_spec(self.model.init, alphabet if isinstance(alphabet, str) else None)
 
-    def _check_replicas(self) -> None:
-        gen = self.actors.generator
-        taken = [name for name in self.replica_meshes()[1:] if name in self.meshes]
-        if taken:
+    def _check_sharing(self, name: str) -> None:
+        """A mesh on another's GPUs: one machine, a mesh with GPUs of its own, enough of them."""
+        spec, meshes = self.meshes[name], self.meshes
+        owner = spec.share_gpus_with
+        key = f"meshes.{name}.share_gpus_with"
+        if not self.launcher.one_machine:
             raise ValueError(
-                f"actors.generator.replicas is {gen.replicas}, so the launcher starts copies of mesh {gen.mesh!r} "
-                f"named {', '.join(map(repr, self.replica_meshes()[1:]))}, but meshes already defines "
-                f"{', '.join(map(repr, taken))}; rename that mesh (or lower actors.generator.replicas)"
+                f"{key} is {owner!r}, but launcher {self.launcher.kind!r} starts each mesh on machines of its own, "
+                f"so no mesh can use another's GPUs; place the actors on one mesh instead (e.g. actors.generator.mesh: "
+                f"{owner}) and drop share_gpus_with"
+            )
+        if owner not in meshes or owner == name:
+            others = sorted(set(meshes) - {name})
+            raise ValueError(f"{key} is {owner!r}, but it must name another mesh: one of {others}")
+        if meshes[owner].share_gpus_with is not None or not meshes[owner].gpus:
+            raise ValueError(
+                f"{key} is {owner!r}, but mesh {owner!r} has no GPUs of its own to share; name a mesh with gpus > 0 "
+                "and without share_gpus_with"
+            )
+        wanted, held = spec.gpus * spec.size, meshes[owner].gpus * meshes[owner].size
+        if not spec.gpus or wanted > held:
+            raise ValueError(
+                f"{key} is {owner!r}: its {spec.size} process(es) x gpus {spec.gpus} would need {wanted} "
+                f"of the {held} GPU(s) of mesh {owner!r}; set meshes.{name}.gpus between 1 and {held // spec.size or 1} "
+                "per process, or fewer procs"
+            )
+        copies = self.actors.generator.copies
+        if name == self.actors.generator.mesh and copies > 1:
+            raise ValueError(
+                f"{key} is {owner!r} and actors.generator.copies is {copies}, but every copy of the generator would "
+                "then land on the same GPUs; give the generator's mesh GPUs of its own, or one copy"
+            )
+
+    def _check_copies(self) -> None:
+        gen = self.actors.generator
+        copies = [f"{gen.mesh}{i}" for i in range(1, gen.copies)]  # named as RunPlan names them
+        if taken := [name for name in copies if name in self.meshes]:
+            raise ValueError(
+                f"actors.generator.copies is {gen.copies}, so the launcher starts copies of mesh {gen.mesh!r} "
+                f"named {', '.join(map(repr, copies))}, but meshes already defines "
+                f"{', '.join(map(repr, taken))}; rename that mesh (or lower actors.generator.copies)"
             )
 
 
@@ -514,7 +524,7 @@ def load_topology(path: str | Path, overrides: list[str] = (), placed_here: bool
     except ValidationError as error:
         raise TopologyError(_explain(path, error)) from None
     except (ValueError, TypeError, OSError) as error:  # raised outside a field validator
-        raise TopologyError(f"{path}: {_one_line(str(error))}") from None
+        raise TopologyError(f"{path}: {one_line(str(error))}") from None
 
 
 def _read_mapping(path: Path) -> dict:
@@ -587,7 +597,7 @@ def parse_yaml(text: str, where: str, plain_text_ok: bool = False) -> Any:
         if plain_text_ok:
             return text
         raise TopologyError(
-            f"{where} is not valid YAML ({_one_line(str(error))}); only plain YAML is read "
+            f"{where} is not valid YAML ({one_line(str(error))}); only plain YAML is read "
             "(no !!python tags), so fix the syntax at the line shown"
         ) from None
     except (_TooLarge, RecursionError):
@@ -596,7 +606,7 @@ def parse_yaml(text: str, where: str, plain_text_ok: bool = False) -> Any:
             "but a topology (or a teacher spec) is a few hundred values a few levels deep; check that it is one"
         ) from None
     except (ValueError, OverflowError) as error:  # a scalar YAML cannot convert (an int of > 4300 digits, a bad date)
-        reason = _one_line(str(error)).split(";")[0]
+        reason = one_line(str(error)).split(";")[0]
         raise TopologyError(f"{where} holds a value YAML cannot convert ({reason}); fix that value") from None
     check_bounded(value, where)
     return value
@@ -664,7 +674,7 @@ def _explain(path: Path, error: ValidationError) -> str:
         shown = "" if isinstance(got, dict | list) or got is None else f" (got {_short(got)})"
         message = f"{path}: {where}: {first['msg']}{shown}. Fix the value at {where}."
     more = len(error.errors()) - 1
-    return _one_line(message) + (f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else "")
+    return one_line(message) + (f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else "")
 
 
 def _short(value: Any, quote: bool = True, limit: int = 80) -> str:
@@ -673,7 +683,7 @@ def _short(value: Any, quote: bool = True, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
@@ -705,122 +715,3 @@ def _strip_optional(node: Any) -> Any:
         args = [a for a in typing.get_args(node) if a is not type(None)]
         return args[0] if len(args) == 1 else node
     return node
-
-
-# ----------------------------------------------------------------------------- describing
-
-
-def describe(topology: Topology) -> str:
-    """The resolved topology, its placement and its actor graph, as ``--dry-run`` prints them."""
-    resolved = yaml.safe_dump(topology.model_dump(mode="json"), sort_keys=False).rstrip()
-    placement = [f"launcher: {topology.launcher.kind}"]
-    replicas, gpus = topology.replica_meshes(), gpu_sets(topology)
-    for name, mesh in topology.launched_meshes().items():
-        actors = [a for a, m in topology.placed_actors().items() if m == name] or ["(unused)"]
-        if name in replicas[1:]:
-            actors = ["generator"]  # a replica's copy of the generator's mesh holds only a generator
-        if len(replicas) > 1 and name in replicas:
-            actors = [f"generator (replica {replicas.index(name)})" if a == "generator" else a for a in actors]
-        if topology.rewards_in_generators():
-            actors = ["rewarder (inside each generator)" if a == "rewarder" else a for a in actors]
-        if topology.reference_in_trainer():
-            actors = ["reference (inside each trainer rank)" if a == "reference" else a for a in actors]
-        on = f" ({describe_gpus(gpus[name])})" if mesh.gpus else ""
-        shape = f"{mesh.hosts} host{'s' * (mesh.hosts > 1)} x {mesh.procs} proc{'s' * (mesh.procs > 1)}"
-        placement.append(f"  mesh {name}: {shape}{on} <- {', '.join(actors)}")
-    placement.append(describe_store(topology))
-    if (memory := describe_memory(topology)) is not None:
-        placement.append(memory)
-    lag = topology.loop.max_policy_lag
-    gen = topology.actors.generator
-    targets = len(replicas) * topology.meshes[gen.mesh].procs * topology.meshes[gen.mesh].hosts
-    graph = [
-        (
-            f"controller -> generator ({gen.router} router over {targets} generator proc{'s' * (targets > 1)}): "
-            "requests of prompts x group_size, each naming its weight version"
-        ),
-        *(
-            [
-                f"generator <-> environment ({topology.task.name}): episodes turn by turn, each one trajectory "
-                "with the environment's tokens masked out of the loss",
-                "generator -> controller: episodes and their returns -> group advantages -> TrainBatch",
-            ]
-            if topology.task.episodic
-            else [
-                "generator -> controller: completions + inference logprobs, each rewarded in the generator "
-                "(the rewarder's functions run there: its mesh is the generator's)",
-                "controller: rewards -> group advantages -> TrainBatch",
-            ]
-            if topology.rewards_in_generators()
-            else [
-                "generator -> controller: completions + inference logprobs",
-                "controller -> rewarder -> controller: rewards -> group advantages -> TrainBatch",
-            ]
-        ),
-        f"controller -> trainer ({topology.actors.trainer.inner_loop}, {topology.trainer_precision()}): TrainBatch; "
-        + ("synchronous" if lag == 0 else f"bounded-async, max_policy_lag {lag}"),
-        f"trainer -> every generator: {topology.weights_dtype()} weights over "
-        f"{TRANSPORT_WORDS[topology.weight_transport()]} (versioned, checksummed), pushed after each step",
-    ]
-    if (reference := topology.reference()) is not None:
-        graph.append(describe_reference(topology, reference))
-    if topology.loop.warm_start.steps:
-        graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")
-    bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
-    for name, binding in bindings.items():
-        if "distill" in binding.use:
-            graph.append(
-                f"teachers.{name} ({binding.kind}) -> trainer: top-{binding.top_k} scores of the policy's tokens (channel 2)"
-            )
-        if "replay" in binding.use:
-            graph.append(
-                f"teachers.{name} ({binding.kind}) -> trainer: traces vs the policy's samples as pairs (channel 3)"
-            )
-    if topology.diloco is not None:
-        graph += describe_diloco(topology)
-    jobs = topology.launcher.describe(topology)
-    return "\n".join(
-        ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
-    )
-
-
-def describe_reference(topology: Topology, reference: ReferenceConfig) -> str:
-    """Where the KL penalty's reference logprobs come from, as ``--dry-run`` says it."""
-    policy = topology.actors.trainer.loss.policy
-    model = reference.path or "the policy's initial weights"
-    estimator = "k3 x ratio (kl_unbiased)" if policy.kl_unbiased else "k3"
-    if topology.reference_in_trainer():
-        where = "each trainer rank: its rows before each step"
-    else:
-        where = f"controller -> reference (mesh {reference.mesh}) -> trainer: the batch's rows as they are collected"
-    return f"reference ({model}): logprobs of the sampled tokens for the KL penalty ({estimator}, kl_coef {policy.kl_coef:g}); {where}"
-
-
-def describe_diloco(topology: Topology) -> list[str]:
-    """What ``--dry-run`` says about a DiLoCo run: its replicas' runs, and how and where they sync."""
-    diloco, meshes = topology.diloco, ", ".join(topology.launched_meshes())
-    outer = diloco.outer_optimizer
-    sgd = f"SGD lr {outer.lr:g}" + (f", momentum {outer.momentum:g}" if outer.momentum else "")
-    sgd += ", Nesterov" if outer.nesterov else ""
-    if diloco.transport == "torchft":
-        where = f"torchft lighthouse {diloco.lighthouse or '(served by the run that starts the replicas)'}"
-    else:
-        where = f"object store {diloco.store or '<run directory>/diloco'}"
-    if topology.starts_replicas():
-        runs = [
-            f"diloco: this run starts {diloco.replicas} replicas, each its own run {topology.name}-r<I> "
-            f"(I = 0..{diloco.replicas - 1}) with its own meshes ({meshes}), prompt stream and weight store; "
-            "their output goes to replica_<I>.log"
-        ]
-    else:
-        runs = [
-            f"diloco: this run is replica {topology.diloco_replica()} of {diloco.replicas} (prompt seed {topology.prompt_seed()})"
-        ]
-    when = f"every {diloco.sync_every} steps"
-    if diloco.fragments > 1:
-        when = f"one of {diloco.fragments} fragments every {diloco.interval} steps (streaming; each fragment {when})"
-    return [
-        *runs,
-        f"syncer <-> every replica's syncer, {when}: the mean of Δ = θ₀ − θ over the replicas present, then the "
-        f"outer step ({sgd}) on every trainer rank, over the {where}",
-    ]

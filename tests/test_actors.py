@@ -14,16 +14,16 @@ import torch
 from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
-from actors.bindings import top_k_of
+from actors.compute import Placement
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
-from actors.diloco.syncer import DiLoCoSyncer
 from actors.engines import sampling_seeds
 from actors.generator import Generator, GeneratorConfig
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
-from actors.model import Placement, TinyModelSpec, build_tiny_model, load_policy
+from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
+from actors.teachers.bindings import top_k_of
 from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import Trainer
 from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
@@ -239,23 +239,22 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
 
 
 class Replica:
-    """A DiLoCo replica's trainer mesh: a Trainer and a DiLoCoSyncer on every proc."""
+    """A DiLoCo replica's trainer mesh: a Trainer on every proc, each owning its rank's DiLoCoSyncer."""
 
-    def __init__(self, mesh, trainer, syncer):
-        self.mesh, self.trainer, self.syncer = mesh, trainer, syncer
+    def __init__(self, mesh, trainer):
+        self.mesh, self.trainer = mesh, trainer
 
     @classmethod
     async def start(cls, model_dir: str, procs: int, inner_loop: str, index: int, store: str) -> Replica:
         mesh = this_host().spawn_procs(per_host={"procs": procs})
         await setup_torch_elastic_env_async(mesh)
         cfg = TrainerConfig("trainer", inner_loop, optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=3)
-        trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, 2, Placement(threads=1), 10)
-        await trainer.start.call()
         plain_average = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
         diloco = DiLoCoConfig(2, 1, plain_average, "object_store", store=store, round_timeout=60)
-        syncer = mesh.spawn("syncer", DiLoCoSyncer, diloco, index)
-        await syncer.start.call()
-        return cls(mesh, trainer, syncer)
+        args = (model_dir, cfg, 0, 2, Placement(threads=1), 10, "shm", "float32", None, diloco, index)
+        trainer = mesh.spawn("trainer", Trainer, *args)
+        await trainer.start.call()
+        return cls(mesh, trainer)
 
     async def train(self, batch) -> dict[str, torch.Tensor]:
         return weights_of(await self.trainer.train_step.call(batch))
@@ -283,16 +282,17 @@ def weights_of(results) -> dict[str, torch.Tensor]:
 async def test_diloco_sync_averages_every_parameter_on_every_rank_of_every_inner_loop(
     model_dir, tmp_path, inner_loop, procs
 ):
-    """Two replicas, each a trainer mesh with its syncer, one inner step each on batches of their own,
+    """Two replicas, each a trainer mesh owning its syncer, one inner step each on batches of their own,
     then a sync with outer SGD lr 1: both publish the mean of their parameters (torchtitan's FSDP2 shards
-    gathered from both ranks, so every rank's shard was exchanged)."""
+    gathered from both ranks, so every rank's shard was exchanged). A checkpoint then holds the outer state
+    of every rank that exchanges (each writes its own beside the files rank 0 writes) and loads back."""
     store = (tmp_path / "store").as_uri()
     replicas = [await Replica.start(model_dir, procs, inner_loop, i, store) for i in (0, 1)]
     try:
         own = [a_batch(model_dir), a_batch(model_dir, rows_per_group=2, prompts=8)]
         moved = await asyncio.gather(*(r.train(b) for r, b in zip(replicas, own)))
         assert any((moved[0][k] - moved[1][k]).abs().max() > 1e-4 for k in moved[0])
-        reports = await asyncio.gather(*(r.syncer.sync.call() for r in replicas))
+        reports = await asyncio.gather(*(r.trainer.sync.call() for r in replicas))
         for report in reports:
             (rank0,) = [s for s in report.values() if s is not None]
             assert (rank0.round, rank0.replicas_in_round, rank0.caught_up) == (1, 2, 0)
@@ -301,6 +301,11 @@ async def test_diloco_sync_averages_every_parameter_on_every_rank_of_every_inner
             mean = (first + moved[1][name]) / 2
             for weights in synced:
                 torch.testing.assert_close(weights[name], mean, atol=1e-6, rtol=0)
+        checkpoint = tmp_path / "step_000001"
+        await replicas[0].trainer.save.call(str(checkpoint), 1)
+        exchanging = range(procs) if inner_loop == "torchtitan" else [0]  # FSDP2: every rank's shard; DDP: rank 0
+        assert sorted(p.name for p in checkpoint.glob("diloco_rank*")) == [f"diloco_rank{r}.pt" for r in exchanging]
+        await replicas[0].trainer.load.call(str(checkpoint))
     finally:
         for replica in replicas:
             await replica.mesh.stop()

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from actors import registry
-from actors.bindings import (
+from actors.model import TinyModelSpec, build_tiny_model, load_policy
+from actors.tasks import Problem
+from actors.teachers.bindings import (
     METHOD_OF_USE,
     BindingConfig,
     BindingError,
@@ -21,12 +23,10 @@ from actors.bindings import (
     check_binding_class,
     top_k_from_entries,
 )
-from actors.bindings.hf import HFTeacher
-from actors.bindings.replay import ReplayTeacher
-from actors.bindings.self_hint import SelfHintTeacher
-from actors.bindings.task_oracle import TaskOracle
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from actors.tasks import Problem
+from actors.teachers.bindings.hf import HFTeacher
+from actors.teachers.bindings.replay import ReplayTeacher
+from actors.teachers.bindings.self_hint import SelfHintTeacher
+from actors.teachers.bindings.task_oracle import TaskOracle
 
 ALPHABET = "abc="
 

@@ -26,7 +26,7 @@ import pytest
 from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights_config import store_root
 from mesh.runtime import run
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -78,7 +78,7 @@ def procs_of(run_path: Path, role: str) -> list[int]:
 
 
 def uninterrupted(root: Path, *extra: str) -> list[dict]:
-    return learning(records(asyncio.run(run(load_topology(TINY, overrides(root, *extra)), progress=False)).path))
+    return learning(records(asyncio.run(run(load_plan(TINY, overrides(root, *extra)), progress=False)).path))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_a_run_survives_a_dead_or_hung_actor_and_trains_on_exactly_the_same_samp
     timeout = 8 if sig == signal.SIGSTOP else 120  # a killed process is reported by Monarch, long before 120 s
     # tiny.yaml's generators reward what they write; here the Rewarder is an actor of its own, and
     # its rewards, like everything else the run learns from, must be the baseline's
-    placed = ["--set=actors.rewarder.mesh=service"] if role == "rewarder" else []
+    placed = ["--set=actors.rewarder={mesh: service}"] if role == "rewarder" else []
     process = start_run(tmp_path, f"--set=fault_tolerance.call_timeout={timeout}", *placed)
     fault_at_random_step(tmp_path, role, sig, rng)
     _, err = process.communicate(timeout=300)

@@ -17,7 +17,6 @@ from losses import (
     Logits,
     LossConfig,
     LossInputs,
-    PolicyConfig,
     PolicyInputs,
     PreferenceConfig,
     PreferenceInputs,
@@ -26,6 +25,7 @@ from losses import (
     TeacherTopK,
     TokenLogprobs,
     compose_loss,
+    policy_config,
     policy_loss,
     selective_logprobs,
 )
@@ -69,7 +69,7 @@ def grads(loss, batch):
 
 def test_zero_weights_reproduce_the_policy_loss_bit_exactly(batch):
     logits = batch["hidden"] @ batch["weight"].T
-    cfg = LossConfig(policy=PolicyConfig(name="grpo"))
+    cfg = LossConfig(policy=policy_config(name="grpo"))
     out = compose_loss(Logits(logits), batch["inputs"], cfg)
     reference, _ = policy_loss(selective_logprobs(logits, batch["inputs"].targets), batch["inputs"].policy, cfg.policy)
     assert torch.equal(out.loss, reference)
@@ -119,7 +119,7 @@ def test_channels_are_normalized_by_their_own_counts(batch):
 
 def test_linear_head_equals_full_logits_for_all_channels(batch):
     cfg = LossConfig(
-        policy=PolicyConfig(name="gspo"), alpha_sdpo=0.4, beta_replay=0.2, chunk_tokens=T
+        policy=policy_config(name="gspo"), alpha_sdpo=0.4, beta_replay=0.2, chunk_tokens=T
     )  # one row per chunk
     full = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), batch["inputs"], cfg)
     lean = compose_loss(LinearHead(batch["hidden"], batch["weight"]), batch["inputs"], cfg)

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.bindings.config import BindingConfig
 from actors.diloco.syncer import STOP_FILE, SyncReport
 from actors.generator import Generation
 from actors.reward_functions import RewardFunctions
@@ -19,6 +18,7 @@ from actors.rewarder_config import RewarderConfig
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
+from actors.teachers.bindings.config import BindingConfig
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from mesh.collected import Collected
@@ -333,10 +333,10 @@ async def test_the_diloco_hook_steps_every_interval_passes_a_stop_on_and_says_wh
     async def publish() -> dict:
         return {"rank0": version(9), "rank1": None}
 
-    syncer, trainer = SimpleNamespace(sync=Call(sync)), SimpleNamespace(publish=Call(publish))
+    trainer = SimpleNamespace(sync=Call(sync), publish=Call(publish))
     stopper = SimpleNamespace(requested=None)
-    hook = DiLoCoHook(syncer, trainer, interval=2, stop_file=tmp_path / STOP_FILE, stopper=stopper)
-    assert await hook.after_step(0) == (None, {}) and not syncer.sync.args  # step 1 of 2: no round
+    hook = DiLoCoHook(trainer, interval=2, stop_file=tmp_path / STOP_FILE, stopper=stopper)
+    assert await hook.after_step(0) == (None, {}) and not trainer.sync.args  # step 1 of 2: no round
     stopper.requested = 15  # a signal while the round waits for the other replicas
     weights, metrics = await hook.after_step(1)
     assert (tmp_path / STOP_FILE).exists() and weights == version(9)

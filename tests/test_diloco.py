@@ -22,7 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from mesh.runtime import run as run_topology
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DILOCO = ROOT / "topologies" / "tiny_diloco.yaml"
@@ -196,7 +196,7 @@ def test_a_resumed_diloco_run_continues_exactly(tmp_path):
     """A checkpoint between two syncs holds the outer state (θ₀, Nesterov momentum, rounds): resumed, the
     run trains the same steps, takes the same second outer step and ends with the same weights."""
     sets = [*SMALL, "loop.steps=10", "checkpointing.every=3", "diloco.replicas=1", f"logging.root={tmp_path}"]
-    topology = load_topology(TINY_DILOCO, sets)
+    topology = load_plan(TINY_DILOCO, sets)
     whole = asyncio.run(run_topology(topology, progress=False)).path
     checkpoint = whole / "checkpoints" / "step_000006"
     assert (checkpoint / "diloco_rank0.pt").is_file()

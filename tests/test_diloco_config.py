@@ -9,7 +9,9 @@ import pytest
 
 from mesh.replicas import Replica
 from mesh.run import main
-from mesh.topology import TopologyError, describe, load_topology
+from mesh.describe import describe
+from mesh.preflight import load_plan
+from mesh.topology import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, TINY_DILOCO = ROOT / "topologies" / "tiny.yaml", ROOT / "topologies" / "tiny_diloco.yaml"
@@ -17,17 +19,17 @@ LIGHTHOUSE = "diloco.lighthouse=http://lighthouse:29510"
 
 
 def test_a_topology_without_diloco_is_one_run_on_the_topology_seed():
-    topology = load_topology(TINY)
-    assert topology.diloco is None and not topology.starts_replicas()
-    assert topology.diloco_replica() is None and topology.prompt_seed() == topology.seed
+    plan = load_plan(TINY)
+    assert plan.topology.diloco is None and not plan.starts_replicas and plan.runs_here == 1
+    assert plan.diloco_replica is None and plan.prompt_seed == plan.topology.seed
 
 
 def test_each_replica_draws_its_own_prompt_stream_and_replica_0_the_topologys():
-    assert load_topology(TINY_DILOCO).starts_replicas()
-    seeds = [load_topology(TINY_DILOCO, [f"diloco.replica={i}", LIGHTHOUSE]).prompt_seed() for i in (0, 1)]
+    assert load_plan(TINY_DILOCO).starts_replicas
+    seeds = [load_plan(TINY_DILOCO, [f"diloco.replica={i}", LIGHTHOUSE]).prompt_seed for i in (0, 1)]
     assert seeds[0] == load_topology(TINY_DILOCO).seed and seeds[1] != seeds[0]
-    one = load_topology(TINY_DILOCO, ["diloco.replicas=1"])
-    assert not one.starts_replicas() and one.diloco_replica() == 0  # a run of one replica is replica 0
+    one = load_plan(TINY_DILOCO, ["diloco.replicas=1"])
+    assert not one.starts_replicas and one.diloco_replica == 0  # a run of one replica is replica 0
 
 
 @pytest.mark.parametrize(
@@ -67,8 +69,8 @@ def test_dry_run_lists_the_replicas_runs_and_how_they_sync(capsys):
     out = capsys.readouterr().out
     assert "this run starts 2 replicas, each its own run tiny-diloco-r<I>" in out
     assert "every 10 steps" in out and "SGD lr 0.7, momentum 0.9, Nesterov" in out
-    assert "syncer" not in describe(load_topology(TINY))
-    streaming = describe(load_topology(TINY_DILOCO, ["diloco.fragments=2", "diloco.transport=object_store"]))
+    assert "syncer" not in describe(load_plan(TINY))
+    streaming = describe(load_plan(TINY_DILOCO, ["diloco.fragments=2", "diloco.transport=object_store"]))
     assert "one of 2 fragments every 5 steps (streaming; each fragment every 10 steps)" in streaming
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from monarch.actor import this_host
 
+from actors.compute import Placement
 from actors.engines import sampling_seeds
 from actors.environments import Turn
 from actors.environments.episode import run_episode
@@ -26,7 +27,7 @@ from actors.environments.openenv_task import OBSERVATION_ALPHABET, OpenEnvTask, 
 from actors.environments.serve import EnvironmentServer
 from actors.environments.tokens import ChatFrame, TokenPolicy
 from actors.generator import Generator, GeneratorConfig
-from actors.model import Placement, TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
+from actors.model import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
 from actors.rollout import Trajectory
 from actors.weights import WeightPublisher
 from mesh.topology import TopologyError, load_topology

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from actors.tasks.dataset import DatasetError, DatasetSource
-from mesh.control import ControlChannel
+from mesh.commands import ControlChannel
 from mesh.ctl import main as ctl_main
-from mesh.preflight import BatchPlan, FreeMemory, StorePlan, check_memory
+from mesh.preflight import BatchPlan, FreeMemory, StorePlan, check_memory, load_plan
 from mesh.topology import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ TINY = ROOT / "topologies" / "tiny.yaml"
 def refused(path: Path, overrides: list[str]) -> str:
     """The one-paragraph message checking ``path`` with ``overrides`` refuses it with."""
     with pytest.raises(TopologyError) as info:
-        load_topology(path, overrides)
+        load_plan(path, overrides)
     message = str(info.value)
     assert str(path) in message and "\n" not in message and "Traceback" not in message
     return message
@@ -96,24 +96,24 @@ def test_dry_run_runs_no_user_code(evil, tmp_path):
 def test_a_batch_that_cannot_fit_is_refused_naming_the_keys_and_the_largest_batch_that_fits():
     """The issue's machine: 24 GiB of RAM, half of it /dev/shm; 10000 prompts x 1000 samples were OOM-killed."""
     machine = FreeMemory(shm=12 * 2**30, ram=24 * 2**30)
-    hostile = load_topology(TINY, ["loop.prompts_per_step=10000", "loop.group_size=1000"], placed_here=False)
+    hostile = load_plan(TINY, ["loop.prompts_per_step=10000", "loop.group_size=1000"], placed_here=False)
     with pytest.raises(ValueError) as info:
         check_memory(hostile, machine)
     message = str(info.value)
     assert "loop.prompts_per_step x loop.group_size is 10000 x 1000" in message
     fits = int(re.search(r"largest batch that can fit is loop\.prompts_per_step: (\d+) at group_size 1000", message)[1])
     assert 0 < fits < 10000
-    largest = load_topology(TINY, [f"loop.prompts_per_step={fits}", "loop.group_size=1000"], placed_here=False)
+    largest = load_plan(TINY, [f"loop.prompts_per_step={fits}", "loop.group_size=1000"], placed_here=False)
     check_memory(largest, machine)
     with pytest.raises(ValueError, match="loop.prompts_per_step x loop.group_size"):
         more = [f"loop.prompts_per_step={fits + 1}", "loop.group_size=1000"]
-        check_memory(load_topology(TINY, more, placed_here=False), machine)
+        check_memory(load_plan(TINY, more, placed_here=False), machine)
 
 
 def test_every_shipped_topology_still_fits_the_issue_machine():
     machine = FreeMemory(shm=12 * 2**30, ram=24 * 2**30)
     for path in sorted((ROOT / "topologies").glob("*.yaml")):
-        check_memory(load_topology(path, placed_here=False), machine)
+        check_memory(load_plan(path, placed_here=False), machine)
 
 
 def test_a_run_with_a_batch_no_machine_holds_exits_2_before_starting_anything(tmp_path):
@@ -127,11 +127,11 @@ def test_a_run_with_a_batch_no_machine_holds_exits_2_before_starting_anything(tm
 def test_diloco_replicas_count_against_the_machine_like_generator_copies():
     message = refused(TINY, ["diloco={replicas: 1000, sync_every: 10}"])
     assert "meshes ask for 3000 processes in all (diloco.replicas: 1000 counted)" in message
-    one = load_topology(TINY, ["diloco={replicas: 1, sync_every: 10}"], placed_here=False)
+    one = load_plan(TINY, ["diloco={replicas: 1, sync_every: 10}"], placed_here=False)
     plan = StorePlan.of(one)
     need = plan.ram_margin + BatchPlan.of(one).bytes + plan.slots * plan.slot_bytes
     check_memory(one, FreeMemory(shm=10**12, ram=need))
-    two = load_topology(TINY, ["diloco={replicas: 2, sync_every: 10}"], placed_here=False)
+    two = load_plan(TINY, ["diloco={replicas: 2, sync_every: 10}"], placed_here=False)
     with pytest.raises(ValueError, match="for each of the diloco.replicas: 2"):
         check_memory(two, FreeMemory(shm=10**12, ram=need))
 

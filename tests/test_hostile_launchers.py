@@ -18,7 +18,8 @@ from tmpfs import fill, tmpfs
 from mesh.launchers.grammars import QUANTITY
 from mesh.launchers.slurm import sbatch_script
 from mesh.run import main
-from mesh.topology import TopologyError, load_topology
+from mesh.preflight import load_plan
+from mesh.topology import TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -55,7 +56,7 @@ SLURM_HOSTILE = [
 def test_a_slurm_option_that_would_break_out_of_its_sbatch_line_is_refused_naming_the_key(tmp_path, options, reason):
     path = topology_file(tmp_path, {"kind": "slurm", **options})
     with pytest.raises(TopologyError, match="write it like|greater than|quote the time") as refused:
-        load_topology(path, placed_here=False)
+        load_plan(path, placed_here=False)
     assert str(refused.value).startswith(f"{path}: {reason}") and "\n" not in str(refused.value)
 
 
@@ -73,7 +74,7 @@ def test_what_a_job_script_takes_from_the_rest_of_the_topology_is_checked_too(tm
         raw = yaml.safe_load(TINY.read_text())["actors"]
         top["actors"] = {actor: cfg | {"mesh": name} for actor, cfg in raw.items()}
     with pytest.raises(TopologyError, match="rename the mesh|without those characters") as refused:
-        load_topology(topology_file(tmp_path, {"kind": "slurm"}, **top), placed_here=False)
+        load_plan(topology_file(tmp_path, {"kind": "slurm"}, **top), placed_here=False)
     assert reason in str(refused.value)
 
 
@@ -95,9 +96,9 @@ SLURM_VALID = {
 
 @pytest.mark.parametrize(("key", "value"), [(k, v) for k, values in SLURM_VALID.items() for v in values])
 def test_values_sbatch_takes_pass_and_reach_the_script_as_given(tmp_path, key, value):
-    topology = load_topology(topology_file(tmp_path, {"kind": "slurm", key: value}), placed_here=False)
+    topology = load_plan(topology_file(tmp_path, {"kind": "slurm", key: value}), placed_here=False)
     spec = topology.meshes["trainer"]
-    script = sbatch_script("tiny-trainer", spec, 23456, topology.launcher, "/runs/slurm")
+    script = sbatch_script("tiny-trainer", spec, 23456, topology.topology.launcher, "/runs/slurm")
     assert f"\n#SBATCH --{key.replace('_', '-')}={value}\n" in script
 
 
@@ -124,7 +125,7 @@ K8S_HOSTILE = [
 def test_a_kubernetes_value_a_cluster_would_refuse_is_refused_naming_the_key(tmp_path, capsys, options, reason):
     path = topology_file(tmp_path, {"kind": "k8s", "image": IMAGE} | options)
     with pytest.raises(TopologyError) as refused:
-        load_topology(path, placed_here=False)
+        load_plan(path, placed_here=False)
     assert str(refused.value).startswith(f"{path}: {reason}") and "\n" not in str(refused.value)
     assert main([str(path), "--render", str(tmp_path / "out")]) == 2  # and nothing is written
     assert capsys.readouterr().err.count("\n") == 1 and not (tmp_path / "out").exists()
@@ -133,7 +134,7 @@ def test_a_kubernetes_value_a_cluster_would_refuse_is_refused_naming_the_key(tmp
 def test_a_topology_name_too_long_for_the_controllers_job_is_refused(tmp_path):
     path = topology_file(tmp_path, {"kind": "k8s"}, name="a" + "-" * 55)
     with pytest.raises(TopologyError, match="name: the controller's Job is named after the topology, 'a-+controller'"):
-        load_topology(path, placed_here=False)
+        load_plan(path, placed_here=False)
 
 
 K8S_VALID = [

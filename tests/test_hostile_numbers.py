@@ -28,7 +28,7 @@ from actors.reward_functions import InvalidReward, RewardFunctions
 from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
-from losses import LossConfig, PolicyConfig
+from losses import LossConfig, policy_config
 from mesh.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +163,9 @@ def test_a_nan_reward_stops_the_run_at_its_step_naming_the_function(tmp_path, pl
     """Issue 28's reproduction: a reward function returning float('nan'). Before, reward/mean and
     train/loss were NaN from step 0, metrics.jsonl held NaN, and the run died at step 2 blaming the
     generator's 'probability tensor contains inf/nan'."""
-    result = run_command(tmp_path, f"actors.rewarder.functions=[{HERE}:nan_reward]", f"actors.rewarder.mesh={placed}")
+    placement = "in_generator" if placed == "generator" else "own_mesh"
+    functions = f"actors.rewarder.functions=[{HERE}:nan_reward]"
+    result = run_command(tmp_path, functions, f"actors.rewarder.mesh={placed}", f"actors.rewarder.placement={placement}")
     assert result.returncode == 1, result.stderr[-3000:]
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: run ") and "stopped at step 0: " in message
@@ -225,7 +227,7 @@ def test_an_infinite_reference_logprob_is_named(model_dir):
     row, token = 3, 0
     assert batch.completion_mask[row, token] and batch.policy_rows[row]
     batch = replace(batch, ref_logprobs=with_value(torch.zeros_like(batch.inference_logprobs), -math.inf, (row, token)))
-    message = refused(loop_of(model_dir, loss=LossConfig(policy=PolicyConfig(name="grpo", kl_coef=0.1))), batch)
+    message = refused(loop_of(model_dir, loss=LossConfig(policy=policy_config(name="grpo", kl_coef=0.1))), batch)
     read = int(batch.completion_mask.sum())
     assert f"is the reference logprobs (1 of {read} values, the first -inf at row 3, token 0)" in message
     assert "reference model" in message

@@ -22,7 +22,7 @@ from actors import registry
 from actors.checkpoint import load_checkpoint
 from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from losses import LossConfig, PolicyConfig, prime_rl
+from losses import LossConfig, policy_config, prime_rl
 from losses.logprobs import token_logprobs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,14 +31,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is depr
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = {  # beyond the plain methods: the sampler corrected apart from the ratio, truncated (TIS) or masked (MIS)
-    "dapo_tis": PolicyConfig(name="dapo", is_mode="token_truncate", is_max=1.5),
-    "grpo_mis": PolicyConfig(name="grpo", is_mode="token_mask", is_min=0.5, is_max=2.0),
-    "grpo_dual_clip": PolicyConfig(name="grpo", dual_clip=1.05),  # reaches every loop (PRIME-RL: as kwargs)
-    "grpo_kl": PolicyConfig(name="grpo", kl_coef=0.2),  # the batch carries reference logprobs (``native``)
-    "dapo_kl_unbiased": PolicyConfig(name="dapo", kl_coef=0.2, kl_unbiased=True),
+    "dapo_tis": policy_config(name="dapo", is_mode="token_truncate", is_max=1.5),
+    "grpo_mis": policy_config(name="grpo", is_mode="token_mask", is_min=0.5, is_max=2.0),
+    "grpo_dual_clip": policy_config(name="grpo", dual_clip=1.05),  # reaches every loop (PRIME-RL: as kwargs)
+    "grpo_kl": policy_config(name="grpo", kl_coef=0.2),  # the batch carries reference logprobs (``native``)
+    "dapo_kl_unbiased": policy_config(name="dapo", kl_coef=0.2, kl_unbiased=True),
     # the covariance rules at a tenth of each micro-batch's tokens, Clip-Cov's window opened wide
-    "clip_cov": PolicyConfig(name="clip_cov", cov_fraction=0.1, clip_cov_low=0.0, clip_cov_high=100.0),
-    "kl_cov": PolicyConfig(name="kl_cov", cov_fraction=0.1),
+    "clip_cov": policy_config(name="clip_cov", cov_fraction=0.1, clip_cov_low=0.0, clip_cov_high=100.0),
+    "kl_cov": policy_config(name="kl_cov", cov_fraction=0.1),
 }
 POLICY_LOSSES = ["dapo", "grpo", "dr_grpo", "gspo", "cispo", "dppo", "sapo", *POLICIES]
 LOOPS = ["trl", "prime_rl", "torchtitan"]
@@ -57,7 +57,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def config(policy: str, channels: bool, **fields) -> TrainerConfig:
-    loss = replace(ALL_CHANNELS if channels else LossConfig(), policy=POLICIES.get(policy) or PolicyConfig(name=policy))
+    loss = replace(ALL_CHANNELS if channels else LossConfig(), policy=POLICIES.get(policy) or policy_config(policy))
     return TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_size=3, **fields)
 
 
@@ -271,7 +271,7 @@ def test_composer_grpo_trainer_is_trls_loss_under_trls_own_training(model_dir, t
         "args": args,
         "train_dataset": Dataset.from_dict({"prompt": ["abc", "cab", "bca", "acb"]}),
     }
-    ours = ComposerGRPOTrainer(model=model_dir, loss=LossConfig(policy=PolicyConfig(name="dapo")), **common)
+    ours = ComposerGRPOTrainer(model=model_dir, loss=LossConfig(policy=policy_config(name="dapo")), **common)
     theirs = GRPOTrainer(model=model_dir, **common)
     ours.train()
     logged = [row for row in ours.state.log_history if "policy/loss" in row]

@@ -15,7 +15,8 @@ from kubernetes.client.rest import RESTClientObject
 from monarch._rust_bindings.monarch_hyperactor.config import clear_runtime_config
 
 from mesh.launchers.k8s_launcher import K8sError, K8sLauncher, cluster_config
-from mesh.topology import TopologyError, load_topology
+from mesh.preflight import load_plan
+from mesh.topology import TopologyError
 
 TINY = Path(__file__).resolve().parents[1] / "topologies" / "tiny.yaml"
 MESHES = ["tinytrainer", "tinygenerator", "tinyservice"]
@@ -32,17 +33,18 @@ def api(monkeypatch, tmp_path):
 
 
 def launcher(*overrides: str) -> tuple[K8sLauncher, object]:
-    topology = load_topology(TINY, ["launcher.kind=k8s", "launcher.image=registry.example/cm:1", *overrides])
-    return K8sLauncher(topology.launcher, ready_timeout_s=0.2, poll_s=0.05), topology
+    topology = load_plan(TINY, ["launcher.kind=k8s", "launcher.image=registry.example/cm:1", *overrides])
+    return K8sLauncher(topology.topology.launcher, ready_timeout_s=0.2, poll_s=0.05), topology
 
 
 def prepare(k8s: K8sLauncher, topology) -> None:
     """``start`` up to attaching to the workers."""
-    k8s.specs, k8s.starts, k8s.names, k8s.topology = (
-        topology.launched_meshes(),
+    k8s.specs, k8s.starts, k8s.names, k8s.plan, k8s.topology = (
+        topology.meshes,
         None,
-        {m: n for m, n in zip(topology.launched_meshes(), MESHES, strict=True)},
+        {m: n for m, n in zip(topology.meshes, MESHES, strict=True)},
         topology,
+        topology.topology,
     )
     k8s.provision()
 
@@ -51,7 +53,9 @@ def test_missing_meshes_are_created_from_the_rendered_template_and_deleted_at_th
     k8s, topology = launcher("launcher.queue=team-a")
     prepare(k8s, topology)
     rendered = {
-        b["metadata"]["name"]: b for b in topology.launcher.render(topology, "", []) if b["kind"] == "MonarchMesh"
+        b["metadata"]["name"]: b
+        for b in topology.topology.launcher.render(topology, "", [])
+        if b["kind"] == "MonarchMesh"
     }
     assert api.meshes == rendered  # what a run sends is what --render writes
     assert k8s.created == MESHES and k8s.attached == []
@@ -62,7 +66,8 @@ def test_missing_meshes_are_created_from_the_rendered_template_and_deleted_at_th
 
 def test_meshes_that_exist_are_attached_to_and_left_standing(api):
     k8s, topology = launcher()
-    existing = next(b for b in topology.launcher.render(topology, "", []) if b["metadata"]["name"] == "tinytrainer")
+    bodies = topology.topology.launcher.render(topology, "", [])
+    existing = next(b for b in bodies if b["metadata"]["name"] == "tinytrainer")
     api.mesh_call("POST", "tinytrainer", existing | {"metadata": existing["metadata"] | {"labels": {"mine": "1"}}})
     prepare(k8s, topology)
     assert k8s.attached == ["tinytrainer"] and k8s.created == MESHES[1:]
@@ -139,8 +144,8 @@ def test_rbac_refusals_name_the_role_to_apply(api):
 
 
 def test_without_an_image_a_missing_mesh_cannot_be_created(api):
-    topology = load_topology(TINY, ["launcher.kind=k8s"])
-    k8s = K8sLauncher(topology.launcher)
+    topology = load_plan(TINY, ["launcher.kind=k8s"])
+    k8s = K8sLauncher(topology.topology.launcher)
     with pytest.raises(K8sError, match="MonarchMesh tinytrainer .* launcher.image is not set"):
         prepare(k8s, topology)
 
@@ -160,5 +165,5 @@ def test_without_the_client_the_check_names_the_extra(monkeypatch):
     with pytest.raises(
         TopologyError, match=r"kubernetes client, which is not installed; run `pip install -e \.\[k8s\]`"
     ):
-        load_topology(TINY, ["launcher.kind=k8s"])
-    load_topology(TINY, ["launcher.kind=k8s"], placed_here=False)  # rendering and --dry-run do without it
+        load_plan(TINY, ["launcher.kind=k8s"])
+    load_plan(TINY, ["launcher.kind=k8s"], placed_here=False)  # rendering and --dry-run do without it

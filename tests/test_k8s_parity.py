@@ -23,9 +23,8 @@ from monarch._rust_bindings.monarch_hyperactor.config import clear_runtime_confi
 from monarch._src.job.service_identity import SERVICE_PROC_IDS_ENV, SERVICE_PROC_RANK_ENV
 from monarch.job.kubernetes import ImageSpec, KubeConfig, KubernetesJob
 
-from mesh.launchers.k8s import mesh_names
-from mesh.launchers.k8s_objects import GPU, MONARCH_PORT
-from mesh.topology import load_topology
+from mesh.launchers.k8s import GPU, MONARCH_PORT, mesh_names
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "registry.example/composer-mesh:0.1.0"
@@ -62,13 +61,14 @@ def containers(body: dict) -> tuple[dict, dict]:
     [("tiny.yaml", []), ("gpu_node.yaml", ["meshes.trainer.hosts=2"])],
 )
 def test_our_meshes_match_what_kubernetes_job_builds_from_an_image_spec(api, monkeypatch, topology, overrides):
-    loaded = load_topology(
+    loaded = load_plan(
         ROOT / "topologies" / topology, ["launcher.kind=k8s", f"launcher.image={IMAGE}", *overrides], placed_here=False
     )
-    ours = {b["metadata"]["name"]: b for b in loaded.launcher.render(loaded, "", []) if b["kind"] == "MonarchMesh"}
+    bodies = loaded.topology.launcher.render(loaded, "", [])
+    ours = {b["metadata"]["name"]: b for b in bodies if b["kind"] == "MonarchMesh"}
     job = KubernetesJob("default", kubeconfig=api.kubeconfig)
     for mesh, name in mesh_names(loaded).items():
-        spec = loaded.launched_meshes()[mesh]
+        spec = loaded.meshes[mesh]
         shm = containers(ours[name])[1]["dev-shm"]["emptyDir"]["sizeLimit"]
         resources = {GPU: spec.procs * spec.gpus} if spec.gpus else None
         job.add_mesh(name, spec.hosts, image_spec=ImageSpec(IMAGE, resources=resources, shared_memory_size=shm))

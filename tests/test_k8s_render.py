@@ -14,12 +14,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from mesh.launchers.k8s import mesh_names
-from mesh.launchers.k8s_objects import GPU, SHM_BASE_BYTES, mebibytes
-from mesh.placement import gpu_sets
-from mesh.preflight import StorePlan
+from mesh.launchers.k8s import GPU, SHM_BASE_BYTES, mebibytes, mesh_names
+from mesh.preflight import StorePlan, load_plan
 from mesh.run import main
-from mesh.topology import TopologyError, load_topology
+from mesh.topology import TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGIES = sorted((ROOT / "topologies").glob("*.yaml"))
@@ -54,8 +52,8 @@ def validate(body: dict) -> None:
 
 def rendered(path: Path, overrides: list[str] = ()) -> list[dict]:
     overrides = [*IMAGE, *overrides]
-    topology = load_topology(path, overrides, placed_here=False)
-    return topology.launcher.render(topology, path.read_text(), overrides)
+    topology = load_plan(path, overrides, placed_here=False)
+    return topology.topology.launcher.render(topology, path.read_text(), overrides)
 
 
 def by_kind(bodies: list[dict], kind: str) -> list[dict]:
@@ -65,7 +63,7 @@ def by_kind(bodies: list[dict], kind: str) -> list[dict]:
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.name)
 def test_every_object_of_every_shipped_topology_validates(path):
     bodies = rendered(path, FOR_KUBERNETES.get(path.name, []))
-    topology = load_topology(path, [*IMAGE, *FOR_KUBERNETES.get(path.name, [])], placed_here=False)
+    topology = load_plan(path, [*IMAGE, *FOR_KUBERNETES.get(path.name, [])], placed_here=False)
     assert [b["metadata"]["name"] for b in by_kind(bodies, "MonarchMesh")] == list(mesh_names(topology).values())
     assert {b["kind"] for b in bodies} == {
         "ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "ConfigMap", "Job", "MonarchMesh"
@@ -114,7 +112,7 @@ def shm_limits(bodies: list[dict]) -> dict[str, str]:
 
 def test_dev_shm_holds_the_weight_store_where_the_store_is_in_shared_memory():
     together = ["actors.generator.mesh=trainer", "actors.teachers.mesh=trainer", "loop.max_policy_lag=3"]
-    topology = load_topology(TINY, [*IMAGE, *together], placed_here=False)
+    topology = load_plan(TINY, [*IMAGE, *together], placed_here=False)
     plan = StorePlan.of(topology)
     assert plan.transport == "shm" and plan.slots == 5
     limits = shm_limits(rendered(TINY, together))
@@ -164,8 +162,8 @@ def test_the_controller_job_runs_the_shipped_topology_as_rendered(tmp_path):
     shipped = tmp_path / "topology.yaml"
     shipped.write_text(config_map["data"]["topology.yaml"])
     sets = [command[i + 1] for i, arg in enumerate(command) if arg == "--set"]
-    expected = load_topology(TINY, [*IMAGE, *overrides], placed_here=False)
-    assert load_topology(shipped, sets, placed_here=False).model_dump() == expected.model_dump()
+    expected = load_plan(TINY, [*IMAGE, *overrides], placed_here=False)
+    assert load_plan(shipped, sets, placed_here=False).topology.model_dump() == expected.topology.model_dump()
     assert {b["metadata"]["namespace"] for b in bodies} == {"rl"}
 
 
@@ -178,20 +176,20 @@ def test_the_controller_job_runs_the_shipped_topology_as_rendered(tmp_path):
 )
 def test_a_topology_kubernetes_cannot_take_is_refused_with_the_fix(overrides, reason):
     with pytest.raises(TopologyError, match=reason):
-        load_topology(TINY, ["launcher.kind=k8s", *overrides], placed_here=False)
+        load_plan(TINY, ["launcher.kind=k8s", *overrides], placed_here=False)
 
 
 def test_meshes_sharing_gpus_are_refused_since_pods_cannot_share_one():
     with pytest.raises(TopologyError, match="share_gpus_with is 'trainer', but launcher 'k8s' starts each mesh on"):
-        load_topology(ROOT / "topologies" / "gpu_1gpu.yaml", ["launcher.kind=k8s"], placed_here=False)
+        load_plan(ROOT / "topologies" / "gpu_1gpu.yaml", ["launcher.kind=k8s"], placed_here=False)
 
 
 def test_each_pods_processes_see_that_pods_gpus_from_0():
-    topology = load_topology(
+    topology = load_plan(
         ROOT / "topologies" / "gpu_node.yaml", [*IMAGE, "meshes.trainer.hosts=2"], placed_here=False
     )
-    assert gpu_sets(topology)["trainer"] == ((0,), (1,), (2,), (3,)) * 2
-    assert gpu_sets(topology)["generator"] == ((0,), (1,), (2,), (3,))
+    assert topology.gpus["trainer"] == ((0,), (1,), (2,), (3,)) * 2
+    assert topology.gpus["generator"] == ((0,), (1,), (2,), (3,))
 
 
 def test_render_writes_one_file_per_object_in_apply_order(tmp_path, capsys):

@@ -11,8 +11,7 @@ import torch
 
 from actors.model import build_tiny_model, load_policy
 from actors.model_config import ModelFacts, TinyModelSpec
-from actors.weights import WeightPublisher, slot_file
-from actors.weights.store import HEADER_BYTES
+from actors.weights import HEADER_BYTES, WeightPublisher, slot_file
 from actors.weights_config import SLOT_HEADER_BYTES, slot_bytes
 
 ALPHABET = "abc="
@@ -79,12 +78,11 @@ def test_unreadable_weights_are_explained_and_missing_ones_are_unknown(tmp_path,
 
 
 def test_a_model_path_without_safetensors_skips_the_pre_flight(tmp_path, tied):
-    from mesh.preflight import describe_store
-    from mesh.topology import load_topology
+    from mesh.preflight import describe_store, load_plan
 
     tied.save_pretrained(tmp_path / "model")
     (tmp_path / "model" / "model.safetensors").unlink()
     tiny = Path(__file__).resolve().parents[1] / "topologies" / "tiny.yaml"
-    topology = load_topology(tiny, [f"model={{path: {tmp_path / 'model'}}}", "loop.max_policy_lag=100000000"])
+    topology = load_plan(tiny, [f"model={{path: {tmp_path / 'model'}}}", "loop.max_policy_lag=100000000"], placed_here=False)
     unknown = "weight store: 100000002 slots (size unknown: model.path has no safetensors weights)"
     assert describe_store(topology) == unknown

@@ -12,11 +12,11 @@ import pytest
 import torch
 from openai_server import CompletionServer
 
-from actors.bindings import BindingConfig, BindingError, Student, TopKRequest
-from actors.bindings import openai as openai_binding
-from actors.bindings.openai import OpenAITeacher
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.tasks.strings import Reverse, Sort
+from actors.teachers.bindings import BindingConfig, BindingError, Student, TopKRequest
+from actors.teachers.bindings import openai as openai_binding
+from actors.teachers.bindings.openai import OpenAITeacher
 
 TASK = Reverse()
 MAX_NEW_TOKENS = 8

@@ -14,15 +14,10 @@ import pytest
 from monarch.actor import Actor, endpoint, this_host
 
 from mesh.launchers import spawn_procs
-from mesh.placement import (
-    ProcStart,
-    gpu_sets,
-    on_publishing_gpu,
-    proc_starts,
-    trainer_memory_share,
-    visible_devices_command,
-)
-from mesh.topology import TopologyError, load_topology
+from mesh.placement import proc_starts, visible_devices_command
+from mesh.plan import ProcStart, RunPlan
+from mesh.preflight import load_plan
+from mesh.topology import TopologyError
 
 cloudpickle.register_pickle_by_value(
     sys.modules[__name__]
@@ -39,56 +34,54 @@ def described(path: Path, *overrides: str) -> tuple[int, str, str]:
     return result.returncode, result.stdout, result.stderr
 
 
-def layout(path: Path, *overrides: str):
-    """A topology as a GPU machine would read it (this one may have no GPU)."""
-    return load_topology(path, list(overrides), placed_here=False)
+def layout(path: Path, *overrides: str) -> RunPlan:
+    """A topology's plan as a GPU machine would read it (this one may have no GPU)."""
+    return load_plan(path, list(overrides), placed_here=False)
 
 
 # ----------------------------------------------------------------------------- which GPUs
 
 
 def test_an_eight_gpu_node_numbers_gpus_mesh_after_mesh():
-    sets = gpu_sets(layout(NODE))
+    sets = layout(NODE).gpus
     assert sets == {"trainer": ((0,), (1,), (2,), (3,)), "generator": ((4,), (5,), (6,), (7,)), "service": ((),)}
 
 
-def test_generator_replicas_each_get_their_own_gpus_and_tensor_parallel_groups():
-    topology = layout(NODE, "meshes.generator.procs=1", "meshes.generator.gpus=2", "actors.generator.replicas=2")
-    sets = gpu_sets(topology)
+def test_generator_copies_each_get_their_own_gpus_and_tensor_parallel_groups():
+    topology = layout(NODE, "meshes.generator.procs=1", "meshes.generator.gpus=2", "actors.generator.copies=2")
+    sets = topology.gpus
     assert sets["generator"] == ((4, 5),) and sets["generator1"] == ((6, 7),)
 
 
 def test_a_mesh_sharing_gpus_runs_on_the_other_meshes_gpus():
-    sets = gpu_sets(layout(ONE_GPU))
+    sets = layout(ONE_GPU).gpus
     assert sets["trainer"] == sets["generator"] == ((0,),)
-    two = gpu_sets(
-        layout(NODE, "meshes.generator.share_gpus_with=trainer", "actors.generator.gpu_memory_utilization=0.3")
-    )
+    two = layout(NODE, "meshes.generator.share_gpus_with=trainer", "actors.generator.gpu_memory_utilization=0.3").gpus
     assert two["generator"] == ((0,), (1,), (2,), (3,)) and two["trainer"] == ((0,), (1,), (2,), (3,))
 
 
 def test_hosts_of_a_mesh_on_this_machine_take_gpus_of_their_own():
     topology = layout(TINY, "launcher.kind=process", "meshes.trainer.hosts=2", "meshes.trainer.gpus=1")
-    assert gpu_sets(topology)["trainer"] == ((0,), (1,))
+    assert topology.gpus["trainer"] == ((0,), (1,))
 
 
 @pytest.mark.parametrize("kind", ["process", "slurm"])
 def test_only_a_follower_on_the_publishing_gpu_itself_counts_as_on_it(kind):
     """Under slurm each host numbers its GPUs from 0: rank 1's GPU 0 is another machine's."""
     topology = layout(TINY, f"launcher.kind={kind}", "meshes.trainer.hosts=2", "meshes.trainer.gpus=1")
-    assert on_publishing_gpu(topology, ["trainer"]) is False
+    assert topology.on_publishing_gpu(["trainer"]) is False
     one_host = layout(TINY, f"launcher.kind={kind}", "meshes.trainer.gpus=1", "actors.generator.mesh=trainer")
-    assert on_publishing_gpu(one_host, ["trainer"]) is True
+    assert one_host.on_publishing_gpu(["trainer"]) is True
     apart = layout(TINY, f"launcher.kind={kind}", "meshes.trainer.gpus=1", "meshes.generator.gpus=1")
-    assert on_publishing_gpu(apart, ["generator"]) is False
+    assert apart.on_publishing_gpu(["generator"]) is False
 
 
 def test_vllm_sharing_the_trainers_gpu_takes_its_share_and_caps_the_trainer():
     shared = ["meshes.generator.share_gpus_with=trainer", "actors.generator.gpu_memory_utilization=0.3"]
-    assert trainer_memory_share(layout(NODE, *shared)) == pytest.approx(0.7)
-    assert trainer_memory_share(layout(NODE)) is None  # vLLM on GPUs of its own
+    assert layout(NODE, *shared).trainer_memory_share == pytest.approx(0.7)
+    assert layout(NODE).trainer_memory_share is None  # vLLM on GPUs of its own
     # in the trainer's own processes vLLM allocates from the same allocator: no cap there
-    assert trainer_memory_share(layout(NODE, "actors.generator.mesh=trainer", *shared[1:])) is None
+    assert layout(NODE, "actors.generator.mesh=trainer", *shared[1:]).trainer_memory_share is None
 
 
 def test_only_meshes_holding_models_import_the_model_libraries():
@@ -125,7 +118,7 @@ def test_visible_devices_map_through_the_workers_own_visible_gpus(inherited, gpu
         (["meshes.generator.gpus=2"], ["would need 2 of the 1 GPU(s)", "set meshes.generator.gpus between 1 and 1"]),
         (["meshes.trainer.gpus=2"], ["a trainer process drives one GPU", "procs: 2"]),
         (["meshes.generator.share_gpus_with=null", "meshes.generator.gpus=2"], ["engine 'hf'", "engine: vllm"]),
-        (["actors.generator.replicas=2"], ["every replica would then land on the same GPUs"]),
+        (["actors.generator.copies=2"], ["every copy of the generator would then land on the same GPUs"]),
         (
             ["actors.generator.engine=vllm"],
             ["set actors.generator.gpu_memory_utilization", "the trainer keeps the rest"],

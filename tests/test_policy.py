@@ -17,7 +17,6 @@ from losses import (
     Logits,
     LossConfig,
     LossInputs,
-    PolicyConfig,
     PolicyInputs,
     TokenLogprobs,
     compose_loss,
@@ -25,9 +24,10 @@ from losses import (
     group_advantages,
     informative_groups,
     overlong_penalty,
+    policy_config,
     policy_loss,
 )
-from losses.config import COVARIANCE, DEFAULTS
+from losses.config import COVARIANCE, POLICIES
 from losses.logprobs import (
     selective_logprobs,
     selective_logprobs_and_entropy,
@@ -37,7 +37,7 @@ from losses.logprobs import (
 )
 from losses.policy import aggregate, importance_weights
 
-ALL = sorted(DEFAULTS)
+ALL = sorted(POLICIES)
 
 
 def grad_of(loss: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def aggregation_weights(inputs: PolicyInputs, how: str) -> torch.Tensor:
 def test_on_policy_gradient_is_reinforce(name):
     logprobs, inputs = random_policy()
     inputs = dataclasses.replace(inputs, old_logprobs=None)  # ratio exactly 1
-    cfg = PolicyConfig(name=name)
+    cfg = policy_config(name=name)
     loss, _ = policy_loss(logprobs, inputs, cfg)
     expected = -inputs.advantages[:, None] * aggregation_weights(inputs, cfg.aggregation)
     assert_close(grad_of(loss, logprobs), expected, atol=1e-12, rtol=0)
@@ -67,7 +67,7 @@ def test_on_policy_gradient_is_reinforce(name):
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo"])
 def test_clipped_tokens_get_zero_gradient(name):
-    cfg = PolicyConfig(name=name)
+    cfg = policy_config(name=name)
     mask = torch.ones(4, 1, dtype=torch.bool)
     logprobs = torch.full((4, 1), -1.0, dtype=torch.float64, requires_grad=True)
     up, down = 1 + cfg.clip_high + 0.1, 1 - cfg.clip_low - 0.1
@@ -89,7 +89,7 @@ def verl_dual_clip(ratio, advantages, low, high, c):
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo"])
 def test_dual_clip_caps_the_loss_of_negative_advantages_as_verl_does(name, generator):
-    cfg = PolicyConfig(name=name, dual_clip=3.0, aggregation="token_mean")
+    cfg = policy_config(name=name, dual_clip=3.0, aggregation="token_mean")
     mask = torch.ones(64, 1, dtype=torch.bool)
     logprobs = (-torch.rand(64, 1, generator=generator, dtype=torch.float64)).requires_grad_()
     log_ratios = torch.empty(64, 1, dtype=torch.float64).uniform_(-2.0, 2.0, generator=generator)  # r up to e^2
@@ -128,7 +128,7 @@ def old_covariance(inputs):
 
 def test_kl_cov_adds_the_ratio_kl_at_the_highest_covariance_tokens_as_verl_does(generator):
     logprobs, inputs = covariance_batch(generator)
-    cfg = PolicyConfig(name="kl_cov", cov_fraction=0.05, kl_cov_coef=0.7)
+    cfg = policy_config(name="kl_cov", cov_fraction=0.05, kl_cov_coef=0.7)
     loss, metrics = policy_loss(logprobs, inputs, cfg)
     # verl's compute_policy_loss_kl_cov, from its equations: top-k of cov among valid tokens, k = max(1, int(N f))
     mask, advantages = inputs.mask, inputs.advantages[:, None]
@@ -148,7 +148,7 @@ def test_kl_cov_adds_the_ratio_kl_at_the_highest_covariance_tokens_as_verl_does(
 
 def test_clip_cov_cuts_random_unclipped_tokens_in_the_covariance_window_from_the_gradient(generator):
     logprobs, inputs = covariance_batch(generator)
-    cfg = PolicyConfig(name="clip_cov", cov_fraction=0.02, clip_cov_low=0.5, clip_cov_high=4.0)
+    cfg = policy_config(name="clip_cov", cov_fraction=0.02, clip_cov_low=0.5, clip_cov_high=4.0)
     loss, _ = policy_loss(logprobs, inputs, cfg)
     mask, advantages = inputs.mask, inputs.advantages[:, None]
     chosen = covariance_selection(inputs.old_logprobs, advantages, mask, cfg)
@@ -176,7 +176,7 @@ def test_the_step_choice_applies_to_every_slice_of_it(name, generator):
     """Chosen once over all rows (``held_back``), the covariance methods add up over row slices
     like every other loss, whatever the slicing; a slice left to choose alone would choose other tokens."""
     logprobs, inputs = covariance_batch(generator)
-    cfg = PolicyConfig(name=name, cov_fraction=0.05)
+    cfg = policy_config(name=name, cov_fraction=0.05)
     held_back = covariance_selection(inputs.old_logprobs, inputs.advantages[:, None], inputs.mask, cfg)
     inputs = dataclasses.replace(inputs, held_back=held_back)
     whole, _ = policy_loss(logprobs, inputs, cfg)
@@ -189,13 +189,13 @@ def test_the_step_choice_applies_to_every_slice_of_it(name, generator):
 @pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
 def test_covariance_methods_are_refused_where_the_loss_sees_one_sample_at_a_time(name):
     with pytest.raises(ValueError, match="covariance over a whole micro-batch.*inner_loop native, trl or torchtitan"):
-        TrainerConfig(mesh="t", inner_loop="prime_rl", loss=LossConfig(policy=PolicyConfig(name=name)))
+        TrainerConfig(mesh="t", inner_loop="prime_rl", loss=LossConfig(policy=policy_config(name=name)))
 
 
 def test_k3_is_nonnegative_and_zero_only_at_the_reference(generator):
     logprobs, inputs = random_policy()
     ref = logprobs.detach() + torch.randn(logprobs.shape, generator=generator, dtype=torch.float64)
-    with_kl = PolicyConfig(name="grpo", kl_coef=0.5)
+    with_kl = policy_config(name="grpo", kl_coef=0.5)
     _, metrics = policy_loss(logprobs, dataclasses.replace(inputs, ref_logprobs=ref), with_kl)
     assert metrics["kl"] > 0
     _, metrics = policy_loss(logprobs, dataclasses.replace(inputs, ref_logprobs=logprobs.detach()), with_kl)
@@ -221,7 +221,7 @@ def test_k3_gradient_direction(unbiased):
     inputs = PolicyInputs(
         mask, torch.zeros(1, dtype=torch.float64), Counts.from_mask(mask), ref_logprobs=ref[samples][None]
     )
-    loss, _ = policy_loss(logprobs, inputs, PolicyConfig(name="grpo", kl_coef=1.0, kl_unbiased=unbiased))
+    loss, _ = policy_loss(logprobs, inputs, policy_config(name="grpo", kl_coef=1.0, kl_unbiased=unbiased))
     estimate = grad_of(loss, theta)
 
     def pi():
@@ -245,7 +245,7 @@ def one_token_kl(logprob: float, old: float, ref: float, dtype: torch.dtype, nam
         old_logprobs=torch.tensor([[old]], dtype=dtype),
         ref_logprobs=torch.tensor([[ref]], dtype=dtype),
     )
-    cfg = PolicyConfig(name=name, kl_coef=1.0, kl_unbiased=True, aggregation="token_mean")
+    cfg = policy_config(name=name, kl_coef=1.0, kl_unbiased=True, aggregation="token_mean")
     loss, _ = policy_loss(leaf, inputs, cfg)
     return loss, grad_of(loss, leaf)
 
@@ -279,26 +279,26 @@ def test_gspo_sequence_ratio_is_length_normalized():
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     logprobs = torch.full((2, 4), -1.0, dtype=torch.float64)
     inputs = PolicyInputs(mask, torch.ones(2, dtype=torch.float64), Counts.from_mask(mask), old_logprobs=logprobs - 0.3)
-    _, metrics = policy_loss(logprobs, inputs, PolicyConfig(name="gspo"))
+    _, metrics = policy_loss(logprobs, inputs, policy_config(name="gspo"))
     assert metrics["ratio"].item() == pytest.approx(torch.tensor(0.3).exp().item())  # e^d for both lengths
     # appending tokens with log-ratio 0 pulls the sequence ratio towards 1
     old = (logprobs - 0.3).masked_fill(torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]], dtype=torch.bool), -1.0)
-    _, diluted = policy_loss(logprobs, dataclasses.replace(inputs, old_logprobs=old), PolicyConfig(name="gspo"))
+    _, diluted = policy_loss(logprobs, dataclasses.replace(inputs, old_logprobs=old), policy_config(name="gspo"))
     assert 1 < diluted["ratio"] < metrics["ratio"]
 
 
 def test_gspo_token_gradient_equals_gspo_without_clipping():
     logprobs, inputs = random_policy(spread=0.01)
     wide = dict(clip_low=0.9, clip_high=10.0)
-    gspo = grad_of(policy_loss(logprobs, inputs, PolicyConfig(name="gspo", **wide))[0], logprobs)
-    token = grad_of(policy_loss(logprobs, inputs, PolicyConfig(name="gspo_token", **wide))[0], logprobs)
+    gspo = grad_of(policy_loss(logprobs, inputs, policy_config(name="gspo", **wide))[0], logprobs)
+    token = grad_of(policy_loss(logprobs, inputs, policy_config(name="gspo_token", **wide))[0], logprobs)
     assert_close(gspo, token, atol=1e-12, rtol=0)
 
 
 def test_cispo_gradient_formula_and_no_dead_tokens():
     logprobs, inputs = random_policy(spread=1.0)
     cap = 1.5
-    loss, metrics = policy_loss(logprobs, inputs, PolicyConfig(name="cispo", cispo_max_ratio=cap))
+    loss, metrics = policy_loss(logprobs, inputs, policy_config(name="cispo", cispo_max_ratio=cap))
     ratio = (logprobs.detach() - inputs.old_logprobs).exp()
     expected = -ratio.clamp(max=cap) * inputs.advantages[:, None] * inputs.mask / inputs.counts.tokens
     grad = grad_of(loss, logprobs)
@@ -310,9 +310,9 @@ def test_cispo_gradient_formula_and_no_dead_tokens():
 
 def test_cispo_weight_is_detached_and_linear_in_the_ratio():
     logprobs, inputs = random_policy(spread=0.0)
-    base = grad_of(policy_loss(logprobs, inputs, PolicyConfig(name="cispo"))[0], logprobs)
+    base = grad_of(policy_loss(logprobs, inputs, policy_config(name="cispo"))[0], logprobs)
     shifted = dataclasses.replace(inputs, old_logprobs=inputs.old_logprobs - math.log(1.2))
-    scaled = grad_of(policy_loss(logprobs, shifted, PolicyConfig(name="cispo"))[0], logprobs)
+    scaled = grad_of(policy_loss(logprobs, shifted, policy_config(name="cispo"))[0], logprobs)
     assert_close(scaled, 1.2 * base, atol=1e-12, rtol=0)
 
 
@@ -324,7 +324,7 @@ def test_dppo_mask_follows_the_advantage_sign():
     logprobs = new_probs.log().requires_grad_()
     advantages = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
     inputs = PolicyInputs(mask, advantages, Counts.from_mask(mask), old_logprobs=old_probs.log())
-    cfg = PolicyConfig(name="dppo")
+    cfg = policy_config(name="dppo")
     grad = grad_of(policy_loss(logprobs, inputs, cfg)[0], logprobs).squeeze(1)
     log_ratio = (new_probs / old_probs).log().squeeze(1)
     kl_grad = 2 * cfg.dppo_kl_tau * log_ratio / 4
@@ -336,7 +336,7 @@ def test_dppo_mask_follows_the_advantage_sign():
 def test_dppo_on_policy_loss_is_minus_the_advantage_sum():
     logprobs, inputs = random_policy()
     inputs = dataclasses.replace(inputs, old_logprobs=logprobs.detach())
-    loss, _ = policy_loss(logprobs, inputs, PolicyConfig(name="dppo"))
+    loss, _ = policy_loss(logprobs, inputs, policy_config(name="dppo"))
     expected = -(inputs.advantages[:, None] * inputs.mask).sum() / inputs.counts.tokens
     assert_close(loss, expected, atol=1e-12, rtol=0)
 
@@ -344,9 +344,9 @@ def test_dppo_on_policy_loss_is_minus_the_advantage_sum():
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
 def test_importance_weights_are_one_when_sampler_matches(mode):
     logprobs, inputs = random_policy()
-    plain = policy_loss(logprobs, inputs, PolicyConfig(name="dapo"))[0]
+    plain = policy_loss(logprobs, inputs, policy_config(name="dapo"))[0]
     matched = dataclasses.replace(inputs, inference_logprobs=inputs.old_logprobs.clone())
-    corrected, metrics = policy_loss(logprobs, matched, PolicyConfig(name="dapo", is_mode=mode))
+    corrected, metrics = policy_loss(logprobs, matched, policy_config(name="dapo", is_mode=mode))
     assert torch.equal(plain, corrected)
     assert metrics["is_weight"] == pytest.approx(1.0)
 
@@ -355,7 +355,7 @@ def test_importance_weights_are_one_when_sampler_matches(mode):
 def test_importance_weights_are_bounded_and_detached(mode, generator):
     logprobs, inputs = random_policy()
     inference = inputs.old_logprobs + torch.randn(logprobs.shape, generator=generator, dtype=torch.float64)
-    cfg = PolicyConfig(name="dapo", is_mode=mode, is_min=0.5, is_max=2.0)
+    cfg = policy_config(name="dapo", is_mode=mode, is_min=0.5, is_max=2.0)
     weight = importance_weights(inputs.old_logprobs, inference, inputs.mask, cfg)
     assert not weight.requires_grad
     if mode.endswith("truncate"):
@@ -365,7 +365,7 @@ def test_importance_weights_are_bounded_and_detached(mode, generator):
     # the weight multiplies the loss, so gradients scale by it token by token
     with_is = dataclasses.replace(inputs, inference_logprobs=inference)
     grad = grad_of(policy_loss(logprobs, with_is, cfg)[0], logprobs)
-    plain = grad_of(policy_loss(logprobs, inputs, PolicyConfig(name="dapo"))[0], logprobs)
+    plain = grad_of(policy_loss(logprobs, inputs, policy_config(name="dapo"))[0], logprobs)
     assert_close(grad, plain * weight.expand_as(plain), atol=1e-12, rtol=0)
 
 
@@ -373,14 +373,14 @@ def test_sequence_importance_weight_is_a_product_not_a_mean():
     mask = torch.ones(1, 3, dtype=torch.bool)
     old = torch.zeros(1, 3, dtype=torch.float64)
     inference = torch.full((1, 3), -0.1, dtype=torch.float64)
-    cfg = PolicyConfig(is_mode="sequence_truncate", is_max=100.0)
+    cfg = policy_config(is_mode="sequence_truncate", is_max=100.0)
     assert importance_weights(old, inference, mask, cfg).item() == pytest.approx(torch.tensor(0.3).exp().item())
 
 
 def test_importance_correction_without_inference_logprobs_is_a_clear_error():
     logprobs, inputs = random_policy()
     with pytest.raises(ValueError, match="inference_logprobs"):
-        policy_loss(logprobs, inputs, PolicyConfig(is_mode="token_truncate"))
+        policy_loss(logprobs, inputs, policy_config(is_mode="token_truncate"))
 
 
 def test_token_mean_and_sequence_mean_differ_only_with_unequal_lengths():
@@ -399,14 +399,14 @@ def test_token_mean_and_sequence_mean_differ_only_with_unequal_lengths():
 
 def test_token_mean_is_unchanged_by_duplicating_the_batch():
     logprobs, inputs = random_policy()
-    loss = policy_loss(logprobs, inputs, PolicyConfig(name="dapo"))[0]
+    loss = policy_loss(logprobs, inputs, policy_config(name="dapo"))[0]
     doubled = PolicyInputs(
         mask=inputs.mask.repeat(2, 1),
         advantages=inputs.advantages.repeat(2),
         counts=Counts.from_mask(inputs.mask.repeat(2, 1)),
         old_logprobs=inputs.old_logprobs.repeat(2, 1),
     )
-    assert_close(policy_loss(logprobs.repeat(2, 1), doubled, PolicyConfig(name="dapo"))[0], loss)
+    assert_close(policy_loss(logprobs.repeat(2, 1), doubled, policy_config(name="dapo"))[0], loss)
 
 
 def test_dr_grpo_has_no_length_weighting():
@@ -423,7 +423,7 @@ def test_loss_of_row_slices_adds_up_to_the_batch():
     """Global counts make every method row-separable (what the memory-lean path relies on)."""
     logprobs, inputs = random_policy(batch=5)
     for name in ALL:
-        cfg = PolicyConfig(name=name)
+        cfg = policy_config(name=name)
         if name in COVARIANCE:  # their tokens are chosen over the step (test_the_step_choice_applies_...)
             advantages = inputs.advantages[:, None]
             inputs = dataclasses.replace(
@@ -470,7 +470,7 @@ def test_rloo_subtracts_the_mean_of_the_other_samples_of_the_group(generator):
 
 
 def test_each_method_defaults_to_its_published_advantage_estimator():
-    estimators = {name: PolicyConfig(name=name).advantage for name in DEFAULTS}
+    estimators = {name: policy_config(name=name).advantage for name in POLICIES}
     assert estimators == {
         "grpo": "group_std",
         "dr_grpo": "group_mean",  # the paper's fix: no division by the group's std
@@ -483,9 +483,9 @@ def test_each_method_defaults_to_its_published_advantage_estimator():
         "clip_cov": "group_std",  # verl's GRPO runs of the paper
         "kl_cov": "group_std",
     }
-    assert PolicyConfig(name="dr_grpo", advantage="rloo").advantage == "rloo"
+    assert policy_config(name="dr_grpo", advantage="rloo").advantage == "rloo"
     with pytest.raises(ValueError, match="unknown advantage 'loo'"):
-        PolicyConfig(advantage="loo")
+        policy_config(advantage="loo")
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         group_advantages(torch.zeros(4), 2, "loo")
 
@@ -535,24 +535,24 @@ def test_overlong_penalty_shape():
 )
 def test_invalid_policy_configs_fail_at_build_time(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        PolicyConfig(**kwargs)
+        policy_config(**kwargs)
 
 
 def test_method_defaults_are_the_published_ones():
-    assert (PolicyConfig(name="dapo").clip_low, PolicyConfig(name="dapo").clip_high) == (0.2, 0.28)
-    assert PolicyConfig(name="dapo").aggregation == "token_mean"
-    assert PolicyConfig(name="dr_grpo").aggregation == "constant"
-    assert (PolicyConfig(name="gspo").clip_low, PolicyConfig(name="gspo").clip_high) == (3e-4, 4e-4)
-    assert PolicyConfig(name="grpo", clip_high=0.3).clip_high == 0.3
+    assert (policy_config(name="dapo").clip_low, policy_config(name="dapo").clip_high) == (0.2, 0.28)
+    assert policy_config(name="dapo").aggregation == "token_mean"
+    assert policy_config(name="dr_grpo").aggregation == "constant"
+    assert (policy_config(name="gspo").clip_low, policy_config(name="gspo").clip_high) == (3e-4, 4e-4)
+    assert policy_config(name="grpo", clip_high=0.3).clip_high == 0.3
 
 
 def test_without_is_mode_the_sampler_is_the_old_policy_and_with_it_the_trainer_is():
     logprobs, inputs = random_policy()
     sampler = dataclasses.replace(inputs, old_logprobs=None, inference_logprobs=inputs.old_logprobs)
-    _, as_old = policy_loss(logprobs, sampler, PolicyConfig(name="dapo"))
-    _, explicit = policy_loss(logprobs, inputs, PolicyConfig(name="dapo"))
+    _, as_old = policy_loss(logprobs, sampler, policy_config(name="dapo"))
+    _, explicit = policy_loss(logprobs, inputs, policy_config(name="dapo"))
     assert as_old["ratio"] == pytest.approx(float(explicit["ratio"])) and float(as_old["ratio"]) != pytest.approx(1.0)
-    _, decoupled = policy_loss(logprobs, sampler, PolicyConfig(name="dapo", is_mode="token_truncate"))
+    _, decoupled = policy_loss(logprobs, sampler, policy_config(name="dapo", is_mode="token_truncate"))
     assert decoupled["ratio"] == pytest.approx(1.0) and decoupled["clipped_fraction"] == 0.0  # recomputed: ratio 1
     assert float(decoupled["is_weight"]) != pytest.approx(1.0)  # the sampler is corrected by the weight instead
 
@@ -560,16 +560,16 @@ def test_without_is_mode_the_sampler_is_the_old_policy_and_with_it_the_trainer_i
 def test_mismatch_estimates_are_zero_on_policy_and_k3_never_negative():
     logprobs, inputs = random_policy()
     same = dataclasses.replace(inputs, inference_logprobs=logprobs.detach().clone())
-    _, metrics = policy_loss(logprobs, same, PolicyConfig())
+    _, metrics = policy_loss(logprobs, same, policy_config())
     assert metrics["mismatch_k1"] == 0.0 and metrics["mismatch_k3"] == 0.0
     shifted = dataclasses.replace(inputs, inference_logprobs=logprobs.detach() + 0.1)  # the sampler more confident
-    _, metrics = policy_loss(logprobs, shifted, PolicyConfig())
+    _, metrics = policy_loss(logprobs, shifted, policy_config())
     share = float(inputs.mask.sum()) / inputs.counts.tokens
     assert metrics["mismatch_k1"] == pytest.approx(0.1 * share)  # E_mu[log mu - log pi]
     assert metrics["mismatch_k3"] == pytest.approx((math.exp(-0.1) - 1 + 0.1) * share)
     for offset in (-2.0, -0.3, 0.5, 3.0):
         moved = dataclasses.replace(inputs, inference_logprobs=logprobs.detach() + offset)
-        assert policy_loss(logprobs, moved, PolicyConfig())[1]["mismatch_k3"] > 0
+        assert policy_loss(logprobs, moved, policy_config())[1]["mismatch_k3"] > 0
 
 
 # -- entropy --------------------------------------------------------------------------
@@ -582,7 +582,7 @@ def entropy_case(generator, coef: float):
     hidden = torch.randn(B, T, H, generator=generator, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(V, H, generator=generator, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, V, (B, T), generator=generator)
-    cfg = LossConfig(policy=PolicyConfig(name="grpo", entropy_coef=coef), chunk_tokens=2 * T)  # chunks of 2 rows
+    cfg = LossConfig(policy=policy_config(name="grpo", entropy_coef=coef), chunk_tokens=2 * T)  # chunks of 2 rows
     return hidden, weight, LossInputs(targets=targets, policy=dataclasses.replace(inputs, old_logprobs=None)), cfg
 
 
@@ -617,7 +617,7 @@ def test_entropy_is_logged_and_its_bonus_is_taken_alike_from_logits_and_the_chun
     entropy = token_entropy((hidden @ weight.T).detach())
     assert fused.metrics["policy/entropy"] == pytest.approx(float(entropy[mask].sum() / mask.sum()), abs=1e-12)
     without = compose_loss(
-        Logits(hidden @ weight.T), inputs, dataclasses.replace(cfg, policy=PolicyConfig(name="grpo"))
+        Logits(hidden @ weight.T), inputs, dataclasses.replace(cfg, policy=policy_config(name="grpo"))
     )
     bonus = aggregate(entropy, mask, "seq_mean_token_mean", inputs.policy.counts)
     assert_close(full.loss, without.loss - 0.05 * bonus, rtol=0, atol=1e-12)  # the bonus lowers the loss
@@ -639,9 +639,9 @@ def test_an_entropy_bonus_that_cannot_see_the_distribution_is_refused():
     logprobs, inputs = random_policy()
     with pytest.raises(ValueError, match="entropy bonus .* needs the policy's whole distribution"):
         compose_loss(
-            TokenLogprobs(logprobs), LossInputs(policy=inputs), LossConfig(policy=PolicyConfig(entropy_coef=0.1))
+            TokenLogprobs(logprobs), LossInputs(policy=inputs), LossConfig(policy=policy_config(entropy_coef=0.1))
         )
     with pytest.raises(ValueError, match="inner_loop native, trl or torchtitan"):
-        TrainerConfig(mesh="t", inner_loop="prime_rl", loss=LossConfig(policy=PolicyConfig(entropy_coef=0.1)))
+        TrainerConfig(mesh="t", inner_loop="prime_rl", loss=LossConfig(policy=policy_config(entropy_coef=0.1)))
     with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
-        PolicyConfig(entropy_coef=-0.1)
+        policy_config(entropy_coef=-0.1)

@@ -16,14 +16,14 @@ from losses import (
     Logits,
     LossConfig,
     LossInputs,
-    PolicyConfig,
     PolicyInputs,
     PreferenceInputs,
     TeacherLogits,
     TeacherTopK,
     compose_loss,
+    policy_config,
 )
-from losses.config import DEFAULTS
+from losses.config import POLICIES
 
 
 @st.composite
@@ -49,7 +49,7 @@ def batches(draw):
         teacher=torch.randn(b, t, v, generator=g) * 4,
         top_k=draw(st.integers(1, v)),
         pairs=(-torch.rand(2, b, generator=g) * 10).requires_grad_(),
-        policy=draw(st.sampled_from(sorted(DEFAULTS))),
+        policy=draw(st.sampled_from(sorted(POLICIES))),
         is_mode=draw(st.sampled_from([None, "token_truncate", "sequence_mask"])),
         divergence=draw(st.sampled_from(DIVERGENCES)),
         top_k_teacher=draw(st.booleans()),
@@ -64,9 +64,9 @@ def finite(tensor):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_compose_loss_is_finite_everywhere(x):
-    kl = 0.05 if x["policy"] != "dppo" else 0.0
+    kl = {"kl_coef": 0.05} if x["policy"] != "dppo" else {}  # DPPO has its own KL term
     cfg = LossConfig(
-        policy=PolicyConfig(name=x["policy"], is_mode=x["is_mode"], kl_coef=kl),
+        policy=policy_config(name=x["policy"], is_mode=x["is_mode"], **kl),
         distill=x["divergence"],
         alpha_sdpo=0.5,
         beta_replay=0.3,
@@ -113,7 +113,7 @@ def test_lean_and_full_heads_agree_in_fp32(x):
         PolicyInputs(mask, x["advantages"], Counts.from_mask(mask), x["old"]),
         DistillInputs(TeacherLogits(x["teacher"]), mask, Counts.from_mask(mask)),
     )
-    cfg = LossConfig(policy=PolicyConfig(name=x["policy"]), distill=x["divergence"], alpha_sdpo=0.5, chunk_tokens=3)
+    cfg = LossConfig(policy=policy_config(name=x["policy"]), distill=x["divergence"], alpha_sdpo=0.5, chunk_tokens=3)
     full = compose_loss(Logits(x["hidden"] @ x["weight"].T), inputs, cfg, taid_t=0.3)
     lean = compose_loss(LinearHead(x["hidden"], x["weight"]), inputs, cfg, taid_t=0.3)
     assert lean.loss.item() == pytest.approx(full.loss.item(), rel=1e-4, abs=1e-5)

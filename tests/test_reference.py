@@ -17,10 +17,13 @@ from actors.reference import ReferenceMismatch, ReferenceModel
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from mesh.controller import Collected
 from mesh.inflight import collected_from_json, collected_to_json
+from mesh.plan import ReferencePlan
+from mesh.preflight import load_plan
 from mesh.runtime import run
 from mesh.topology import TopologyError, load_topology
 
 KL = "actors.trainer.loss.policy.kl_coef=0.05"
+PLACED = {"trainer": ["actors.reference.placement=in_trainer"], "service": ["actors.reference.mesh=service"]}
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +53,28 @@ def test_a_reference_with_another_tokenizer_is_refused_with_the_fix(model_dir, t
 def test_a_reference_over_another_vocabulary_is_refused_when_the_topology_loads(tmp_path):
     other = build_tiny_model(tmp_path / "other", TinyModelSpec(), TASK.alphabet + "xyz", seed=0)
     with pytest.raises(TopologyError, match="a model over .* tokens, but the policy's vocabulary has"):
-        load_topology(TINY, [KL, f"actors.reference={{mesh: trainer, path: {other}}}"])
+        load_topology(TINY, [KL, f"actors.reference={{placement: in_trainer, path: {other}}}"])
 
 
 def test_kl_coef_alone_puts_the_initial_weights_on_the_trainer_and_dry_run_says_where(tmp_path):
-    topology = load_topology(TINY, [KL])
-    assert topology.reference_in_trainer() and topology.reference().path is None
-    assert topology.placed_actors()["reference"] == "trainer"
+    plan = load_plan(TINY, [KL])
+    assert plan.reference == ReferencePlan("in_trainer", "trainer", None, implicit=True)
+    assert "reference" not in plan.actors["trainer"]  # scored inside the trainer: no actor of its own
+    assert load_plan(TINY, [KL, *PLACED["service"]]).actors["service"] == ("reference", "teachers")
     for placed, lines in {
         "trainer": [
-            "mesh trainer: 1 host x 1 proc <- trainer, reference (inside each trainer rank)",
+            "mesh trainer: 1 host x 1 proc <- trainer + reference (inside each trainer process)",
             (
                 "reference (the policy's initial weights): logprobs of the sampled tokens for the KL penalty "
                 "(k3, kl_coef 0.05); each trainer rank: its rows before each step"
             ),
         ],
         "service": [
-            "mesh service: 1 host x 1 proc <- teachers, reference",
+            "mesh service: 1 host x 1 proc <- reference, teachers",
             "controller -> reference (mesh service) -> trainer: the batch's rows as they are collected",
         ],
     }.items():
-        result = _cli(str(TINY), "--dry-run", "--set", KL, "--set", f"actors.reference.mesh={placed}", cwd=tmp_path)
+        result = _cli(str(TINY), "--dry-run", "--set", KL, *(f"--set={o}" for o in PLACED[placed]), cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         for line in lines:
             assert line in result.stdout
@@ -81,7 +85,7 @@ async def test_both_placements_train_identically_and_the_kl_starts_at_zero(tmp_p
     bounded-async with a checkpoint of in-flight batches: the same KL, the same training."""
     learned, roles = {}, {}
     for mesh in ("trainer", "service"):
-        overrides = (KL, f"actors.reference.mesh={mesh}", "meshes.trainer.procs=2", "loop.max_policy_lag=1")
+        overrides = (KL, *PLACED[mesh], "meshes.trainer.procs=2", "loop.max_policy_lag=1")
         run_dir = await run(small(tmp_path / mesh, *overrides), progress=False)
         rows = records(run_dir)
         assert all(r["time/reference"] > 0 for r in rows)
@@ -102,7 +106,7 @@ async def test_a_reference_model_directory_is_what_the_kl_is_taken_against(tmp_p
     policy = load_topology(TINY)
     other = build_tiny_model(tmp_path / "other", policy.model.init, policy.task.alphabet, seed=7)
     run_dir = await run(
-        small(tmp_path, KL, f"actors.reference={{mesh: trainer, path: {other}}}", "loop.steps=1"), progress=False
+        small(tmp_path, KL, f"actors.reference={{placement: in_trainer, path: {other}}}", "loop.steps=1"), progress=False
     )
     assert records(run_dir)[0]["train/policy/kl"] > 0.01  # random weights of another seed, from the first step
 

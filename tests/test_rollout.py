@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from actors.bindings import TopK
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.shares import split_evenly
 from actors.tasks import Problem
-from actors.train_batch import build_train_batch, row_advantages, split_rows
+from actors.teachers.bindings import TopK
+from actors.train_batch import build_train_batch, row_advantages
 from losses import group_advantages
 from mesh.controller import Collected
 from mesh.inflight import collected_from_json, collected_to_json
@@ -67,10 +68,10 @@ def test_an_episodes_environment_tokens_are_context_not_loss():
     ]
 
 
-def test_split_rows_covers_everything_once_in_near_equal_shares():
+def test_split_evenly_covers_everything_once_in_near_equal_shares():
     for rows in range(0, 12):
         for parts in range(1, 5):
-            shares = split_rows(rows, parts)
+            shares = split_evenly(rows, parts)
             assert [i for s in shares for i in range(s.start, s.stop)] == list(range(rows))
             sizes = [s.stop - s.start for s in shares]
             assert max(sizes) - min(sizes) <= 1

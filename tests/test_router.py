@@ -16,10 +16,10 @@ from actors.weights import WeightVersion
 from mesh import runtime
 from mesh.controller import Controller
 from mesh.router import REQUESTS_PER_TARGET, PushFailed, Router
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-REPLICAS = ROOT / "topologies" / "tiny_replicas.yaml"
+COPIES = ROOT / "topologies" / "tiny_copies.yaml"
 TASK = Reverse()
 SEEDS = list(range(64))  # the router hands each request its prompts' seeds
 
@@ -201,7 +201,7 @@ async def test_two_replicas_all_serve_log_their_load_and_end_holding_the_final_v
         "loop.evaluation.prompts=8",
         f"logging.root={tmp_path}",
     ]
-    run_dir = await runtime.run(load_topology(REPLICAS, overrides), progress=False)
+    run_dir = await runtime.run(load_plan(COPIES, overrides), progress=False)
     rows = [json.loads(line) for line in run_dir.metrics_file.read_text().splitlines()]
 
     targets = 2 * procs

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from actors.model import TinyModelSpec, build_tiny_model
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
@@ -16,13 +17,14 @@ from actors.tasks.strings import Reverse
 from mesh.controller import Collected, StalenessError
 from mesh.controller.scheduler import Scheduler
 from mesh.runtime import RunFailed, run
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
 
 
 TIMED = ("time/", "samples_per_s", "generator/")  # what a placement may change
+PLACEMENT = {"generator": "in_generator", "service": "own_mesh"}  # the Rewarder on that mesh
 
 
 def small(tmp_path: Path, *overrides: str):
@@ -36,7 +38,7 @@ def small(tmp_path: Path, *overrides: str):
         "checkpointing.every=2",
         f"logging.root={tmp_path}",
     ]
-    return load_topology(TINY, [*base, *overrides])
+    return load_plan(TINY, [*base, *overrides])
 
 
 def records(run_dir) -> list[dict]:
@@ -72,6 +74,9 @@ async def test_synchronous_run_fills_the_run_directory(tmp_path, monkeypatch):
 
     path = run_dir.path
     assert (path / "topology.yaml").read_text().startswith("name: tiny")
+    plan = yaml.safe_load((path / "plan.yaml").read_text())  # what the run did with it
+    assert plan["services"] == {"rewarder": "in_generator", "reference": None}
+    assert plan["weights"] == {"transport": "shm", "dtype": "float32", "store_slots": 2}
     assert (path / "model" / "config.json").is_file()
     assert (path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((path / "tensorboard").glob("events.out.tfevents.*"))
@@ -88,6 +93,7 @@ async def test_generators_that_reward_what_they_write_train_exactly_as_a_rewarde
         overrides = (
             "loop.max_policy_lag=0",
             f"actors.rewarder.mesh={mesh}",
+            f"actors.rewarder.placement={PLACEMENT[mesh]}",
             "actors.rewarder.functions=[test_runtime:half]",
         )
         run_dir = await run(small(tmp_path / mesh, *overrides), progress=False)
@@ -149,7 +155,7 @@ async def test_trainer_on_a_gpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 async def test_gpu_1gpu_topology_learns_with_trainer_and_generator_on_one_gpu(tmp_path):
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
-    rows = records(await run(load_topology(ROOT / "topologies" / "gpu_1gpu.yaml", overrides), progress=False))
+    rows = records(await run(load_plan(ROOT / "topologies" / "gpu_1gpu.yaml", overrides), progress=False))
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert last >= first + 0.25, (first, last)
@@ -178,7 +184,8 @@ async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_resul
     tmp_path, monkeypatch, placed, failed
 ):
     let_workers_import_this_file(monkeypatch)
-    topology = small(tmp_path, "actors.rewarder.functions=[test_runtime:explode]", f"actors.rewarder.mesh={placed}")
+    explode = "actors.rewarder.functions=[test_runtime:explode]"
+    topology = small(tmp_path, explode, f"actors.rewarder.mesh={placed}", f"actors.rewarder.placement={PLACEMENT[placed]}")
     with pytest.raises(RunFailed) as info:
         await run(topology, progress=False)
     message = str(info.value)
@@ -235,7 +242,7 @@ async def test_every_actor_on_one_mesh_learns_like_the_default_placement(tmp_pat
     (``test_tiny_topology_learns_in_a_short_run``)."""
     placed = [f"actors.{actor}.mesh=trainer" for actor in ("generator", "rewarder", "teachers")]
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}", *placed]
-    rewards = [r["reward/mean"] for r in records(await run(load_topology(TINY, overrides), progress=False))]
+    rewards = [r["reward/mean"] for r in records(await run(load_plan(TINY, overrides), progress=False))]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)
 
@@ -257,7 +264,7 @@ async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop, precisi
     the native one in bf16: the policy's own reward climbs well clear of its start."""
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
     overrides += [f"actors.trainer.inner_loop={inner_loop}", f"actors.trainer.precision={precision}"]
-    topology = load_topology(TINY, overrides)
+    topology = load_plan(TINY, overrides)
     rewards = [r["reward/mean"] for r in records(await run(topology, progress=False))]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)
@@ -268,7 +275,7 @@ async def test_tiny_vllm_topology_learns_with_tis_and_logs_the_mismatch(tmp_path
     """topologies/tiny_vllm.yaml as shipped (vLLM in the generator, TIS), cut to 60 steps: the
     reward climbs, and every step logs the sampler/trainer mismatch and the TIS weight."""
     overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
-    rows = records(await run(load_topology(ROOT / "topologies" / "tiny_vllm.yaml", overrides), progress=False))
+    rows = records(await run(load_plan(ROOT / "topologies" / "tiny_vllm.yaml", overrides), progress=False))
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)

@@ -16,10 +16,11 @@ import pytest
 from slurm_cluster import node2_shm, start_cluster, stop_cluster
 
 from mesh.launchers.slurm import SlurmOptions, sbatch_script
-from mesh.placement import gpu_sets
 from mesh.rundir import RunDir
 from mesh.runtime import RunFailed, run
-from mesh.topology import MeshSpec, TopologyError, describe, load_topology
+from mesh.describe import describe
+from mesh.preflight import load_plan
+from mesh.topology import MeshSpec, TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -52,7 +53,7 @@ def test_a_meshs_job_runs_one_worker_per_node_on_the_meshs_port():
 
 
 def test_dry_run_shows_the_node_split_and_each_meshs_job_script():
-    out = describe(load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=debug", "meshes.trainer.hosts=2"]))
+    out = describe(load_plan(TINY, ["launcher.kind=slurm", "launcher.partition=debug", "meshes.trainer.hosts=2"]))
     jobs = out[out.index("# slurm jobs (one per mesh)") :]
     assert jobs.startswith("# slurm jobs (one per mesh): 4 node(s) in all, jobs may share nodes")
     assert "\nnode split: trainer 2, generator 1, service 1\n" in jobs
@@ -71,14 +72,14 @@ def test_dry_run_shows_the_node_split_and_each_meshs_job_script():
 
 def test_each_meshs_job_asks_for_the_gpus_of_its_node_and_numbers_them_from_zero():
     overrides = ["launcher.kind=slurm", "launcher.gpus_per_node=8", "meshes.generator.procs=2"]
-    overrides += ["meshes.generator.gpus=2", "actors.generator.replicas=2"]
-    topology = load_topology(GPU_NODE, overrides, placed_here=False)
+    overrides += ["meshes.generator.gpus=2", "actors.generator.copies=2"]
+    topology = load_plan(GPU_NODE, overrides, placed_here=False)
     jobs = describe(topology).split("## mesh ")[1:]
     requests = {job.split(":")[0]: re.findall(r"--gpus-per-node=(\d+)", job) for job in jobs}
     assert requests == {"trainer": ["4"], "generator": ["4"], "service": [], "generator1": ["4"]}
-    sets = gpu_sets(topology)
+    sets = topology.gpus
     assert sets["trainer"] == ((0,), (1,), (2,), (3,)) and sets["generator1"] == ((0, 1), (2, 3))
-    assert topology.weight_transport() == "rdma"  # every mesh on nodes of its own
+    assert topology.transport == "rdma"  # every mesh on nodes of its own
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,7 @@ def test_each_meshs_job_asks_for_the_gpus_of_its_node_and_numbers_them_from_zero
 )
 def test_gpu_layouts_slurm_cannot_place_are_refused(topology, overrides, reason):
     with pytest.raises(TopologyError, match=reason):
-        load_topology(topology, ["launcher.kind=slurm", *overrides], placed_here=False)
+        load_plan(topology, ["launcher.kind=slurm", *overrides], placed_here=False)
 
 
 @pytest.mark.parametrize(
@@ -104,8 +105,8 @@ def test_gpu_layouts_slurm_cannot_place_are_refused(topology, overrides, reason)
 )
 def test_launcher_options_belong_to_their_kind(overrides, reason):
     with pytest.raises(TopologyError, match=reason):
-        load_topology(TINY, overrides)
-    assert load_topology(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).launcher.partition == "gpu"
+        load_plan(TINY, overrides)
+    assert load_plan(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).launcher.partition == "gpu"
 
 
 # what the check takes (mesh/launchers/grammars.py) against what the cluster's sbatch takes
@@ -117,13 +118,13 @@ def test_every_spelling_the_check_takes_is_one_the_clusters_sbatch_takes(cluster
     """Each is submitted with ``sbatch --test-only`` (slurmctld checks the job, nothing runs); and two
     spellings the check refuses are refused by sbatch too."""
     for key, value in SBATCH_SPELLINGS:
-        topology = load_topology(TINY, ["launcher.kind=slurm", f"launcher.{key}='{value}'"], placed_here=False)
-        script = sbatch_script("tiny-trainer", topology.meshes["trainer"], 23456, topology.launcher, str(tmp_path))
+        topology = load_plan(TINY, ["launcher.kind=slurm", f"launcher.{key}='{value}'"], placed_here=False)
+        script = sbatch_script("tiny-trainer", topology.meshes["trainer"], 23456, topology.topology.launcher, str(tmp_path))
         tested = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True)
         assert tested.returncode == 0 and "to start at" in tested.stderr, (key, value, tested.stderr)
     for key, value in (("time", "1:00:00:00"), ("mem", "lots")):  # refused by both
         with pytest.raises(TopologyError, match=f"launcher.{key}"):
-            load_topology(TINY, ["launcher.kind=slurm", f"launcher.{key}='{value}'"], placed_here=False)
+            load_plan(TINY, ["launcher.kind=slurm", f"launcher.{key}='{value}'"], placed_here=False)
         script = f"#!/bin/bash\n#SBATCH --{key}={value}\nsrun true\n"
         tested = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True, text=True)
         assert tested.returncode != 0 and f"invalid --{key}" in tested.stderr.lower(), tested.stderr
@@ -132,7 +133,7 @@ def test_every_spelling_the_check_takes_is_one_the_clusters_sbatch_takes(cluster
 async def test_tiny_learns_on_slurm_with_its_three_meshes_on_one_node_and_leaves_no_job_behind(cluster, tmp_path):
     overrides = ["launcher.kind=slurm", "launcher.sbatch_args=[--nodelist=node1]", "loop.steps=40"]
     overrides += ["loop.evaluation.every=0", f"logging.root={tmp_path}"]
-    run_dir = await run(load_topology(TINY, overrides), progress=False)
+    run_dir = await run(load_plan(TINY, overrides), progress=False)
     rewards = [json.loads(line)["reward/mean"] for line in run_dir.metrics_file.read_text().splitlines()]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.2, (first, last)
@@ -140,7 +141,7 @@ async def test_tiny_learns_on_slurm_with_its_three_meshes_on_one_node_and_leaves
 
 
 async def test_a_mesh_of_two_hosts_is_one_job_on_two_nodes(cluster, tmp_path):
-    topology = load_topology(
+    topology = load_plan(
         TINY, ["launcher.kind=slurm", "meshes.trainer.hosts=2", "loop.steps=4", f"logging.root={tmp_path}"]
     )
     seen: set[str] = set()
@@ -159,8 +160,8 @@ async def test_the_weight_store_lives_on_the_trainers_node_and_goes_with_the_run
         pytest.skip("node2 shares this machine's /dev/shm: mount namespaces (unshare --mount) are not allowed here")
     overrides = ["launcher.kind=slurm", "launcher.sbatch_args=[--nodelist=node2]", "actors.generator.mesh=trainer"]
     overrides += ["actors.teachers.mesh=trainer", "loop.steps=6", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
-    topology = load_topology(TINY, overrides)
-    assert topology.weight_transport() == "shm"  # the followers read the trainer's node's /dev/shm
+    topology = load_plan(TINY, overrides)
+    assert topology.transport == "shm"  # the followers read the trainer's node's /dev/shm
     here_before, on_node2, here = set(stores_in(Path("/dev/shm"))), set(), set()
 
     def look() -> None:
@@ -201,7 +202,7 @@ def job_nodes(name: str) -> str:
 
 
 async def test_a_job_cancelled_from_outside_ends_the_run_naming_it(cluster, tmp_path):
-    topology = load_topology(TINY, ["launcher.kind=slurm", "loop.steps=2000", f"logging.root={tmp_path}"])
+    topology = load_plan(TINY, ["launcher.kind=slurm", "loop.steps=2000", f"logging.root={tmp_path}"])
 
     async def cancel_the_generator_after_a_few_steps() -> str:
         while (

@@ -12,15 +12,18 @@ import sys
 import pytest
 from monarch.actor import this_host
 
-from actors.bindings import Student
-from actors.bindings.config import BindingConfig
-from actors.model import Placement, TinyModelSpec, build_tiny_model
+from actors.compute import Placement
+from actors.model import TinyModelSpec, build_tiny_model
 from actors.tasks import Problem
-from actors.teachers import TeacherPool
-from actors.teachers_config import TeachersConfig
+from actors.teachers.bindings import Student
+from actors.teachers.bindings.config import BindingConfig
+from actors.teachers.config import TeachersConfig
+from actors.teachers.pool import TeacherPool
 from losses.config import LossConfig
-from mesh.control import Command
+from mesh.commands import Command
 from mesh.teachers import TeacherBoard
+
+ORACLE = "actors.teachers.bindings.task_oracle:TaskOracle"  # a registered binding, named by its import path
 
 
 def bind(name: str, spec: dict) -> Command:
@@ -55,7 +58,7 @@ async def test_a_kind_that_is_not_a_binding_is_refused_by_the_pool_and_the_run_g
         applied, message = await board.apply(bind("odd", {"kind": kind}), step)
         assert not applied and message.startswith("the pool could not build teacher 'odd': "), message
         assert reason in message and message.endswith("the old binding stays"), message
-    spec = {"kind": "actors.bindings.task_oracle:TaskOracle", "use": ["distill"]}  # a binding, but it has no top_k
+    spec = {"kind": ORACLE, "use": ["distill"]}  # a binding, but it has no top_k
     applied, message = await board.apply(bind("odd", spec), 5)
     assert not applied and "has no top_k method, so it cannot be used for distill" in message
     applied, message = await board.apply(bind("odd", {"kind": "no_such_module:Teacher"}), 6)  # refused before the pool
@@ -73,5 +76,5 @@ async def test_needs_hint_comes_back_from_the_pool_with_the_bound_id(board):
     applied, message = await board.apply(bind("hint", {"kind": "self_hint", "use": ["distill"]}), step=2)
     assert applied, message
     assert board.bound["hint"].needs_hint is True and board.bound["hint"].binding_id == "hint#2"
-    applied, message = await board.apply(bind("again", {"kind": "actors.bindings.task_oracle:TaskOracle"}), step=2)
+    applied, message = await board.apply(bind("again", {"kind": ORACLE}), step=2)
     assert applied and board.bound["again"].needs_hint is False  # an import path of a real binding is one

@@ -18,7 +18,7 @@ from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
 from mesh import ctl
 from mesh.runtime import run
-from mesh.topology import load_topology
+from mesh.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTILL = ROOT / "topologies" / "tiny_distill.yaml"
@@ -33,7 +33,7 @@ def small(tmp_path: Path, *overrides: str):
         "checkpointing.every=2",
         f"logging.root={tmp_path}",
     ]
-    return load_topology(DISTILL, [*base, *overrides])
+    return load_plan(DISTILL, [*base, *overrides])
 
 
 def records(path: Path) -> list[dict]:

@@ -16,11 +16,21 @@ from actors.checkpoint import save_checkpoint
 from actors.generator_config import VLLM_CPU_HEAD_SIZES
 from actors.inner_loops import TrainerConfig
 from actors.weights_config import slot_bytes
-from mesh import launchers
+from mesh import preflight
 from mesh.fingerprint import topology_fingerprint
-from mesh.preflight import RUNTIME_BYTES, BatchPlan, FreeMemory, StorePlan, check_memory, describe_store, size
+from mesh.describe import describe
+from mesh.preflight import (
+    RUNTIME_BYTES,
+    BatchPlan,
+    FreeMemory,
+    StorePlan,
+    check_memory,
+    describe_store,
+    load_plan,
+    size,
+)
 from mesh.run import main
-from mesh.topology import TopologyError, describe, load_topology
+from mesh.topology import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -38,21 +48,17 @@ def write(tmp_path: Path, data, name: str = "topo.yaml") -> Path:
 
 def error_of(path: Path, overrides: list[str] = ()) -> str:
     with pytest.raises(TopologyError) as info:
-        load_topology(path, overrides)
+        load_plan(path, overrides)
     message = str(info.value)
     assert str(path) in message and "\n" not in message  # one paragraph naming the file
     return message
 
 
 def test_tiny_topology_loads_with_its_actors_on_its_meshes():
-    topology = load_topology(TINY)
-    assert topology.placed_actors() == {
-        "trainer": "trainer",
-        "generator": "generator",
-        "rewarder": "generator",
-        "teachers": "service",
-    }
-    assert topology.actors.trainer.loss.policy.name == "dapo"
+    plan = load_plan(TINY)
+    assert plan.actors == {"trainer": ("trainer",), "generator": ("generator",), "service": ("teachers",)}
+    assert plan.rewarder == "in_generator" and plan.reference is None  # services inside other actors are no actors
+    assert plan.topology.actors.trainer.loss.policy.name == "dapo"
 
 
 def test_set_overrides_any_field_with_yaml_typed_values():
@@ -76,7 +82,7 @@ def test_set_overrides_any_field_with_yaml_typed_values():
         (lambda t: t["loop"].update(steps="many"), ["loop.steps", "valid integer", "'many'"]),
         (lambda t: t["actors"]["trainer"].update(inner_loop="bogus"), ["unknown inner_loop 'bogus'", "native"]),
         (lambda t: t["actors"]["generator"].update(engine="nope:Engine"), ["engine 'nope:Engine'", "cannot import"]),
-        (lambda t: t["actors"]["rewarder"].update(mesh="gpu"), ["actors.rewarder.mesh is 'gpu'", "add a mesh named"]),
+        (lambda t: t["actors"]["rewarder"].update(placement="own_mesh", mesh="gpu"), ["actors.rewarder.mesh is 'gpu'", "add a mesh named"]),
         (lambda t: t["meshes"]["generator"].update(procs=10_000), ["10002 processes", "lower meshes.*.procs"]),
         (lambda t: t["meshes"]["trainer"].update(hosts=2), ["meshes.trainer.hosts is 2", "launcher.kind: process"]),
         (lambda t: t["meshes"]["trainer"].update(procs=4, gpus=1), ["GPUs", "set meshes.*.gpus to 0"]),
@@ -106,13 +112,29 @@ def test_set_overrides_any_field_with_yaml_typed_values():
             lambda t: t["actors"]["trainer"].update(precision="fp16"),
             ["actors.trainer.precision", "'auto', 'bf16' or 'fp32'", "(got 'fp16')"],
         ),
-        (lambda t: t["actors"]["generator"].update(replicas=0), ["actors.generator", "replicas must be >= 1"]),
+        (lambda t: t["actors"]["generator"].update(copies=0), ["actors.generator", "copies must be >= 1"]),
         (
-            lambda t: t["actors"]["generator"].update(replicas=100),
-            ["102 processes", "actors.generator.replicas: 100 counted", "lower meshes.*.procs or actors.generator"],
+            lambda t: t["actors"]["generator"].update(copies=100),
+            ["102 processes", "actors.generator.copies: 100 counted", "lower meshes.*.procs or actors.generator"],
         ),
         (
-            lambda t: (t["actors"]["generator"].update(replicas=3), t["meshes"].update(generator2={"procs": 1})),
+            lambda t: t["actors"]["generator"].update(replicas=2),
+            ["actors.generator.replicas is now actors.generator.copies", "diloco.replicas", "copies: 2"],
+        ),
+        (
+            lambda t: t["actors"]["rewarder"].update(placement=None, mesh="generator"),
+            ["actors.rewarder.mesh is the generator's mesh 'generator'", "placement: in_generator", "own_mesh"],
+        ),
+        (
+            lambda t: t["actors"]["rewarder"].update(placement="in_generator", mesh="service"),
+            ["actors.rewarder.placement is in_generator", "actors.rewarder.mesh is 'service'", "drop the mesh"],
+        ),
+        (
+            lambda t: t["actors"]["rewarder"].update(placement="own_mesh"),
+            ["actors.rewarder needs a mesh to run on", "placement: in_generator"],
+        ),
+        (
+            lambda t: (t["actors"]["generator"].update(copies=3), t["meshes"].update(generator2={"procs": 1})),
             ["copies of mesh 'generator' named 'generator1', 'generator2'", "already defines 'generator2'", "rename"],
         ),
     ],
@@ -171,7 +193,7 @@ def test_dry_run_prints_topology_placement_and_graph_and_spawns_nothing(tmp_path
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "# resolved topology" in out and "max_policy_lag: 0" in out
-    assert "mesh generator: 1 host x 1 proc <- generator, rewarder (inside each generator)" in out
+    assert "mesh generator: 1 host x 1 proc <- generator + rewarder (inside each generator process)" in out
     assert "mesh service: 1 host x 1 proc <- teachers" in out
     assert "generator -> controller: completions + inference logprobs, each rewarded in the generator" in out
     assert "controller -> trainer (native, fp32): TrainBatch; synchronous" in out
@@ -190,16 +212,16 @@ def test_a_launcher_named_by_import_path_takes_no_options_and_is_loaded_where_th
         load_topology(TINY, ["launcher.kind=nowhere:Launcher"])
 
 
-def test_generator_replicas_are_copies_of_its_mesh_behind_one_router(tmp_path):
-    topology = load_topology(ROOT / "topologies" / "tiny_replicas.yaml", ["meshes.generator.procs=2"])
-    assert topology.replica_meshes() == ["generator", "generator1"]
-    assert list(topology.launched_meshes()) == ["trainer", "generator", "service", "generator1"]
-    assert topology.launched_meshes()["generator1"] == topology.meshes["generator"]
+def test_generator_copies_are_copies_of_its_mesh_behind_one_router(tmp_path):
+    plan = load_plan(ROOT / "topologies" / "tiny_copies.yaml", ["meshes.generator.procs=2"])
+    assert plan.generator_meshes == ("generator", "generator1") and plan.generator_procs == 4
+    assert list(plan.meshes) == ["trainer", "generator", "service", "generator1"]
+    assert plan.meshes["generator1"] == plan.topology.meshes["generator"]
 
-    result = _cli(str(ROOT / "topologies" / "tiny_replicas.yaml"), "--dry-run", cwd=tmp_path)
+    result = _cli(str(ROOT / "topologies" / "tiny_copies.yaml"), "--dry-run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "mesh generator: 1 host x 1 proc <- generator (replica 0)" in result.stdout
-    assert "mesh generator1: 1 host x 1 proc <- generator (replica 1)" in result.stdout
+    assert "mesh generator: 1 host x 1 proc <- generator (copy 0)" in result.stdout
+    assert "mesh generator1: 1 host x 1 proc <- generator (copy 1)" in result.stdout
     assert "controller -> generator (least_loaded router over 2 generator procs)" in result.stdout
 
 
@@ -289,12 +311,12 @@ def test_vllm_on_a_gpu_mesh_or_with_a_supported_head_size_is_accepted():
 
 
 def test_precision_auto_is_bf16_on_a_trainer_mesh_with_gpus_and_fp32_on_cpu(monkeypatch):
-    monkeypatch.setattr(launchers, "gpu_count", lambda: 8)
-    assert load_topology(TINY).trainer_precision() == "fp32"
-    assert load_topology(TINY, ["meshes.trainer.gpus=1"]).trainer_precision() == "bf16"
-    assert load_topology(TINY, ["meshes.generator.gpus=1"]).trainer_precision() == "fp32"  # the trainer's mesh decides
-    assert load_topology(TINY, ["meshes.trainer.gpus=1", "actors.trainer.precision=fp32"]).trainer_precision() == "fp32"
-    assert load_topology(TINY, ["actors.trainer.precision=bf16"]).trainer_precision() == "bf16"  # asked for, on CPU
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 8)
+    assert load_plan(TINY).trainer_precision == "fp32"
+    assert load_plan(TINY, ["meshes.trainer.gpus=1"]).trainer_precision == "bf16"
+    assert load_plan(TINY, ["meshes.generator.gpus=1"]).trainer_precision == "fp32"  # the trainer's mesh decides
+    assert load_plan(TINY, ["meshes.trainer.gpus=1", "actors.trainer.precision=fp32"]).trainer_precision == "fp32"
+    assert load_plan(TINY, ["actors.trainer.precision=bf16"]).trainer_precision == "bf16"  # asked for, on CPU
     assert [TrainerConfig("t").precision_on(on_gpu) for on_gpu in (False, True)] == ["fp32", "bf16"]
     with pytest.raises(ValueError, match="precision must be one of auto, bf16, fp32, got 'half'; auto is bf16 on"):
         TrainerConfig("t", precision="half")
@@ -302,17 +324,17 @@ def test_precision_auto_is_bf16_on_a_trainer_mesh_with_gpus_and_fp32_on_cpu(monk
 
 def test_weights_are_published_in_the_generator_engines_dtype(monkeypatch):
     """fp32 where the engine runs on CPU; bf16 for hf and vLLM on GPUs, whose slots then take half the bytes."""
-    monkeypatch.setattr(launchers, "gpu_count", lambda: 8)
+    monkeypatch.setattr(preflight, "gpu_count", lambda: 8)
     for overrides in ([], ["actors.generator.engine=vllm", "model.init.hidden_size=128"]):
-        assert load_topology(TINY, overrides).weights_dtype() == "float32"
-    assert load_topology(TINY, ["meshes.generator.gpus=1"]).weights_dtype() == "bfloat16"
-    topology = load_topology(TINY, ["actors.generator.engine=vllm", "meshes.generator.gpus=1", "meshes.trainer.gpus=1"])
-    assert topology.weights_dtype() == "bfloat16"
-    tensors = topology.model_facts().tensors
-    assert StorePlan.of(topology).slot_bytes == slot_bytes(tensors, "bfloat16") < slot_bytes(tensors)
-    assert StorePlan.of(topology).master_bytes == slot_bytes(tensors)  # the trainer's RAM margin stays fp32's
-    assert "trainer -> every generator: bfloat16 weights over" in describe(topology)
-    assert "controller -> trainer (native, bf16)" in describe(topology)
+        assert load_plan(TINY, overrides).weights_dtype == "float32"
+    assert load_plan(TINY, ["meshes.generator.gpus=1"]).weights_dtype == "bfloat16"
+    plan = load_plan(TINY, ["actors.generator.engine=vllm", "meshes.generator.gpus=1", "meshes.trainer.gpus=1"])
+    assert plan.weights_dtype == "bfloat16"
+    tensors = plan.model.tensors
+    assert StorePlan.of(plan).slot_bytes == slot_bytes(tensors, "bfloat16") < slot_bytes(tensors)
+    assert StorePlan.of(plan).master_bytes == slot_bytes(tensors)  # the trainer's RAM margin stays fp32's
+    assert "trainer -> every generator: bfloat16 weights over" in describe(plan)
+    assert "controller -> trainer (native, bf16)" in describe(plan)
 
 
 def test_vllm_cpu_head_sizes_are_vllms_own():
@@ -356,19 +378,19 @@ def test_user_code_named_by_an_import_path_is_found_not_run(tmp_path, monkeypatc
 
 
 def test_the_pre_flight_counts_the_slots_where_they_live(tmp_path):
-    topology = load_topology(TINY)
-    plan = StorePlan.of(topology)
-    assert plan.slots == topology.loop.max_policy_lag + 2 and plan.transport == "shm" and plan.processes == 3
-    assert plan.slot_bytes == slot_bytes(topology.model_facts().tensors)
+    run = load_plan(TINY)
+    plan = StorePlan.of(run)
+    assert plan.slots == run.topology.loop.max_policy_lag + 2 and plan.transport == "shm" and plan.processes == 3
+    assert plan.slot_bytes == slot_bytes(run.model.tensors)
     free = FreeMemory(shm=10**12, ram=10**12)
-    check_memory(topology, free)
-    line = describe_store(topology, FreeMemory(shm=11_800_000_000, ram=None))
+    check_memory(run, free)
+    line = describe_store(run, FreeMemory(shm=11_800_000_000, ram=None))
     total = size(3 * plan.slot_bytes)
     assert line == f"weight store: 3 slots x {size(plan.slot_bytes)} = {total} of 11.8 GB free in /dev/shm"
 
 
 def test_a_lag_whose_slots_do_not_fit_names_the_bytes_and_the_largest_lag_that_fits():
-    topology = load_topology(TINY, ["loop.max_policy_lag=1000"])
+    topology = load_plan(TINY, ["loop.max_policy_lag=1000"], placed_here=False)
     slot = StorePlan.of(topology).slot_bytes
     with pytest.raises(ValueError) as info:
         check_memory(topology, FreeMemory(shm=100 * slot, ram=10**12))
@@ -384,12 +406,12 @@ def test_a_lag_whose_slots_do_not_fit_names_the_bytes_and_the_largest_lag_that_f
 
 
 def test_the_pre_flight_keeps_ram_for_a_reference_model_in_each_process_that_holds_one():
-    without = StorePlan.of(load_topology(TINY))
-    on_trainer = StorePlan.of(load_topology(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "meshes.trainer.procs=2"]))
+    without = StorePlan.of(load_plan(TINY))
+    on_trainer = StorePlan.of(load_plan(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "meshes.trainer.procs=2"]))
     assert without.reference_bytes == 0
     assert on_trainer.reference_bytes == 2 * without.master_bytes  # every trainer rank holds it, in fp32
     assert on_trainer.ram_margin == without.ram_margin + 2 * without.master_bytes + RUNTIME_BYTES  # and one proc more
-    topology = load_topology(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "loop.max_policy_lag=1000"])
+    topology = load_plan(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "loop.max_policy_lag=1000"], placed_here=False)
     slot = StorePlan.of(topology).slot_bytes
     with pytest.raises(ValueError, match="AdamW moments and the reference model"):
         check_memory(topology, FreeMemory(shm=10**12, ram=StorePlan.of(topology).ram_margin + 10 * slot + 10**7))
@@ -473,12 +495,12 @@ def test_huge_values_are_shown_cut_short(tmp_path, capsys):
 def test_gpus_are_counted_from_device_files_as_cuda_visible_devices_narrows_them(tmp_path, monkeypatch, visible, count):
     for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-modeset"):
         (tmp_path / name).touch()
-    monkeypatch.setattr(launchers, "DEV", tmp_path)
+    monkeypatch.setattr(preflight, "DEV", tmp_path)
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert launchers.gpu_count() == count
+    assert preflight.gpu_count() == count
 
 
 @pytest.mark.gpu
@@ -488,7 +510,7 @@ def test_gpu_count_agrees_with_cuda(visible):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    code = "import torch\nfrom mesh.launchers import gpu_count\nprint(gpu_count(), torch.cuda.device_count())"
+    code = "import torch\nfrom mesh.preflight import gpu_count\nprint(gpu_count(), torch.cuda.device_count())"
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     ours, cuda = out.stdout.split()

@@ -40,12 +40,12 @@ from losses import (
     DistillConfig,
     DistillInputs,
     LossConfig,
-    PolicyConfig,
     PolicyInputs,
     PreferenceConfig,
     PreferenceInputs,
     TeacherLogits,
     distill_loss,
+    policy_config,
     policy_loss,
     preference_loss,
     selective_logprobs,
@@ -242,7 +242,7 @@ def _grpo_logits(model, ids, attention, temperature):
     return logits[:, P - 1 : -1] / temperature
 
 
-# id -> (TRL attributes, importance_sampling_level, our PolicyConfig kwargs)
+# id -> (TRL attributes, importance_sampling_level, our policy_config kwargs)
 GRPO_CASES = {
     "grpo": (
         dict(loss_type="grpo", epsilon_low=0.2, epsilon_high=0.28),
@@ -341,7 +341,7 @@ def test_grpo_family_matches_trl_compute_loss(grpo, case, kl, accumulation):
             old_logprobs=batch.old[level],
             ref_logprobs=batch.ref if beta else None,
         )
-        cfg = PolicyConfig(kl_coef=beta, kl_unbiased=unbiased, **ours)
+        cfg = policy_config(kl_coef=beta, kl_unbiased=unbiased, **ours)
         return policy_loss(logprobs, policy_inputs, cfg)[0]
 
     # End to end: TRL's forward (fused LM head) + loss vs. our float64 forward + loss.
@@ -370,7 +370,7 @@ def grpo_bf16(model_dir, tmp_path_factory):
     """TRL's GRPOTrainer and ours under TRL's own ``bf16=True`` (Accelerate's autocast over fp32 weights)."""
     args = _grpo_args(tmp_path_factory, "grpo_bf16", bf16=True, loss_type="dapo", epsilon=0.2, epsilon_high=0.28)
     common = _grpo_inputs(model_dir, args)
-    loss = LossConfig(policy=PolicyConfig(name="dapo", clip_low=0.2, clip_high=0.28))
+    loss = LossConfig(policy=policy_config(name="dapo", clip_low=0.2, clip_high=0.28))
     trainers = GRPOTrainer(**common), ComposerGRPOTrainer(loss=loss, **common)
     for trainer in trainers:
         trainer.model.train()
@@ -399,7 +399,7 @@ def test_under_trls_bf16_our_loss_is_trls_and_both_are_within_bf16_of_float64(gr
     logits = _grpo_logits(float64_model, batch.ids, batch.attention, theirs.temperature)
     counts = Counts.from_mask(batch.mask, max_len=theirs.max_completion_length)
     policy = PolicyInputs(batch.mask, batch.inputs["advantages"], counts, old_logprobs=batch.old["token"])
-    dapo = PolicyConfig(name="dapo", clip_low=0.2, clip_high=0.28)
+    dapo = policy_config(name="dapo", clip_low=0.2, clip_high=0.28)
     exact = policy_loss(selective_logprobs(logits, batch.inputs["completion_ids"]), policy, dapo)[0]
     exact_grads = _grads(exact, list(float64_model.parameters()))
     assert_close(loss.double(), exact, atol=BF16_LOSS, rtol=0.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import os
 import pickle
@@ -19,9 +20,11 @@ from monarch.actor import Actor, endpoint, this_host
 from tmpfs import tmpfs
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import actors.weights.store as weights
 from actors.weights import (
     HEADER_BYTES,
+    TRANSPORTS,
+    RemoteSlot,
+    SlotBackend,
     StaleWeightsError,
     TornWeightsError,
     WeightFollower,
@@ -32,9 +35,12 @@ from actors.weights import (
     choose_transport,
     device_checksum,
     remove_store,
+    slot_backend,
     slot_file,
 )
-from mesh.topology import load_topology
+from actors.weights.checksum import DEVICE_CHUNK_WORDS
+from actors.weights.transports import in_place
+from mesh.preflight import load_plan
 
 cloudpickle.register_pickle_by_value(
     sys.modules[__name__]
@@ -251,15 +257,15 @@ def test_check_intact_detects_republish_of_the_slot(pair) -> None:
 def test_slot_rewritten_while_hashing_is_torn(pair, monkeypatch: pytest.MonkeyPatch) -> None:
     pub, sub = pair
     want = pub.publish(state_dict(0), 0)
-    real = weights._checksum
+    real = in_place.data_checksum
 
     def hash_then_overwrite(*args):
         digest = real(*args)
-        monkeypatch.setattr(weights, "_checksum", real)
+        monkeypatch.setattr(in_place, "data_checksum", real)
         pub.publish(state_dict(1), 2)  # the writer laps the reader mid-verify
         return digest
 
-    monkeypatch.setattr(weights, "_checksum", hash_then_overwrite)
+    monkeypatch.setattr(in_place, "data_checksum", hash_then_overwrite)
     sub.load(want)
     with pytest.raises(TornWeightsError, match="rewritten .* while version 0 was being verified"):
         sub.check_intact(want)
@@ -364,12 +370,27 @@ def test_a_store_in_the_followers_dtype_casts_each_tensor_as_it_copies_it(store:
     [(True, False, "shm"), (True, True, "cuda_ipc"), (False, False, "rdma"), (False, True, "rdma")],
 )
 def test_choose_transport_by_placement(same_host: bool, on_gpu: bool, transport: str) -> None:
-    assert choose_transport(same_host, on_gpu) == transport
+    assert choose_transport(same_host, on_gpu) == transport and transport in TRANSPORTS
 
 
 def test_unknown_transport_is_refused(store: Path) -> None:
-    with pytest.raises(ValueError, match="weight transport 'nccl' is unknown; use one of shm, rdma, cuda_ipc"):
+    unknown = "weight transport 'nccl' is unknown; use one of shm, rdma, cuda_ipc"
+    with pytest.raises(ValueError, match=unknown):
         WeightPublisher(store, state_dict(), slots=2, transport="nccl")
+    with pytest.raises(ValueError, match=unknown):  # a record naming it: the follower refuses it the same way
+        WeightFollower().hold(WeightVersion(0, 0, 64, str(store), "nccl"), {}.update)
+    with pytest.raises(ValueError, match=unknown):
+        slot_backend("nccl")
+    assert not store.exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_every_registered_transport_implements_the_whole_slot_backend_interface(name: str) -> None:
+    """Structural, so it runs here for every transport: building a backend needs neither a GPU nor Monarch."""
+    backend = slot_backend(name)
+    assert isinstance(backend, SlotBackend) and backend.name == name
+    assert not inspect.isabstract(type(backend)), f"{name} leaves {sorted(type(backend).__abstractmethods__)} out"
+    assert all(callable(getattr(backend, method)) for method in ("create", "handle", "close", "attach"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -379,7 +400,7 @@ def test_cuda_ipc_without_a_gpu_says_how_to_fix_it(store: Path) -> None:
 
 
 def test_device_checksum_sees_every_changed_or_moved_word() -> None:
-    data = torch.randint(0, 256, (3 * weights.DEVICE_CHUNK_WORDS * 4 // 2,), dtype=torch.uint8)  # 1.5 chunks of words
+    data = torch.randint(0, 256, (3 * DEVICE_CHUNK_WORDS * 4 // 2,), dtype=torch.uint8)  # 1.5 chunks of words
     base = device_checksum(data)
     assert device_checksum(data.clone()) == base
     for index in (0, data.numel() // 2, data.numel() - 1):
@@ -405,8 +426,8 @@ def test_follower_over_shm_keeps_what_it_holds_when_a_version_is_refused(pair) -
 
 
 def test_records_compare_without_their_handles() -> None:
-    record = WeightVersion(3, 7, 64, "/store", "rdma", weights.RemoteSlot("slot", "manifest"))
-    assert record == dataclasses.replace(record, remote=weights.RemoteSlot("other", "handles"))
+    record = WeightVersion(3, 7, 64, "/store", "rdma", RemoteSlot("slot", "manifest"))
+    assert record == dataclasses.replace(record, remote=RemoteSlot("other", "handles"))
     assert len({record, dataclasses.replace(record, remote=None)}) == 1
     assert record != dataclasses.replace(record, transport="shm")
 
@@ -438,7 +459,7 @@ class Publishing(Actor):
     @endpoint
     def tamper_manifest(self) -> None:
         """Swap a tensor's dimensions in the registered manifest bytes: well-formed, same length, a lie."""
-        buffer = self.publisher._manifest_buffer
+        buffer = self.publisher._backend._manifest_buffer
         raw = bytes(buffer.numpy())
         assert raw.count(b'"shape": [7, 5]') == 1
         buffer.copy_(
@@ -546,7 +567,7 @@ def test_cuda_ipc_round_trip_between_two_procs(two_procs, tmp_path: Path) -> Non
     store = tmp_path / "weights"
     publishing, following = spawn_pair(two_procs, store, "cuda_ipc", "cuda")
     v0 = publishing.publish.call_one(0, 0).get()
-    assert v0.transport == "cuda_ipc" and (store / weights.CUDA_HANDLES).exists()
+    assert v0.transport == "cuda_ipc" and (store / in_place.CUDA_HANDLES).exists()
     assert_same(following.hold.call_one(v0).get(), state_dict(0))
     v1 = publishing.publish.call_one(1, 1).get()
     assert_same(following.hold.call_one(v1).get(), state_dict(1))
@@ -559,6 +580,32 @@ def test_cuda_ipc_round_trip_between_two_procs(two_procs, tmp_path: Path) -> Non
         following.hold.call_one(v4).get()
 
 
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "shm",
+        "rdma",  # Monarch's TCP fallback where there is no ibverbs, as here
+        pytest.param(
+            "cuda_ipc",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda_ipc keeps the slots on a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_every_transport_round_trips_through_the_same_publisher_and_follower(
+    two_procs, tmp_path: Path, transport: str
+) -> None:
+    device = "cuda" if transport == "cuda_ipc" else "cpu"
+    publishing, following = spawn_pair(two_procs, tmp_path / "weights", transport, device)
+    for seed, version in ((0, 0), (1, 1), (2, 2)):  # version 2 reuses version 0's slot
+        record = publishing.publish.call_one(seed, version).get()
+        assert record.transport == transport and (record.remote is not None) == (transport == "rdma")
+        assert_same(following.hold.call_one(record).get(), state_dict(seed))
+    publishing.close.call_one().get()
+
+
 ONE_MESH = ["launcher.kind=process", "actors.generator.mesh=trainer", "actors.teachers.mesh=trainer"]
 
 
@@ -569,8 +616,8 @@ ONE_MESH = ["launcher.kind=process", "actors.generator.mesh=trainer", "actors.te
         (["launcher.kind=process"], "rdma"),  # the generator's mesh is another host
         (ONE_MESH, "shm"),  # the weight followers on the trainer's own single-host mesh
         ([*ONE_MESH, "meshes.trainer.hosts=2"], "rdma"),
-        ([*ONE_MESH, "actors.generator.replicas=2"], "rdma"),  # a replica is a mesh of its own
+        ([*ONE_MESH, "actors.generator.copies=2"], "rdma"),  # a copy is a mesh of its own
     ],
 )
 def test_the_runtime_picks_the_transport_from_the_placement(overrides: list[str], transport: str) -> None:
-    assert load_topology(REPO / "topologies" / "tiny.yaml", overrides).weight_transport() == transport
+    assert load_plan(REPO / "topologies" / "tiny.yaml", overrides).transport == transport

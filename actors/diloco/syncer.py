@@ -1,9 +1,11 @@
-"""The DiLoCoSyncer actor: a replica's outer loop, on its trainer's processes.
+"""The DiLoCoSyncer: a replica's outer loop, owned by its trainer on every rank.
 
-One syncer runs beside each trainer rank (spawned on the trainer's mesh after the trainer),
-so it changes the trainer's parameters in place, copying nothing through messages. Every
-``sync_every`` inner steps the controller calls ``sync``, which takes one outer step
-(``outer.py``) with the pseudo-gradients averaged over the replicas present by the transport.
+The trainer builds one in ``start`` and lends it ``TrainerParameters``: its rank's live
+parameters, which the syncer changes in place (copying nothing through messages), and where
+the replica's collectives run. Nothing else of the trainer is reached. Every ``sync_every``
+inner steps the controller calls the trainer's ``sync``, which takes one outer step
+(``outer.py``) with the pseudo-gradients averaged over the replicas present by the transport;
+the trainer's ``save`` and ``load`` carry the outer state beside its own checkpoint.
 
 Each rank exchanges what it alone holds: its shard of each sharded (FSDP2) parameter, and on
 rank 0 the replicated (DDP) parameters, which it then broadcasts to the other ranks. The
@@ -24,15 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from monarch.actor import Actor, endpoint
 
 from actors.checkpoint import CheckpointError
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.outer import OuterLoop
 from actors.diloco.transport import Transport
 from actors.inner_loops.base import ParameterShard
-from actors.lifecycle import ProcInfo, this_proc
-from actors.trainer import local_trainer
 
 COMMIT_ATTEMPTS = 3  # torchft rounds a member's failure may abort before the sync gives up
 # torchft: how long a quorum may wait for a live replica to reach the sync point (a restarted one retrains
@@ -56,22 +55,27 @@ class SyncReport:
     caught_up: int  # rounds adopted from the others (healed or replayed) rather than averaged
 
 
-class DiLoCoSyncer(Actor):
-    def __init__(self, cfg: DiLoCoConfig, replica: int):
-        """``cfg`` names where the replicas meet: ``store`` (object_store) or ``lighthouse`` (torchft)."""
-        self.cfg, self.replica = cfg, replica
-        self.transport: Transport | None = None
-        self.stop_file: Path | None = None
+@dataclass(frozen=True)
+class TrainerParameters:
+    """What a trainer rank lends its syncer: all the syncer reaches of the trainer."""
 
-    @endpoint
-    def start(self) -> ProcInfo:
-        """Take θ₀ from the trainer's current parameters and join the transport."""
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        loop = local_trainer().loop
-        self.shards, self.device = loop.parameter_shards(), loop.device  # collectives run on the trainer's device
+    shards: dict[str, ParameterShard]  # this rank's part of every parameter, changed in place by the outer step
+    device: torch.device  # where the replica's collectives run: the trainer's
+    rank: int  # in the trainer mesh's process group (the replica's ranks)
+    world: int
+
+
+class DiLoCoSyncer:
+    def __init__(self, cfg: DiLoCoConfig, replica: int, trainer: TrainerParameters):
+        """Take θ₀ from the trainer's current parameters and join the transport. ``cfg`` names where the
+        replicas meet: ``store`` (object_store) or ``lighthouse`` (torchft)."""
+        self.cfg, self.replica = cfg, replica
+        self.shards, self.device, self.rank, self.world = trainer.shards, trainer.device, trainer.rank, trainer.world
+        self.stop_file: Path | None = None
         exchanged = exchanged_shards(self.shards, self.rank)
         # a rank with nothing to exchange (a DDP rank but 0) only takes part in rank 0's broadcasts
         self.outer = OuterLoop(exchanged, self.cfg.outer_optimizer, self.cfg.fragments) if exchanged else None
+        self.transport: Transport | None = None
         if self.cfg.transport == "torchft":
             self.transport = self._torchft()
         elif self.outer is not None:
@@ -86,7 +90,6 @@ class DiLoCoSyncer(Actor):
                 secret=self.cfg.secret(),
                 stop_requested=self._stop_requested,
             )
-        return this_proc()
 
     def _torchft(self) -> Transport | None:
         """A Manager per exchanging rank; rank 0 hosts the replica's store and tells the others its address."""
@@ -116,7 +119,6 @@ class DiLoCoSyncer(Actor):
     def _stop_requested(self) -> bool:
         return self.stop_file is not None and self.stop_file.exists()
 
-    @endpoint
     def sync(self, stop_file: str | None = None) -> SyncReport | None:
         """One outer step: catch up if behind, average the pseudo-gradients, step θ₀, load it into the trainer.
         ``stop_file`` (``STOP_FILE`` in the run directory) appears when the run is asked to stop: waiting for
@@ -186,17 +188,19 @@ class DiLoCoSyncer(Actor):
             for values in replicated:
                 dist.broadcast(values, src=0)
 
-    @endpoint
     def save(self, directory: str) -> None:
         """θ₀, the outer optimizer's state and the rounds of this rank, beside the trainer's checkpoint
-        (written whole or not at all; the controller records the checkpoint only once this returns)."""
+        (written whole or not at all; the controller records the checkpoint only once this returns).
+        Called on every rank after the trainer's files, which rank 0 alone writes: the ranks wait for
+        one another first, so that the checkpoint's directory is in place."""
+        if self.world > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device))  # a barrier on the trainer's device
         if self.outer is not None:
             path = Path(directory) / checkpoint_name(self.rank)
             partial = path.with_name(path.name + ".partial")
             torch.save(self.outer.state_dict(), partial)
             partial.replace(path)
 
-    @endpoint
     def load(self, directory: str) -> None:
         if self.outer is None:
             return
@@ -216,7 +220,8 @@ class DiLoCoSyncer(Actor):
                 "another checkpoint of this run"
             ) from None
 
-    def __cleanup__(self, exc: Exception | None) -> None:
+    def close(self) -> None:
+        """Leave the transport (its connections and servers); the syncer is not used again."""
         if self.transport is not None:
             self.transport.close()
 

@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 from transformers import BatchEncoding
 
+from actors.compute import Placement
 from actors.engines import Sampling, request_seed
 from actors.generator_config import policy_dtype
-from actors.model import Placement, load_policy
+from actors.model import load_policy
 from actors.rollout import Trajectory
 
 

@@ -31,9 +31,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from actors.compute import Placement
 from actors.engines import Sampling
 from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype
-from actors.model import Placement
 from actors.rollout import Trajectory
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process

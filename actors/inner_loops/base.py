@@ -35,8 +35,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
-from actors.inner_loops import TrainerConfig
-from actors.train_batch import TrainBatch, split_rows
+from actors.inner_loops.config import TrainerConfig
+from actors.shares import split_evenly
+from actors.train_batch import TrainBatch
 from losses import (
     Counts,
     DistillInputs,
@@ -160,14 +161,14 @@ class MicroBatchLoop(ABC):
         """This rank's share of the step's gradients, synced over ranks; the step's metrics."""
         batch = batch.to(self.device)
         inputs = self.row_inputs(batch)
-        share = split_rows(len(batch), self.world)[self.rank]
+        share = split_evenly(len(batch), self.world)[self.rank]
         micro = self.cfg.micro_batch_size
         self.zero_grad()
         totals: dict[str, float] = {}
         pairs = self._pair_gradients(batch, totals) if self._has_pairs(batch) else None
         passes = [("rows", slice(i, min(i + micro, share.stop))) for i in range(share.start, share.stop, micro)]
         if pairs is not None:
-            mine = pairs.rows[split_rows(len(pairs.rows), self.world)[self.rank]]
+            mine = pairs.rows[split_evenly(len(pairs.rows), self.world)[self.rank]]
             passes += [("pairs", mine[i : i + micro]) for i in range(0, len(mine), micro)]
         if self.lockstep:
             pair_rows = len(pairs.rows) if pairs is not None else 0
@@ -189,7 +190,7 @@ class MicroBatchLoop(ABC):
     def _micro_batches(self, rows: int) -> list[int]:
         """How many micro-batches each rank runs over its share of ``rows``."""
         micro = self.cfg.micro_batch_size
-        return [-(-(part.stop - part.start) // micro) for part in split_rows(rows, self.world)]
+        return [-(-(part.stop - part.start) // micro) for part in split_evenly(rows, self.world)]
 
     def row_inputs(self, batch: TrainBatch) -> RowInputs:
         """Channels 1 and 2's inputs for any rows of ``batch``, normalized by the whole step's counts."""
@@ -242,7 +243,7 @@ class MicroBatchLoop(ABC):
         each rank backpropagate ``coefficient * logprob`` over its own rows, micro-batch by
         micro-batch. Exact, and no pair ever needs both rows in one micro-batch."""
         rows = batch.pairs.unique()
-        mine = split_rows(len(rows), self.world)[self.rank]
+        mine = split_evenly(len(rows), self.world)[self.rank]
         logps = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
         with torch.no_grad():
             for start in range(mine.start, mine.stop, self.cfg.micro_batch_size):

@@ -11,10 +11,10 @@ weights and optimizer state (on CPU too).
 ``ComposerGRPOTrainer`` is also a public API for people who train with TRL directly::
 
     from actors.inner_loops.trl import ComposerGRPOTrainer
-    from losses import LossConfig, PolicyConfig
+    from losses import LossConfig, policy_config
 
     trainer = ComposerGRPOTrainer(model="path/to/model", reward_funcs=..., args=GRPOConfig(..., bf16=False),
-                                  train_dataset=..., loss=LossConfig(policy=PolicyConfig(name="gspo")))
+                                  train_dataset=..., loss=LossConfig(policy=policy_config(name="gspo")))
     trainer.train()
 
 It overrides private methods, so the TRL version is pinned (``TRL_VERSION``) and checked

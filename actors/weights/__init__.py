@@ -11,10 +11,13 @@ followers run:
 - ``cuda_ipc`` (same host, GPUs): the slots live on the trainer's GPU; followers open
   them through CUDA IPC handles, like ``shm`` but without leaving device memory.
 
-A follower never samples with weights that are stale (another version) or torn
-(changed, corrupt or half-written): see ``store.py`` for the slot format and protocol.
-Each version's checksum also covers the store's manifest (``manifest.py``), so a layout
-changed after publishing is refused like changed bytes, before any view is built.
+Each transport is one slot backend behind one interface (``transports/``), chosen once
+by its name; the rest is shared by all three. A follower never samples with weights that
+are stale (another version) or torn (changed, corrupt or half-written): see ``slot.py``
+for the slot's header and seqlock, ``checksum.py`` for the checksums and ``store.py`` for
+the publisher and the parts. Each version's checksum also covers the store's manifest
+(``manifest.py``), so a layout changed after publishing is refused like changed bytes,
+before any view is built.
 
 The store directory (``storedir.py``) is created exclusively under an unguessable name,
 mode 0700; the publisher and every follower check its owner and mode when they open it
@@ -28,21 +31,17 @@ not the publisher, owns the directory's life, on its own host:
     remove_store(store)             # in __cleanup__, when the run stops the trainer
 """
 
+from actors.weights.checksum import CHUNK_BYTES, device_checksum
 from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError
 from actors.weights.follower import WeightFollower
 from actors.weights.manifest import HEADER_BYTES
-from actors.weights.rdma import RdmaReceiver
-from actors.weights.store import (
-    CHUNK_BYTES,
-    TRANSPORTS,
-    RemoteSlot,
-    WeightPublisher,
-    WeightSubscriber,
-    WeightVersion,
-    device_checksum,
-    slot_file,
-)
+from actors.weights.record import RemoteSlot, WeightVersion
+from actors.weights.store import WeightPublisher
 from actors.weights.storedir import create_store, reclaim_dead_stores, remove_store
+from actors.weights.transports import TRANSPORTS, SlotBackend, slot_backend
+from actors.weights.transports.in_place import WeightSubscriber
+from actors.weights.transports.rdma import RdmaReceiver
+from actors.weights.transports.shm import slot_file
 from actors.weights_config import choose_transport
 
 __all__ = [
@@ -51,6 +50,7 @@ __all__ = [
     "TRANSPORTS",
     "RdmaReceiver",
     "RemoteSlot",
+    "SlotBackend",
     "StaleWeightsError",
     "TornWeightsError",
     "WeightFollower",
@@ -63,5 +63,6 @@ __all__ = [
     "device_checksum",
     "reclaim_dead_stores",
     "remove_store",
+    "slot_backend",
     "slot_file",
 ]

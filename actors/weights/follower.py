@@ -1,38 +1,18 @@
-"""The one follower API generators and teachers use, whatever the transport (chosen in ``actors/weights_config.py``)."""
+"""The one follower API generators and teachers use, whatever the transport (chosen in ``actors/weights_config.py``).
+
+The record's transport names the slot backend whose receiving end attaches (``transports/``).
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from torch import Tensor
 
-from actors.weights.rdma import RdmaReceiver
-from actors.weights.store import StaleWeightsError, WeightSubscriber, WeightVersion
-
-
-class Receiver(Protocol):
-    """What a follower needs from a transport's receiving end."""
-
-    store: str
-    transport: str
-    nbytes: int
-
-    def load(self, want: WeightVersion) -> dict[str, Tensor]: ...
-
-    def start_verification(self, want: WeightVersion) -> None: ...
-
-    def check_intact(self, want: WeightVersion) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def attach(weights: WeightVersion) -> Receiver:
-    """The receiving end for ``weights``' store and transport."""
-    if weights.transport == "rdma":
-        return RdmaReceiver(weights)
-    return WeightSubscriber(weights.store, transport=weights.transport)
+from actors.weights.errors import StaleWeightsError
+from actors.weights.record import WeightVersion
+from actors.weights.transports import Receiver, slot_backend
 
 
 class WeightFollower:
@@ -59,7 +39,7 @@ class WeightFollower:
         start = time.perf_counter()
         if not self._attached(weights):
             self.close()
-            self.subscriber = attach(weights)
+            self.subscriber = slot_backend(weights.transport).attach(weights)
         load(self.subscriber.load(weights))
         self.subscriber.start_verification(weights)  # hashes while the caller samples; check_intact waits
         self.held = weights

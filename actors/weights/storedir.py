@@ -116,6 +116,15 @@ def create_store(root: str | Path) -> Path:
     )
 
 
+def store_path(store: str | Path) -> str:
+    """Absolute store path, a ``str`` like ``WeightVersion.store`` so the two compare equal.
+
+    Not resolved: a link at the store's path must reach ``StoreDir``'s ``O_NOFOLLOW``
+    open as a link, to be refused, rather than be replaced here by its target.
+    """
+    return os.path.abspath(store)
+
+
 class StoreDir:
     """An open, checked store directory: every file operation inside it is relative to its descriptor."""
 

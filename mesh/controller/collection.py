@@ -24,11 +24,11 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from actors.bindings import TopK, TopKRequest
 from actors.engines import sampling_seeds
 from actors.environments.openenv_task import EpisodeSpec
 from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem, Task
+from actors.teachers.bindings import TopK, TopKRequest
 from actors.weights import WeightVersion
 from mesh.collected import Collected
 from mesh.controller.metrics import teacher_metrics

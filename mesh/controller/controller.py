@@ -54,7 +54,7 @@ from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from mesh.collected import Collected
-from mesh.control import ControlChannel
+from mesh.commands import ControlChannel
 from mesh.controller.collection import EpisodeCollection, SampleCollection
 from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.metrics import step_metrics
@@ -100,9 +100,9 @@ class Controller:
         )
         self.scheduler = Scheduler(self._start_collection, settings.steps, settings.max_policy_lag)
         self.diloco: DiLoCoHook | None = None  # a DiLoCo replica's outer loop, after the optimizer steps
-        if services.syncer is not None:
-            stop_file, stopper = context.run.path / STOP_FILE, context.stopper
-            self.diloco = DiLoCoHook(services.syncer, services.trainer, settings.diloco_interval, stop_file, stopper)
+        if settings.diloco_interval is not None:
+            stop_file = context.run.path / STOP_FILE
+            self.diloco = DiLoCoHook(services.trainer, settings.diloco_interval, stop_file, context.stopper)
         self.weights: WeightVersion | None = None
         self.step: int | None = None  # the step being trained (None before the first)
         self.last_checkpoint: Path | None = None
@@ -146,7 +146,7 @@ class Controller:
             step, restored = state["step"], collected_from_json(state["inflight"]) if "inflight" in state else []
             self.last_checkpoint = checkpoint
         if self.diloco is not None:
-            await self.diloco.begin(checkpoint)
+            self.diloco.begin()
         self.weights = await self._publish()
         self.services.generators.push(self.weights)
         self.scheduler.restore(step, restored)
@@ -257,8 +257,6 @@ class Controller:
             extra["inflight"] = collected_to_json(collected)
         checkpoint = self.context.run.checkpoint_dir(step)
         await self.services.trainer.save.call(str(checkpoint), step, extra)
-        if self.diloco is not None:
-            await self.diloco.save(checkpoint)
         self.last_checkpoint = checkpoint
 
     async def _apply_commands(self, step: int) -> None:

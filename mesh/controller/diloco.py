@@ -1,5 +1,5 @@
-"""DiLoCo on the training side: after every ``interval`` inner steps the replicas' outer step, and the
-catch-up of a replica that was behind the others (``actors/diloco``)."""
+"""DiLoCo on the training side: after every ``interval`` inner steps the replicas' outer step (the trainer's
+``sync``, ``actors/diloco``), and the catch-up of a replica that was behind the others."""
 
 from __future__ import annotations
 
@@ -18,23 +18,16 @@ STOP_POLL_S = 0.2  # how often a DiLoCo sync in progress looks for a signal to p
 
 
 class DiLoCoHook:
-    """Called by the loop after each optimizer step, and at its start and checkpoints (the syncer's state
-    travels with the trainer's)."""
+    """Called by the loop after each optimizer step; the outer state travels with the trainer's checkpoints."""
 
-    def __init__(self, syncer: ActorMesh, trainer: ActorMesh, interval: int, stop_file: Path, stopper: Stopper | None):
-        """``stop_file``: where a signal to stop is passed on to the syncer (``STOP_FILE`` in the run directory)."""
-        self.syncer, self.trainer, self.interval = syncer, trainer, interval
-        self.stop_file, self.stopper = stop_file, stopper
+    def __init__(self, trainer: ActorMesh, interval: int, stop_file: Path, stopper: Stopper | None):
+        """``stop_file``: where a signal to stop is passed on to the sync (``STOP_FILE`` in the run directory)."""
+        self.trainer, self.interval, self.stop_file, self.stopper = trainer, interval, stop_file, stopper
         self.synced_to: int | None = None  # the step the replicas' last sync stands for
 
-    async def begin(self, checkpoint: Path | None) -> None:
-        """The syncer's state from ``checkpoint`` (after the trainer's), if given."""
+    def begin(self) -> None:
+        """A (re)started trainer: no sync yet."""
         self.synced_to = None
-        if checkpoint is not None:
-            await self.syncer.load.call(str(checkpoint))
-
-    async def save(self, checkpoint: Path) -> None:
-        await self.syncer.save.call(str(checkpoint))
 
     def holds(self, step: int) -> bool:
         """Whether collecting ``step`` waits: this replica goes on from the other replicas' step instead."""
@@ -66,10 +59,10 @@ class DiLoCoHook:
         }
 
     async def _sync(self) -> SyncReport:
-        """The syncer's round. A signal that asks the run to stop meanwhile is passed on (``stop_file``): the
-        round closes with the replicas present, and the run stops at this step boundary within seconds rather
-        than after round_timeout."""
-        call = asyncio.ensure_future(self.syncer.sync.call(str(self.stop_file)))
+        """The trainer's DiLoCo round. A signal that asks the run to stop meanwhile is passed on (``stop_file``):
+        the round closes with the replicas present, and the run stops at this step boundary within seconds
+        rather than after round_timeout."""
+        call = asyncio.ensure_future(self.trainer.sync.call(str(self.stop_file)))
         try:
             while not call.done():
                 await asyncio.wait([call], timeout=STOP_POLL_S)

@@ -104,4 +104,3 @@ class Services:
     rewarding: Rewarding
     reference: ReferenceScoring
     teacher_pool: ActorMesh | None = None
-    syncer: ActorMesh | None = None  # DiLoCo's outer loop, beside the trainer's ranks

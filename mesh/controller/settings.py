@@ -36,6 +36,6 @@ class LoopSettings:
     advantage: AdvantageEstimator | None
     max_completion_len: int  # the most tokens the model writes in one row (Dr. GRPO's normalizer)
     reference: bool  # whether the loss has a reference model (``time/reference`` is logged)
-    diloco_interval: int | None  # inner steps per DiLoCo round; None: not a DiLoCo replica
+    diloco_interval: int | None  # inner steps per DiLoCo round (the trainer syncs); None: not a DiLoCo replica
     fingerprint: dict[str, Any]  # what a --resume must match, saved with every checkpoint
     collect: CollectSettings

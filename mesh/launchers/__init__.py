@@ -11,26 +11,20 @@ without loading either. The controller never knows where its processes run.
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from actors import registry
-from mesh.placement import ProcStart, gpus_needed, visible_devices_command
-from mesh.preflight import check_memory
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
 
-    from mesh.topology import Topology
+    from mesh.plan import ProcStart, RunPlan
 
 # Every proc starts with these: quiet HF progress bars, and no tokenizer thread pools
 # fighting the trainer's threads on a small machine.
 PROC_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
-PROCS_PER_CORE = 4
-DEV = Path("/dev")
 
 # launcher.kind -> the options model of its ``launcher:`` section (which names its Launcher)
 LAUNCHERS: dict[str, str] = {
@@ -42,9 +36,9 @@ LAUNCHERS: dict[str, str] = {
 
 
 class Launcher(Protocol):
-    def start(self, topology: Topology) -> dict[str, ProcMesh]:
-        """One ProcMesh per launched mesh (``topology.launched_meshes()``: the generator's
-        replica copies included), keyed by mesh name."""
+    def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
+        """One ProcMesh per launched mesh (``plan.meshes``: the generator's copies included), keyed by
+        mesh name."""
 
     def respawn(self, name: str) -> ProcMesh:
         """Fresh processes for mesh ``name`` on the hosts it already has (its old ones died or hung)."""
@@ -71,10 +65,11 @@ class LauncherOptions(BaseModel):
     one_machine: ClassVar[bool] = True
     kind: str = "local"
 
-    def check(self, topology: Topology) -> None:
-        """Refuse, with the fix, a topology this launcher cannot place (``ValueError``)."""
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, with the fix, a plan this launcher cannot place (``ValueError``); whether it fits this
+        machine is ``mesh/preflight.py``'s to check."""
 
-    def describe(self, topology: Topology) -> list[str]:
+    def describe(self, plan: RunPlan) -> list[str]:
         """Lines ``--dry-run`` adds about what the launcher would submit or create."""
         return []
 
@@ -119,6 +114,7 @@ def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
     from monarch.actor import default_bootstrap_cmd  # only a launch needs Monarch, not a check
 
     from actors.lifecycle import import_libraries
+    from mesh.placement import visible_devices_command
 
     proc = default_bootstrap_cmd()
 
@@ -129,42 +125,3 @@ def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
 
     setup = functools.partial(import_libraries, start.libraries) if start.libraries else None
     return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap=setup, bootstrap_command=command)
-
-
-def check_capacity(topology: Topology, launcher: str) -> None:
-    """Refuse more processes, GPUs or memory than this machine holds (generator and DiLoCo replicas counted)."""
-    meshes = topology.launched_meshes().values()
-    replicas, runs = topology.actors.generator.replicas, topology.runs_here()
-    notes = [f"actors.generator.replicas: {replicas}"] * (replicas > 1) + [f"diloco.replicas: {runs}"] * (runs > 1)
-    counted = f" ({' and '.join(notes)} counted)" if notes else ""
-    procs = runs * sum(m.procs * m.hosts for m in meshes)
-    limit = PROCS_PER_CORE * (os.cpu_count() or 1)
-    if procs > limit:
-        raise ValueError(
-            f"meshes ask for {procs} processes in all{counted}, more than the {limit} this {os.cpu_count()}-core "
-            f"machine can hold with launcher {launcher!r} ({PROCS_PER_CORE} per core); lower meshes.*.procs or "
-            "actors.generator.replicas, or place the job on a cluster (launcher.kind: slurm or k8s)"
-        )
-    gpus, have = gpus_needed(topology), gpu_count()
-    if gpus > have:
-        raise ValueError(
-            f"meshes ask for {gpus} GPU{'s' * (gpus > 1)}{counted} but this machine has {have}; "
-            "set meshes.*.gpus to 0 to run on CPU, or place the job on a cluster (launcher.kind: slurm or k8s)"
-        )
-    check_memory(topology)
-
-
-def gpu_count() -> int:
-    """The GPUs a process started here can use, found without loading CUDA (or torch):
-    the NVIDIA device files, narrowed by ``CUDA_VISIBLE_DEVICES`` as CUDA reads it (indices
-    or ``GPU-``/``MIG-`` UUIDs, up to the first entry that is neither)."""
-    devices = len(list(DEV.glob("nvidia[0-9]*")))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return devices
-    count = 0
-    for entry in (e.strip() for e in visible.split(",")):
-        if not (entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < devices)):
-            break
-        count += 1
-    return min(count, devices)

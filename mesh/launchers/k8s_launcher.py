@@ -19,16 +19,23 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from mesh.launchers import k8s_objects as objects
 from mesh.launchers import spawn_procs
-from mesh.launchers.k8s import INSTALL_HINT, K8sOptions, mesh_names
+from mesh.launchers.k8s import (
+    INSTALL_HINT,
+    WORKER_LABELS,
+    K8sOptions,
+    controller_name,
+    mesh_names,
+    queue_labels,
+    worker_pod_template,
+)
 from mesh.launchers.k8s_pods import not_ready_pods, readiness_fix
-from mesh.placement import proc_starts
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
     from monarch.job.kubernetes import KubernetesJob
 
+    from mesh.plan import RunPlan
     from mesh.topology import Topology
 
 # A pod is ready once its node has pulled the image, which for a CUDA image of several GB on
@@ -59,9 +66,11 @@ class K8sLauncher:
         self.job: KubernetesJob | None = None
         self.meshes: dict[str, ProcMesh] = {}
 
-    def start(self, topology: Topology) -> dict[str, ProcMesh]:
-        self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
-        self.names, self.topology = mesh_names(topology), topology
+    def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
+        from mesh.placement import proc_starts
+
+        self.specs, self.starts = plan.meshes, proc_starts(plan)
+        self.names, self.plan, self.topology = mesh_names(plan), plan, plan.topology
         self.provision()
         self.wait_ready()
         with self.api_errors("attaching to the meshes' workers"):
@@ -89,8 +98,8 @@ class K8sLauncher:
                     "launcher.image is not set, so its pods cannot be created; set launcher.image to the image "
                     "built from k8s/Dockerfile, or apply the MonarchMeshes from --render first"
                 )
-            template = pod_template(objects.worker_pod_template(self.topology, self.options, mesh))
-            self.job.add_mesh(name, hosts, pod_template=template, labels=objects.queue_labels(self.options) or None)
+            template = pod_template(worker_pod_template(self.plan, self.options, mesh))
+            self.job.add_mesh(name, hosts, pod_template=template, labels=queue_labels(self.options) or None)
             self.created.append(name)
         with self.api_errors("creating the MonarchMeshes"):
             self.job.apply()
@@ -108,7 +117,7 @@ class K8sLauncher:
         while True:
             waiting: dict[str, list[Any]] = {}
             for mesh, name in self.names.items():
-                selector = objects.WORKER_LABELS.format(name=name)
+                selector = WORKER_LABELS.format(name=name)
                 with self.api_errors(f"listing the pods of MonarchMesh {name}"):
                     pods = core.list_namespaced_pod(self.options.namespace, label_selector=selector).items
                 if late := not_ready_pods(pods, self.specs[mesh].hosts):
@@ -208,7 +217,7 @@ def status_body(error: Exception) -> dict[str, Any]:
 
 def explain_api_error(error: Exception, options: K8sOptions, topology: Topology) -> str:
     status, message = getattr(error, "status", None), status_body(error).get("message") or str(error).strip()
-    ns, role = options.namespace, objects.controller_name(topology)
+    ns, role = options.namespace, controller_name(topology)
     if status == 401:
         return f"the cluster refused the credentials ({message}); renew them, or point KUBECONFIG at a valid kubeconfig"
     if status == 403:

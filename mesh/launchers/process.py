@@ -8,23 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers import LauncherOptions, check_capacity, spawn_procs
-from mesh.placement import proc_starts
+from mesh.launchers import LauncherOptions, spawn_procs
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
     from monarch.job import ProcessJob
 
-    from mesh.topology import Topology
+    from mesh.plan import RunPlan
 
 
 class ProcessOptions(LauncherOptions):
     kind: Literal["process"] = "process"
-
-    def check(self, topology: Topology) -> None:
-        """All the worker processes run on this machine, which they must fit (unless only described)."""
-        if topology.placed_here:
-            check_capacity(topology, "process")
 
     def launcher(self) -> ProcessLauncher:
         return ProcessLauncher()
@@ -34,10 +28,12 @@ class ProcessLauncher:
     def __init__(self) -> None:
         self.job: ProcessJob | None = None
 
-    def start(self, topology: Topology) -> dict[str, ProcMesh]:
+    def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
         from monarch.job import ProcessJob
 
-        self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
+        from mesh.placement import proc_starts
+
+        self.specs, self.starts = plan.meshes, proc_starts(plan)
         self.job = ProcessJob({name: m.hosts for name, m in self.specs.items()})
         self.hosts = self.job.state(cached_path=None)
         return {name: self.respawn(name) for name in self.specs}

@@ -40,11 +40,11 @@ from mesh.launchers.grammars import (
     SLURM_NAMES,
     SLURM_TIME,
 )
-from mesh.placement import proc_starts
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
 
+    from mesh.plan import RunPlan
     from mesh.topology import MeshSpec, Topology
 
 WORKER = (
@@ -102,11 +102,12 @@ class SlurmOptions(LauncherOptions):
     overcommit: bool = False
     sbatch_args: tuple[Annotated[str, SBATCH_OPTION.field], ...] = ()
 
-    def check(self, topology: Topology) -> None:
+    def check(self, plan: RunPlan) -> None:
         """What the job scripts take from the topology reads as one sbatch word (each mesh's job name,
         the log directory); with ``gpus_per_node`` (the GPUs each node of the partition has), every
         mesh's node must fit."""
-        for name in topology.launched_meshes():
+        topology = plan.topology
+        for name in plan.meshes:
             if not SBATCH_WORD.matches(name):
                 raise ValueError(
                     f"meshes: the mesh name {SBATCH_WORD.refusal(name)}, which its Slurm job's name (#SBATCH "
@@ -136,8 +137,8 @@ class SlurmOptions(LauncherOptions):
         lines += [f"#SBATCH --{name}" for name in ("exclusive", "overcommit") if getattr(self, name)]
         return lines + [f"#SBATCH {arg}" for arg in self.sbatch_args]
 
-    def describe(self, topology: Topology) -> list[str]:
-        return describe_jobs(topology, self)
+    def describe(self, plan: RunPlan) -> list[str]:
+        return describe_jobs(plan, self)
 
     def launcher(self) -> SlurmLauncher:
         return SlurmLauncher(self)
@@ -171,10 +172,10 @@ def sbatch_script(
     return "\n".join(lines) + "\n"
 
 
-def describe_jobs(topology: Topology, options: SlurmOptions) -> list[str]:
+def describe_jobs(plan: RunPlan, options: SlurmOptions) -> list[str]:
     """What ``--dry-run`` shows of a slurm placement: each mesh's job, its nodes and its batch script
     (the port is drawn when the run starts)."""
-    meshes = topology.launched_meshes()
+    topology, meshes = plan.topology, plan.meshes
     nodes = sum(spec.hosts for spec in meshes.values())
     shared = "each its own" if options.exclusive else "jobs may share nodes (launcher.exclusive: true keeps them apart)"
     split = ", ".join(f"{name} {spec.hosts}" for name, spec in meshes.items())
@@ -244,8 +245,11 @@ class SlurmLauncher:
         # a node whose name resolves only to loopback (the tests' cluster on one machine) cannot advertise itself
         enable_transport(ChannelTransport.TcpWithLocalhost if loopback else ChannelTransport.TcpWithHostname)
 
-    def start(self, topology: Topology) -> dict[str, ProcMesh]:
-        self.specs, self.starts = topology.launched_meshes(), proc_starts(topology)
+    def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
+        from mesh.placement import proc_starts
+
+        topology = plan.topology
+        self.specs, self.starts = plan.meshes, proc_starts(plan)
         base, offsets = random.randrange(*PORTS), first_ports(self.specs)
         logs = log_directory(topology)
         logs.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mesh.runtime import run  # noqa: E402
-from mesh.topology import load_topology  # noqa: E402
+from mesh.preflight import load_plan  # noqa: E402
 
 TINY = ROOT / "topologies" / "tiny.yaml"
 HERE = Path(__file__).resolve().parent
@@ -42,7 +42,7 @@ def untimed(metrics: dict) -> dict:
 
 
 async def golden_run(lag: int, root: str) -> list[dict]:
-    run_dir = await run(load_topology(TINY, overrides(lag, root)), progress=False)
+    run_dir = await run(load_plan(TINY, overrides(lag, root)), progress=False)
     return [untimed(json.loads(line)) for line in run_dir.metrics_file.read_text().splitlines()]
 
 

@@ -23,8 +23,8 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from actors.bindings.config import USES, BindingConfig, Use, require
 from actors.tasks import Problem
+from actors.teachers.bindings.config import USES, BindingConfig, Use, require
 
 if TYPE_CHECKING:
     import numpy as np
@@ -115,8 +115,8 @@ def check_binding_class(kind: str, found: object, uses: tuple[str, ...]) -> None
     """Refuse what ``kind`` names unless it is a class implementing ``Binding`` for ``uses``
     (an import path may name anything: a module, a string, a function)."""
     fix = (
-        "point kind at a class implementing actors.bindings.Binding (built as Binding(cfg, student), with trace "
-        "and/or top_k, and bool needs_hint and follows_policy attributes)"
+        "point kind at a class implementing actors.teachers.bindings.Binding (built as Binding(cfg, student), "
+        "with trace and/or top_k, and bool needs_hint and follows_policy attributes)"
     )
     if not isinstance(found, type):
         raise BindingError(f"teacher kind {kind!r} names a {type(found).__name__}, not a class; {fix}")
@@ -135,5 +135,5 @@ def check_binding_class(kind: str, found: object, uses: tuple[str, ...]) -> None
 
 def __getattr__(name: str) -> Any:
     if name not in ("top_k_from_entries", "top_k_of", "vocab_map"):
-        raise AttributeError(f"module 'actors.bindings' has no attribute {name!r}")
-    return getattr(importlib.import_module("actors.bindings.tokens"), name)
+        raise AttributeError(f"module 'actors.teachers.bindings' has no attribute {name!r}")
+    return getattr(importlib.import_module("actors.teachers.bindings.tokens"), name)

@@ -17,10 +17,10 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from actors import registry
-from actors.bindings import Binding, BindingConfig, Student, TopK, TopKRequest, check_binding_class
+from actors.compute import Placement
 from actors.lifecycle import ProcInfo, this_proc
-from actors.model import Placement
 from actors.tasks import Problem
+from actors.teachers.bindings import Binding, BindingConfig, Student, TopK, TopKRequest, check_binding_class
 from actors.weights import WeightFollower, WeightVersion
 
 

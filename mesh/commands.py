@@ -1,5 +1,9 @@
 """The owner-only control channel between a live run and ``python -m mesh.ctl``.
 
+This module is named for what travels through it (commands), so that it does not read as a
+part of ``controller.py``; ``ctl.py`` is its command line. The channel keeps the name of
+the run directory's ``control/`` that it lives in (``ControlChannel``, ``ControlError``).
+
 The channel is plain files in the run directory, so it needs no port, no server and no
 network setup, and it works wherever the run directory is visible:
 

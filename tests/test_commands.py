@@ -22,7 +22,7 @@ from typing import Self
 
 import pytest
 
-from mesh.control import Command, ControlChannel, ControlError, read_teachers, send
+from mesh.commands import Command, ControlChannel, ControlError, read_teachers, send
 from mesh.ctl import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +188,10 @@ def test_another_user_cannot_send_commands():
 
 
 def test_a_run_that_died_without_closing_is_reported_ended(tmp_path):
-    crash = f"from pathlib import Path; from mesh.control import ControlChannel; ControlChannel.create(Path({str(tmp_path)!r}))"
+    crash = (
+        "from pathlib import Path; from mesh.commands import ControlChannel; "
+        f"ControlChannel.create(Path({str(tmp_path)!r}))"
+    )
     subprocess.run([sys.executable, "-c", crash], check=True, cwd=ROOT)
     with pytest.raises(ControlError, match=r"has ended: its process \d+ is gone"):
         send(tmp_path, "unbind", {"name": "oracle"}, timeout=5)

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actors.bindings import BindingError, TopK
-from actors.bindings.config import BindingConfig
+from actors.teachers.bindings import BindingError, TopK
+from actors.teachers.bindings.config import BindingConfig
 
 
 def vocab_map(teacher_vocab: dict[str, int], student_vocab: dict[str, int], cfg: BindingConfig) -> Tensor | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.bindings.config import BindingConfig
+from actors.teachers.bindings.config import BindingConfig
 from losses.config import LossConfig
 
 

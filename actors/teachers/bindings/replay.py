@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from actors.bindings import BindingConfig, BindingError, Student
 from actors.tasks import Problem
+from actors.teachers.bindings import BindingConfig, BindingError, Student
 
 
 class ReplayTeacher:

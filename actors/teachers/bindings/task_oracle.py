@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from actors.bindings import BindingConfig, Student
 from actors.tasks import Problem
+from actors.teachers.bindings import BindingConfig, Student
 
 
 class TaskOracle:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from actors.bindings import BindingConfig, Student
-from actors.bindings.hf import CausalLMScorer
+from actors.teachers.bindings import BindingConfig, Student
+from actors.teachers.bindings.hf import CausalLMScorer
 
 
 class SelfHintTeacher(CausalLMScorer):

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from actors.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
-from actors.bindings.tokens import top_k_of, vocab_map
 from actors.model import load_policy
 from actors.prompts import render
 from actors.tasks import Problem
+from actors.teachers.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
+from actors.teachers.bindings.tokens import top_k_of, vocab_map
 from losses import hinted_inputs
 
 

@@ -1,14 +1,15 @@
-"""Follower across hosts: pull each version over ``monarch.rdma`` into a private buffer, verify, then swap.
+"""``rdma``: across hosts. The slots are the publisher's private memory, registered with ``monarch.rdma``.
 
-The publisher registered every slot (header + data) as an ``RDMABuffer`` once; each
-``WeightVersion`` of the ``rdma`` transport carries its slot's handle. A follower here
-keeps two staging buffers: the one the held version lives in is never written, the
-other receives the next version. Only when all of its bytes have arrived, the received
-header says READY with the record's version and checksum, and the received data hash
-to the record's checksum does the follower swap and hand out views. A slot that the
-trainer rewrote during the pull therefore fails the checksum (``TornWeightsError``) and
-the old version keeps serving: the record's checksum is the version's, so a matching
-hash of the received bytes is proof enough, with no second look at the remote header.
+The publisher registers every slot (header + data) and the manifest as an ``RDMABuffer``
+once (:class:`RdmaSlots`); each ``WeightVersion`` of the ``rdma`` transport carries its
+slot's handle. A follower here (:class:`RdmaReceiver`) keeps two staging buffers: the
+one the held version lives in is never written, the other receives the next version.
+Only when all of its bytes have arrived, the received header says READY with the
+record's version and checksum, and the received data hash to the record's checksum does
+the follower swap and hand out views. A slot that the trainer rewrote during the pull
+therefore fails the checksum (``TornWeightsError``) and the old version keeps serving:
+the record's checksum is the version's, so a matching hash of the received bytes is
+proof enough, with no second look at the remote header.
 
 The manifest is pulled once per store, over its own buffer, and checked like a local
 one (``Manifest.decode``); its digest is part of every version's checksum, so a pulled
@@ -26,23 +27,43 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from actors.weights.manifest import Manifest, layout_digest
-from actors.weights.store import (
-    _CHECKSUM,
-    _DATA,
-    _STAMP,
-    HEADER_BYTES,
-    StaleWeightsError,
-    TornWeightsError,
-    WeightSyncError,
-    WeightVersion,
-    _checksum,
-    check_header,
-    default_threads,
-    version_checksum,
-)
+from actors.weights.checksum import data_checksum, default_threads, version_checksum
+from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError
+from actors.weights.manifest import HEADER_BYTES, Manifest, layout_digest
+from actors.weights.record import RemoteSlot, WeightVersion
+from actors.weights.slot import Slot, check_header, memory_slots
+from actors.weights.transports import Receiver, SlotBackend
 
 MIN_PULL_BYTES_PER_S = 50e6  # the pull's timeout allows this slow a link, and 60 s at least
+
+
+class RdmaSlots(SlotBackend):
+    name = "rdma"
+
+    def __init__(self) -> None:
+        self._remote: list[RemoteSlot] = []
+
+    def create(self, store: str, manifest: Manifest, encoded: bytes, state_dict: dict[str, Tensor]) -> list[Slot]:
+        """Slots in this process's memory, each registered once with the manifest (needs a Monarch actor context)."""
+        from monarch.rdma import RDMABuffer  # only the rdma transport starts Monarch's RDMA manager
+
+        slots = memory_slots(torch.device("cpu"), manifest.slots, manifest.data_bytes)
+        self._manifest_buffer = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        registered = RDMABuffer(self._manifest_buffer)
+        self._remote = [RemoteSlot(RDMABuffer(slot.whole), registered) for slot in slots]
+        return slots
+
+    def handle(self, index: int) -> RemoteSlot:
+        return self._remote[index]
+
+    def close(self) -> None:
+        """Withdraw the registrations, so that a follower's late pull fails instead of reading freed memory."""
+        for buffer in {id(b): b for r in self._remote for b in (r.slot, r.manifest)}.values():
+            buffer.drop().get()
+        self._remote = []
+
+    def attach(self, weights: WeightVersion) -> Receiver:
+        return RdmaReceiver(weights)
 
 
 class RdmaReceiver:
@@ -92,10 +113,9 @@ class RdmaReceiver:
     def _verify(self, buffer: Tensor, want: WeightVersion) -> None:
         """The received header (and the manifest's fit to it), then every received byte, against the record."""
         where = f"the pulled copy of weight slot {want.version % self.manifest.slots} of {self.store}"
-        header = [int(word) & 0xFFFF_FFFF_FFFF_FFFF for word in buffer[:HEADER_BYTES].view(torch.int64)]
-        check_header((header[_STAMP], header[_CHECKSUM], header[_DATA]), self.layout, want, where)
-        data = memoryview(buffer.numpy())[HEADER_BYTES:]
-        actual = version_checksum(_checksum(data, self.manifest.chunk_bytes, self._pool), self.layout)
+        received = Slot.of_tensor(buffer)
+        check_header(received.read(), self.layout, want, where)
+        actual = version_checksum(data_checksum(received.data_mv, self.manifest.chunk_bytes, self._pool), self.layout)
         if actual != want.checksum:
             raise TornWeightsError(
                 f"version {want.version} pulled over RDMA from {self.store} hashes to {actual:#018x}, expected "

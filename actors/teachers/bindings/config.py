@@ -28,7 +28,7 @@ class BindingConfig:
     """One teacher binding, as a topology or ``mesh.ctl teachers bind`` gives it.
 
     - ``kind``: a registered teacher (``actors/registry.py``) or ``package.module:Class``,
-      a class implementing ``actors.bindings.Binding`` (loaded only in the TeacherPool).
+      a class implementing ``actors.teachers.bindings.Binding`` (loaded only in the TeacherPool).
     - ``use``: what the loop does with it: ``distill`` (its top-k at the student's tokens,
       channel 2; at most one binding at a time) and/or ``replay`` (its traces become
       preference pairs, channel 3). A binding with no use can still be the warm-start teacher.

@@ -1,0 +1,141 @@
+"""What ``--dry-run`` prints: the resolved topology, then the plan (placement, services, actor graph).
+
+It reads the ``RunPlan`` (``mesh/plan.py``), so what it prints is what the run would do; it
+imports no backend and starts nothing.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from mesh.placement import describe_gpus, describe_memory
+from mesh.plan import ReferencePlan, RunPlan
+from mesh.preflight import describe_store
+
+TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
+
+
+def describe(plan: RunPlan) -> str:
+    """The resolved topology, its placement and its actor graph, as ``--dry-run`` prints them."""
+    topology = plan.topology
+    resolved = yaml.safe_dump(topology.model_dump(mode="json"), sort_keys=False).rstrip()
+    placement = [f"launcher: {topology.launcher.kind}"]
+    for name, mesh in plan.meshes.items():
+        actors = [_placed(actor, name, plan) for actor in plan.actors[name]] or ["(unused)"]
+        on = f" ({describe_gpus(plan.gpus[name])})" if mesh.gpus else ""
+        shape = f"{mesh.hosts} host{'s' * (mesh.hosts > 1)} x {mesh.procs} proc{'s' * (mesh.procs > 1)}"
+        placement.append(f"  mesh {name}: {shape}{on} <- {', '.join(actors)}")
+    placement.append(describe_store(plan))
+    if (memory := describe_memory(plan)) is not None:
+        placement.append(memory)
+    lag = topology.loop.max_policy_lag
+    gen = topology.actors.generator
+    targets = plan.generator_procs
+    graph = [
+        (
+            f"controller -> generator ({gen.router} router over {targets} generator proc{'s' * (targets > 1)}): "
+            "requests of prompts x group_size, each naming its weight version"
+        ),
+        *(
+            [
+                f"generator <-> environment ({topology.task.name}): episodes turn by turn, each one trajectory "
+                "with the environment's tokens masked out of the loss",
+                "generator -> controller: episodes and their returns -> group advantages -> TrainBatch",
+            ]
+            if topology.task.episodic
+            else [
+                "generator -> controller: completions + inference logprobs, each rewarded in the generator "
+                "(actors.rewarder.placement: in_generator)",
+                "controller: rewards -> group advantages -> TrainBatch",
+            ]
+            if plan.rewarder == "in_generator"
+            else [
+                "generator -> controller: completions + inference logprobs",
+                "controller -> rewarder -> controller: rewards -> group advantages -> TrainBatch",
+            ]
+        ),
+        f"controller -> trainer ({topology.actors.trainer.inner_loop}, {plan.trainer_precision}): TrainBatch; "
+        + ("synchronous" if lag == 0 else f"bounded-async, max_policy_lag {lag}"),
+        f"trainer -> every generator: {plan.weights_dtype} weights over "
+        f"{TRANSPORT_WORDS[plan.transport]} (versioned, checksummed), pushed after each step",
+    ]
+    if plan.reference is not None:
+        graph.append(describe_reference(plan, plan.reference))
+    if topology.loop.warm_start.steps:
+        graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")
+    bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
+    for name, binding in bindings.items():
+        if "distill" in binding.use:
+            graph.append(
+                f"teachers.{name} ({binding.kind}) -> trainer: top-{binding.top_k} scores of the policy's tokens (channel 2)"
+            )
+        if "replay" in binding.use:
+            graph.append(
+                f"teachers.{name} ({binding.kind}) -> trainer: traces vs the policy's samples as pairs (channel 3)"
+            )
+    if topology.diloco is not None:
+        graph += describe_diloco(plan)
+    jobs = topology.launcher.describe(plan)
+    return "\n".join(
+        ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
+    )
+
+
+def _placed(actor: str, mesh: str, plan: RunPlan) -> str:
+    """An actor as the placement lines name it, with the services that run inside it."""
+    copies = plan.generator_meshes
+    if actor == "generator" and len(copies) > 1:
+        actor = f"generator (copy {copies.index(mesh)})"
+    inside = []
+    if actor.startswith("generator") and plan.rewarder == "in_generator":
+        inside.append("rewarder")
+    if actor == "trainer" and plan.reference is not None and plan.reference.placement == "in_trainer":
+        inside.append("reference")
+    if actor == "trainer" and plan.diloco_replica is not None:
+        inside.append("syncer")
+    return actor + "".join(f" + {service} (inside each {actor.split()[0]} process)" for service in inside)
+
+
+def describe_reference(plan: RunPlan, reference: ReferencePlan) -> str:
+    """Where the KL penalty's reference logprobs come from, as ``--dry-run`` says it."""
+    policy = plan.topology.actors.trainer.loss.policy
+    model = reference.path or "the policy's initial weights"
+    estimator = "k3 x ratio (kl_unbiased)" if policy.kl_unbiased else "k3"
+    if reference.implicit:
+        model += ", as kl_coef > 0 and no actors.reference is given"
+    if reference.placement == "in_trainer":
+        where = "each trainer rank: its rows before each step"
+    else:
+        where = f"controller -> reference (mesh {reference.mesh}) -> trainer: the batch's rows as they are collected"
+    return f"reference ({model}): logprobs of the sampled tokens for the KL penalty ({estimator}, kl_coef {policy.kl_coef:g}); {where}"
+
+
+def describe_diloco(plan: RunPlan) -> list[str]:
+    """What ``--dry-run`` says about a DiLoCo run: its replicas' runs, and how and where they sync."""
+    topology = plan.topology
+    diloco, meshes = topology.diloco, ", ".join(plan.meshes)
+    outer = diloco.outer_optimizer
+    sgd = f"SGD lr {outer.lr:g}" + (f", momentum {outer.momentum:g}" if outer.momentum else "")
+    sgd += ", Nesterov" if outer.nesterov else ""
+    if diloco.transport == "torchft":
+        where = f"torchft lighthouse {diloco.lighthouse or '(served by the run that starts the replicas)'}"
+    else:
+        where = f"object store {diloco.store or '<run directory>/diloco'}"
+    if plan.starts_replicas:
+        runs = [
+            f"diloco: this run starts {diloco.replicas} replicas, each its own run {topology.name}-r<I> "
+            f"(I = 0..{diloco.replicas - 1}) with its own meshes ({meshes}), prompt stream and weight store; "
+            "their output goes to replica_<I>.log"
+        ]
+    else:
+        runs = [
+            f"diloco: this run is replica {plan.diloco_replica} of {diloco.replicas} (prompt seed {plan.prompt_seed})"
+        ]
+    when = f"every {diloco.sync_every} steps"
+    if diloco.fragments > 1:
+        when = f"one of {diloco.fragments} fragments every {diloco.interval} steps (streaming; each fragment {when})"
+    return [
+        *runs,
+        f"syncer <-> every replica's syncer, {when}: the mean of Δ = θ₀ − θ over the replicas present, then the "
+        f"outer step ({sgd}) on every trainer rank, over the {where}",
+    ]
