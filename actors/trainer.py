@@ -57,25 +57,30 @@ class StepReport:
     reference_seconds: float  # before them, the reference's logprobs (0 unless it is on the trainer's mesh)
 
 
+@dataclass(frozen=True)
+class TrainerSetup:
+    """The trainer's slice of the run plan (``mesh/plan.py``): what it trains, and how it publishes."""
+
+    model_path: str
+    config: TrainerConfig
+    seed: int
+    store_slots: int
+    placement: Placement
+    total_steps: int
+    transport: str = "shm"
+    weights_dtype: str = "float32"  # the followers': the generator engine's on its mesh
+    reference_path: str | None = None  # the reference model's, when it is scored on the trainer's ranks
+    diloco: DiLoCoConfig | None = None  # a DiLoCo replica's: where the replicas meet
+    replica: int | None = None  # which DiLoCo replica this trainer is (given with ``diloco``)
+
+
 class Trainer(Actor):
-    def __init__(
-        self,
-        model_path: str,
-        cfg: TrainerConfig,
-        seed: int,
-        slots: int,
-        place: Placement,
-        total_steps: int,
-        transport: str = "shm",
-        weights_dtype: str = "float32",  # the followers' (Topology.weights_dtype)
-        reference_path: str | None = None,  # the reference model's, when it runs on the trainer's ranks
-        diloco: DiLoCoConfig | None = None,  # a DiLoCo replica's: where the replicas meet
-        replica: int | None = None,  # which DiLoCo replica this trainer is (given with ``diloco``)
-    ):
+    def __init__(self, setup: TrainerSetup):
         # built in ``start`` (actors/lifecycle.py)
-        self.model_path, self.cfg, self.seed, self.place, self.total_steps = model_path, cfg, seed, place, total_steps
-        self.slots, self.transport, self.weights_dtype = slots, transport, weights_dtype
-        self.reference_path, self.diloco, self.replica = reference_path, diloco, replica
+        self.model_path, self.cfg, self.seed = setup.model_path, setup.config, setup.seed
+        self.place, self.total_steps = setup.placement, setup.total_steps
+        self.slots, self.transport, self.weights_dtype = setup.store_slots, setup.transport, setup.weights_dtype
+        self.reference_path, self.diloco, self.replica = setup.reference_path, setup.diloco, setup.replica
         self.syncer: DiLoCoSyncer | None = None  # made in ``start`` when ``diloco`` is given
         self.reference: ReferenceModel | None = None
         self.store: str | None = None  # rank 0's, made in ``start``

@@ -44,7 +44,7 @@ from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers.bindings import Student  # noqa: E402
 from actors.teachers.pool import TeacherPool  # noqa: E402
-from actors.trainer import Trainer  # noqa: E402
+from actors.trainer import Trainer, TrainerSetup  # noqa: E402
 from mesh.commands import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import (  # noqa: E402
     CollectSettings,
@@ -261,12 +261,21 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
 
     async def trainer(procs: ProcMesh) -> ActorMesh:
         await setup_torch_elastic_env_async(procs)
-        place = _placement(plan, cfg.trainer.mesh, "trainer")
-        args = (model_path, cfg.trainer, seed, plan.store_slots, place, topology.loop.steps)
         in_trainer = reference is not None and reference.placement == "in_trainer"
-        scored = model_path_of(reference, model_path) if in_trainer else None
-        args += (plan.transport, plan.weights_dtype, scored, diloco, plan.diloco_replica)
-        return procs.spawn("trainer", Trainer, *args)
+        setup = TrainerSetup(
+            model_path,
+            cfg.trainer,
+            seed,
+            plan.store_slots,
+            _placement(plan, cfg.trainer.mesh, "trainer"),
+            topology.loop.steps,
+            plan.transport,
+            plan.weights_dtype,
+            model_path_of(reference, model_path) if in_trainer else None,
+            diloco,
+            plan.diloco_replica,
+        )
+        return procs.spawn("trainer", Trainer, setup)
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
     rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else ()

@@ -25,7 +25,7 @@ from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
 from actors.teachers.bindings import top_k_of
 from actors.train_batch import build_train_batch, row_advantages
-from actors.trainer import Trainer
+from actors.trainer import Trainer, TrainerSetup
 from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
 from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights_config import store_root
@@ -92,7 +92,7 @@ async def train_once(
     await setup_torch_elastic_env_async(mesh)
     optimizer = OptimizerConfig(lr=1e-2)
     cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3, precision=precision)
-    trainer = mesh.spawn("trainer", Trainer, model_dir, cfg, 0, 2, Placement(threads=1), 10)
+    trainer = mesh.spawn("trainer", Trainer, TrainerSetup(model_dir, cfg, 0, 2, Placement(threads=1), 10))
     try:
         await trainer.start.call()
         await trainer.publish.call()
@@ -142,7 +142,8 @@ async def test_the_trainer_keeps_its_weight_store_on_its_host_and_removes_it_whe
     (abandoned / OWNER).write_bytes(StoreOwner(2**22 + 1, None, socket.gethostname()).encode())  # a dead trainer's
     mesh = this_host().spawn_procs(per_host={"procs": 1})
     await setup_torch_elastic_env_async(mesh)
-    trainer = mesh.spawn("trainer", Trainer, model_dir, TrainerConfig("trainer"), 0, 2, Placement(threads=1), 10)
+    setup = TrainerSetup(model_dir, TrainerConfig("trainer"), 0, 2, Placement(threads=1), 10)
+    trainer = mesh.spawn("trainer", Trainer, setup)
     try:
         proc = await trainer.start.call_one()
         assert not abandoned.exists()  # reclaimed as the trainer started
@@ -251,8 +252,8 @@ class Replica:
         cfg = TrainerConfig("trainer", inner_loop, optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=3)
         plain_average = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
         diloco = DiLoCoConfig(2, 1, plain_average, "object_store", store=store, round_timeout=60)
-        args = (model_dir, cfg, 0, 2, Placement(threads=1), 10, "shm", "float32", None, diloco, index)
-        trainer = mesh.spawn("trainer", Trainer, *args)
+        setup = TrainerSetup(model_dir, cfg, 0, 2, Placement(threads=1), 10, diloco=diloco, replica=index)
+        trainer = mesh.spawn("trainer", Trainer, setup)
         await trainer.start.call()
         return cls(mesh, trainer)
 
