@@ -266,7 +266,7 @@ class Generator(Actor):
     @concurrent_endpoint
     async def hold(self, weights: WeightVersion) -> float:
         """Adopt ``weights`` once the requests in flight finish (the trainer's push of a new
-        version, so a replica is ready before its next request); the seconds it took."""
+        version, so a generator is ready before its next request); the seconds it took."""
         async with self.gate.use(weights, self._switch) as load_seconds:
             return load_seconds
 

@@ -78,8 +78,9 @@ class RunPlan:
     @classmethod
     def of(cls, topology: Topology) -> RunPlan:
         meshes, generator_meshes = _launched_meshes(topology)
-        starts_replicas = topology.diloco is not None and topology.diloco.replicas > 1 and topology.diloco.replica is None
-        replica = None if topology.diloco is None or starts_replicas else topology.diloco.replica or 0
+        diloco = topology.diloco
+        starts_replicas = diloco is not None and diloco.replicas > 1 and diloco.replica is None
+        replica = None if diloco is None or starts_replicas else diloco.replica or 0
         cfg, loop = topology.actors, topology.loop
         reference = _reference(topology)
         gpus = _gpu_sets(topology.launcher.one_machine, meshes)

@@ -1,7 +1,7 @@
 """The generator router: a step's prompts, cut into requests, spread over every generator proc.
 
-Targets are the procs of every generator replica mesh (``actors.generator.replicas``
-meshes shaped like ``actors.generator.mesh``), in order: replica 0's procs, then replica
+Targets are the procs of every copy of the generator's mesh (``actors.generator.copies``
+meshes shaped like ``actors.generator.mesh``), in order: copy 0's procs, then copy
 1's, ... A request is a contiguous run of whole prompts; replies are joined in prompt order,
 whoever sampled them.
 
@@ -22,7 +22,7 @@ requests of one version at a time (one of another version waits in the router un
 the target's requests in flight are done), so a request never queues behind a weight
 change at a busy target while another could serve it. ``push`` (after every trainer
 step) pushes the new version to each target (the generator's ``hold``) as soon as it is
-idle with no request waiting, so a replica that got no request in a step still catches
+idle with no request waiting, so a target that got no request in a step still catches
 up, and the next step finds its weights loaded.
 """
 

@@ -335,7 +335,9 @@ def _services(plan: RunPlan, fleet: Fleet) -> Services:
     reference scoring in the implementation the plan placed them for, chosen here once."""
     cfg = plan.topology.actors
     targets = [
-        fleet.handle("generator", name, proc) for name in plan.generator_meshes for proc in range(plan.meshes[name].size)
+        fleet.handle("generator", name, proc)
+        for name in plan.generator_meshes
+        for proc in range(plan.meshes[name].size)
     ]
     router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))

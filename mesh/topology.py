@@ -326,7 +326,8 @@ class Topology(Section):
 
     def _named_meshes(self) -> dict[str, str]:
         """Actor name -> the mesh its section names."""
-        return {name: cfg.mesh for name in ActorsSection.model_fields if (cfg := getattr(self.actors, name)) and cfg.mesh}
+        named = {name: getattr(self.actors, name) for name in ActorsSection.model_fields}
+        return {name: cfg.mesh for name, cfg in named.items() if cfg is not None and cfg.mesh is not None}
 
     def _check_services(self) -> None:
         """Rewarding and reference scoring run in-process (in the generators, on the trainer's ranks) or
@@ -480,8 +481,8 @@ class Topology(Section):
         if not spec.gpus or wanted > held:
             raise ValueError(
                 f"{key} is {owner!r}: its {spec.size} process(es) x gpus {spec.gpus} would need {wanted} "
-                f"of the {held} GPU(s) of mesh {owner!r}; set meshes.{name}.gpus between 1 and {held // spec.size or 1} "
-                "per process, or fewer procs"
+                f"of the {held} GPU(s) of mesh {owner!r}; set meshes.{name}.gpus between 1 and "
+                f"{held // spec.size or 1} per process, or fewer procs"
             )
         copies = self.actors.generator.copies
         if name == self.actors.generator.mesh and copies > 1:

@@ -106,7 +106,8 @@ async def test_a_reference_model_directory_is_what_the_kl_is_taken_against(tmp_p
     policy = load_topology(TINY)
     other = build_tiny_model(tmp_path / "other", policy.model.init, policy.task.alphabet, seed=7)
     run_dir = await run(
-        small(tmp_path, KL, f"actors.reference={{placement: in_trainer, path: {other}}}", "loop.steps=1"), progress=False
+        small(tmp_path, KL, f"actors.reference={{placement: in_trainer, path: {other}}}", "loop.steps=1"),
+        progress=False,
     )
     assert records(run_dir)[0]["train/policy/kl"] > 0.01  # random weights of another seed, from the first step
 

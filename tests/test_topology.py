@@ -82,7 +82,10 @@ def test_set_overrides_any_field_with_yaml_typed_values():
         (lambda t: t["loop"].update(steps="many"), ["loop.steps", "valid integer", "'many'"]),
         (lambda t: t["actors"]["trainer"].update(inner_loop="bogus"), ["unknown inner_loop 'bogus'", "native"]),
         (lambda t: t["actors"]["generator"].update(engine="nope:Engine"), ["engine 'nope:Engine'", "cannot import"]),
-        (lambda t: t["actors"]["rewarder"].update(placement="own_mesh", mesh="gpu"), ["actors.rewarder.mesh is 'gpu'", "add a mesh named"]),
+        (
+            lambda t: t["actors"]["rewarder"].update(placement="own_mesh", mesh="gpu"),
+            ["actors.rewarder.mesh is 'gpu'", "add a mesh named"],
+        ),
         (lambda t: t["meshes"]["generator"].update(procs=10_000), ["10002 processes", "lower meshes.*.procs"]),
         (lambda t: t["meshes"]["trainer"].update(hosts=2), ["meshes.trainer.hosts is 2", "launcher.kind: process"]),
         (lambda t: t["meshes"]["trainer"].update(procs=4, gpus=1), ["GPUs", "set meshes.*.gpus to 0"]),
@@ -411,7 +414,8 @@ def test_the_pre_flight_keeps_ram_for_a_reference_model_in_each_process_that_hol
     assert without.reference_bytes == 0
     assert on_trainer.reference_bytes == 2 * without.master_bytes  # every trainer rank holds it, in fp32
     assert on_trainer.ram_margin == without.ram_margin + 2 * without.master_bytes + RUNTIME_BYTES  # and one proc more
-    topology = load_plan(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "loop.max_policy_lag=1000"], placed_here=False)
+    kl_and_lag = ["actors.trainer.loss.policy.kl_coef=0.1", "loop.max_policy_lag=1000"]
+    topology = load_plan(TINY, kl_and_lag, placed_here=False)
     slot = StorePlan.of(topology).slot_bytes
     with pytest.raises(ValueError, match="AdamW moments and the reference model"):
         check_memory(topology, FreeMemory(shm=10**12, ram=StorePlan.of(topology).ram_margin + 10 * slot + 10**7))

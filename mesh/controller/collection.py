@@ -3,7 +3,7 @@
 ``SampleCollection`` (a task with answers) passes a ``Rollout`` through its stages, each taking
 and returning it:
 
-    generate   the policy's G samples per prompt (Router -> Generator replicas), beside the tracing
+    generate   the policy's G samples per prompt (Router -> Generator copies), beside the tracing
                teachers' traces (TeacherPool), then those traces with the policy's logprobs
     reward     a Reward per row, and a hint for a wrong answer (``Rewarding``)
     teachers   the distill teacher's top-k at the policy's own tokens (channel 2)

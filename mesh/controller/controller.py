@@ -7,7 +7,7 @@ What runs where, and the buffers between them (``max_policy_lag: L``):
     Scheduler (scheduler.py): up to L+1 collections in flight, oldest first
       collecting: [ batch k | batch k+1 | ... | batch k+L ]
          |  each a SampleCollection (collection.py), started with the newest weights:
-         |    generate  -> Router -> Generator replicas     (TeacherPool traces beside it)
+         |    generate  -> Router -> Generator copies       (TeacherPool traces beside it)
          |    reward    -> Rewarding: in the generators, or the Rewarder actor (services.py)
          |    teachers  -> TeacherPool: the distill teacher's top-k
          |    reference -> ReferenceScoring: on the trainer's ranks, or the Reference actor
@@ -131,7 +131,7 @@ class Controller:
                     await self._skip_to(ahead)
                 if stopper is not None and stopper.requested is not None and self.step < self.settings.steps:
                     await self._stop(stopper.requested)
-            await self.services.generators.settle()  # every replica ends holding the final version
+            await self.services.generators.settle()  # every generator ends holding the final version
         finally:
             await self.scheduler.cancel()
             await self.services.generators.close()
@@ -189,7 +189,7 @@ class Controller:
         if self.diloco is not None:
             synced, outer = await self.diloco.after_step(step)
             self.weights = self.weights if synced is None else synced
-        self.services.generators.push(self.weights)  # to every replica, off the critical path
+        self.services.generators.push(self.weights)  # to every generator, off the critical path
         return report, outer
 
     async def _sample_ahead(self, step: int) -> None:

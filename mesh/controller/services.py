@@ -100,7 +100,7 @@ class Services:
     two services in the implementation the run chose."""
 
     trainer: ActorMesh
-    generators: Router  # every proc of every generator replica; requests are routed among them
+    generators: Router  # every proc of every generator copy; requests are routed among them
     rewarding: Rewarding
     reference: ReferenceScoring
     teacher_pool: ActorMesh | None = None

@@ -16,7 +16,7 @@ class CollectSettings:
     prompts_per_step: int
     group_size: int
     prompt_seed: int  # the training prompts' and their sampling's (a DiLoCo replica draws its own)
-    seed: int  # the evaluation prompts' and their sampling's: the topology's, the same for every replica
+    seed: int  # the evaluation prompts' and their sampling's: the topology's, the same for every DiLoCo replica
     evaluation_prompts: int
     warm_start_teacher: str | None  # whose traces join their prompts' groups (channel 1) ...
     warm_start_steps: int  # ... in the steps before this one
