@@ -21,8 +21,8 @@ class ReferenceConfig:
     """
 
     mesh: str | None = None
-    placement: Literal["in_trainer", "own_mesh"] | None = None
     path: str | None = None
+    placement: Literal["in_trainer", "own_mesh"] | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and not (Path(self.path).expanduser() / "config.json").is_file():

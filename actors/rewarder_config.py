@@ -18,8 +18,8 @@ class RewarderConfig:
     """
 
     mesh: str | None = None
-    placement: Literal["in_generator", "own_mesh"] | None = None
     functions: tuple[str, ...] = ()  # "package.module:function" each; loaded in the Rewarder
+    placement: Literal["in_generator", "own_mesh"] | None = None
 
     def __post_init__(self) -> None:
         for path in self.functions:

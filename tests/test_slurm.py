@@ -106,7 +106,7 @@ def test_gpu_layouts_slurm_cannot_place_are_refused(topology, overrides, reason)
 def test_launcher_options_belong_to_their_kind(overrides, reason):
     with pytest.raises(TopologyError, match=reason):
         load_plan(TINY, overrides)
-    assert load_plan(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).launcher.partition == "gpu"
+    assert load_plan(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).topology.launcher.partition == "gpu"
 
 
 # what the check takes (mesh/launchers/grammars.py) against what the cluster's sbatch takes
