@@ -82,31 +82,31 @@ class RunPlan:
         starts_replicas = diloco is not None and diloco.replicas > 1 and diloco.replica is None
         replica = None if diloco is None or starts_replicas else diloco.replica or 0
         cfg, loop = topology.actors, topology.loop
-        reference = _reference(topology)
+        reference, rewarder = _reference(topology), topology.actors.rewarder.placement or "own_mesh"
         gpus = _gpu_sets(topology.launcher.one_machine, meshes)
         devices = _physical_gpus(topology.launcher.one_machine, meshes, gpus)
         shared = _shares_gpus(devices, cfg.trainer.mesh, generator_meshes)
         vllm = _vllm_share(topology)
-        partial = dict(
+        return cls(
             topology=topology,
             model=topology.model_facts(),
             meshes=meshes,
             generator_meshes=generator_meshes,
-            actors=_actors_by_mesh(topology, meshes, generator_meshes, reference),
-            rewarder=_rewarder_placement(topology),
+            actors=_actors_by_mesh(topology, meshes, generator_meshes, rewarder, reference),
+            rewarder=rewarder,
             reference=reference,
+            transport=_transport(topology, devices, generator_meshes),
             weights_dtype=policy_dtype(cfg.generator.engine, topology.meshes[cfg.generator.mesh].gpus > 0),
             trainer_precision=cfg.trainer.precision_on(topology.meshes[cfg.trainer.mesh].gpus > 0),
             store_slots=loop.max_policy_lag + SPARE_SLOTS,
             diloco_replica=replica,
-            runs_here=topology.diloco.replicas if starts_replicas else 1,
+            runs_here=diloco.replicas if starts_replicas else 1,
             prompt_seed=topology.seed if not replica else (topology.seed + replica * 1_000_003) % 2**31,
             gpus=gpus,
             trainer_shares_generator_gpus=shared,
             vllm_share=vllm,
             trainer_memory_share=_trainer_memory_share(topology, shared, vllm),
         )
-        return cls(**partial, transport=_transport(topology, devices, generator_meshes))
 
     @property
     def starts_replicas(self) -> bool:
@@ -155,12 +155,6 @@ def _launched_meshes(topology: Topology) -> tuple[dict[str, MeshSpec], tuple[str
     return topology.meshes | {name: spec for name in copies}, (mesh, *copies)
 
 
-def _rewarder_placement(topology: Topology) -> RewarderPlacement:
-    """``actors.rewarder.placement``; left out, a Rewarder on a mesh of its own (a mesh the generator
-    also uses must say which it means: ``Topology``'s check refuses it)."""
-    return topology.actors.rewarder.placement or "own_mesh"
-
-
 def _reference(topology: Topology) -> ReferencePlan | None:
     """``actors.reference``, or with ``kl_coef > 0`` and none given, the policy's initial weights
     scored on the trainer's ranks."""
@@ -174,7 +168,11 @@ def _reference(topology: Topology) -> ReferencePlan | None:
 
 
 def _actors_by_mesh(
-    topology: Topology, meshes: dict[str, MeshSpec], generator_meshes: tuple[str, ...], reference: ReferencePlan | None
+    topology: Topology,
+    meshes: dict[str, MeshSpec],
+    generator_meshes: tuple[str, ...],
+    rewarder: RewarderPlacement,
+    reference: ReferencePlan | None,
 ) -> dict[str, tuple[str, ...]]:
     """Mesh -> the actors placed on it, in the order they are spawned there. A service that runs
     in-process (rewarding in the generators, reference scoring and DiLoCo's syncer on the trainer's ranks) is
@@ -184,7 +182,7 @@ def _actors_by_mesh(
     placed[cfg.trainer.mesh].append("trainer")
     for name in generator_meshes:
         placed[name].append("generator")
-    if _rewarder_placement(topology) == "own_mesh":
+    if rewarder == "own_mesh":  # left out, a Rewarder on a mesh of its own (Topology refuses the ambiguous one)
         placed[cfg.rewarder.mesh].append("rewarder")
     if reference is not None and reference.placement == "own_mesh":
         placed[reference.mesh].append("reference")
