@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from actors.adapters import adapter_state, load_adapter_state, saved_name
 from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
 from actors.shares import split_evenly
@@ -107,9 +108,11 @@ class MicroBatchLoop(ABC):
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def parameter_shards(self) -> dict[str, ParameterShard]:
-        """This rank's part of every parameter, to change in place between steps (DiLoCo's outer step)."""
+        """This rank's part of every trained parameter, to change in place between steps (DiLoCo's outer step)."""
         shards = {}
         for name, param in self.model.named_parameters():
+            if not param.requires_grad:  # a frozen base (LoRA): only the adapters train and sync
+                continue
             sharded = isinstance(param, DTensor)
             shards[name] = ParameterShard((param.to_local() if sharded else param).detach(), sharded)
         return shards
@@ -295,9 +298,14 @@ class HFModelLoop(MicroBatchLoop):
         self.optimizer.zero_grad(set_to_none=True)
 
     def gradients(self) -> dict[str, Tensor]:
-        return {name: p.grad.detach() for name, p in self.model.named_parameters() if p.grad is not None}
+        named = self.model.named_parameters()
+        rename = saved_name if self.cfg.lora is not None else str
+        return {rename(name): p.grad.detach() for name, p in named if p.grad is not None}
 
     def state_dict(self) -> dict[str, Tensor]:
+        """The full weights, or with LoRA the adapters only (PEFT's saved names): what followers and checkpoints get."""
+        if self.cfg.lora is not None:
+            return adapter_state(self.model)
         return {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
 
     def save(self, directory: Path, state: dict) -> None:
@@ -306,7 +314,10 @@ class HFModelLoop(MicroBatchLoop):
 
     def load(self, directory: Path) -> dict:
         model, optimizer, state = load_checkpoint(directory)
-        self.model.load_state_dict(model)
+        if self.cfg.lora is not None:
+            load_adapter_state(self.model, model)
+        else:
+            self.model.load_state_dict(model)
         self.optimizer.load_state_dict(optimizer)
         return state
 

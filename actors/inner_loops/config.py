@@ -11,6 +11,7 @@ from losses.config import COVARIANCE, LossConfig
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 Precision = Literal["auto", "bf16", "fp32"]
+LORA_LOOPS = ("native", "trl", "prime_rl")  # the loops that train PEFT adapters
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -34,6 +35,56 @@ class OptimizerConfig:
                 f"weight_decay and grad_clip must be >= 0, got {self.weight_decay} and {self.grad_clip} "
                 "(grad_clip: 0 disables clipping)"
             )
+
+
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
+LOSS_READS = ("lm_head", "embed_tokens")  # the loss kernels read these weights directly: an adapter on them is lost
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Train low-rank adapters instead of all weights (PEFT's ``LoraConfig``): the base stays frozen, the
+    optimizer holds the adapters only, and weight sync, checkpoints and DiLoCo move the adapters only.
+
+    ``target_modules``: the layers that get an adapter, by name (``q_proj``, ``down_proj``, ...), or
+    ``all-linear``; ``alpha / rank`` scales the adapter's output, as in PEFT."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = ALL_LINEAR
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rank, int) and self.rank > 0):
+            raise ValueError(
+                f"lora.rank must be a positive integer (the adapters' inner size), got {self.rank!r}; e.g. rank: 16"
+            )
+        if not self.alpha > 0:
+            raise ValueError(
+                f"lora.alpha must be > 0 (the adapter's output is scaled by alpha / rank), got {self.alpha}"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
+            raise ValueError(
+                f"lora.target_modules must be a list of layer names (e.g. [q_proj, v_proj]) or {ALL_LINEAR!r}, "
+                f"got {self.target_modules!r}"
+            )
+        if not self.target_modules:
+            raise ValueError(
+                "lora.target_modules is empty: name the layers to adapt (e.g. [q_proj, v_proj]) or all-linear"
+            )
+        if read := [name for name in self.targets if name in LOSS_READS]:
+            raise ValueError(
+                f"lora.target_modules names {', '.join(read)}, but the loss kernels read the LM head's and the "
+                "embedding's weights directly, so an adapter there would never train; adapt the decoder's layers "
+                f"(e.g. {ALL_LINEAR})"
+            )
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The named layers (none for ``all-linear``)."""
+        return () if isinstance(self.target_modules, str) else tuple(self.target_modules)
 
 
 @dataclass(frozen=True)
@@ -64,6 +115,7 @@ class TrainerConfig:
     # The dtype of the matmuls; weights, gradients and optimizer state stay fp32 either way.
     # auto: bf16 where the trainer has GPUs, fp32 on CPU (a CPU without native bf16 runs bf16 matmuls slowly).
     precision: Precision = "auto"
+    lora: LoRAConfig | None = None  # train adapters on a frozen base (PEFT); None trains every weight
 
     def __post_init__(self) -> None:
         registry.resolve("inner_loop", self.inner_loop)
@@ -90,6 +142,15 @@ class TrainerConfig:
                 "loss.policy.entropy_coef adds an entropy bonus, which needs the policy's whole distribution, but "
                 "PRIME-RL's loss contract sees only token logprobs: use inner_loop native, trl or torchtitan, "
                 "or set entropy_coef: 0"
+            )
+
+        if self.lora is not None and self.inner_loop not in LORA_LOOPS:
+            raise ValueError(
+                f"lora trains adapters through PEFT, which inner_loop {self.inner_loop!r} does not wire in: "
+                "TorchTitan "
+                "0.3.0 has a LoRA converter of its own, but its adapters have no dropout and are named and "
+                "sharded its own way, so the weights the generators and checkpoints receive would not be PEFT's. "
+                f"Use inner_loop {', '.join(LORA_LOOPS)}, or remove lora"
             )
 
     def precision_on(self, on_gpu: bool) -> Literal["bf16", "fp32"]:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from actors.adapters import with_adapter
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
 from actors.model import load_policy
@@ -43,15 +44,16 @@ class NativeLoop(HFModelLoop):
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
         super().__init__(cfg, rank, world, device)
         self.model, _ = load_policy(model_path)
+        if cfg.lora is not None:  # the base frozen, fresh adapters trained (seeded by the trainer)
+            self.model = with_adapter(self.model, cfg.lora)
         self.model.to(device).train()
         self.hidden = HiddenStates(self.model)
         if world > 1:  # buffers are constants (rotary tables): ranks may run different numbers of forwards
             device_ids = [device] if device.type == "cuda" else None
             self.hidden = DistributedDataParallel(self.hidden, device_ids=device_ids, forward_sync_buffers=False)
         opt = cfg.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
-        )
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
 
     def head(self, batch: TrainBatch) -> LinearHead:
         with self.autocast():

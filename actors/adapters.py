@@ -1,0 +1,83 @@
+"""LoRA adapters through PEFT: put on a policy, read off it, and written as PEFT's own directory.
+
+An adapter's tensors travel and are stored under the names PEFT saves them with (the keys of
+``adapter_model.safetensors``: ``base_model.model.<module>.lora_A.weight``), so the weight
+store, the checkpoints, the ``hf`` engine, vLLM's LoRA loader and ``mesh.export`` all read
+one format, and a checkpoint's adapter is a file PEFT itself would have written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from actors.inner_loops.config import LoRAConfig
+
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+ADAPTER_NAME = "default"  # PEFT's name for a model's one adapter
+
+
+def peft_config(lora: LoRAConfig) -> LoraConfig:
+    """PEFT's ``LoraConfig`` for ``lora``: a causal LM's adapters, no bias terms trained."""
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def with_adapter(model: nn.Module, lora: LoRAConfig) -> PeftModel:
+    """``model`` frozen, with fresh adapters on ``lora``'s layers (PEFT's init: A random, B zero, so the
+    policy starts as the base). Seed torch first for the same adapters."""
+    return get_peft_model(model, peft_config(lora))
+
+
+def adapter_state(model: PeftModel) -> dict[str, Tensor]:
+    """The adapters' tensors under PEFT's saved names (detached: they are read, not trained)."""
+    return {name: tensor.detach() for name, tensor in get_peft_model_state_dict(model).items()}
+
+
+def saved_name(parameter: str) -> str:
+    """A ``PeftModel`` parameter's name as PEFT saves it: without the adapter's own name (``default``)."""
+    return parameter.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def load_adapter_state(model: PeftModel, state: dict[str, Tensor]) -> None:
+    """Copy ``state`` (PEFT's saved names) into ``model``'s adapters; every adapter tensor must be given."""
+    missing = set(adapter_state(model)) - set(state)
+    if missing:
+        raise KeyError(f"the adapter state lacks {len(missing)} of the policy's adapter tensors, e.g. {min(missing)}")
+    result = set_peft_model_state_dict(model, state)
+    if result.unexpected_keys:
+        raise KeyError(f"the adapter state has tensors the policy has no adapter for, e.g. {result.unexpected_keys[0]}")
+
+
+def adapted_modules(state: dict[str, Tensor]) -> list[str]:
+    """The layer names (last part: ``q_proj``) that ``state``'s adapters sit on, sorted."""
+    return sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in state})
+
+
+def write_adapter(directory: Path, state: dict[str, Tensor], lora: LoRAConfig, base: str) -> None:
+    """PEFT's adapter directory: ``adapter_model.safetensors`` and ``adapter_config.json`` pointing at
+    ``base`` (the base model's directory), which ``PeftModel.from_pretrained``, transformers and vLLM load."""
+    directory.mkdir(parents=True, exist_ok=True)
+    resolved = dataclasses.replace(lora, target_modules=tuple(adapted_modules(state)))
+    config = peft_config(resolved)
+    config.base_model_name_or_path = base
+    save_file({name: t.contiguous() for name, t in state.items()}, str(directory / ADAPTER_WEIGHTS))
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config.to_dict(), indent=2, default=_jsonable) + "\n")
+
+
+def _jsonable(value):
+    if isinstance(value, set):
+        return sorted(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
