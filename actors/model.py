@@ -17,7 +17,14 @@ from pathlib import Path
 
 import torch
 
-from actors.model_config import BPE_VOCAB_SIZE, CHAT_SPECIAL_TOKENS, TinyModelSpec, char_vocabulary
+from actors.model_config import (
+    BPE_VOCAB_SIZE,
+    CHAT_SPECIAL_TOKENS,
+    TINY_MODEL_MARKER,
+    TinyModelSpec,
+    char_vocabulary,
+    tiny_recipe,
+)
 from actors.tasks.arithmetic_data import DATA_DIR
 
 # transformers' Qwen2Tokenizer's PRETOKENIZE_REGEX (see ``_byte_level``)
@@ -35,8 +42,7 @@ CHATML = (
 def build_tiny_model(path: Path, spec: TinyModelSpec, alphabet: str | None, seed: int) -> Path:
     """Save the spec's tokenizer and a random-init causal LM under ``path``; skip if already built."""
     _quiet_transformers()
-    marker = path / "tiny_model.json"
-    recipe = {"spec": spec.__dict__, "alphabet": alphabet, "seed": seed}
+    marker, recipe = path / TINY_MODEL_MARKER, tiny_recipe(spec, alphabet, seed)
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)

@@ -95,6 +95,14 @@ class TinyModelSpec:
         return shapes | {"model.norm.weight": (h,), "lm_head.weight": (vocab_size, h)}
 
 
+TINY_MODEL_MARKER = "tiny_model.json"  # in a built tiny model's directory: the recipe it was built from
+
+
+def tiny_recipe(spec: TinyModelSpec, alphabet: str | None, seed: int) -> dict:
+    """What fixes a tiny model's weights: its spec, its tokenizer's alphabet and the seed of its random init."""
+    return {"spec": dict(spec.__dict__), "alphabet": alphabet, "seed": seed}
+
+
 def tiny_vocab_size(alphabet: str) -> int:
     """The character tokenizer's size (``char_vocabulary``)."""
     return len(char_vocabulary(alphabet))

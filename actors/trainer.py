@@ -166,10 +166,12 @@ class Trainer(Actor):
 
     @endpoint
     def save(self, directory: str, step: int, extra: dict | None = None) -> None:
-        """A checkpoint of ``step``: policy, optimizer, version, TAID's schedule, and the caller's
+        """A checkpoint of ``step``: policy (its weights, or with LoRA its adapters, and the base they belong to),
+        optimizer, version, TAID's schedule, and the caller's
         ``extra`` (JSON: what a resume must match, the batches a bounded-async run collected ahead);
         then DiLoCo's outer state beside it (``actors/diloco/syncer.py``'s files)."""
-        state = {"step": step, "version": self.version, **(extra or {})}
+        lora = dataclasses.asdict(self.cfg.lora) if self.cfg.lora is not None else None
+        state = {"step": step, "version": self.version, "policy": {"base": self.model_path, "lora": lora}, **(extra or {})}
         if self.taid is not None:
             state["taid"] = self.taid.state_dict()
         self.loop.save(Path(directory), state)

@@ -10,7 +10,10 @@ costs nothing next to a run.
 
 The seed is left out on purpose: after a resume the weights come from the checkpoint,
 and the seed only chose the initial weights and the prompt stream, which a user may
-change. So are the trainer's settings (optimizer, loss, ``precision``): a checkpoint holds
+change. Not so with LoRA: a checkpoint then holds only the adapters, which mean nothing
+on another base, so the fingerprint adds the adapters' shape and the base's weights
+(``base_digest``: a digest of its safetensors files, or of a tiny model's recipe, seed
+included). So are the trainer's settings (optimizer, loss, ``precision``): a checkpoint holds
 fp32 master weights whatever the precision, so a run may resume in another one.
 """
 
@@ -24,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from actors.model_config import char_vocabulary
+from actors.inner_loops.config import LoRAConfig
+from actors.model_config import TINY_MODEL_MARKER, char_vocabulary, tiny_recipe
 from actors.tasks import TaskConfig, build_task
 
 if TYPE_CHECKING:
@@ -53,6 +57,7 @@ class Fingerprint:
     model: dict[str, Any]  # the ARCHITECTURE fields config.json has
     tokenizer: dict[str, Any]  # {"tokens": vocabulary size, "digest": xxh3 of the vocabulary}
     task: dict[str, Any]  # {"name", "params", "alphabet"}
+    adapter: dict[str, Any] | None = None  # with LoRA: {"rank", "alpha", "target_modules", "base": base_digest}
 
     def to_json(self) -> dict:
         """As stored in a checkpoint's state.json (and compared after a JSON round trip)."""
@@ -83,24 +88,75 @@ class Fingerprint:
                 f"tokenizer: another vocabulary ({theirs_tokenizer.get('tokens')} tokens in the checkpoint, "
                 f"{mine['tokenizer']['tokens']} in the topology)"
             )
-        return out
+        return out + _adapter_differences(recorded.get("adapter"), mine["adapter"])
 
 
-def fingerprint(model_dir: Path, task: TaskConfig) -> Fingerprint:
-    """The fingerprint of a run training the HF model in ``model_dir`` on ``task``."""
+def _adapter_differences(theirs: dict | None, mine: dict | None) -> list[str]:
+    if theirs is None and mine is None:
+        return []
+    if theirs is None or mine is None:
+        held = "LoRA adapters" if theirs else "every weight"
+        trains = "LoRA adapters (actors.trainer.lora)" if mine else "every weight (no actors.trainer.lora)"
+        return [f"the checkpoint holds {held} and the topology trains {trains}"]
+    out = [
+        f"lora {key}: {theirs.get(key)} in the checkpoint, {mine[key]} in the topology"
+        for key in ("rank", "alpha", "target_modules")
+        if theirs.get(key) != mine[key]
+    ]
+    if theirs.get("base") != mine["base"]:
+        out.append(
+            "base model: the adapters were trained on other base weights than the topology's model (weights digest "
+            f"{theirs.get('base')} in the checkpoint, {mine['base']} in the topology), and mean nothing on another base"
+        )
+    return out
+
+
+def fingerprint(model_dir: Path, task: TaskConfig, lora: LoRAConfig | None = None) -> Fingerprint:
+    """The fingerprint of a run training the HF model in ``model_dir`` on ``task`` (with ``lora``: its adapters)."""
     config = _read_json(model_dir / "config.json")
     model = {field: config[field] for field in ARCHITECTURE if field in config}
-    return Fingerprint(model, _tokenizer(model_dir), _task_fingerprint(task))
+    adapter = _adapter(lora, base_digest(model_dir)) if lora is not None else None
+    return Fingerprint(model, _tokenizer(model_dir), _task_fingerprint(task), adapter)
 
 
 def topology_fingerprint(topology: Topology) -> Fingerprint:
     """The fingerprint of a run of ``topology``; for ``model.init`` computed from the spec and the
     task's alphabet without building the model (which happens only inside the run)."""
+    lora = topology.actors.trainer.lora
     if topology.model.path is not None:
-        return fingerprint(Path(topology.model.path).expanduser(), topology.task.config)
+        return fingerprint(Path(topology.model.path).expanduser(), topology.task.config, lora)
     task, spec = _task_fingerprint(topology.task.config), topology.model.init
     vocab = _bpe_vocabulary() if spec.tokenizer == "bpe" else char_vocabulary(task["alphabet"])
-    return Fingerprint(_tiny_architecture(spec, len(vocab)), _digest(vocab), task)
+    recipe = tiny_recipe(spec, task["alphabet"], topology.seed)  # as the run builds it (``mesh/runtime.py``)
+    adapter = _adapter(lora, _recipe_digest(recipe)) if lora is not None else None
+    return Fingerprint(_tiny_architecture(spec, len(vocab)), _digest(vocab), task, adapter)
+
+
+def _adapter(lora: LoRAConfig, base: str) -> dict[str, Any]:
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else sorted(lora.target_modules)
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": targets, "base": base}
+
+
+def base_digest(model_dir: Path) -> str:
+    """What identifies a base model's weights: a built tiny model's recipe, or else an xxh3 of its
+    safetensors files' bytes (in name order; streamed, so a large model costs a read, not its memory)."""
+    marker = model_dir / TINY_MODEL_MARKER
+    if marker.is_file():
+        return _recipe_digest(_read_json(marker))
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FingerprintError(f"{model_dir} holds no *.safetensors weights to fingerprint the base model by")
+    digest = xxhash.xxh3_128()
+    for file in files:
+        digest.update(file.name.encode())
+        with file.open("rb") as stream:
+            while block := stream.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _recipe_digest(recipe: dict) -> str:
+    return "recipe:" + xxhash.xxh3_128_hexdigest(json.dumps(recipe, sort_keys=True).encode())
 
 
 def _task_fingerprint(cfg: TaskConfig) -> dict:

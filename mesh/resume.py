@@ -29,6 +29,15 @@ class SavedFingerprint(Saved):
     model: dict[str, FiniteJson]
     tokenizer: dict[str, FiniteJson]
     task: dict[str, FiniteJson]
+    adapter: dict[str, FiniteJson] | None = None  # a LoRA run's adapters and base
+
+
+class SavedPolicy(Saved):
+    """What the checkpoint's weights are: the base model they belong to and, with LoRA, the adapters' config
+    (its model.safetensors then holds the adapters only, under PEFT's names)."""
+
+    base: str  # the base model's directory, as the run read it
+    lora: dict[str, FiniteJson] | None = None  # ``LoRAConfig``'s fields
 
 
 class SavedTAID(Saved):
@@ -47,6 +56,7 @@ class SavedState(Saved):
     step: int = Field(ge=0)
     version: int = Field(ge=0)
     fingerprint: SavedFingerprint
+    policy: SavedPolicy | None = None  # written since LoRA; ``mesh.export`` reads it
     inflight: SavedInFlight | None = None  # a bounded-async run's batches sampled before the checkpoint
     taid: SavedTAID | None = None
 
