@@ -6,16 +6,21 @@ on the trainer's own ranks, where each rank fills in its rows of a batch right b
 step, or in a ``Reference`` actor on another mesh, which the controller asks while the batch
 is collected, beside the rewards and the teachers. Either way it is a plain HF model in eval
 mode that no training wrapper (DDP, FSDP) ever sees: it never changes, so it is held whole.
+With LoRA and no reference given it is no second model at all: the trainer's own policy with its
+adapters switched off, which is exactly the frozen base.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from monarch.actor import Actor, endpoint
-from torch import Tensor
+from torch import Tensor, nn
 
 from actors.compute import Placement
 from actors.inner_loops.native import HiddenStates
@@ -25,36 +30,53 @@ from actors.rollout import Trajectory
 from actors.train_batch import Sequences, pack_sequences
 from losses import token_logprobs
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 
 class ReferenceMismatch(ValueError):
     """The reference cannot score the policy's tokens: its vocabulary is not the policy's."""
 
 
 class ReferenceModel:
+    """A frozen model's logprobs of sampled tokens; ``scoring`` wraps each pass (the LoRA base's: adapters off)."""
+
     def __init__(
         self,
-        path: str,
-        policy_path: str,
+        model: nn.Module,
         device: torch.device,
-        dtype: torch.dtype,
         micro_batch_size: int,
         chunk_tokens: int,
+        scoring: Callable[[], AbstractContextManager] = nullcontext,
     ):
         self.device, self.micro_batch_size, self.chunk_tokens = device, micro_batch_size, chunk_tokens
+        self.model, self.scoring = model, scoring
+        self.hidden = HiddenStates(model)
+
+    @classmethod
+    def load(
+        cls, path: str, policy_path: str, device: torch.device, dtype: torch.dtype, micro_batch_size: int, chunk: int
+    ) -> ReferenceModel:
+        """The model in ``path``, held whole in eval mode; refused unless its vocabulary is the policy's."""
         model, tokenizer = load_policy(path, dtype)
         if path != policy_path:
             _check_vocabulary(path, tokenizer, policy_path)
-        self.model = model.to(device).eval().requires_grad_(False)
-        self.hidden = HiddenStates(self.model)
+        return cls(model.to(device).eval().requires_grad_(False), device, micro_batch_size, chunk)
+
+    @classmethod
+    def base_of(cls, policy: PeftModel, device: torch.device, micro_batch_size: int, chunk: int) -> ReferenceModel:
+        """A LoRA policy's own base: the policy's model with its adapters switched off while it scores."""
+        return cls(policy, device, micro_batch_size, chunk, scoring=policy.disable_adapter)
 
     @torch.no_grad()
     def logprobs(self, sequences: Sequences) -> Tensor:
         """``[B, T]``: each completion token's logprob under the reference, micro-batch by micro-batch."""
         weight = self.model.get_output_embeddings().weight
         parts = [torch.empty(0, sequences.targets.shape[1], device=self.device)]  # no rows: none to score
-        for start in range(0, len(sequences), self.micro_batch_size):
-            part = sequences.rows(slice(start, start + self.micro_batch_size)).to(self.device)
-            parts.append(token_logprobs(self.hidden(part), weight, part.targets, self.chunk_tokens))
+        with self.scoring():
+            for start in range(0, len(sequences), self.micro_batch_size):
+                part = sequences.rows(slice(start, start + self.micro_batch_size)).to(self.device)
+                parts.append(token_logprobs(self.hidden(part), weight, part.targets, self.chunk_tokens))
         return torch.cat(parts)
 
 
@@ -87,7 +109,7 @@ class Reference(Actor):
     def start(self) -> ProcInfo:
         torch.set_num_threads(self.place.threads)
         dtype = torch.bfloat16 if self.place.gpus else torch.float32
-        self.model = ReferenceModel(*self.args, self.place.device(), dtype, self.micro_batch_size, self.chunk_tokens)
+        self.model = ReferenceModel.load(*self.args, self.place.device(), dtype, self.micro_batch_size, self.chunk_tokens)
         return this_proc()
 
     @endpoint

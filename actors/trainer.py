@@ -13,7 +13,8 @@ a replaced trainer's included) and removes it in ``__cleanup__``, which runs whe
 runtime stops the trainer's actors before their processes.
 
 With the reference model on the trainer's mesh (``actors/reference.py``), each rank also
-holds a frozen copy of it and fills in its rows' reference logprobs before its step.
+holds a frozen copy of it and fills in its rows' reference logprobs before its step; with
+LoRA the reference is the rank's own base, scored with its adapters switched off.
 
 The trainer also owns the loss's own state: TAID's schedule for t advances once per
 step on the distillation loss and is saved in (and restored from) checkpoints.
@@ -70,6 +71,7 @@ class TrainerSetup:
     transport: str = "shm"
     weights_dtype: str = "float32"  # the followers': the generator engine's on its mesh
     reference_path: str | None = None  # the reference model's, when it is scored on the trainer's ranks
+    reference_is_base: bool = False  # LoRA's reference: the policy's base, its adapters off (no second model)
     diloco: DiLoCoConfig | None = None  # a DiLoCo replica's: where the replicas meet
     replica: int | None = None  # which DiLoCo replica this trainer is (given with ``diloco``)
 
@@ -81,6 +83,7 @@ class Trainer(Actor):
         self.place, self.total_steps = setup.placement, setup.total_steps
         self.slots, self.transport, self.weights_dtype = setup.store_slots, setup.transport, setup.weights_dtype
         self.reference_path, self.diloco, self.replica = setup.reference_path, setup.diloco, setup.replica
+        self.reference_is_base = setup.reference_is_base
         self.syncer: DiLoCoSyncer | None = None  # made in ``start`` when ``diloco`` is given
         self.reference: ReferenceModel | None = None
         self.store: str | None = None  # rank 0's, made in ``start``
@@ -100,15 +103,12 @@ class Trainer(Actor):
         cfg = self.cfg
         self.loop = registry.load("inner_loop", cfg.inner_loop)(self.model_path, cfg, self.rank, self.world, device)
         self.version = 0
-        if self.reference_path is not None:
-            self.reference = ReferenceModel(
-                self.reference_path,
-                self.model_path,
-                device,
-                self.loop.compute_dtype,
-                cfg.micro_batch_size,
-                cfg.loss.chunk_tokens,
-            )
+        micro, chunk = cfg.micro_batch_size, cfg.loss.chunk_tokens
+        if self.reference_is_base:
+            self.reference = ReferenceModel.base_of(self.loop.model, device, micro, chunk)
+        elif self.reference_path is not None:
+            dtype = self.loop.compute_dtype
+            self.reference = ReferenceModel.load(self.reference_path, self.model_path, device, dtype, micro, chunk)
         taid = cfg.loss.distill.divergence == "taid" and cfg.loss.alpha_sdpo > 0
         self.taid = TAIDScheduler(self.total_steps) if taid else None
         state = self.loop.state_dict()

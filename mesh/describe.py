@@ -6,6 +6,8 @@ imports no backend and starts nothing.
 
 from __future__ import annotations
 
+import math
+
 import yaml
 
 from mesh.placement import describe_gpus, describe_memory
@@ -56,7 +58,7 @@ def describe(plan: RunPlan) -> str:
         ),
         f"controller -> trainer ({topology.actors.trainer.inner_loop}, {plan.trainer_precision}): TrainBatch; "
         + ("synchronous" if lag == 0 else f"bounded-async, max_policy_lag {lag}"),
-        f"trainer -> every generator: {plan.weights_dtype} weights over "
+        f"trainer -> every generator: {_published(plan)} over "
         f"{TRANSPORT_WORDS[plan.transport]} (versioned, checksummed), pushed after each step",
     ]
     if plan.reference is not None:
@@ -81,6 +83,23 @@ def describe(plan: RunPlan) -> str:
     )
 
 
+def _published(plan: RunPlan) -> str:
+    """What each push carries: the weights, or with LoRA the adapters (and how they reach the engine)."""
+    lora = plan.topology.actors.trainer.lora
+    if lora is None:
+        return f"{plan.weights_dtype} weights"
+    layers = "all linear layers" if not lora.targets else ", ".join(lora.targets)
+    counts = ""
+    if plan.model.tensors is not None:
+        adapters = sum(math.prod(shape) for shape in plan.published.values())
+        weights = sum(math.prod(shape) for shape in plan.model.tensors.values())
+        counts = f", {adapters:,} parameters of the base's {weights:,}"
+    return (
+        f"{plan.weights_dtype} LoRA adapters only (rank {lora.rank}, alpha {lora.alpha:g} on {layers}{counts}; the "
+        "base stays frozen and is never re-merged)"
+    )
+
+
 def _placed(actor: str, mesh: str, plan: RunPlan) -> str:
     """An actor as the placement lines name it, with the services that run inside it."""
     copies = plan.generator_meshes
@@ -89,7 +108,7 @@ def _placed(actor: str, mesh: str, plan: RunPlan) -> str:
     inside = []
     if actor.startswith("generator") and plan.rewarder == "in_generator":
         inside.append("rewarder")
-    if actor == "trainer" and plan.reference is not None and plan.reference.placement == "in_trainer":
+    if actor == "trainer" and plan.reference is not None and plan.reference.placement != "own_mesh":
         inside.append("reference")
     if actor == "trainer" and plan.diloco_replica is not None:
         inside.append("syncer")
@@ -99,11 +118,11 @@ def _placed(actor: str, mesh: str, plan: RunPlan) -> str:
 def describe_reference(plan: RunPlan, reference: ReferencePlan) -> str:
     """Where the KL penalty's reference logprobs come from, as ``--dry-run`` says it."""
     policy = plan.topology.actors.trainer.loss.policy
-    model = reference.path or "the policy's initial weights"
+    model = reference.source
     estimator = "k3 x ratio (kl_unbiased)" if policy.kl_unbiased else "k3"
     if reference.implicit:
         model += ", as kl_coef > 0 and no actors.reference is given"
-    if reference.placement == "in_trainer":
+    if reference.placement != "own_mesh":
         where = "each trainer rank: its rows before each step"
     else:
         where = f"controller -> reference (mesh {reference.mesh}) -> trainer: the batch's rows as they are collected"

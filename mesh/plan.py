@@ -26,7 +26,7 @@ from actors.weights_config import choose_transport
 from mesh.topology import MeshSpec, Topology
 
 RewarderPlacement = Literal["in_generator", "own_mesh"]
-ReferencePlacement = Literal["in_trainer", "own_mesh"]
+ReferencePlacement = Literal["in_trainer", "own_mesh", "adapter_off"]  # adapter_off: LoRA's base, on the trainer
 # a version being read is never overwritten: the newest, the one a lagging generator still loads, one being written
 SPARE_SLOTS = 2
 MODEL_ACTORS = ("trainer", "generator", "teachers", "reference")
@@ -44,12 +44,21 @@ class ProcStart:
 @dataclass(frozen=True)
 class ReferencePlan:
     """The KL penalty's reference model: the policy's initial weights (``path`` None) or a model
-    directory, scored on each trainer rank (``in_trainer``) or by a Reference actor on ``mesh``."""
+    directory, scored on each trainer rank (``in_trainer``) or by a Reference actor on ``mesh``; with
+    LoRA and no reference given, the trainer's own base with its adapters switched off (``adapter_off``:
+    no second model)."""
 
     placement: ReferencePlacement
     mesh: str
     path: str | None
     implicit: bool  # kl_coef > 0 with no actors.reference section
+
+    @property
+    def source(self) -> str:
+        """The reference's weights, in words."""
+        if self.placement == "adapter_off":
+            return "the policy's base with its LoRA adapters switched off, no second model"
+        return self.path or "the policy's initial weights"
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,13 @@ class RunPlan:
         return self.runs_here > 1
 
     @property
+    def published(self) -> dict[str, tuple[int, ...]] | None:
+        """What each version publishes, name -> shape: the policy's weights, or with LoRA its adapters
+        (None: unknown, the model directory has no safetensors weights)."""
+        lora, tensors = self.topology.actors.trainer.lora, self.model.tensors
+        return tensors if lora is None or tensors is None else lora.adapter_tensors(tensors)
+
+    @property
     def generator_procs(self) -> int:
         """Every process of every generator copy: the router's targets."""
         return sum(self.meshes[name].size for name in self.generator_meshes)
@@ -123,7 +139,7 @@ class RunPlan:
         reference = None
         if self.reference is not None:
             reference = {"placement": self.reference.placement, "mesh": self.reference.mesh}
-            reference["model"] = self.reference.path or "the policy's initial weights"
+            reference["model"] = self.reference.source
         meshes = {
             name: {"hosts": spec.hosts, "procs": spec.procs, "actors": list(self.actors[name])}
             | ({"gpus": [list(proc) for proc in self.gpus[name]]} if spec.gpus else {})
@@ -157,11 +173,13 @@ def _launched_meshes(topology: Topology) -> tuple[dict[str, MeshSpec], tuple[str
 
 def _reference(topology: Topology) -> ReferencePlan | None:
     """``actors.reference``, or with ``kl_coef > 0`` and none given, the policy's initial weights
-    scored on the trainer's ranks."""
+    scored on the trainer's ranks (with LoRA: the base, adapters off)."""
     given, trainer_mesh = topology.actors.reference, topology.actors.trainer.mesh
     if given is None:
-        implicit = topology.actors.trainer.loss.policy.kl_coef > 0
-        return ReferencePlan("in_trainer", trainer_mesh, None, implicit=True) if implicit else None
+        if topology.actors.trainer.loss.policy.kl_coef <= 0:
+            return None
+        placement = "adapter_off" if topology.actors.trainer.lora is not None else "in_trainer"
+        return ReferencePlan(placement, trainer_mesh, None, implicit=True)
     placement = given.placement or "own_mesh"
     mesh = trainer_mesh if placement == "in_trainer" else given.mesh
     return ReferencePlan(placement, mesh, given.path, implicit=False)

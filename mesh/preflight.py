@@ -43,7 +43,7 @@ from mesh.plan import RunPlan
 from mesh.topology import Topology, TopologyError, load_topology, one_line
 
 MEMINFO = Path("/proc/meminfo")
-TRAINER_COPIES = 4  # weights, gradients, AdamW's two moments
+TRAINER_COPIES = 4  # weights, gradients, AdamW's two moments (the last three of the trained weights only)
 RUNTIME_BYTES = 512 * 2**20  # a process with torch and transformers loaded, before any model
 TOKEN_BYTES = 12  # a token id (int64) and its logprob (float32): the least a holder of the batch keeps per token
 FLOAT_BYTES = 4  # CPU meshes compute in float32
@@ -152,21 +152,24 @@ class StorePlan:
     transport: str
     processes: int
     master_bytes: int | None  # the trainer's fp32 weights (None: unknown, as slot_bytes)
+    trained_bytes: int | None  # those it trains, fp32 (all of them, or with LoRA the adapters): gradients, AdamW
     reference_bytes: int = 0  # the KL penalty's reference models held in RAM (on CPU meshes), all copies
     batch_bytes: int = 0  # a step's batch (``BatchPlan``), where the memory check counts it
 
     @classmethod
     def of(cls, plan: RunPlan) -> StorePlan:
-        tensors = plan.model.tensors
+        tensors, published = plan.model.tensors, plan.published
         processes = sum(mesh.size for mesh in plan.meshes.values())
-        size = None if tensors is None else slot_bytes(tensors, plan.weights_dtype)
+        size = None if published is None else slot_bytes(published, plan.weights_dtype)
         masters = None if tensors is None else slot_bytes(tensors)
-        return cls(plan.store_slots, size, plan.transport, processes, masters, _reference_bytes(plan))
+        trained = None if published is None else slot_bytes(published)
+        return cls(plan.store_slots, size, plan.transport, processes, masters, trained, _reference_bytes(plan))
 
     @property
     def ram_margin(self) -> int:
         return (
-            TRAINER_COPIES * (self.master_bytes or 0)
+            (self.master_bytes or 0)
+            + (TRAINER_COPIES - 1) * (self.trained_bytes or 0)
             + self.reference_bytes
             + self.batch_bytes
             + RUNTIME_BYTES * self.processes
@@ -259,9 +262,10 @@ def _traces_per_prompt(plan: RunPlan) -> int:
 
 def _reference_bytes(plan: RunPlan) -> int:
     """The RAM the reference model takes: one fp32 copy in each process of its mesh (every trainer
-    rank, on the trainer's), unless that mesh has GPUs; 0 when its size is unknown."""
+    rank, on the trainer's), unless that mesh has GPUs or it is LoRA's base (the policy's own); 0 when
+    its size is unknown."""
     reference = plan.reference
-    if reference is None or plan.meshes[reference.mesh].gpus:
+    if reference is None or reference.placement == "adapter_off" or plan.meshes[reference.mesh].gpus:
         return 0
     facts = plan.model if reference.path is None else ModelFacts.of_directory(Path(reference.path).expanduser())
     return plan.meshes[reference.mesh].size * slot_bytes(facts.tensors) if facts.tensors else 0

@@ -261,7 +261,7 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
 
     async def trainer(procs: ProcMesh) -> ActorMesh:
         await setup_torch_elastic_env_async(procs)
-        in_trainer = reference is not None and reference.placement == "in_trainer"
+        placement = reference.placement if reference is not None else None
         setup = TrainerSetup(
             model_path,
             cfg.trainer,
@@ -271,17 +271,18 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
             topology.loop.steps,
             plan.transport,
             plan.weights_dtype,
-            model_path_of(reference, model_path) if in_trainer else None,
-            diloco,
-            plan.diloco_replica,
+            reference_path=model_path_of(reference, model_path) if placement == "in_trainer" else None,
+            reference_is_base=placement == "adapter_off",
+            diloco=diloco,
+            replica=plan.diloco_replica,
         )
         return procs.spawn("trainer", Trainer, setup)
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
-    rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else ()
+    rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else (None, None)
     for name in plan.generator_meshes:
         place = _placement(plan, name, "generator")
-        spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding)
+        spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding, cfg.trainer.lora)
         roles[name].append(Role("generator", spawn, _start_all))
     if plan.rewarder == "own_mesh":
         roles[cfg.rewarder.mesh].append(
@@ -293,7 +294,7 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
         spawn = _spawner("reference", Reference, *args, cfg.trainer.loss.chunk_tokens)
         roles[reference.mesh].append(Role("reference", spawn, _start_all))
     if cfg.teachers is not None:
-        student = Student(model_path, cfg.generator.max_new_tokens, seed)
+        student = Student(model_path, cfg.generator.max_new_tokens, seed, cfg.trainer.lora)
         spawn = _spawner("teachers", TeacherPool, student, _placement(plan, cfg.teachers.mesh, "teachers"))
 
         async def start_teachers(pool: ActorMesh) -> list[ProcInfo]:  # every binding in use, under its id

@@ -41,7 +41,7 @@ from pydantic import (
 from actors import registry
 from actors.diloco.config import DiLoCoConfig
 from actors.generator_config import GeneratorConfig
-from actors.inner_loops.config import TrainerConfig
+from actors.inner_loops.config import TrainerConfig, linear_layers
 from actors.model_config import ModelFacts, TinyModelSpec
 from actors.reference_config import ReferenceConfig
 from actors.rewarder_config import RewarderConfig
@@ -311,6 +311,7 @@ class Topology(Section):
         self._check_episodes()
         self._check_diloco()
         self._facts = self._read_model()
+        self._check_lora()
         self._check_reference()
         rows = self.loop.prompts_per_step * self.loop.group_size
         trainer_procs = self.meshes[self.actors.trainer.mesh].size
@@ -443,6 +444,19 @@ class Topology(Section):
             raise ValueError(
                 f"task.serve starts the environment server on this host, which generators placed by launcher "
                 f"{self.launcher.kind!r} would not reach; start the server where they do and set task.url instead"
+            )
+
+    def _check_lora(self) -> None:
+        """LoRA's named layers must be the model's (as far as its files tell)."""
+        lora, tensors = self.actors.trainer.lora, self._facts.tensors
+        if lora is None or tensors is None:
+            return
+        if unknown := lora.unknown_targets(tensors):
+            names = sorted({module.rsplit(".", 1)[-1] for module in linear_layers(tensors)})
+            raise ValueError(
+                f"actors.trainer.lora.target_modules names {', '.join(unknown)}, which the model has no linear layer "
+                f"called; its linear layers are {', '.join(names)}: name some of those, or use target_modules: "
+                "all-linear"
             )
 
     def _read_model(self) -> ModelFacts:

@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory) -> str:
 
 def test_reference_logprobs_are_the_models_own_for_every_row_in_micro_batches(model_dir):
     batch = a_batch(model_dir)
-    reference = ReferenceModel(model_dir, model_dir, torch.device("cpu"), torch.float32, 3, chunk_tokens=4)
+    reference = ReferenceModel.load(model_dir, model_dir, torch.device("cpu"), torch.float32, 3, 4)
     got = reference.logprobs(batch.sequences())
     model, _ = load_policy(model_dir)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
@@ -47,7 +47,7 @@ def test_reference_logprobs_are_the_models_own_for_every_row_in_micro_batches(mo
 def test_a_reference_with_another_tokenizer_is_refused_with_the_fix(model_dir, tmp_path):
     other = build_tiny_model(tmp_path / "other", TinyModelSpec(), "".join(reversed(TASK.alphabet)), seed=0)
     with pytest.raises(ReferenceMismatch, match="tokenizer other than the policy's.*leave actors.reference.path out"):
-        ReferenceModel(str(other), model_dir, torch.device("cpu"), torch.float32, 4, chunk_tokens=8)
+        ReferenceModel.load(str(other), model_dir, torch.device("cpu"), torch.float32, 4, 8)
 
 
 def test_a_reference_over_another_vocabulary_is_refused_when_the_topology_loads(tmp_path):

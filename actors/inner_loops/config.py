@@ -57,26 +57,26 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.rank, int) and self.rank > 0):
             raise ValueError(
-                f"lora.rank must be a positive integer (the adapters' inner size), got {self.rank!r}; e.g. rank: 16"
+                f"rank must be a positive integer (the adapters' inner size), got {self.rank!r}; e.g. rank: 16"
             )
         if not self.alpha > 0:
             raise ValueError(
-                f"lora.alpha must be > 0 (the adapter's output is scaled by alpha / rank), got {self.alpha}"
+                f"alpha must be > 0 (the adapter's output is scaled by alpha / rank), got {self.alpha}"
             )
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if isinstance(self.target_modules, str) and self.target_modules != ALL_LINEAR:
             raise ValueError(
-                f"lora.target_modules must be a list of layer names (e.g. [q_proj, v_proj]) or {ALL_LINEAR!r}, "
+                f"target_modules must be a list of layer names (e.g. [q_proj, v_proj]) or {ALL_LINEAR!r}, "
                 f"got {self.target_modules!r}"
             )
         if not self.target_modules:
             raise ValueError(
-                "lora.target_modules is empty: name the layers to adapt (e.g. [q_proj, v_proj]) or all-linear"
+                "target_modules is empty: name the layers to adapt (e.g. [q_proj, v_proj]) or all-linear"
             )
         if read := [name for name in self.targets if name in LOSS_READS]:
             raise ValueError(
-                f"lora.target_modules names {', '.join(read)}, but the loss kernels read the LM head's and the "
+                f"target_modules names {', '.join(read)}, but the loss kernels read the LM head's and the "
                 "embedding's weights directly, so an adapter there would never train; adapt the decoder's layers "
                 f"(e.g. {ALL_LINEAR})"
             )
@@ -85,6 +85,38 @@ class LoRAConfig:
     def targets(self) -> tuple[str, ...]:
         """The named layers (none for ``all-linear``)."""
         return () if isinstance(self.target_modules, str) else tuple(self.target_modules)
+
+    def adapted(self, tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
+        """Module name -> (out, in) of each linear layer of a model (its state dict's ``tensors``, name ->
+        shape) that gets an adapter; a name matches a module it equals or ends (``q_proj``), as in PEFT."""
+        return {
+            module: shape
+            for module, shape in linear_layers(tensors).items()
+            if not self.targets or any(module == t or module.endswith(f".{t}") for t in self.targets)
+        }
+
+    def unknown_targets(self, tensors: dict[str, tuple[int, ...]]) -> list[str]:
+        """The named layers that no linear layer of the model matches."""
+        modules = linear_layers(tensors)
+        return [t for t in self.targets if not any(m == t or m.endswith(f".{t}") for m in modules)]
+
+    def adapter_tensors(self, tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The adapters' state dict as it is published and saved (PEFT's names), name -> shape."""
+        shapes = {}
+        for module, (out, inner) in self.adapted(tensors).items():
+            shapes[f"base_model.model.{module}.lora_A.weight"] = (self.rank, inner)
+            shapes[f"base_model.model.{module}.lora_B.weight"] = (out, self.rank)
+        return shapes
+
+
+def linear_layers(tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
+    """Module name -> (out, in) of every linear layer in a state dict's shapes an adapter may go on
+    (2-D weights, the LM head and embedding aside)."""
+    return {
+        name.removesuffix(".weight"): shape
+        for name, shape in tensors.items()
+        if name.endswith(".weight") and len(shape) == 2 and name.split(".")[-2] not in LOSS_READS
+    }
 
 
 @dataclass(frozen=True)

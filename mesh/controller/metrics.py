@@ -34,6 +34,7 @@ def step_metrics(collected: Collected, report: StepReport, ages: list[int], refe
         "time/teachers": seconds["teachers"],
         "time/train": report.seconds,
         "time/weight_sync": report.publish_seconds + seconds["load"],
+        "weights/bytes": report.weights.nbytes,  # what this push carried: the weights, or with LoRA the adapters
     }
     if reference:
         metrics["time/reference"] = seconds.get("reference", 0.0) + report.reference_seconds

@@ -23,6 +23,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from actors.inner_loops.config import LoRAConfig
 from actors.tasks import Problem
 from actors.teachers.bindings.config import USES, BindingConfig, Use, require
 
@@ -59,6 +60,7 @@ class Student:
     model_path: str  # its tokenizer (and, for self_hint, its architecture) load from here
     max_new_tokens: int  # traces are cut at the generator's limit
     seed: int
+    adapter: LoRAConfig | None = None  # with LoRA, the policy's weights are its base and these adapters
 
 
 @dataclass(frozen=True)
