@@ -109,7 +109,8 @@ class Reference(Actor):
     def start(self) -> ProcInfo:
         torch.set_num_threads(self.place.threads)
         dtype = torch.bfloat16 if self.place.gpus else torch.float32
-        self.model = ReferenceModel.load(*self.args, self.place.device(), dtype, self.micro_batch_size, self.chunk_tokens)
+        device, micro, chunk = self.place.device(), self.micro_batch_size, self.chunk_tokens
+        self.model = ReferenceModel.load(*self.args, device, dtype, micro, chunk)
         return this_proc()
 
     @endpoint

@@ -171,7 +171,8 @@ class Trainer(Actor):
         ``extra`` (JSON: what a resume must match, the batches a bounded-async run collected ahead);
         then DiLoCo's outer state beside it (``actors/diloco/syncer.py``'s files)."""
         lora = dataclasses.asdict(self.cfg.lora) if self.cfg.lora is not None else None
-        state = {"step": step, "version": self.version, "policy": {"base": self.model_path, "lora": lora}, **(extra or {})}
+        policy = {"base": self.model_path, "lora": lora}
+        state = {"step": step, "version": self.version, "policy": policy, **(extra or {})}
         if self.taid is not None:
             state["taid"] = self.taid.state_dict()
         self.loop.save(Path(directory), state)

@@ -2,8 +2,9 @@
 
 The teacher re-scores the student's own completion after ``prompt ⊕ hint`` (one
 prefill, no generation), with the weights of the version that sampled the batch, so the
-distillation target moves with the policy (with LoRA: the base, and each version's adapters). The hint is the Rewarder's: the verifier's
-feedback, or the reference answer; a completion without a hint is not distilled.
+distillation target moves with the policy (with LoRA: the base, each version's adapters).
+The hint is the Rewarder's: the verifier's feedback, or the reference answer; a completion
+without a hint is not distilled.
 """
 
 from __future__ import annotations
