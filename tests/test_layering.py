@@ -63,6 +63,8 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
     ("tiny.yaml", ["logging.wandb.project=p", "logging.trackio.project=p"]),  # found installed, not imported
     ("gpu_1gpu.yaml", []),
     ("gpu_node.yaml", []),
+    ("tiny_lora.yaml", []),  # LoRA's checks (target modules, the adapters' shapes) read the model's files only
+    ("gpu_lora.yaml", []),
 ]
 
 
