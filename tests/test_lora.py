@@ -16,7 +16,7 @@ import torch
 from test_actors import TASK, a_batch
 from test_checkpoint import TINY, resume_error, small_checkpoint
 
-from actors.adapters import adapter_state, with_adapter
+from actors.adapters import adapter_state, load_adapter_state, with_adapter
 from actors.inner_loops.config import LoRAConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.reference import ReferenceModel
@@ -120,3 +120,15 @@ def test_an_adapter_checkpoint_resumed_on_another_base_or_adapter_is_refused(tmp
     state = json.loads((checkpoint / "state.json").read_text())
     assert state["fingerprint"]["adapter"]["target_modules"] == ["down_proj", "q_proj", "v_proj"]
 
+
+
+def test_adapters_load_by_peft_saved_names_and_a_partial_or_foreign_state_is_refused(model_dir):
+    lora = LoRAConfig(rank=4)
+    state = adapter_state(trained_adapters(model_dir, lora))
+    fresh = with_adapter(load_policy(model_dir)[0], lora)
+    load_adapter_state(fresh, state)
+    assert all(torch.equal(fresh_tensor, state[name]) for name, fresh_tensor in adapter_state(fresh).items())
+    with pytest.raises(KeyError, match="the policy's adapters have more"):
+        load_adapter_state(fresh, dict(list(state.items())[1:]))
+    with pytest.raises(KeyError, match="no adapter for, e.g. base_model.model.lm_head.lora_A.weight"):
+        load_adapter_state(fresh, state | {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)})
