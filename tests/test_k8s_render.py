@@ -30,6 +30,7 @@ IMAGE = ["launcher.kind=k8s", "launcher.image=registry.example/composer-mesh:0.1
 # environment becomes one the pods reach by its url
 FOR_KUBERNETES = {
     "gpu_1gpu.yaml": ["meshes.generator.share_gpus_with=null"],
+    "gpu_lora.yaml": ["meshes.generator.share_gpus_with=null"],
     "env_multiturn.yaml": ["task={name: openenv, url: 'http://guess:8000', max_turns: 3, observation_field: message}"],
 }
 
