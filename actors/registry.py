@@ -33,7 +33,7 @@ class Backend:
     - ``target``: ``"package.module:attr"``, imported only where the backend runs.
     - ``check``: ``"package.module:function"`` in a module without heavy imports, the
       backend's static check, run when a topology is read; its arguments are its kind's:
-      engine ``check(model: ModelFacts, on_gpu: bool)``,
+      engine ``check(model: ModelFacts, on_gpu: bool, lora: LoRAConfig | None)`` (the trainer's adapters),
       teacher ``check(cfg: BindingConfig)``. It raises ``ValueError`` naming the fix.
     - ``uses``: teachers only: ``distill`` if it scores the student's tokens, ``replay``
       if it writes traces (a test holds these equal to what the class implements).

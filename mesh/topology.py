@@ -322,7 +322,7 @@ class Topology(Section):
             )
         gen = self.actors.generator
         if (check := registry.static_check("engine", gen.engine)) is not None:
-            check(self._facts, self.meshes[gen.mesh].gpus > 0)
+            check(self._facts, self.meshes[gen.mesh].gpus > 0, self.actors.trainer.lora)
         return self
 
     def _named_meshes(self) -> dict[str, str]:

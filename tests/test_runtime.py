@@ -201,7 +201,7 @@ async def test_a_crashing_actor_stops_the_run_with_a_clear_error_and_keeps_resul
 class BrokenEngine:
     """An engine that cannot start: its own message must reach the user whole."""
 
-    def __init__(self, model_path, sampling, device):
+    def __init__(self, model_path, sampling, place, adapter):
         raise RuntimeError("no memory left for the KV cache on this device;\nlower max_num_seqs")
 
 

@@ -4,6 +4,10 @@ The logprobs reported are those of the distribution sampled from (after temperat
 top-k, top-p); with the defaults that is the model's plain distribution, the one the
 trainer recomputes. Requests run one at a time, each as one padded batch, on a worker
 thread, so the generator's event loop stays free while it samples.
+
+With an adapter (the trainer trains LoRA), the base is loaded once and wrapped by PEFT, frozen
+and never merged: each weight version is only the adapters' tensors, copied into the adapters,
+so a sync moves and touches the adapters alone.
 """
 
 from __future__ import annotations
@@ -17,21 +21,34 @@ from transformers import BatchEncoding
 from actors.compute import Placement
 from actors.engines import Sampling, request_seed
 from actors.generator_config import policy_dtype
+from actors.inner_loops.config import LoRAConfig
 from actors.model import load_policy
 from actors.rollout import Trajectory
 
 
 class HFEngine:
-    def __init__(self, model_path: str, sampling: Sampling, place: Placement = Placement()):
+    def __init__(
+        self, model_path: str, sampling: Sampling, place: Placement = Placement(), adapter: LoRAConfig | None = None
+    ):
         self.device = place.device()
         dtype = getattr(torch, policy_dtype("hf", on_gpu=bool(place.gpus)))  # the dtype weights are published in
         self.model, self.tokenizer = load_policy(model_path, dtype)
+        self.adapter = adapter
+        if adapter is not None:
+            from actors.adapters import with_adapter
+
+            self.model = with_adapter(self.model, adapter)  # B is zero: the base's policy until a version loads
         self.model.to(self.device).eval()
         self.tokenizer.padding_side = "left"
         self.sampling = sampling
         self._one_at_a_time = asyncio.Lock()
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
+        if self.adapter is not None:  # the adapters' tensors (PEFT's saved names), copied in; the base stays as is
+            from actors.adapters import load_adapter_state
+
+            load_adapter_state(self.model, state_dict)
+            return
         # on CPU the model adopts the given tensors (shared-memory views) without a copy; a GPU copies them in
         self.model.load_state_dict(state_dict, assign=self.device.type == "cpu", strict=True)
 

