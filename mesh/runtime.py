@@ -279,10 +279,11 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
         return procs.spawn("trainer", Trainer, setup)
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
-    rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else (None, None)
+    rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else ()
     for name in plan.generator_meshes:
         place = _placement(plan, name, "generator")
-        spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding, cfg.trainer.lora)
+        adapter = cfg.trainer.lora
+        spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding, adapter=adapter)
         roles[name].append(Role("generator", spawn, _start_all))
     if plan.rewarder == "own_mesh":
         roles[cfg.rewarder.mesh].append(
@@ -320,9 +321,9 @@ def _diloco_meeting(plan: RunPlan, run_dir: RunDir, cleanup: AsyncExitStack) -> 
     return replace(diloco, lighthouse=lighthouse.address)
 
 
-def _spawner(name: str, actor_class, *args):
+def _spawner(name: str, actor_class, *args, **kwargs):
     async def spawn(procs: ProcMesh) -> ActorMesh:
-        return procs.spawn(name, actor_class, *args)
+        return procs.spawn(name, actor_class, *args, **kwargs)
 
     return spawn
 
