@@ -87,6 +87,16 @@ def load_checkpoint(directory: Path) -> tuple[dict[str, Tensor], dict, dict]:
     return model, _unflatten_optimizer(tensors, groups), meta
 
 
+def checkpoint_model(directory: Path) -> tuple[dict[str, Tensor], dict]:
+    """(model state, extra state) of a checkpoint, every file verified; the optimizer's state, twice the
+    weights' size with AdamW, is left unread (``mesh.export`` needs the weights only)."""
+    state = checkpoint_state(directory)
+    try:
+        return load_file(directory / MODEL_FILE), state
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"checkpoint {directory} is corrupt ({error}); {ANOTHER}") from None
+
+
 def checkpoint_state(directory: Path) -> dict:
     """The state saved beside the tensors (step, version, loss state, fingerprint), after
     verifying every file, so a damaged checkpoint is refused before anything starts."""

@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as stopped:
         print(f"stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
-    print(f"run directory: {run_dir.path}")
+    from mesh.export import describe
+
+    # one write: a signal as the program exits (``QuietStop``) cuts the output after it, not between its lines
+    print(f"run directory: {run_dir.path}\ntrained model: {run_dir.final_dir}, {describe(run_dir.final_dir)}")
     return 0
 
 

