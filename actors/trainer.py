@@ -171,7 +171,7 @@ class Trainer(Actor):
         ``extra`` (JSON: what a resume must match, the batches a bounded-async run collected ahead);
         then DiLoCo's outer state beside it (``actors/diloco/syncer.py``'s files)."""
         lora = dataclasses.asdict(self.cfg.lora) if self.cfg.lora is not None else None
-        policy = {"base": self.model_path, "lora": lora}
+        policy = {"base": str(Path(self.model_path).resolve()), "lora": lora}  # absolute: export reads it anywhere
         state = {"step": step, "version": self.version, "policy": policy, **(extra or {})}
         if self.taid is not None:
             state["taid"] = self.taid.state_dict()
