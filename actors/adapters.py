@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -45,6 +46,16 @@ def with_adapter(model: nn.Module, lora: LoRAConfig) -> PeftModel:
 def adapter_state(model: PeftModel) -> dict[str, Tensor]:
     """The adapters' tensors under PEFT's saved names (detached: they are read, not trained)."""
     return {name: tensor.detach() for name, tensor in get_peft_model_state_dict(model).items()}
+
+
+def head_weight(model: nn.Module) -> Tensor:
+    """The LM head's weight as the policy applies it. The loss kernels read the head as one matrix
+    (``losses.LinearHead``), so an adapter on it is folded in: ``W + (alpha / rank) B A`` while the
+    adapters are on, ``W`` while they are off (the reference's base)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, LoraLayer) and not head.disable_adapters and ADAPTER_NAME in head.lora_A:
+        return head.base_layer.weight + head.get_delta_weight(ADAPTER_NAME)
+    return head.weight
 
 
 def saved_name(parameter: str) -> str:

@@ -22,6 +22,7 @@ import torch
 from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
+from actors.adapters import head_weight
 from actors.compute import Placement
 from actors.inner_loops.native import HiddenStates
 from actors.lifecycle import ProcInfo, this_proc
@@ -71,7 +72,7 @@ class ReferenceModel:
     @torch.no_grad()
     def logprobs(self, sequences: Sequences) -> Tensor:
         """``[B, T]``: each completion token's logprob under the reference, micro-batch by micro-batch."""
-        weight = self.model.get_output_embeddings().weight
+        weight = head_weight(self.model)
         parts = [torch.empty(0, sequences.targets.shape[1], device=self.device)]  # no rows: none to score
         with self.scoring():
             for start in range(0, len(sequences), self.micro_batch_size):

@@ -38,7 +38,7 @@ class OptimizerConfig:
 
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
-LOSS_READS = ("lm_head", "embed_tokens")  # the loss kernels read these weights directly: an adapter on them is lost
+OUTPUT_HEAD, EMBEDDING = "lm_head", "embed_tokens"
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,9 @@ class LoRAConfig:
     """Train low-rank adapters instead of all weights (PEFT's ``LoraConfig``): the base stays frozen, the
     optimizer holds the adapters only, and weight sync, checkpoints and DiLoCo move the adapters only.
 
-    ``target_modules``: the layers that get an adapter, by name (``q_proj``, ``down_proj``, ...), or
-    ``all-linear``; ``alpha / rank`` scales the adapter's output, as in PEFT."""
+    ``target_modules``: the layers that get an adapter, by name (``q_proj``, ``down_proj``, ``lm_head``, ...),
+    or ``all-linear`` (every linear layer but the LM head, as in PEFT); ``alpha / rank`` scales the adapter's
+    output, as in PEFT."""
 
     rank: int = 16
     alpha: float = 32.0
@@ -74,11 +75,16 @@ class LoRAConfig:
             raise ValueError(
                 "target_modules is empty: name the layers to adapt (e.g. [q_proj, v_proj]) or all-linear"
             )
-        if read := [name for name in self.targets if name in LOSS_READS]:
+        if EMBEDDING in self.targets:
             raise ValueError(
-                f"target_modules names {', '.join(read)}, but the loss kernels read the LM head's and the "
-                "embedding's weights directly, so an adapter there would never train; adapt the decoder's layers "
-                f"(e.g. {ALL_LINEAR})"
+                f"target_modules names {EMBEDDING}, an embedding, which takes no linear adapter here; adapt the "
+                f"decoder's layers (e.g. {ALL_LINEAR}) and, if the head must move too, {OUTPUT_HEAD}"
+            )
+        if OUTPUT_HEAD in self.targets and self.dropout:
+            raise ValueError(
+                f"target_modules names {OUTPUT_HEAD} with dropout {self.dropout}, but the loss kernels apply the "
+                "head as one matrix (its adapter folded in), where no dropout can act on the adapter's input; set "
+                f"dropout: 0, or leave {OUTPUT_HEAD} out"
             )
 
     @property
@@ -89,16 +95,15 @@ class LoRAConfig:
     def adapted(self, tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
         """Module name -> (out, in) of each linear layer of a model (its state dict's ``tensors``, name ->
         shape) that gets an adapter; a name matches a module it equals or ends (``q_proj``), as in PEFT."""
-        return {
-            module: shape
-            for module, shape in linear_layers(tensors).items()
-            if not self.targets or any(module == t or module.endswith(f".{t}") for t in self.targets)
-        }
+        layers = linear_layers(tensors)
+        if not self.targets:  # all-linear: every linear layer but the output head, as PEFT resolves it
+            return {module: shape for module, shape in layers.items() if module.split(".")[-1] != OUTPUT_HEAD}
+        return {module: shape for module, shape in layers.items() if any(_names(module, t) for t in self.targets)}
 
     def unknown_targets(self, tensors: dict[str, tuple[int, ...]]) -> list[str]:
         """The named layers that no linear layer of the model matches."""
         modules = linear_layers(tensors)
-        return [t for t in self.targets if not any(m == t or m.endswith(f".{t}") for m in modules)]
+        return [t for t in self.targets if not any(_names(m, t) for m in modules)]
 
     def adapter_tensors(self, tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The adapters' state dict as it is published and saved (PEFT's names), name -> shape."""
@@ -111,12 +116,17 @@ class LoRAConfig:
 
 def linear_layers(tensors: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int]]:
     """Module name -> (out, in) of every linear layer in a state dict's shapes an adapter may go on
-    (2-D weights, the LM head and embedding aside)."""
+    (its 2-D weights but the embedding's)."""
     return {
         name.removesuffix(".weight"): shape
         for name, shape in tensors.items()
-        if name.endswith(".weight") and len(shape) == 2 and name.split(".")[-2] not in LOSS_READS
+        if name.endswith(".weight") and len(shape) == 2 and name.split(".")[-2] != EMBEDDING
     }
+
+
+def _names(module: str, target: str) -> bool:
+    """Whether ``target`` names ``module``: equals it or ends it after a dot, as PEFT matches."""
+    return module == target or module.endswith(f".{target}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from actors.adapters import with_adapter
+from actors.adapters import head_weight, with_adapter
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
 from actors.model import load_policy
@@ -58,7 +58,7 @@ class NativeLoop(HFModelLoop):
     def head(self, batch: TrainBatch) -> LinearHead:
         with self.autocast():
             hidden = self.hidden(batch)
-        weight = self.model.get_output_embeddings().weight
+        weight = head_weight(self.model)
         return LinearHead(hidden.to(self.compute_dtype), weight.to(self.compute_dtype))
 
     def no_sync(self) -> AbstractContextManager:
