@@ -1,9 +1,9 @@
 """The DiLoCoSyncer reaches its trainer only through the parameters the trainer lends it.
 
-No trainer actor, mesh or process group here: two syncers on plain modules' parameters (a world of
-one rank each) meet through a real object store (a directory), replicas as threads. That they sync
-shows the syncer needs nothing found in its process (no trainer started before it, no module
-variable); a checkpoint written as the syncer always wrote one still loads into a fresh syncer.
+No trainer actor, mesh or process group here: two syncers on plain modules' parameters, or on two LoRA
+loops' adapters (a world of one rank each), meet through a real object store (a directory), replicas as
+threads. That they sync shows the syncer needs nothing found in its process (no trainer started before
+it, no module variable); a checkpoint written as the syncer always wrote one still loads into a fresh syncer.
 """
 
 from __future__ import annotations
@@ -13,13 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_actors import TASK, a_batch
 
 import actors.trainer
 from actors.checkpoint import CheckpointError
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.diloco.outer import OuterLoop
 from actors.diloco.syncer import DiLoCoSyncer, TrainerParameters, checkpoint_name
+from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import ParameterShard
+from actors.inner_loops.config import LoRAConfig
+from actors.inner_loops.native import NativeLoop
+from actors.model import TinyModelSpec, build_tiny_model, load_policy
 
 PLAIN = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)  # θ becomes the replicas' mean
 NESTEROV = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True)
@@ -91,3 +96,38 @@ def test_a_checkpoint_without_outer_state_is_refused_naming_the_fix(tmp_path) ->
     syncer = DiLoCoSyncer(config(tmp_path / "store"), 0, lent(module(0)))
     with pytest.raises(CheckpointError, match="has no DiLoCo outer state \\(diloco_rank0.pt\\).*resume it without"):
         syncer.load(str(tmp_path))
+
+
+def test_with_lora_an_outer_step_averages_the_adapters_and_leaves_the_base_as_it_was(tmp_path) -> None:
+    """Two replicas of a LoRA policy (the native loop, one θ₀ from one seed) train on different rows, then
+    sync through the object store: the trainer lends the adapters alone, so the adapters become the mean
+    of the replicas' and every base weight is bitwise the base's."""
+    model_dir = str(build_tiny_model(tmp_path / "tiny", TinyModelSpec(), TASK.alphabet, seed=0))
+    cfg = TrainerConfig(mesh="t", micro_batch_size=4, lora=LoRAConfig(rank=4, alpha=8.0))
+    loops = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        loops.append(NativeLoop(model_dir, cfg, rank=0, world=1))
+    syncers = []
+    for replica, loop in enumerate(loops):
+        shards = loop.parameter_shards()
+        assert shards and all(".lora_" in name for name in shards)  # the base is not lent
+        lends = TrainerParameters(shards, torch.device("cpu"), rank=0, world=1)  # as ``Trainer.start`` lends them
+        syncers.append(DiLoCoSyncer(config(tmp_path / "store"), replica, lends))
+    batch = a_batch(model_dir)
+    for loop, rows in zip(loops, (slice(0, 10), slice(10, 20))):
+        loop.train_step(batch.rows(rows))
+    after = [{name: param.detach().clone() for name, param in loop.model.named_parameters()} for loop in loops]
+    assert any(not torch.equal(after[0][name], after[1][name]) for name in syncers[0].shards)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda syncer: syncer.sync(), syncers))
+
+    initial = load_policy(model_dir)[0].state_dict()
+    for loop in loops:
+        for name, param in loop.model.named_parameters():
+            if name in syncers[0].shards:
+                torch.testing.assert_close(param.detach(), (after[0][name] + after[1][name]) / 2, atol=1e-6, rtol=0)
+            else:
+                assert torch.equal(param, initial[name.removeprefix("base_model.model.").replace(".base_layer.", ".")])
+    for syncer in syncers:
+        syncer.close()

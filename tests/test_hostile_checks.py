@@ -158,6 +158,42 @@ def test_the_documented_maxima_themselves_are_accepted():
     assert (topology.fault_tolerance.call_timeout, topology.fault_tolerance.max_restarts) == (86400, 1000)
 
 
+# ----------------------------------------------------------------- LoRA settings no loop can train
+
+LORA = "actors.trainer.lora={rank: 4}"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["actors.trainer.inner_loop=torchtitan", LORA], "which inner_loop 'torchtitan' does not wire in"),
+        (["actors.trainer.lora={rank: 0}"], "lora.rank must be a positive integer"),
+        (["actors.trainer.lora={rank: -4}"], "lora.rank must be a positive integer"),
+        (["actors.trainer.lora={target_modules: [lm_head]}"], "names lm_head, but the loss kernels read"),
+        (["actors.trainer.lora={target_modules: [q_proj, embed_tokens]}"], "names embed_tokens, but the loss"),
+        (["actors.trainer.lora={dropout: 1.5}"], "lora.dropout must be in [0, 1), got 1.5"),
+        (["actors.trainer.lora={alpha: 0}"], "lora.alpha must be > 0"),
+    ],
+    ids=["torchtitan", "rank_0", "rank_negative", "lm_head", "embed_tokens", "dropout", "alpha"],
+)
+def test_lora_settings_no_loop_can_train_are_refused_naming_the_fix(overrides, expected):
+    message = refused(TINY, overrides)
+    assert expected in message and "actors.trainer" in message
+
+
+def test_lora_on_the_torchtitan_loop_exits_2_naming_the_loops_that_train_adapters(tmp_path):
+    sets = ["--set", "actors.trainer.inner_loop=torchtitan", "--set", LORA]
+    done = mesh_run([str(TINY), *sets, "--dry-run", "--run-root", str(tmp_path)])
+    assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+    assert "Use inner_loop native, trl, prime_rl, or remove lora" in done.stderr
+
+
+def test_lora_on_every_loop_that_trains_adapters_is_accepted():
+    for loop in ("native", "trl", "prime_rl"):
+        topology = load_topology(TINY, [f"actors.trainer.inner_loop={loop}", LORA], placed_here=False)
+        assert topology.actors.trainer.lora.rank == 4
+
+
 # ----------------------------------------------------------------- a data file is read within bounds
 
 

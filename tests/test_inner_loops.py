@@ -3,7 +3,9 @@
 Each loop is built from the same tiny HF model directory and runs ``forward_backward`` on
 the same ``TrainBatch`` (ragged rows, micro-batches of 3, and with all three channels on:
 teacher top-k on every other row and replayed-trace pairs). ``native`` in fp32 is the
-reference: every loop matches it to float error in fp32, and to bf16 error in bf16.
+reference: every loop matches it to float error in fp32, and to bf16 error in bf16. With LoRA,
+the loops that train adapters (all but ``torchtitan``) match it on the adapters' gradients, from
+the same adapters; each steps the adapters alone and resumes from its checkpoint exactly.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from test_actors import ALL_CHANNELS, TASK, a_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors import registry
+from actors.adapters import adapter_state, load_adapter_state
 from actors.checkpoint import load_checkpoint
 from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
+from actors.inner_loops.config import LoRAConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from losses import LossConfig, policy_config, prime_rl
 from losses.logprobs import token_logprobs
@@ -314,3 +318,127 @@ def test_custom_loss_errors_say_what_to_change():
         TrainerConfig(mesh="t", custom_loss=custom)
     with pytest.raises(ValueError, match="'package.module.function'"):
         TrainerConfig(mesh="t", inner_loop="prime_rl", custom_loss=CustomLossConfig(import_path="no_such_pkg.loss"))
+
+
+# ------------------------------------------------------------------------------------ LoRA
+
+LORA = LoRAConfig(rank=4, alpha=8.0)
+LORA_LOOPS = ["native", "trl", "prime_rl"]
+
+
+def lora_loop(loop_name: str, model_dir: str, cfg: TrainerConfig, adapters: dict | None = None, seed: int = 0):
+    """A ``loop_name`` loop training ``LORA``'s adapters, built after ``torch.manual_seed(seed)`` as the trainer
+    builds it; then given ``adapters`` (PEFT's saved names), if any."""
+    torch.manual_seed(seed)
+    loop = registry.load("inner_loop", loop_name)(model_dir, replace(cfg, inner_loop=loop_name, lora=LORA), 0, 1)
+    if adapters is not None:
+        load_adapter_state(loop.model, adapters)
+    return loop
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir) -> dict[str, torch.Tensor]:
+    """Adapters every loop is given: PEFT's init (A random, B zero) with B set to seeded values, so the base
+    is not the policy and A's gradient is not zero."""
+    initial = adapter_state(lora_loop("native", model_dir, config("dapo", False)).model)
+    state = {name: tensor.clone() for name, tensor in initial.items()}
+    gen = torch.Generator().manual_seed(1)
+    for name, tensor in state.items():
+        if ".lora_B." in name:
+            tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.1)
+    return state
+
+
+@pytest.fixture(scope="module")
+def lora_native(model_dir, adapters):
+    """The reference LoRA loop's batch, metrics and adapter gradients, computed once per configuration."""
+    cache = {}
+
+    def results(policy: str, channels: bool):
+        if (policy, channels) not in cache:
+            batch = a_batch(model_dir, channels=channels)
+            loop = lora_loop("native", model_dir, config(policy, channels), adapters)
+            cache[policy, channels] = batch, loop.forward_backward(batch, taid_t=0.6), loop.gradients()
+        return cache[policy, channels]
+
+    return results
+
+
+@pytest.mark.parametrize("channels", [False, True], ids=["policy", "all_channels"])
+@pytest.mark.parametrize("policy", ["dapo", "gspo"])
+@pytest.mark.parametrize("loop", ["trl", "prime_rl"])
+def test_every_lora_loop_gives_native_loss_and_adapter_gradients(
+    loop, policy, channels, model_dir, adapters, lora_native
+):
+    batch, want_metrics, want = lora_native(policy, channels)
+    other = lora_loop(loop, model_dir, config(policy, channels), adapters)
+    metrics, grads = other.forward_backward(batch, taid_t=0.6), other.gradients()
+    assert metrics["loss"] == pytest.approx(want_metrics["loss"], abs=TOLERANCE)
+    assert sorted(grads) == sorted(want) == sorted(adapters)  # the adapters', under PEFT's saved names, only
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, atol=TOLERANCE, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    for factor in ("lora_A", "lora_B"):  # both factors get a real gradient, not a vacuous match of zeros
+        assert max(float(g.abs().max()) for n, g in want.items() if f".{factor}." in n) > 1e-3
+
+
+@pytest.mark.parametrize("loop", LORA_LOOPS)
+def test_every_lora_loop_in_bf16_gives_the_fp32_adapter_gradients_to_bf16_error(loop, model_dir, adapters):
+    batch = a_batch(model_dir, channels=True)
+    reference = lora_loop("native", model_dir, config("dapo", True, precision="fp32"), adapters)
+    want_metrics, want = reference.forward_backward(batch, taid_t=0.6), reference.gradients()
+    trained = lora_loop(loop, model_dir, config("dapo", True, precision="bf16"), adapters)
+    metrics, grads = trained.forward_backward(batch, taid_t=0.6), trained.gradients()
+    assert metrics["loss"] == pytest.approx(want_metrics["loss"], abs=BF16_LOSS)
+    assert relative_error(grads, want) <= BF16_GRADIENT
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, atol=BF16_GRADIENT_ENTRY, rtol=0, msg=name)
+    assert {param.dtype for param in trained.model.parameters()} == {torch.float32}  # fp32 masters, adapters too
+
+
+@pytest.mark.parametrize("loop", LORA_LOOPS)
+def test_a_lora_loop_trains_the_adapters_alone_from_the_seeds_adapters(loop, model_dir):
+    """The optimizer holds the adapters only; a step leaves every base weight as it was; and the adapters
+    start as PEFT's init under the trainer's seed, the same in every loop."""
+    trained = lora_loop(loop, model_dir, config("dapo", False))
+    start = adapter_state(lora_loop("native", model_dir, config("dapo", False)).model)
+    assert adapter_state(trained.model).keys() == start.keys()
+    for name, tensor in adapter_state(trained.model).items():
+        assert torch.equal(tensor, start[name]), name
+    optimized = [p for group in trained.optimizer.param_groups for p in group["params"]]
+    adapter_params = [p for name, p in trained.model.named_parameters() if ".lora_" in name]
+    assert len(optimized) == len(adapter_params) == len(start) > 0
+    assert {id(p) for p in optimized} == {id(p) for p in adapter_params}
+    assert all(not p.requires_grad for name, p in trained.model.named_parameters() if ".lora_" not in name)
+
+    initial = load_policy(model_dir)[0].state_dict()
+    trained.train_step(a_batch(model_dir))
+    for name, param in trained.model.named_parameters():
+        if ".lora_" not in name:
+            base = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            assert torch.equal(param, initial[base]), name
+    moved = adapter_state(trained.model)
+    assert any(not torch.equal(moved[name], start[name]) for name in start)
+
+
+@pytest.mark.parametrize("loop", ["native", "trl"])
+def test_a_lora_loop_resumed_from_its_checkpoint_steps_as_if_never_stopped(loop, model_dir, tmp_path):
+    """Two steps straight, or one step, ``save``, ``load`` into a fresh loop (other adapters) and one more:
+    the same adapters bitwise; the checkpoint's weights are the adapters alone."""
+    cfg = config("dapo", False)
+    batch = a_batch(model_dir)
+    straight = lora_loop(loop, model_dir, cfg)
+    for _ in range(2):
+        straight.train_step(batch)
+    first = lora_loop(loop, model_dir, cfg)
+    first.train_step(batch)
+    first.save(tmp_path / "ckpt", {"step": 1})
+    weights, _, _ = load_checkpoint(tmp_path / "ckpt")
+    assert weights.keys() == adapter_state(first.model).keys() and all(".lora_" in name for name in weights)
+    resumed = lora_loop(loop, model_dir, cfg, seed=1)
+    assert resumed.load(tmp_path / "ckpt") == {"step": 1}
+    resumed.train_step(batch)
+    want = straight.state_dict()
+    got = resumed.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

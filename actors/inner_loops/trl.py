@@ -6,7 +6,8 @@ the optimizer and LR schedule from its ``GRPOConfig``; the loss is ours, plugged
 ``ComposerGRPOTrainer``, a ``GRPOTrainer`` subclass overriding ``_compute_loss``. Rollouts
 come from our Generator: TRL's generation and dataloader are never used here. Precision
 ``bf16`` is TRL's own ``bf16=True``: Accelerate's autocast around TRL's forward, over fp32
-weights and optimizer state (on CPU too).
+weights and optimizer state (on CPU too). With ``lora``, TRL's own ``peft_config`` path wraps
+the model in PEFT (the base frozen), so its optimizer holds the adapters only.
 
 ``ComposerGRPOTrainer`` is also a public API for people who train with TRL directly::
 
@@ -31,6 +32,7 @@ import trl
 from datasets import Dataset
 from torch import Tensor
 
+from actors.adapters import peft_config
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
 from actors.train_batch import TrainBatch
@@ -147,6 +149,12 @@ class TRLLoop(HFModelLoop):
             ddp_broadcast_buffers=False,  # rotary tables are constants; ranks may run different numbers of forwards
             per_device_train_batch_size=2,  # TRL's generation batch must hold a group; it is never used
             num_generations=2,
+            # TRL's default is True: only Trainer.train(), never run here, would turn it on, but with a PEFT model
+            # TRL makes the embeddings' outputs require grads for it, a backward pass through them for nothing
+            gradient_checkpointing=False,
+            # TRL seeds every RNG with ``seed`` before it builds the adapters: the trainer's own seed, so a LoRA run's
+            # adapters start as the native loop's would (numpy takes seeds below 2**32)
+            seed=torch.initial_seed() % 2**32,
         )
         self.trainer = ComposerGRPOTrainer(
             model=model_path,
@@ -154,6 +162,7 @@ class TRLLoop(HFModelLoop):
             args=args,
             train_dataset=Dataset.from_dict({"prompt": [""]}),  # required by TRL; its dataloader is never iterated
             loss=cfg.loss,
+            peft_config=None if cfg.lora is None else peft_config(cfg.lora),  # TRL wraps and freezes the base
         )
         self.model = self.trainer.model
         self.model.train()
