@@ -45,7 +45,8 @@ def with_adapter(model: nn.Module, lora: LoRAConfig) -> PeftModel:
 
 def adapter_state(model: PeftModel) -> dict[str, Tensor]:
     """The adapters' tensors under PEFT's saved names (detached: they are read, not trained)."""
-    return {name: tensor.detach() for name, tensor in get_peft_model_state_dict(model).items()}
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)  # not the head's base weight: adapters only
+    return {name: tensor.detach() for name, tensor in state.items()}
 
 
 def head_weight(model: nn.Module) -> Tensor:

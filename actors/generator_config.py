@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from actors import registry
+from actors.inner_loops.config import OUTPUT_HEAD, LoRAConfig
 from actors.model_config import ModelFacts
-
-if TYPE_CHECKING:
-    from actors.inner_loops.config import LoRAConfig
 
 ROUTERS = ("round_robin", "least_loaded")
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() of the pinned
@@ -99,9 +96,15 @@ def vllm_lora_rank(rank: int) -> int:
 
 def check_vllm(model: ModelFacts, on_gpu: bool, lora: LoRAConfig | None) -> None:
     """vLLM's CPU attention has kernels for a few head sizes only, and its LoRA support a largest
-    rank; either fails deep inside the generator's engine, so it is refused here."""
+    rank and no adapter on the LM head; each fails deep inside the generator's engine, so it is refused here."""
     if lora is not None:
         vllm_lora_rank(lora.rank)
+        if OUTPUT_HEAD in lora.targets:
+            raise ValueError(
+                f"actors.trainer.lora.target_modules names {OUTPUT_HEAD}, but vLLM's LoRA loads adapters on the "
+                f"decoder's linear layers only (it refuses one on {OUTPUT_HEAD}); leave {OUTPUT_HEAD} out, or use "
+                "actors.generator.engine: hf"
+            )
     if on_gpu or model.head_size is None or model.head_size in VLLM_CPU_HEAD_SIZES:
         return
     raise ValueError(

@@ -167,14 +167,15 @@ LORA = "actors.trainer.lora={rank: 4}"
     ("overrides", "expected"),
     [
         (["actors.trainer.inner_loop=torchtitan", LORA], "which inner_loop 'torchtitan' does not wire in"),
-        (["actors.trainer.lora={rank: 0}"], "lora.rank must be a positive integer"),
-        (["actors.trainer.lora={rank: -4}"], "lora.rank must be a positive integer"),
-        (["actors.trainer.lora={target_modules: [lm_head]}"], "names lm_head, but the loss kernels read"),
-        (["actors.trainer.lora={target_modules: [q_proj, embed_tokens]}"], "names embed_tokens, but the loss"),
-        (["actors.trainer.lora={dropout: 1.5}"], "lora.dropout must be in [0, 1), got 1.5"),
-        (["actors.trainer.lora={alpha: 0}"], "lora.alpha must be > 0"),
+        (["actors.trainer.lora={rank: 0}"], "lora: rank must be a positive integer"),
+        (["actors.trainer.lora={rank: -4}"], "lora: rank must be a positive integer"),
+        (["actors.trainer.lora={target_modules: [lm_head], dropout: 0.1}"], "names lm_head with dropout 0.1"),
+        (["actors.trainer.lora={target_modules: [q_proj, embed_tokens]}"], "names embed_tokens, an embedding"),
+        (["actors.trainer.lora={target_modules: [q_proj, qkv]}"], "names qkv, which the model has no linear"),
+        (["actors.trainer.lora={dropout: 1.5}"], "lora: dropout must be in [0, 1), got 1.5"),
+        (["actors.trainer.lora={alpha: 0}"], "lora: alpha must be > 0"),
     ],
-    ids=["torchtitan", "rank_0", "rank_negative", "lm_head", "embed_tokens", "dropout", "alpha"],
+    ids=["torchtitan", "rank_0", "rank_negative", "lm_head_dropout", "embed_tokens", "unknown", "dropout", "alpha"],
 )
 def test_lora_settings_no_loop_can_train_are_refused_naming_the_fix(overrides, expected):
     message = refused(TINY, overrides)
