@@ -42,7 +42,8 @@ class InnerLoop(Protocol):
         """The gradients ``forward_backward`` left, full (not sharded), named as in ``state_dict``."""
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The policy's full weights under the names the generator engines load (HF naming)."""
+        """The policy's full weights under the names the generator engines load (HF naming); with LoRA
+        (``TrainerConfig.lora``) its adapters only, under PEFT's saved names (``actors/adapters.py``)."""
 
     def parameter_shards(self) -> dict[str, ParameterShard]:
         """This rank's part of every parameter (``base.ParameterShard``), changed in place by DiLoCo's outer step."""

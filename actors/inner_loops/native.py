@@ -9,6 +9,9 @@ Not bf16 weights with fp32 master copies: autocast keeps the one fp32 parameter 
 that DDP, the optimizer, checkpoints and the weight publisher already use, with no
 second copy to keep in step. The LM head's inputs are cast to bf16 as autocast casts an
 ``nn.Linear``'s, so the loss kernel's head matmul runs in bf16 and its softmax in fp32.
+
+With LoRA the model is PEFT's: the base frozen, DDP and AdamW over the adapters only, and an
+adapter on the LM head folded into the weight the loss kernel reads (``adapters.head_weight``).
 """
 
 from __future__ import annotations
