@@ -9,21 +9,26 @@ other adapters, is refused before anything starts.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from test_actors import TASK, a_batch
+from safetensors.torch import load_file
 from test_checkpoint import TINY, resume_error, small_checkpoint
+from test_runtime import ROOT, records
 
 from actors.adapters import adapter_state, load_adapter_state, with_adapter
 from actors.inner_loops.config import LoRAConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.reference import ReferenceModel
+from actors.weights_config import slot_bytes
 from mesh.describe import describe
 from mesh.fingerprint import base_digest, fingerprint, topology_fingerprint
 from mesh.plan import RunPlan
-from mesh.preflight import StorePlan
+from mesh.preflight import StorePlan, load_plan
+from mesh.runtime import run
 from mesh.topology import load_topology
 
 LORA = "actors.trainer.lora={rank: 8, alpha: 16, target_modules: [q_proj, v_proj, down_proj]}"
@@ -132,3 +137,25 @@ def test_adapters_load_by_peft_saved_names_and_a_partial_or_foreign_state_is_ref
         load_adapter_state(fresh, dict(list(state.items())[1:]))
     with pytest.raises(KeyError, match="no adapter for, e.g. base_model.model.lm_head.lora_A.weight"):
         load_adapter_state(fresh, state | {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)})
+
+
+@pytest.mark.slow  # a whole 250-step run
+async def test_tiny_lora_topology_learns_pushing_adapters_only_and_ends_with_an_adapter_directory(tmp_path):
+    """topologies/tiny_lora.yaml as shipped: the reward climbs from a random policy's to most answers right,
+    every push carries the adapters' bytes, the last checkpoint holds adapters only, and final/ is PEFT's."""
+    plan = load_plan(ROOT / "topologies" / "tiny_lora.yaml", [f"logging.root={tmp_path}"])
+    started = time.perf_counter()
+    run_dir = await run(plan, progress=False)
+    wall = time.perf_counter() - started
+    rows = records(run_dir)
+    rewards = [row["reward/mean"] for row in rows]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-len(rewards) // 10 :]) / (len(rewards) // 10)
+    assert first <= 0.3 and last >= 0.7, (first, last)
+    pushed = {row["weights/bytes"] for row in rows}  # the adapters' bytes as the store lays them out (aligned)
+    assert len(pushed) == 1 and pushed.pop() == pytest.approx(slot_bytes(plan.published), rel=0.01)
+    assert slot_bytes(plan.published) < slot_bytes(plan.model.tensors) / 2
+    (last_checkpoint,) = sorted(Path(run_dir).glob("checkpoints/step_*"))[-1:]
+    assert all(".lora_" in name for name in load_file(last_checkpoint / "model.safetensors"))
+    final = Path(run_dir) / "final"
+    assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
+    assert wall < 180, wall
