@@ -154,8 +154,8 @@ async def test_tiny_lora_topology_learns_pushing_adapters_only_and_ends_with_an_
     pushed = {row["weights/bytes"] for row in rows}  # the adapters' bytes as the store lays them out (aligned)
     assert len(pushed) == 1 and pushed.pop() == pytest.approx(slot_bytes(plan.published), rel=0.01)
     assert slot_bytes(plan.published) < slot_bytes(plan.model.tensors) / 2
-    (last_checkpoint,) = sorted(Path(run_dir).glob("checkpoints/step_*"))[-1:]
+    (last_checkpoint,) = sorted(run_dir.path.glob("checkpoints/step_*"))[-1:]
     assert all(".lora_" in name for name in load_file(last_checkpoint / "model.safetensors"))
-    final = Path(run_dir) / "final"
+    final = run_dir.final_dir
     assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
     assert wall < 180, wall
