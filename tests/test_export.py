@@ -102,8 +102,13 @@ def vllm_greedy(model: Path, prompts: list[list[int]], adapter: Path | None = No
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.lora.request import LoRARequest
 
+    from actors.engines.vllm import context_proxies_hidden  # monarch.job's flask proxies break vLLM's CPU start
+
     lora = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if adapter else {}
-    llm = vllm.LLM(model=str(model), dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=1 << 28, **lora)
+    with context_proxies_hidden():
+        llm = vllm.LLM(
+            model=str(model), dtype="float32", seed=0, enforce_eager=True, kv_cache_memory_bytes=1 << 28, **lora
+        )
     try:
         request = LoRARequest("trained", 1, str(adapter)) if adapter else None
         params = vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS)

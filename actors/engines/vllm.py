@@ -78,7 +78,7 @@ class VLLMEngine:
         self._stepper = ThreadPoolExecutor(
             1, thread_name_prefix="vllm-step", initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)
         )
-        with _context_proxies_hidden():
+        with context_proxies_hidden():
             self.llm = LLM(
                 model=model_path,
                 dtype=policy_dtype("vllm", on_gpu=not on_cpu),  # the dtype the trainer publishes in
@@ -237,7 +237,7 @@ class VLLMEngine:
 
 
 @contextmanager
-def _context_proxies_hidden() -> Iterator[None]:
+def context_proxies_hidden() -> Iterator[None]:
     """Hide the modules holding werkzeug context proxies while vLLM starts.
 
     vLLM's CPU backend rebinds its Triton kernels by looking at every attribute of every
