@@ -57,11 +57,11 @@ def _encode_group(group: RolloutGroup) -> dict[str, Any]:
     return {
         "problem": dataclasses.asdict(group.problem),
         "index": group.index,
-        "rows": [_encode_row(r) for r in group.rows],
+        "rows": [encode_row(r) for r in group.rows],
     }
 
 
-def _encode_row(row: Row) -> dict[str, Any]:
+def encode_row(row: Row) -> dict[str, Any]:
     fields = {
         "kind": row.kind.value,
         "trajectory": dataclasses.asdict(row.trajectory),

@@ -6,6 +6,7 @@ runs/<name>-<time>/
   plan.yaml            what the run did with it: meshes, services, weight transport, slots (mesh/plan.py)
   model/               the policy's starting point (a built tiny model, or a note of the path)
   metrics.jsonl        one JSON object per step (strict JSON: a number that is not finite is null)
+  samples.jsonl        recorded rows: prompt, completion, reward, advantage, policy age (logging.samples)
   tensorboard/         the same scalars as TensorBoard events
   wandb/               logging.wandb: W&B's files (offline: the whole run, for wandb sync)
   trackers.json        the W&B and trackio runs it logs to, which a --resume of it continues
@@ -37,13 +38,15 @@ import yaml
 
 from actors.disk import DISK_FULL, errno_of, write_cause
 from mesh import events
-from mesh.sinks import Tracker, TrackerError, cause, json_line, open_trackers, scalars
+from mesh.logthread import LogThread
+from mesh.sinks import Tracker, TrackerError, cause, json_line, open_trackers, sample_table, scalars
 
 if TYPE_CHECKING:
     from mesh.topology import Logging
 
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # recorded rows (``mesh/controller/samples.py``)
 PLAN_FILE = "plan.yaml"
 ROOT_HINT = "--run-root (or the topology's logging.root)"
 
@@ -57,8 +60,10 @@ class RunDir:
         """Open the run directory ``path``, which exists (``create`` makes a new one)."""
         self.path = path
         self.metrics_file = path / METRICS_FILE
+        self.samples_file = path / SAMPLES_FILE
         self.events_file = None
         self.trackers: list[Tracker] = []
+        self._logging: LogThread | None = None  # started by the first ``record``
         if tensorboard:
             (path / "tensorboard").mkdir(exist_ok=True)
             self.events_file = events.event_file(path / "tensorboard")
@@ -146,18 +151,47 @@ class RunDir:
             try:
                 tracker.log(step, values)
             except Exception as error:  # a tracker's own failure, whatever its kind, must not stop training
-                self.trackers.remove(tracker)
-                _warn(f"logging.{tracker.key} stopped at step {step}: {cause(error)}; metrics.jsonl has every step")
+                self._drop(tracker, f"at step {step}: {cause(error)}; metrics.jsonl has every step")
+
+    def _drop(self, tracker: Tracker, why: str) -> None:
+        """Stop logging to ``tracker`` (from the loop or the logging thread: whichever fails first)."""
+        with contextlib.suppress(ValueError):
+            self.trackers.remove(tracker)
+            _warn(f"logging.{tracker.key} stopped {why}")
+
+    def record(self, step: int, build: Callable[[], list[dict]]) -> None:
+        """Step ``step``'s recorded rows, ``build()`` on the logging thread, appended to samples.jsonl (all
+        or none) and sent to the trackers as a table. A write that failed is a RunDirError here, at the
+        next step recorded."""
+        if self._logging is None:
+            self._logging = LogThread()
+        self._logging.submit(lambda: self._write_samples(step, build()))
+
+    def _write_samples(self, step: int, records: list[dict]) -> None:
+        try:
+            _append(self.samples_file, "".join(map(json_line, records)).encode())
+        except OSError as error:
+            raise RunDirError(
+                f"the samples of step {step} could not be written to {self.samples_file}: "
+                f"{write_cause(error, self.samples_file)}; {_fix(error)}, then go on from the last checkpoint in "
+                f"{self.path / 'checkpoints'} with --resume"
+            ) from None
+        for tracker in list(self.trackers):
+            try:
+                tracker.table(step, sample_table(records))
+            except Exception as error:  # as in ``log``: samples.jsonl has every recorded row
+                self._drop(tracker, f"with the samples table of step {step}: {cause(error)}; samples.jsonl has the rows")
 
     def rewind(self, step: int) -> list[dict]:
-        """Forget the metrics of ``step`` and later (a trainer restarted from the checkpoint of ``step``
-        trains them again); returns the records dropped. TensorBoard and the trackers keep both, as
+        """Forget the metrics and samples of ``step`` and later (a trainer restarted from the checkpoint of
+        ``step`` trains them again); returns the metrics dropped. TensorBoard and the trackers keep both, as
         TensorBoard does for any rerun."""
+        if self._logging is not None:
+            self._logging.drain()
         records = read_metrics(self.metrics_file)
-        kept = [r for r in records if r["step"] < step]
-        partial = self.metrics_file.with_name(self.metrics_file.name + ".partial")
-        partial.write_text("".join(json_line(r) for r in kept))
-        partial.replace(self.metrics_file)
+        _rewrite(self.metrics_file, [r for r in records if r["step"] < step])
+        if self.samples_file.exists():
+            _rewrite(self.samples_file, [r for r in read_metrics(self.samples_file) if r["step"] < step])
         return [r for r in records if r["step"] >= step]
 
     def close(self, exit_code: int = 0) -> str | None:
@@ -165,6 +199,8 @@ class RunDir:
         This runs after a failed run too, often on the same full disk, where an exception would
         replace the run's own error: so it never raises, and a failure is printed to stderr as one
         line (reward.png's is also returned)."""
+        if self._logging is not None and (error := self._logging.close()) is not None:
+            _warn(str(error) if isinstance(error, RunDirError) else f"{self.samples_file}: {cause(error)}")
         drawn = draw(self.path / "reward.png", lambda out: plot_reward(read_metrics(self.metrics_file), out))
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
@@ -211,6 +247,13 @@ def _append(path: Path, data: bytes) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def _rewrite(path: Path, records: list[dict]) -> None:
+    """``path`` holding ``records`` alone, replaced at once (a crash leaves the old file or the new one)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(json_line(r) for r in records))
+    partial.replace(path)
 
 
 def _cannot_create(path: Path, error: OSError) -> str:

@@ -60,6 +60,7 @@ from mesh.controller import (  # noqa: E402
     RunContext,
     Services,
 )
+from mesh.controller.samples import SampleRecording  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fingerprint import topology_fingerprint  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
@@ -70,6 +71,7 @@ from mesh.replicas import serve_lighthouse  # noqa: E402
 from mesh.router import Router  # noqa: E402
 from mesh.rundir import RunDir  # noqa: E402
 from mesh.teachers import TeacherBoard  # noqa: E402
+from mesh.topology import SamplesLogging  # noqa: E402
 
 if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -396,7 +398,17 @@ def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None) -> LoopSettings:
         diloco_interval=topology.diloco.interval if plan.diloco_replica is not None else None,
         fingerprint=topology_fingerprint(topology).to_json(),
         collect=collect,
+        samples=_sample_recording(topology.logging.samples),
     )
+
+
+def _sample_recording(samples: SamplesLogging | None) -> SampleRecording | None:
+    """Which rows the controller records: with ``full``, every row of every step (for ``--replay``)."""
+    if samples is None:
+        return None
+    if samples.full:
+        return SampleRecording(every=1, per_step=None, full=True)
+    return SampleRecording(samples.every, samples.per_step, full=False)
 
 
 def _write_procs(run_path: Path, fleet: Fleet) -> None:

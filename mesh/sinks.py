@@ -27,6 +27,22 @@ from typing import Any, Protocol
 from mesh.topology import Logging, TrackioLogging, WandbLogging, install_hint
 
 TRACKERS_FILE = "trackers.json"
+# a recorded row's columns in a tracker's table (``mesh/controller/samples.py``); its reward parts stay in samples.jsonl
+SAMPLE_COLUMNS = (
+    "step",
+    "group",
+    "kind",
+    "teacher",
+    "version",
+    "age",
+    "prompt",
+    "completion",
+    "answer",
+    "reward",
+    "advantage",
+    "prompt_tokens",
+    "completion_tokens",
+)
 
 
 class TrackerError(RuntimeError):
@@ -37,6 +53,10 @@ class Tracker(Protocol):
     key: str  # its key under ``logging``
 
     def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def table(self, step: int, rows: list[list]) -> None:
+        """A step's recorded samples, one list per row in ``SAMPLE_COLUMNS`` order, as a table named ``samples``."""
+        ...
 
     def finish(self, exit_code: int) -> None: ...
 
@@ -61,6 +81,11 @@ def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
         elif isinstance(value, int | float) and math.isfinite(value):
             values[name] = float(value)
     return values
+
+
+def sample_table(records: list[dict]) -> list[list]:
+    """Recorded rows (samples.jsonl's records) as a tracker table's rows, in ``SAMPLE_COLUMNS`` order."""
+    return [[record[column] for column in SAMPLE_COLUMNS] for record in records]
 
 
 def json_line(record: Mapping[str, Any]) -> str:
@@ -128,8 +153,8 @@ class WandbTracker:
 
     key = "wandb"
 
-    def __init__(self, run, section: WandbLogging):
-        self.run, self.section = run, section
+    def __init__(self, run, section: WandbLogging, wandb):
+        self.run, self.section, self.wandb = run, section, wandb
 
     @classmethod
     def start(cls, section: WandbLogging, run_path: Path, config: dict, earlier: dict | None) -> WandbTracker:
@@ -156,10 +181,13 @@ class WandbTracker:
                 "logging.wandb.mode: offline and upload the run later with wandb sync <run>/wandb/offline-run-*",
             ) from None
         run.define_metric("*", step_metric="step")
-        return cls(run, section)
+        return cls(run, section, wandb)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log({"step": step, **values})
+
+    def table(self, step: int, rows: list[list]) -> None:
+        self.run.log({"step": step, "samples": self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)})
 
     def finish(self, exit_code: int) -> None:
         self.run.finish(exit_code=exit_code)
@@ -179,8 +207,8 @@ class TrackioTracker:
 
     key = "trackio"
 
-    def __init__(self, run, project: str):
-        self.run, self.project = run, project
+    def __init__(self, run, project: str, trackio):
+        self.run, self.project, self.trackio = run, project, trackio
 
     @classmethod
     def start(cls, section: TrackioLogging, run_path: Path, config: dict, earlier: dict | None) -> TrackioTracker:
@@ -197,10 +225,13 @@ class TrackioTracker:
             raise _cannot_start(
                 cls.key, error, "fix logging.trackio.project, or point TRACKIO_DIR at a directory you can write"
             ) from None
-        return cls(run, section.project)
+        return cls(run, section.project, trackio)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
+
+    def table(self, step: int, rows: list[list]) -> None:
+        self.run.log({"samples": self.trackio.Table(columns=list(SAMPLE_COLUMNS), data=rows)}, step=step)
 
     def finish(self, exit_code: int) -> None:
         self.run.finish()

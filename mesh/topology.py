@@ -220,9 +220,29 @@ class TrackioLogging(Section):
         return _check_installed("trackio", self, info)
 
 
+class SamplesLogging(Section):
+    """``logging.samples``: the rows of trained batches written to samples.jsonl (``mesh/controller/samples.py``):
+    the first ``per_step`` rows (whole prompt groups first) of every ``every``-th step. ``full: true`` records
+    every row of every step with its token ids and logprobs, which ``--replay`` trains on."""
+
+    every: int = Field(10, ge=1)
+    per_step: int = Field(16, ge=1)
+    full: bool = False
+
+    @model_validator(mode="after")
+    def _full_is_every_row(self) -> SamplesLogging:
+        if self.full and (bounds := sorted(self.model_fields_set & {"every", "per_step"})):
+            raise ValueError(
+                f"full records every row of every step (what --replay trains on), so {' and '.join(bounds)} "
+                f"cannot bound it; remove {'it' if len(bounds) == 1 else 'them'}, or drop full"
+            )
+        return self
+
+
 class Logging(Section):
     root: str = "runs"
     tensorboard: bool = True
+    samples: SamplesLogging | None = SamplesLogging()  # null: no samples.jsonl
     wandb: WandbLogging | None = None
     trackio: TrackioLogging | None = None
 

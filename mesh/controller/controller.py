@@ -18,7 +18,8 @@ What runs where, and the buffers between them (``max_policy_lag: L``):
       -> advantages -> TrainBatch -> Trainer (one optimizer step, publishes version k+1)
       -> DiLoCo hook (diloco.py): every ``interval`` steps the replicas' outer step
       -> version k+1 pushed to every generator; collections k+L+1 ... start with it
-      -> metrics (metrics.py), evaluation, checkpoint (with batches k+1 ... in flight)
+      -> metrics (metrics.py), recorded rows (samples.py, written on the logging thread),
+         evaluation, checkpoint (with batches k+1 ... in flight)
 
 With ``max_policy_lag: 0`` each step samples with the weights the previous step just
 published (synchronous). With lag L > 0 up to L+1 batches are collected ahead, each
@@ -43,8 +44,11 @@ from __future__ import annotations
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from torch import Tensor
 
 from actors.diloco.syncer import STOP_FILE
 from actors.environments.openenv_task import EpisodeSpec
@@ -58,6 +62,7 @@ from mesh.commands import ControlChannel
 from mesh.controller.collection import EpisodeCollection, SampleCollection
 from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.metrics import step_metrics
+from mesh.controller.samples import sample_records
 from mesh.controller.scheduler import Scheduler
 from mesh.controller.services import Services
 from mesh.controller.settings import LoopSettings
@@ -167,7 +172,8 @@ class Controller:
         wait_start = time.perf_counter()
         collected, ages = await self.scheduler.take(step)
         wait = time.perf_counter() - wait_start
-        report, outer = await self._train(step, collected)
+        advantages = row_advantages(collected.groups, self.settings.advantage)
+        report, outer = await self._train(step, collected, advantages)
         now = time.perf_counter()
         period, self.trained_at = now - self.trained_at, now
         await self._sample_ahead(step + 1)
@@ -177,14 +183,15 @@ class Controller:
         if (fleet := self.context.fleet) is not None:
             metrics["faults/restarts"] = fleet.restarts
             metrics["faults/seconds_lost"] = fleet.seconds_lost + self.trainer_seconds_lost
+        if (samples := self.settings.samples) is not None and samples.due(step):
+            self.context.run.record(step, partial(sample_records, step, collected, advantages, ages, samples))
         await self._after_step(step, metrics)
         return metrics
 
-    async def _train(self, step: int, collected: Collected) -> tuple[StepReport, dict]:
-        """One optimizer step on ``collected`` (and DiLoCo's outer step when one is due), its weights pushed
-        to the generators; the trainer's report and the outer step's metrics."""
+    async def _train(self, step: int, collected: Collected, advantages: Tensor) -> tuple[StepReport, dict]:
+        """One optimizer step on ``collected`` with one advantage per row (and DiLoCo's outer step when one is
+        due), its weights pushed to the generators; the trainer's report and the outer step's metrics."""
         # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention and loss
-        advantages = row_advantages(collected.groups, self.settings.advantage)
         batch = build_train_batch(collected.groups, advantages, 0, max_completion_len=self.settings.max_completion_len)
         reports = await self.services.trainer.train_step.call(batch)
         report = next(r for r in reports.values() if r is not None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from losses.config import AdvantageEstimator
+from mesh.controller.samples import SampleRecording
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,4 @@ class LoopSettings:
     diloco_interval: int | None  # inner steps per DiLoCo round (the trainer syncs); None: not a DiLoCo replica
     fingerprint: dict[str, Any]  # what a --resume must match, saved with every checkpoint
     collect: CollectSettings
+    samples: SampleRecording | None = None  # which rows go to samples.jsonl; None: none

@@ -1,0 +1,79 @@
+"""The rollout recorder: what the model wrote at a step and how it was scored, as rows of ``samples.jsonl``.
+
+One line per recorded row, in batch order (a prompt's whole group before the next prompt's)::
+
+    {"step": 12, "group": 3, "kind": "sample", "teacher": null, "version": 11, "age": 1,
+     "prompt": "abc=", "completion": "cba", "answer": "cba", "prompt_tokens": 4, "completion_tokens": 4,
+     "reward": 1.0, "reward_parts": {"exact": 1.0}, "hint": null, "advantage": 0.93}
+
+``kind`` is the row's ``RowKind`` (``sample``, ``warm_start``, ``replay``), ``teacher`` the binding that
+wrote a teacher's trace, ``version`` the policy that sampled it and ``age`` the trainer's version minus
+that when it trained on it. A full recording (``logging.samples.full``) holds every row of every step,
+each with what training reads of it besides (``FULL_KEYS``: its token ids, the sampler's logprobs, the
+loss mask, the distill teacher's top-k, the reference's logprobs and the rest of its prompt), so that
+``--replay`` (``mesh/replay.py``) can rebuild each step's batch exactly.
+
+The rows are built from the step's ``Collected`` on the run directory's logging thread (``RunDir.record``),
+never on the training loop's critical path: the loop only decides whether a step is recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from mesh.collected import Collected
+from mesh.inflight import encode_row
+
+
+@dataclass(frozen=True)
+class SampleRecording:
+    """Which rows are recorded: those of every ``every``-th step, the first ``per_step`` of each
+    (``None``: all of them), with token ids and logprobs when ``full``."""
+
+    every: int
+    per_step: int | None
+    full: bool
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+
+def sample_records(
+    step: int, collected: Collected, advantages: Tensor, ages: list[int], recording: SampleRecording
+) -> list[dict]:
+    """The rows of step ``step`` that ``recording`` keeps, as ``samples.jsonl`` lines (in batch order:
+    ``advantages`` and ``ages`` hold one value per row of ``collected.rows()``)."""
+    records = []
+    advantage = advantages.tolist()
+    for group in collected.groups:
+        for row in group.rows:
+            i = len(records)
+            if recording.per_step is not None and i >= recording.per_step:
+                return records
+            trajectory, reward = row.trajectory, row.reward
+            record = {
+                "step": step,
+                "group": group.index,
+                "kind": row.kind.value,
+                "teacher": row.teacher,
+                "version": row.version,
+                "age": ages[i],
+                "prompt": group.problem.prompt,
+                "completion": trajectory.text,
+                "answer": group.problem.answer,
+                "prompt_tokens": len(trajectory.prompt_ids),
+                "completion_tokens": len(trajectory.completion_ids),
+                "reward": reward.total,
+                "reward_parts": reward.parts,
+                "hint": reward.hint,
+                "advantage": advantage[i],
+            }
+            if recording.full:
+                saved = encode_row(row)
+                record |= {key: saved[key] for key in ("trajectory", "distill", "reference_logprobs")}
+                record |= {"problem": dataclasses.asdict(group.problem), "distill_teacher": collected.distill_teacher}
+            records.append(record)
+    return records
