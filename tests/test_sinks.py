@@ -23,7 +23,7 @@ from mesh import topology as topology_module
 from mesh.interrupts import Interrupted
 from mesh.run import main
 from mesh.rundir import RunDir, RunDirError, read_metrics
-from mesh.sinks import TRACKERS_FILE, TrackerError, WandbTracker, scalars
+from mesh.sinks import SAMPLE_COLUMNS, TRACKERS_FILE, TrackerError, WandbTracker, sample_table, scalars
 from mesh.topology import Logging, TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +184,14 @@ def test_a_run_logs_the_same_scalars_to_wandb_and_trackio_as_to_metrics_jsonl(tm
     assert [r["step"] for r in metrics] == [0, 1]
 
     every = [scalars(r) for r in metrics]  # with step; policy_age/counts as policy_age/counts/<age>
-    assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in wandb_history(path)] == every
+    history = [{k: v for k, v in row.items() if not k.startswith("_")} for row in wandb_history(path)]
+    assert [row for row in history if "samples/_type" not in row] == every
+    samples = read_metrics(path / "samples.jsonl")  # step 0's first rows (logging.samples' default), as a table
+    (table,) = [row for row in history if "samples/_type" in row]
+    assert (table["step"], table["samples/_type"], table["samples/nrows"], len(samples)) == (0, "table-file", 16, 16)
+    (file,) = (path / "wandb").rglob("samples_*.table.json")
+    logged = json.loads(file.read_text())
+    assert logged["columns"] == list(SAMPLE_COLUMNS) and logged["data"] == sample_table(samples)
     run, exit_ = wandb_run(path)
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["name"] == "tiny" and config["loop"]["steps"] == 2  # the resolved topology
@@ -194,7 +201,11 @@ def test_a_run_logs_the_same_scalars_to_wandb_and_trackio_as_to_metrics_jsonl(tm
     assert recorded["wandb"] == {"project": "tiny-test", "entity": None, "id": run.run_id, "name": path.name}
     assert recorded["trackio"] == {"project": "tiny-test", "name": path.name}
     logs, trackio_config = trackio_run(env, "tiny-test", path.name)
-    assert [{k: v for k, v in row.items() if k != "timestamp"} for row in logs] == every
+    logs = [{k: v for k, v in row.items() if k != "timestamp"} for row in logs]
+    assert [row for row in logs if "samples" not in row] == every
+    (table,) = [row["samples"] for row in logs if "samples" in row]
+    assert table["_type"] == "trackio.table" and len(table["_value"]) == 16
+    assert [[row[c] for c in SAMPLE_COLUMNS] for row in table["_value"]] == sample_table(samples)
     assert trackio_config["loop"]["steps"] == 2
 
 
