@@ -234,6 +234,16 @@ def validated(
 
 
 def _explain(directory: Path, error: ValidationError, value: Any, at: tuple) -> str:
+    return (
+        f"checkpoint {directory}: {STATE_FILE} at {first_problem(error, value, at)} Its checksum matches, so "
+        f"{STATE_FILE} was changed after the checkpoint was written (and its checksum recomputed), or another "
+        f"program wrote it; {ANOTHER}"
+    )
+
+
+def first_problem(error: ValidationError, value: Any, at: tuple = ()) -> str:
+    """The first thing ``error`` found wrong with the JSON ``value`` (itself at ``at``), as
+    ``<path>: <problem>.``, and how many more there are."""
     first = error.errors()[0]
     kind = first["type"]
     if kind == "missing":
@@ -247,11 +257,7 @@ def _explain(directory: Path, error: ValidationError, value: Any, at: tuple) -> 
         problem = f"{expected} (got {_shown(first['input'])})"
     more = len(error.errors()) - 1
     also = f" ({more} more problem{'s' * (more > 1)} after this one.)" if more else ""
-    return (
-        f"checkpoint {directory}: {STATE_FILE} at {json_path(value, first['loc'], at)}: {problem}.{also} Its "
-        f"checksum matches, so {STATE_FILE} was changed after the checkpoint was written (and its checksum "
-        f"recomputed), or another program wrote it; {ANOTHER}"
-    )
+    return f"{json_path(value, first['loc'], at)}: {problem}.{also}"
 
 
 def json_path(value: Any, loc: tuple, at: tuple = ()) -> str:

@@ -30,6 +30,28 @@ def describe(plan: RunPlan) -> str:
     placement.append(describe_store(plan))
     if (memory := describe_memory(plan)) is not None:
         placement.append(memory)
+    graph = _replay_graph(plan) if plan.replays is not None else _graph(plan)
+    jobs = topology.launcher.describe(plan)
+    return "\n".join(
+        ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
+    )
+
+
+def _replay_graph(plan: RunPlan) -> list[str]:
+    topology = plan.topology
+    graph = [
+        f"controller: each step's batch as {plan.replays}/samples.jsonl recorded it (tokens, sampler logprobs, "
+        "rewards, teacher top-k, reference logprobs): no generator, rewarder or teacher starts",
+        f"controller -> trainer ({topology.actors.trainer.inner_loop}, {plan.trainer_precision}): TrainBatch, "
+        "the recorded run's step by step",
+    ]
+    if plan.reference is not None and plan.reference.placement != "own_mesh":
+        graph.append(describe_reference(plan, plan.reference))
+    return graph
+
+
+def _graph(plan: RunPlan) -> list[str]:
+    topology = plan.topology
     lag = topology.loop.max_policy_lag
     gen = topology.actors.generator
     targets = plan.generator_procs
@@ -77,10 +99,7 @@ def describe(plan: RunPlan) -> str:
             )
     if topology.diloco is not None:
         graph += describe_diloco(plan)
-    jobs = topology.launcher.describe(plan)
-    return "\n".join(
-        ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
-    )
+    return graph
 
 
 def _published(plan: RunPlan) -> str:

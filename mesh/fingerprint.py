@@ -63,29 +63,29 @@ class Fingerprint:
         """As stored in a checkpoint's state.json (and compared after a JSON round trip)."""
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
-    def differences(self, recorded: dict) -> list[str]:
-        """What ``recorded`` (a checkpoint's fingerprint) says otherwise than this one (the topology's)."""
+    def differences(self, recorded: dict, theirs: str = "the checkpoint") -> list[str]:
+        """What ``recorded`` (``theirs``: a checkpoint's fingerprint) says otherwise than this one (the topology's)."""
         mine = self.to_json()
         out = []
         theirs_task, my_task = recorded.get("task", {}), mine["task"]
         if (theirs_task.get("name"), theirs_task.get("params")) != (my_task["name"], my_task["params"]):
-            out.append(f"task: {_task(theirs_task)} in the checkpoint, {_task(my_task)} in the topology")
+            out.append(f"task: {_task(theirs_task)} in {theirs}, {_task(my_task)} in the topology")
         if theirs_task.get("alphabet") != my_task["alphabet"]:
             out.append(
-                f"task alphabet: {theirs_task.get('alphabet')!r} in the checkpoint, {my_task['alphabet']!r} "
+                f"task alphabet: {theirs_task.get('alphabet')!r} in {theirs}, {my_task['alphabet']!r} "
                 "in the topology"
             )
         theirs_model = recorded.get("model", {})
         for field in ARCHITECTURE:
             if theirs_model.get(field) != mine["model"].get(field):
                 out.append(
-                    f"model {field}: {theirs_model.get(field, 'unset')} in the checkpoint, "
+                    f"model {field}: {theirs_model.get(field, 'unset')} in {theirs}, "
                     f"{mine['model'].get(field, 'unset')} in the topology"
                 )
         theirs_tokenizer = recorded.get("tokenizer", {})
         if theirs_tokenizer.get("digest") != mine["tokenizer"]["digest"]:
             out.append(
-                f"tokenizer: another vocabulary ({theirs_tokenizer.get('tokens')} tokens in the checkpoint, "
+                f"tokenizer: another vocabulary ({theirs_tokenizer.get('tokens')} tokens in {theirs}, "
                 f"{mine['tokenizer']['tokens']} in the topology)"
             )
         return out + _adapter_differences(recorded.get("adapter"), mine["adapter"])

@@ -16,7 +16,7 @@ Checking builds the plan without importing any backend, as checking the topology
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -83,6 +83,7 @@ class RunPlan:
     trainer_shares_generator_gpus: bool
     vllm_share: float | None  # a vLLM generator's share of each of its GPUs
     trainer_memory_share: float | None  # the share of each GPU the trainer's allocator may take; None: all
+    replays: str | None = None  # ``--replay``: the recorded run whose batches the trainer trains on
 
     @classmethod
     def of(cls, topology: Topology) -> RunPlan:
@@ -115,6 +116,21 @@ class RunPlan:
             trainer_shares_generator_gpus=shared,
             vllm_share=vllm,
             trainer_memory_share=_trainer_memory_share(topology, shared, vllm),
+        )
+
+    def replaying(self, run_dir: str) -> RunPlan:
+        """This plan training on the batches recorded in ``run_dir`` (``mesh/replay.py``): only the trainer's
+        mesh starts, with the trainer alone on it (a reference on its ranks stays: it scores in the train
+        step); the generators, rewarder, teachers and a reference of its own are not started, since the
+        recording holds what they gave. The trainer then computes with every core the run may use."""
+        trainer = self.topology.actors.trainer.mesh
+        return replace(
+            self,
+            meshes={trainer: self.meshes[trainer]},
+            generator_meshes=(),
+            actors={trainer: ("trainer",)},
+            gpus={trainer: self.gpus[trainer]},
+            replays=run_dir,
         )
 
     @property
@@ -151,6 +167,8 @@ class RunPlan:
         record |= {"trainer_precision": self.trainer_precision, "prompt_seed": self.prompt_seed}
         if self.topology.diloco is not None:
             record["diloco"] = {"replica": self.diloco_replica, "runs_here": self.runs_here}
+        if self.replays is not None:
+            record["replays"] = self.replays
         return record
 
     def on_publishing_gpu(self, followers: list[str]) -> bool:

@@ -1,4 +1,5 @@
-"""``python -m mesh.run TOPOLOGY [--set key.path=value ...] [--dry-run | --render DIR] [--resume CHECKPOINT]``
+"""``python -m mesh.run TOPOLOGY [--set key.path=value ...] [--dry-run | --render DIR] [--resume CHECKPOINT]
+[--replay RUN_DIR]``
 
 Exit codes: 0 done, 1 the run failed (the message says where its results are), 2 the
 topology or the command line is wrong (nothing was spawned).
@@ -57,6 +58,7 @@ from pathlib import Path  # noqa: E402
 
 from mesh.describe import describe  # noqa: E402
 from mesh.launchers.k8s import write_objects  # noqa: E402
+from mesh.plan import RunPlan  # noqa: E402
 from mesh.preflight import load_plan  # noqa: E402
 from mesh.topology import Topology, TopologyError, load_topology  # noqa: E402
 
@@ -93,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="CHECKPOINT",
         help="go on from a checkpoint of an earlier run of this topology, e.g. runs/<run>/checkpoints/step_000125",
     )
+    parser.add_argument(
+        "--replay",
+        metavar="RUN_DIR",
+        help="train on the batches a run recorded with logging.samples.full: true, in order, with no generators "
+        "(to compare a change to the loss on the same data)",
+    )
     args = parser.parse_args(argv)
     if args.replica is not None:
         try:
@@ -101,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     if args.dry_run:
-        return dry_run(args.topology, args.set, args.resume)
+        return dry_run(args.topology, args.set, args.resume, args.replay)
     if args.render:
         return render(args.topology, args.set, Path(args.render))
     try:
@@ -113,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"python -m mesh.run {args.topology} --replica I --resume <replica I's checkpoint>, with the "
                 "diloco.store or diloco.lighthouse the replicas met through (--set diloco.store=...)"
             )
+        replay = None
+        if args.replay:
+            plan, replay = replaying(plan, args.replay, args.resume)
         if args.resume:
             check_resume(topology, Path(args.resume))
     except TopologyError as error:
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     QUIET.ended("while exiting; the run had stopped everything it started")  # the run's Stopper is in between
     try:
-        run_dir = asyncio.run(run(plan, args.run_root, progress=not args.no_progress, resume=args.resume))
+        run_dir = asyncio.run(run(plan, args.run_root, not args.no_progress, args.resume, replay))
     except RunDirError as error:  # raised before anything is spawned
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -170,11 +181,13 @@ def replica_overrides(path: str, overrides: list[str], replica: int) -> list[str
     return [*overrides, f"diloco.replica={replica}", *named]
 
 
-def dry_run(path: str, overrides: list[str], resume: str | None) -> int:
+def dry_run(path: str, overrides: list[str], resume: str | None, replay: str | None = None) -> int:
     """Print the plan; a job that is right but does not fit this machine (a GPU node's topology
     read on a laptop) is still described, with what this machine lacks."""
     try:
         plan = load_plan(path, overrides, placed_here=False)
+        if replay:
+            plan, _ = replaying(plan, replay, resume)
         if resume:
             check_resume(plan.topology, Path(resume))
     except TopologyError as error:
@@ -206,6 +219,21 @@ def render(path: str, overrides: list[str], directory: Path) -> int:
     for file in written:
         print(f"wrote {file}")
     return 0
+
+
+def replaying(plan: RunPlan, run_dir: str, resume: str | None) -> tuple[RunPlan, list]:
+    """The plan of a replay of ``run_dir``'s recording and its batches, checked (``mesh/replay.py``)."""
+    from mesh.replay import recorded_batches  # reads the recording with the strict models (pydantic, numpy)
+
+    topology = plan.topology
+    if topology.diloco is not None or resume:
+        given = "a diloco section" if topology.diloco is not None else "--resume"
+        raise TopologyError(
+            f"--replay trains one trainer on one recorded run from its first step, and this command also has {given}; "
+            "replay without it"
+        )
+    batches = recorded_batches(Path(run_dir), plan)
+    return plan.replaying(str(Path(run_dir).resolve())), batches
 
 
 def check_resume(topology: Topology, checkpoint: Path) -> None:

@@ -48,8 +48,13 @@ from actors.teachers.pool import TeacherPool  # noqa: E402
 from actors.trainer import Trainer, TrainerSetup  # noqa: E402
 from mesh.commands import EVENTS, ControlChannel  # noqa: E402
 from mesh.controller import (  # noqa: E402
+    Collected,
+    Collection,
     CollectSettings,
     Controller,
+    EpisodeCollection,
+    RecordedCollection,
+    SampleCollection,
     LoopSettings,
     ReferenceInTrainer,
     ReferenceScoring,
@@ -67,6 +72,7 @@ from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.interrupts import Interrupted, Stopper, newest_checkpoint  # noqa: E402
 from mesh.plan import RunPlan, model_path_of  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
+from mesh.replay import oldest_age  # noqa: E402
 from mesh.replicas import serve_lighthouse  # noqa: E402
 from mesh.router import Router  # noqa: E402
 from mesh.rundir import RunDir  # noqa: E402
@@ -86,21 +92,36 @@ class RunFailed(RuntimeError):
     """The run stopped on a fault; the message names the actor, the cause and where the results are."""
 
 
-async def run(plan: RunPlan, run_root: str | None = None, progress: bool = True, resume: str | None = None) -> RunDir:
+async def run(
+    plan: RunPlan,
+    run_root: str | None = None,
+    progress: bool = True,
+    resume: str | None = None,
+    replay: list[Collected] | None = None,
+) -> RunDir:
     """Run ``plan`` to the end; returns its run directory.
 
     ``resume``: a checkpoint directory of an earlier run of this topology; training goes
     on from its step with its policy, optimizer, loss state and in-flight batches.
+    ``replay``: the recorded batches to train on, one per step (``mesh/replay.py``; ``plan``
+    is then ``RunPlan.replaying``'s: only the trainer starts).
     """
     stopper = Stopper()
     stopper.install()  # from before the run directory is made until all is stopped: a signal stops it, cleanly
     try:
-        return await _run(plan, run_root, progress, resume, stopper)
+        return await _run(plan, run_root, progress, resume, replay, stopper)
     finally:
         stopper.remove()
 
 
-async def _run(plan: RunPlan, run_root: str | None, progress: bool, resume: str | None, stopper: Stopper) -> RunDir:
+async def _run(
+    plan: RunPlan,
+    run_root: str | None,
+    progress: bool,
+    resume: str | None,
+    replay: list[Collected] | None,
+    stopper: Stopper,
+) -> RunDir:
     topology = plan.topology
     logging = topology.logging
     resumed_from = Path(resume).parent.parent if resume else None  # <run>/checkpoints/step_N
@@ -125,8 +146,10 @@ async def _run(plan: RunPlan, run_root: str | None, progress: bool, resume: str 
             monarch.actor.unhandled_fault_hook = faults.monarch  # recorded; once the fleet exists its calls fail over
             launcher = topology.launcher.launcher()
             cleanup.push_async_callback(_stop, launcher)
-            control = ControlChannel.create(run_dir.path)
-            cleanup.callback(control.close)
+            control = None  # a replay binds no teachers: nothing for mesh.ctl to change
+            if replay is None:
+                control = ControlChannel.create(run_dir.path)
+                cleanup.callback(control.close)
             task = build_task(topology.task.config)
             episodes = _episodes(task, run_dir, cleanup)
             model_path = _prepare_model(plan, getattr(task, "alphabet", None), run_dir)
@@ -143,7 +166,9 @@ async def _run(plan: RunPlan, run_root: str | None, progress: bool, resume: str 
             if services.teacher_pool is not None:
                 await board.attach(services.teacher_pool)
             context = RunContext(run_dir, bar, control, stopper, fleet)
-            controller = Controller(_loop_settings(plan, episodes), services, task, board, context, episodes)
+            settings = _loop_settings(plan, episodes, replay)
+            collection = _collection(settings, task, services, episodes, replay, bar)
+            controller = Controller(settings, services, collection, board, context)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
     except Interrupted:
         raise
@@ -298,21 +323,21 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
     rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else ()
-    for name in plan.generator_meshes:
+    for name in plan.generator_meshes:  # none in a replay: the plan starts the trainer alone
         place = _placement(plan, name, "generator")
         adapter = cfg.trainer.lora
         spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding, adapter=adapter)
         roles[name].append(Role("generator", spawn, _start_all))
-    if plan.rewarder == "own_mesh":
+    if plan.runs("rewarder"):
         roles[cfg.rewarder.mesh].append(
             Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all)
         )
-    if reference is not None and reference.placement == "own_mesh":
+    if plan.runs("reference"):
         place = _placement(plan, reference.mesh, "reference")
         args = (model_path_of(reference, model_path), model_path, place, cfg.trainer.micro_batch_size)
         spawn = _spawner("reference", Reference, *args, cfg.trainer.loss.chunk_tokens)
         roles[reference.mesh].append(Role("reference", spawn, _start_all))
-    if cfg.teachers is not None:
+    if plan.runs("teachers"):
         student = Student(model_path, cfg.generator.max_new_tokens, seed, cfg.trainer.lora)
         spawn = _spawner("teachers", TeacherPool, student, _placement(plan, cfg.teachers.mesh, "teachers"))
 
@@ -362,17 +387,35 @@ def _services(plan: RunPlan, fleet: Fleet) -> Services:
     router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
     rewarding: Rewarding = RewardedInGenerators()
-    if plan.rewarder == "own_mesh":
+    if plan.runs("rewarder"):
         rewarding = RemoteRewarder(fleet.handle("rewarder", cfg.rewarder.mesh, 0))
     reference: ReferenceScoring = ReferenceInTrainer()  # also when there is no reference
-    if plan.reference is not None and plan.reference.placement == "own_mesh":
+    if plan.runs("reference"):
         reference = RemoteReference(fleet.handle("reference", plan.reference.mesh, 0))
-    teacher_pool = fleet.handle("teachers", cfg.teachers.mesh, 0) if cfg.teachers else None
+    teacher_pool = fleet.handle("teachers", cfg.teachers.mesh, 0) if plan.runs("teachers") else None
     return Services(fleet.handle("trainer", cfg.trainer.mesh), router, rewarding, reference, teacher_pool)
 
 
-def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None) -> LoopSettings:
-    """What the controller's parts read of the plan, read once."""
+def _collection(
+    settings: LoopSettings,
+    task,
+    services: Services,
+    episodes: EpisodeSpec | None,
+    replay: list[Collected] | None,
+    bar: Progress,
+) -> Collection:
+    """Where each step's batch comes from: the recording a replay trains on, the environment's episodes, or
+    the generators' samples."""
+    if replay is not None:
+        return RecordedCollection(replay)
+    if episodes is not None:
+        return EpisodeCollection(settings.collect, task, services, episodes, bar.note)
+    return SampleCollection(settings.collect, task, services)
+
+
+def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Collected] | None) -> LoopSettings:
+    """What the controller's parts read of the plan, read once. A replay evaluates nothing (it has no
+    generators) and lets its batches be as old as they were recorded."""
     topology = plan.topology
     loop, loss = topology.loop, topology.actors.trainer.loss
     collect = CollectSettings(
@@ -386,10 +429,11 @@ def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None) -> LoopSettings:
         replay=loss.beta_replay > 0,
         distill=loss.alpha_sdpo > 0,
     )
+    lag = loop.max_policy_lag if replay is None else oldest_age(replay)
     return LoopSettings(
         steps=loop.steps,
-        max_policy_lag=loop.max_policy_lag,
-        evaluation_every=loop.evaluation.every,
+        max_policy_lag=lag,
+        evaluation_every=loop.evaluation.every if replay is None else 0,
         checkpoint_every=topology.checkpointing.every,
         advantage=loss.policy.advantage,
         # every reply of an episode
@@ -403,12 +447,7 @@ def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None) -> LoopSettings:
 
 
 def _sample_recording(samples: SamplesLogging | None) -> SampleRecording | None:
-    """Which rows the controller records: with ``full``, every row of every step (for ``--replay``)."""
-    if samples is None:
-        return None
-    if samples.full:
-        return SampleRecording(every=1, per_step=None, full=True)
-    return SampleRecording(samples.every, samples.per_step, full=False)
+    return None if samples is None else SampleRecording(samples.every, samples.per_step, samples.full)
 
 
 def _write_procs(run_path: Path, fleet: Fleet) -> None:

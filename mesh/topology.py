@@ -222,21 +222,25 @@ class TrackioLogging(Section):
 
 class SamplesLogging(Section):
     """``logging.samples``: the rows of trained batches written to samples.jsonl (``mesh/controller/samples.py``):
-    the first ``per_step`` rows (whole prompt groups first) of every ``every``-th step. ``full: true`` records
-    every row of every step with its token ids and logprobs, which ``--replay`` trains on."""
+    the first ``per_step`` rows (whole prompt groups first; null: all) of every ``every``-th step. ``full: true``
+    records every row of every step with its token ids and logprobs, which ``--replay`` trains on."""
 
     every: int = Field(10, ge=1)
-    per_step: int = Field(16, ge=1)
+    per_step: int | None = Field(16, ge=1)
     full: bool = False
 
-    @model_validator(mode="after")
-    def _full_is_every_row(self) -> SamplesLogging:
-        if self.full and (bounds := sorted(self.model_fields_set & {"every", "per_step"})):
+    @model_validator(mode="before")
+    @classmethod
+    def _full_is_every_row(cls, raw: Any) -> Any:
+        if not (isinstance(raw, dict) and raw.get("full") is True):
+            return raw
+        every_row = {"every": 1, "per_step": None}
+        if bounds := [key for key, value in every_row.items() if key in raw and raw[key] != value]:
             raise ValueError(
                 f"full records every row of every step (what --replay trains on), so {' and '.join(bounds)} "
                 f"cannot bound it; remove {'it' if len(bounds) == 1 else 'them'}, or drop full"
             )
-        return self
+        return every_row | raw
 
 
 class Logging(Section):

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mesh.logthread import LogThread
 from mesh.preflight import load_plan
@@ -93,6 +94,7 @@ async def test_samples_null_records_nothing(tmp_path):
         (["logging.samples.every=0"], "logging.samples.every: Input should be greater than or equal to 1"),
         (["logging.samples.per_step=-3"], "logging.samples.per_step: Input should be greater than or equal to 1"),
         (["logging.samples.per_step=all"], "logging.samples.per_step: Input should be a valid integer"),
+        (["logging.samples.full=true", "logging.samples.every=1", "logging.samples.per_step=5"], "remove it"),
         (["logging.samples.every=1e400"], "logging.samples.every"),
         (["logging.samples.ful=true"], "unknown key 'ful' at logging.samples.ful"),
         (
@@ -109,6 +111,15 @@ def test_bad_samples_settings_are_refused_at_load(overrides, expected):
     with pytest.raises(TopologyError, match="logging.samples") as refused:
         load_topology(TINY, overrides)
     assert expected in str(refused.value)
+
+
+def test_a_full_recording_reads_back_from_its_resolved_topology(tmp_path):
+    samples = load_topology(TINY, ["logging.samples.full=true"]).logging.samples
+    assert (samples.every, samples.per_step, samples.full) == (1, None, True)
+    resolved = tmp_path / "topology.yaml"  # as the run directory keeps it, every default written out
+    resolved.write_text(yaml.safe_dump(load_topology(TINY, ["logging.samples.full=true"]).model_dump(mode="json")))
+    assert load_topology(resolved).logging.samples == samples
+    assert load_topology(TINY, ["logging.samples.per_step=null"]).logging.samples.per_step is None  # every row
 
 
 # ----------------------------------------------------------------------------- the logging thread

@@ -1,7 +1,13 @@
 """The controller and its parts (``controller.py`` draws them)."""
 
 from mesh.collected import Collected
-from mesh.controller.collection import EnvironmentDown
+from mesh.controller.collection import (
+    Collection,
+    EnvironmentDown,
+    EpisodeCollection,
+    RecordedCollection,
+    SampleCollection,
+)
 from mesh.controller.controller import Controller, RunContext
 from mesh.controller.scheduler import StalenessError
 from mesh.controller.services import (
@@ -18,6 +24,10 @@ from mesh.controller.settings import CollectSettings, LoopSettings
 __all__ = [
     "CollectSettings",
     "Collected",
+    "Collection",
+    "EpisodeCollection",
+    "RecordedCollection",
+    "SampleCollection",
     "Controller",
     "EnvironmentDown",
     "LoopSettings",

@@ -14,7 +14,8 @@ A warm-start trace joins its prompt's group in channel 1; replayed traces enter 
 pairs. ``EpisodeCollection`` (an environment task, ``task: {name: openenv}``) is the other
 collection: the generators play each prompt's G episodes against the environment
 (``Generator.play``), each episode one trajectory whose reward is the environment's return, a
-failed episode left out of its group; no teacher and no Rewarder are asked.
+failed episode left out of its group; no teacher and no Rewarder are asked. ``RecordedCollection``
+(``--replay``, ``mesh/replay.py``) asks no one: each step's batch is the one a recorded run trained on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from actors.engines import sampling_seeds
 from actors.environments.openenv_task import EpisodeSpec
@@ -36,6 +38,16 @@ from mesh.controller.services import Rows, Services
 from mesh.controller.settings import CollectSettings
 from mesh.router import Routed, TargetLoad
 from mesh.teachers import Snapshot, TeacherBinding
+
+
+class Collection(Protocol):
+    async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
+        """Step ``step``'s rollout groups, with ``weights`` and the ``teachers`` bound when it started."""
+        ...
+
+    async def evaluate(self, step: int, weights: WeightVersion) -> float:
+        """The mean reward of ``weights`` on the held-out prompts (at step ``step``)."""
+        ...
 
 
 class EnvironmentDown(RuntimeError):
@@ -303,6 +315,17 @@ class EpisodeCollection(_Collection):
         problems, seeds = self._evaluation_prompts(step)
         played = await self.services.generators.play(problems, 1, weights, seeds, self.episodes)
         return sum(o.reward for per in played.outcomes for o in per if o.failure is None) / len(problems)
+
+
+class RecordedCollection:
+    """Step k's batch is the one a fully recorded run trained on at step k; a replay evaluates nothing
+    (``evaluation_every`` is 0), as it has no generators."""
+
+    def __init__(self, batches: list[Collected]):
+        self.batches = batches
+
+    async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
+        return self.batches[step]
 
 
 def _joined(problems: list[Problem], rows: Rows) -> list[RolloutGroup]:

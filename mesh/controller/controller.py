@@ -51,15 +51,13 @@ from typing import Any
 from torch import Tensor
 
 from actors.diloco.syncer import STOP_FILE
-from actors.environments.openenv_task import EpisodeSpec
 from actors.rollout import RowKind
-from actors.tasks import Task
 from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
 from mesh.collected import Collected
 from mesh.commands import ControlChannel
-from mesh.controller.collection import EpisodeCollection, SampleCollection
+from mesh.controller.collection import Collection
 from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.metrics import step_metrics
 from mesh.controller.samples import sample_records
@@ -88,21 +86,11 @@ class RunContext:
 
 class Controller:
     def __init__(
-        self,
-        settings: LoopSettings,
-        services: Services,
-        task: Task,
-        board: TeacherBoard,
-        context: RunContext,
-        episodes: EpisodeSpec | None = None,
+        self, settings: LoopSettings, services: Services, collection: Collection, board: TeacherBoard, context: RunContext
     ):
-        """``episodes``: how to play an environment task's episodes (its server's url resolved)."""
+        """``collection``: where each step's batch comes from (``collection.py``)."""
         self.settings, self.services, self.board, self.context = settings, services, board, context
-        self.collection = (
-            SampleCollection(settings.collect, task, services)
-            if episodes is None
-            else EpisodeCollection(settings.collect, task, services, episodes, context.progress.note)
-        )
+        self.collection = collection
         self.scheduler = Scheduler(self._start_collection, settings.steps, settings.max_policy_lag)
         self.diloco: DiLoCoHook | None = None  # a DiLoCo replica's outer loop, after the optimizer steps
         if settings.diloco_interval is not None:

@@ -1,0 +1,156 @@
+"""``python -m mesh.run x.yaml --replay RUN_DIR``: train on a fully recorded run's batches, in order.
+
+To compare a change to the loss on exactly the same data, the run in RUN_DIR recorded every row of
+every step (``logging.samples: {full: true}``, ``mesh/controller/samples.py``): its token ids, the
+sampler's logprobs, its reward, the distill teacher's top-k and the reference's logprobs, with the
+prompt group it belongs to. A replay rebuilds each step's batch from them and trains this topology's
+trainer on it, step by step. Nothing is sampled, rewarded, traced or scored: only the trainer's mesh
+starts (``RunPlan.replaying``), no weights are pushed and nothing is evaluated; the batches' policy
+ages are the recorded ones.
+
+samples.jsonl is read back as strictly as a checkpoint's batches in flight (``mesh/inflight.py``'s
+models): whoever can write a run directory can write it, and a token id past the vocabulary, logprobs
+shorter than the completion or a NaN would otherwise crash the trainer steps later or be trained on
+silently. Every mistake is a ``TopologyError`` (exit 2) naming the file, the line and the fix, before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ConfigDict, Field, ValidationError
+
+from actors.checkpoint import STRICT, first_problem
+from actors.rollout import RolloutGroup, Row
+from mesh.collected import Collected
+from mesh.fingerprint import FingerprintError, topology_fingerprint
+from mesh.inflight import Saved, SavedProblem, SavedRow
+from mesh.plan import RunPlan
+from mesh.rundir import SAMPLES_FILE
+from mesh.topology import Topology, TopologyError, load_topology
+
+RECORD_AGAIN = "record the run again with --set logging.samples.full=true"
+ROW_KEYS = ("kind", "trajectory", "version", "teacher", "distill", "reference_logprobs")  # as a SavedRow's
+NO_SECONDS = {"generate": 0.0, "load": 0.0, "reward": 0.0, "teachers": 0.0}  # nothing was collected
+
+
+class RecordedPlace(Saved):
+    """Where a full samples.jsonl line's row belongs; the row itself is a ``SavedRow``."""
+
+    model_config = STRICT | ConfigDict(extra="ignore")  # the line's other keys are the row's, read apart
+    step: int = Field(ge=0)
+    group: int = Field(ge=0)
+    problem: SavedProblem
+    distill_teacher: str | None
+
+
+def recorded_batches(run_dir: Path, plan: RunPlan) -> list[Collected]:
+    """The batches of steps 0 .. ``loop.steps`` - 1 that the run in ``run_dir`` trained on, for ``plan``'s
+    trainer; a ``TopologyError`` says what is wrong with them and how to fix it."""
+    topology = plan.topology
+    _check_recorded(run_dir, topology)
+    steps = _read(run_dir / SAMPLES_FILE, topology.model_facts().vocabulary_rows)
+    if sorted(steps) != list(range(len(steps))):
+        raise TopologyError(
+            f"{run_dir / SAMPLES_FILE} holds steps {min(steps)} to {max(steps)} with gaps or a late start (a resumed "
+            f"run records from the step it resumed at), but a replay trains from step 0 on every step; {RECORD_AGAIN} "
+            "in one piece"
+        )
+    if topology.loop.steps > len(steps):
+        raise TopologyError(
+            f"{run_dir} recorded {len(steps)} steps and the topology trains {topology.loop.steps}; replay at most the "
+            f"steps it recorded: --set loop.steps={len(steps)}"
+        )
+    batches = [steps[step] for step in range(topology.loop.steps)]
+    if plan.runs("reference") and any(row.reference_logprobs is None for b in batches for row in b.rows()):
+        raise TopologyError(
+            f"--replay {run_dir}: the topology scores the KL penalty's reference on a mesh of its own, which a replay "
+            "does not start, and the recording has no reference logprobs; score it on the trainer's ranks: "
+            "--set actors.reference.placement=in_trainer"
+        )
+    return batches
+
+
+def oldest_age(batches: list[Collected]) -> int:
+    """The largest policy age among the recorded rows (batch k trained at step k): the lag a replay allows."""
+    return max(step - row.version for step, collected in enumerate(batches) for row in collected.rows())
+
+
+def _check_recorded(run_dir: Path, topology: Topology) -> None:
+    """``run_dir`` is a fully recorded run of this topology's model, tokenizer and task."""
+    written = run_dir / "topology.yaml"
+    if not (run_dir / SAMPLES_FILE).is_file() or not written.is_file():
+        raise TopologyError(
+            f"--replay {run_dir}: not a run directory with a recording (it needs topology.yaml and {SAMPLES_FILE}); "
+            f"name the directory a run printed as 'run directory:', recorded with logging.samples.full: true"
+        )
+    try:
+        samples = (yaml.safe_load(written.read_text()) or {}).get("logging", {}).get("samples")
+        recorded = load_topology(written, placed_here=False)
+        mine, theirs = topology_fingerprint(topology).to_json(), topology_fingerprint(recorded).to_json()
+    except (OSError, yaml.YAMLError, AttributeError, TopologyError, FingerprintError) as error:
+        raise TopologyError(f"--replay {run_dir}: its topology.yaml cannot be read back: {error}") from None
+    if not (isinstance(samples, dict) and samples.get("full") is True):
+        raise TopologyError(
+            f"--replay {run_dir}: that run was not fully recorded (its logging.samples is {json.dumps(samples)}), so "
+            f"{SAMPLES_FILE} holds some rows of some steps, and a replay trains on every row of every step; "
+            f"{RECORD_AGAIN}"
+        )
+    differences = topology_fingerprint(topology).differences(theirs | {"adapter": mine["adapter"]}, "the recording")
+    if differences:  # LoRA or not may differ: the rows are the same data for either
+        raise TopologyError(
+            f"--replay {run_dir}: it was recorded for another job: {'; '.join(differences)}. Replay it with a topology "
+            f"of the same model, tokenizer and task (its own is {written})"
+        )
+
+
+def _read(path: Path, vocabulary: int | None) -> dict[int, Collected]:
+    """samples.jsonl's rows, each validated, as one ``Collected`` per step."""
+    rows: dict[int, dict[int, list[Row]]] = defaultdict(lambda: defaultdict(list))
+    problems, distill_teachers = {}, {}
+    with path.open() as lines:
+        for number, line in enumerate(lines, 1):
+            place, row = _row(path, number, line, vocabulary)
+            rows[place.step][place.group].append(row)
+            problems[place.step, place.group] = place.problem.decode()
+            distill_teachers[place.step] = place.distill_teacher
+    return {
+        step: Collected(
+            [RolloutGroup(problems[step, index], index, tuple(group)) for index, group in groups.items()],
+            distill_teachers[step],
+            dict(NO_SECONDS),
+            {},
+        )
+        for step, groups in rows.items()
+    }
+
+
+def _not_recorded(path: Path, number: int, problem: str) -> str:
+    return (
+        f"{path} line {number}, at {problem} It is not a row the recorder wrote with logging.samples.full (or it "
+        f"was changed since); {RECORD_AGAIN}"
+    )
+
+
+def _row(path: Path, number: int, line: str, vocabulary: int | None) -> tuple[RecordedPlace, Row]:
+    try:
+        record: Any = json.loads(line)
+    except ValueError as error:
+        raise TopologyError(f"{path} line {number} is not JSON ({error}); {RECORD_AGAIN}") from None
+    try:
+        place = RecordedPlace.model_validate(record)
+    except ValidationError as error:
+        raise TopologyError(_not_recorded(path, number, first_problem(error, record))) from None
+    reward = {"total": "reward", "parts": "reward_parts", "hint": "hint"}
+    saved = {key: record[key] for key in ROW_KEYS if key in record}
+    saved["reward"] = {key: record[name] for key, name in reward.items() if name in record}
+    try:
+        row = SavedRow.model_validate(saved, context={"vocabulary": vocabulary})
+    except ValidationError as error:
+        raise TopologyError(_not_recorded(path, number, first_problem(error, saved))) from None
+    return place, row.decode()

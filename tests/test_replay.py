@@ -1,0 +1,176 @@
+"""``--replay RUN_DIR``: the trainer alone, on the batches a fully recorded run trained on (``mesh/replay.py``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mesh.rundir import read_metrics
+from mesh.run import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "topologies" / "tiny.yaml"
+SHORT = [
+    "loop.steps=3",
+    "loop.prompts_per_step=3",
+    "loop.group_size=4",
+    "loop.warm_start.steps=1",
+    "loop.evaluation.every=2",
+    "loop.max_policy_lag=1",
+]
+
+
+def sets(root: Path, *overrides: str) -> list[str]:
+    return [f"--set={o}" for o in [*SHORT, f"logging.root={root}", *overrides]]
+
+
+def only_run(root: Path) -> Path:
+    (path,) = [p for p in root.iterdir() if p.is_dir()]
+    return path
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    """A tiny run recorded in full: every row of its 3 steps, with a warm start and bounded-async batches."""
+    root = tmp_path_factory.mktemp("recorded")
+    assert main([str(TINY), "--no-progress", *sets(root, "logging.samples.full=true")]) == 0
+    return only_run(root)
+
+
+def by_step(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(path / "metrics.jsonl")}
+
+
+def test_a_replay_trains_the_trainer_alone_on_the_recorded_batches(recorded, tmp_path):
+    assert main([str(TINY), "--no-progress", *sets(tmp_path / "same"), "--replay", str(recorded)]) == 0
+    replayed, original = by_step(only_run(tmp_path / "same")), by_step(recorded)
+    assert sorted(replayed) == sorted(original) == [0, 1, 2]
+    for step, metrics in original.items():  # the same data, trained by the same trainer from the same seed
+        again = replayed[step]
+        for key in ("reward/mean", "warm_start", "policy_age/counts", "completion_len/mean"):
+            assert again[key] == metrics[key], key
+        assert again["train/loss"] == pytest.approx(metrics["train/loss"], rel=1e-4, abs=1e-6)
+        assert again["time/generate"] == 0.0 and "eval/reward" not in again  # nothing sampled or evaluated
+    assert "eval/reward" in original[1]
+    path = only_run(tmp_path / "same")
+    plan = yaml.safe_load((path / "plan.yaml").read_text())
+    assert plan["replays"] == str(recorded.resolve())
+    assert {name: mesh["actors"] for name, mesh in plan["meshes"].items()} == {"trainer": ["trainer"]}
+    assert list(json.loads((path / "procs.json").read_text())) == ["trainer"]  # no generator process started
+    assert (path / "final" / "model.safetensors").is_file()
+
+
+def test_a_replay_compares_another_loss_on_the_same_data(recorded, tmp_path):
+    changed = ["actors.trainer.loss.policy.name=grpo", "actors.trainer.loss.policy.kl_coef=0.1"]
+    assert main([str(TINY), "--no-progress", *sets(tmp_path, *changed), "--replay", str(recorded)]) == 0
+    replayed, original = by_step(only_run(tmp_path)), by_step(recorded)
+    assert [replayed[s]["reward/mean"] for s in range(3)] == [original[s]["reward/mean"] for s in range(3)]
+    assert replayed[0]["train/loss"] != pytest.approx(original[0]["train/loss"], rel=1e-3)
+    assert "time/reference" in replayed[0]  # the KL's reference scores on the trainer's ranks, as a run's would
+
+
+# ----------------------------------------------------------------------------- refused, before anything starts
+
+
+def copy_of(recorded: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(recorded, tmp_path / "copy", ignore=shutil.ignore_patterns("checkpoints", "final")))
+
+
+def rewrite_line(run_dir: Path, number: int, change) -> None:
+    path = run_dir / "samples.jsonl"
+    lines = path.read_text().splitlines()
+    lines[number - 1] = change(lines[number - 1])
+    path.write_text("\n".join(lines) + "\n")
+
+
+def edit_row(edit):
+    def change(line: str) -> str:
+        record = json.loads(line)
+        edit(record)
+        return json.dumps(record)
+
+    return change
+
+
+def set_samples(run_dir: Path, samples: dict | None) -> None:
+    path = run_dir / "topology.yaml"
+    written = yaml.safe_load(path.read_text())
+    written["logging"]["samples"] = samples
+    path.write_text(yaml.safe_dump(written, sort_keys=False))
+
+
+CASES = {
+    "not a run": (lambda d: shutil.rmtree(d), [], "not a run directory with a recording (it needs topology.yaml"),
+    "not full": (
+        lambda d: set_samples(d, {"every": 10, "per_step": 16, "full": False}),
+        [],
+        'that run was not fully recorded (its logging.samples is {"every": 10, "per_step": 16, "full": false})',
+    ),
+    "no recording": (lambda d: set_samples(d, None), [], "its logging.samples is null"),
+    "token id past the vocabulary": (
+        lambda d: rewrite_line(d, 2, edit_row(lambda r: r["trajectory"]["completion_ids"].__setitem__(0, 10**9))),
+        [],
+        "samples.jsonl line 2, at trajectory.completion_ids[0]: token id 1000000000 is past the policy's vocabulary",
+    ),
+    "a NaN reward": (
+        lambda d: rewrite_line(d, 1, lambda line: line.replace('"reward": ', '"reward": NaN, "was": ', 1)),
+        [],
+        "samples.jsonl line 1, at reward.total: Input should be a finite number",
+    ),
+    "logprobs shorter than the completion": (
+        lambda d: rewrite_line(d, 3, edit_row(lambda r: r["trajectory"]["logprobs"].pop())),
+        [],
+        "line 3, at trajectory.logprobs: ",
+    ),
+    "a line that is not JSON": (
+        lambda d: rewrite_line(d, 4, lambda line: line[:20]),
+        [],
+        "samples.jsonl line 4 is not JSON",
+    ),
+    "a line that is not an object": (lambda d: rewrite_line(d, 4, lambda line: "[1, 2]"), [], "line 4, at "),
+    "a step missing": (
+        lambda d: (d / "samples.jsonl").write_text(
+            "".join(line for line in (d / "samples.jsonl").open() if json.loads(line)["step"] != 1)
+        ),
+        [],
+        "holds steps 0 to 2 with gaps or a late start",
+    ),
+    "more steps than recorded": (lambda d: None, ["loop.steps=5"], "recorded 3 steps and the topology trains 5"),
+    "another model": (
+        lambda d: None,
+        ["model.init.hidden_size=32"],
+        "it was recorded for another job: model hidden_size: 64 in the recording, 32 in the topology",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_bad_recording_is_refused_in_one_paragraph(recorded, tmp_path, capsys, case):
+    damage, overrides, expected = CASES[case]
+    copy = copy_of(recorded, tmp_path)
+    damage(copy)
+    assert main([str(TINY), "--no-progress", *sets(tmp_path / "runs", *overrides), "--replay", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_replay_with_resume_or_diloco_is_refused(recorded, tmp_path, capsys):
+    checkpoint = next((recorded / "checkpoints").iterdir())
+    assert main([str(TINY), *sets(tmp_path), "--replay", str(recorded), "--resume", str(checkpoint)]) == 2
+    assert "and this command also has --resume; replay without it" in capsys.readouterr().err
+    diloco = ROOT / "topologies" / "tiny_diloco.yaml"
+    assert main([str(diloco), "--set=diloco.replicas=1", "--replay", str(recorded)]) == 2
+    assert "also has a diloco section" in capsys.readouterr().err
+
+
+def test_a_dry_run_shows_the_replay_plan(recorded, capsys):
+    assert main([str(TINY), "--dry-run", *sets(Path("/nonexistent")), "--replay", str(recorded)]) == 0
+    placement, graph = capsys.readouterr().out.split("# placement")[1].split("# actor graph")
+    assert [line for line in placement.splitlines() if "mesh " in line] == ["  mesh trainer: 1 host x 1 proc <- trainer"]
+    assert f"each step's batch as {recorded.resolve()}/samples.jsonl recorded it" in graph
+    assert "no generator, rewarder or teacher starts" in graph and "generator ->" not in graph
