@@ -40,6 +40,8 @@ from mesh.faults import Cause, FaultTolerance, explain, explain_report, name_act
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
     from monarch._src.actor.actor_mesh import ActorMesh
 
+    from mesh.trace import Tracer
+
 T = TypeVar("T")
 STOP_TIMEOUT_S = 10.0  # waited for a stop: a broken mesh's is best effort (its processes are already killed)
 
@@ -97,9 +99,11 @@ class Fleet:
         tolerance: FaultTolerance,
         trainer_mesh: str,
         on_fault: Callable[[Fault], None] = lambda fault: None,
+        tracer: Tracer | None = None,
     ):
-        """``roles``: mesh name -> the roles placed on it, in the order they start."""
-        self.launcher, self.tolerance, self.trainer_mesh = launcher, tolerance, trainer_mesh
+        """``roles``: mesh name -> the roles placed on it, in the order they start; ``tracer``: told of every
+        call that is answered (``mesh/trace.py``), None for no trace."""
+        self.launcher, self.tolerance, self.trainer_mesh, self.tracer = launcher, tolerance, trainer_mesh, tracer
         self.meshes = {name: _Mesh(name, mesh_roles) for name, mesh_roles in roles.items()}
         self.on_fault = on_fault
         self.restarts = 0
@@ -143,6 +147,8 @@ class Fleet:
                     call.cancel()
                     raise
                 if call.done():
+                    if self.tracer is not None:  # the attempt that answered, on the processes that answered it
+                        self.tracer.call(role, mesh, proc, endpoint, state.where, started, time.perf_counter())
                     return call.result()
                 call.cancel()
                 cause = state.failed.result() if state.failed.done() else self._timed_out()

@@ -11,13 +11,15 @@ runs/<name>-<time>/
   wandb/               logging.wandb: W&B's files (offline: the whole run, for wandb sync)
   trackers.json        the W&B and trackio runs it logs to, which a --resume of it continues
   reward.png           the reward curve, written at the end
+  trace.json           every actor call of the last logging.trace.steps steps, for Perfetto (mesh/trace.py)
+  timeline.png         a Gantt chart of the last steps' calls, written at the end
   checkpoints/step_N/  policy + optimizer state (safetensors), checksummed
   final/               the last checkpoint's policy as a Hugging Face directory (``mesh/export.py``)
 ```
 
 Every failure to make or write it is a ``RunDirError`` naming the path, the cause and
-the fix, never a traceback; drawing ``reward.png`` at the end never raises, since it runs
-after a failure too and must not replace that failure's message.
+the fix, never a traceback; drawing ``reward.png`` and ``timeline.png`` and writing ``trace.json``
+at the end never raise, since they run after a failure too and must not replace that failure's message.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ from mesh.sinks import Tracker, TrackerError, cause, json_line, open_trackers, s
 
 if TYPE_CHECKING:
     from mesh.topology import Logging
+    from mesh.trace import Tracer
 
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # recorded rows (``mesh/controller/samples.py``)
 PLAN_FILE = "plan.yaml"
 ROOT_HINT = "--run-root (or the topology's logging.root)"
+TIMELINE_FILE = "timeline.png"
 
 
 class RunDirError(RuntimeError):
@@ -64,6 +68,7 @@ class RunDir:
         self.events_file = None
         self.trackers: list[Tracker] = []
         self._logging: LogThread | None = None  # started by the first ``record``
+        self.tracer: Tracer | None = None  # the run's trace (logging.trace), written and drawn when it closes
         if tensorboard:
             (path / "tensorboard").mkdir(exist_ok=True)
             self.events_file = events.event_file(path / "tensorboard")
@@ -163,9 +168,14 @@ class RunDir:
         """Step ``step``'s recorded rows, ``build()`` on the logging thread, appended to samples.jsonl (all
         or none) and sent to the trackers as a table. A write that failed is a RunDirError here, at the
         next step recorded."""
+        self.background(lambda: self._write_samples(step, build()))
+
+    def background(self, job: Callable[[], None]) -> None:
+        """``job`` on the run directory's logging thread, after the jobs sent before it; raises the error of
+        one that failed since (``LogThread.submit``)."""
         if self._logging is None:
             self._logging = LogThread()
-        self._logging.submit(lambda: self._write_samples(step, build()))
+        self._logging.submit(job)
 
     def _write_samples(self, step: int, records: list[dict]) -> None:
         try:
@@ -195,13 +205,17 @@ class RunDir:
         return [r for r in records if r["step"] >= step]
 
     def close(self, exit_code: int = 0) -> str | None:
-        """Draw reward.png from metrics.jsonl and finish the trackers' runs with the run's exit code.
+        """Draw reward.png from metrics.jsonl, write trace.json and draw timeline.png (with a tracer), and
+        finish the trackers' runs with the run's exit code.
         This runs after a failed run too, often on the same full disk, where an exception would
         replace the run's own error: so it never raises, and a failure is printed to stderr as one
         line (reward.png's is also returned)."""
         if self._logging is not None and (error := self._logging.close()) is not None:
             _warn(str(error) if isinstance(error, RunDirError) else f"{self.samples_file}: {cause(error)}")
         drawn = draw(self.path / "reward.png", lambda out: plot_reward(read_metrics(self.metrics_file), out))
+        if self.tracer is not None:
+            self.tracer.close()
+            draw(self.path / TIMELINE_FILE, self.tracer.plot)
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
             try:

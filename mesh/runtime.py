@@ -2,7 +2,7 @@
 
 A run ends in one of three ways, and each keeps everything written so far:
 
-- done: the last step's checkpoint, metrics and ``reward.png`` are in the run directory, and
+- done: the last step's checkpoint, metrics, ``reward.png`` and the trace are in the run directory, and
   ``final/``: that checkpoint's policy as a Hugging Face directory (``mesh/export.py``);
 - a fault the run cannot absorb (an actor's endpoint raised, or more processes died than
   ``fault_tolerance.max_restarts`` allows): :class:`RunFailed`, one paragraph naming the
@@ -78,6 +78,7 @@ from mesh.router import Router  # noqa: E402
 from mesh.rundir import RunDir  # noqa: E402
 from mesh.teachers import TeacherBoard  # noqa: E402
 from mesh.topology import SamplesLogging  # noqa: E402
+from mesh.trace import Tracer  # noqa: E402
 
 if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -134,6 +135,8 @@ async def _run(
         resumed_from,
         plan.record(),
     )
+    if logging.trace is not None:
+        run_dir.tracer = Tracer(logging.trace.steps, run_dir.path, run_dir.background)
     bar = Progress(topology, enabled=progress)
     faults = _FaultLog(run_dir.path, bar)
     controller: Controller | None = None
@@ -156,7 +159,8 @@ async def _run(
             bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}
             board = TeacherBoard(bindings, topology.actors.trainer.loss)
             roles = _roles(plan, model_path, board, _diloco_meeting(plan, run_dir, cleanup))
-            fleet = Fleet(launcher, roles, topology.fault_tolerance, topology.actors.trainer.mesh, faults.record)
+            trainer_mesh = topology.actors.trainer.mesh
+            fleet = Fleet(launcher, roles, topology.fault_tolerance, trainer_mesh, faults.record, run_dir.tracer)
             cleanup.push_async_callback(_stop_trainer, fleet)
             monarch.actor.unhandled_fault_hook = lambda failure: (faults.monarch(failure), fleet.notice(failure))
             fleet.listeners.append(lambda mesh: _write_procs(run_dir.path, fleet))

@@ -59,6 +59,9 @@ SEED_LIMIT = 2**31
 # A billion steps is centuries of the fastest step; a larger count is a typo, and step numbers must
 # stay small enough to name checkpoints and metrics rows.
 MAX_STEPS = 10**9
+# The trace keeps its steps' events in memory (up to hundreds a step on a large run) and writes them all every that
+# many steps: a thousand steps is already tens of megabytes, more than a timeline is read for.
+MAX_TRACE_STEPS = 1000
 
 
 class TopologyError(Exception):
@@ -243,12 +246,20 @@ class SamplesLogging(Section):
         return every_row | raw
 
 
+class TraceLogging(Section):
+    """``logging.trace``: trace.json (every actor call, for Perfetto) and timeline.png of the run's last
+    ``steps`` steps (``mesh/trace.py``); ``logging.trace: null`` traces nothing."""
+
+    steps: int = Field(20, ge=1, le=MAX_TRACE_STEPS)
+
+
 class Logging(Section):
     root: str = "runs"
     tensorboard: bool = True
     samples: SamplesLogging | None = SamplesLogging()  # null: no samples.jsonl
     wandb: WandbLogging | None = None
     trackio: TrackioLogging | None = None
+    trace: TraceLogging | None = TraceLogging()
 
 
 class Topology(Section):

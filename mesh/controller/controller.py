@@ -70,6 +70,7 @@ from mesh.interrupts import Interrupted, Stopper
 from mesh.progress import Progress
 from mesh.rundir import RunDir
 from mesh.teachers import TeacherBoard
+from mesh.trace import at_step, in_step
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class Controller:
         try:
             while self.step < self.settings.steps:
                 try:
-                    metrics = await self._train_step(self.step)
+                    with at_step(self.step):
+                        metrics = await self._train_step(self.step)
                 except TrainerLost as lost:
                     self.step = await self._restart_trainer(lost)
                     self.trained_at = time.perf_counter()
@@ -163,6 +165,7 @@ class Controller:
         advantages = row_advantages(collected.groups, self.settings.advantage)
         report, outer = await self._train(step, collected, advantages)
         now = time.perf_counter()
+        self._trace(step, wait_start, wait_start + wait, now)
         period, self.trained_at = now - self.trained_at, now
         await self._sample_ahead(step + 1)
         metrics = step_metrics(collected, report, ages, self.settings.reference) | outer
@@ -190,6 +193,12 @@ class Controller:
         self.services.generators.push(self.weights)  # to every generator, off the critical path
         return report, outer
 
+    def _trace(self, step: int, waited_from: float, trained_from: float, trained_to: float) -> None:
+        """The controller's own track in trace.json (the fleet times the actor calls)."""
+        if (tracer := self.context.run.tracer) is not None:
+            tracer.span("wait for batch", waited_from, trained_from, step)
+            tracer.span("train step", trained_from, trained_to, step)
+
     async def _sample_ahead(self, step: int) -> None:
         """Start collecting, with the newest weights, every step after the trained ones that
         ``max_policy_lag`` lets run ahead. Called as soon as step ``step`` - 1's weights exist, so
@@ -202,8 +211,9 @@ class Controller:
         await self.scheduler.fill()
 
     def _start_collection(self, step: int) -> Coroutine[Any, Any, Collected]:
-        """Step ``step``'s collection, with the newest weights and the teachers bound now."""
-        return self.collection.collect(step, self.weights, self.board.snapshot())
+        """Step ``step``'s collection, with the newest weights and the teachers bound now (its calls traced as
+        ``step``'s)."""
+        return in_step(step, self.collection.collect(step, self.weights, self.board.snapshot()))
 
     async def _publish(self, step: int | None = None) -> WeightVersion:
         """The trainer's weights, published (under ``step``'s version, when given)."""
