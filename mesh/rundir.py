@@ -10,6 +10,7 @@ runs/<name>-<time>/
   wandb/               logging.wandb: W&B's files (offline: the whole run, for wandb sync)
   trackers.json        the W&B and trackio runs it logs to, which a --resume of it continues
   reward.png           the reward curve, written at the end
+  report.png           the curves python -m mesh.report draws (mesh/report.py)
   checkpoints/step_N/  policy + optimizer state (safetensors), checksummed
   final/               the last checkpoint's policy as a Hugging Face directory (``mesh/export.py``)
 ```
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
 METRICS_FILE = "metrics.jsonl"
+ERROR_LOG = "error.log"
 PLAN_FILE = "plan.yaml"
 ROOT_HINT = "--run-root (or the topology's logging.root)"
 
@@ -239,7 +241,7 @@ def plot_reward(records: list[dict], out: Path) -> None:
     """The reward curve of one run (nothing when it has no metrics)."""
     if not records:
         return
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for r in records if REWARD_KEY in r]
     steps = [r["step"] for r in rows]
     mean = [r[REWARD_KEY] for r in rows]
@@ -258,7 +260,7 @@ def plot_reward(records: list[dict], out: Path) -> None:
 
 def plot_replica_rewards(curves: dict[str, list[dict]], out: Path) -> None:
     """The reward curves of a DiLoCo run's replicas on one plot, their sync rounds marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     for label, records in curves.items():
         rows = [r for r in records if REWARD_KEY in r]
@@ -269,7 +271,8 @@ def plot_replica_rewards(curves: dict[str, list[dict]], out: Path) -> None:
     _save(plt, fig, ax, out)
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: runs draw on machines without a display."""
     import matplotlib
 
     matplotlib.use("Agg")

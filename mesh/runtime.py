@@ -68,14 +68,13 @@ from mesh.plan import RunPlan, model_path_of  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
 from mesh.replicas import serve_lighthouse  # noqa: E402
 from mesh.router import Router  # noqa: E402
-from mesh.rundir import RunDir  # noqa: E402
+from mesh.rundir import ERROR_LOG, RunDir  # noqa: E402
 from mesh.teachers import TeacherBoard  # noqa: E402
 
 if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch._src.actor.actor_mesh import ActorMesh
     from monarch.actor import ProcMesh
 
-ERROR_LOG = "error.log"
 ENVIRONMENT_LOG = "environment.log"  # a served environment's output
 PROCS = "procs.json"
 
