@@ -13,6 +13,7 @@ runs/<name>-<time>/
   reward.png           the reward curve, written at the end
   trace.json           every actor call of the last logging.trace.steps steps, for Perfetto (mesh/trace.py)
   timeline.png         a Gantt chart of the last steps' calls, written at the end
+  report.png           the curves python -m mesh.report draws (mesh/report.py)
   checkpoints/step_N/  policy + optimizer state (safetensors), checksummed
   final/               the last checkpoint's policy as a Hugging Face directory (``mesh/export.py``)
 ```
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # recorded rows (``mesh/controller/samples.py``)
+ERROR_LOG = "error.log"
 PLAN_FILE = "plan.yaml"
 ROOT_HINT = "--run-root (or the topology's logging.root)"
 TIMELINE_FILE = "timeline.png"
@@ -296,7 +298,7 @@ def plot_reward(records: list[dict], out: Path) -> None:
     """The reward curve of one run (nothing when it has no metrics)."""
     if not records:
         return
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for r in records if REWARD_KEY in r]
     steps = [r["step"] for r in rows]
     mean = [r[REWARD_KEY] for r in rows]
@@ -315,7 +317,7 @@ def plot_reward(records: list[dict], out: Path) -> None:
 
 def plot_replica_rewards(curves: dict[str, list[dict]], out: Path) -> None:
     """The reward curves of a DiLoCo run's replicas on one plot, their sync rounds marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     for label, records in curves.items():
         rows = [r for r in records if REWARD_KEY in r]
@@ -326,7 +328,8 @@ def plot_replica_rewards(curves: dict[str, list[dict]], out: Path) -> None:
     _save(plt, fig, ax, out)
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: runs draw on machines without a display."""
     import matplotlib
 
     matplotlib.use("Agg")

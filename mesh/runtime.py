@@ -75,7 +75,7 @@ from mesh.progress import Progress  # noqa: E402
 from mesh.replay import oldest_age  # noqa: E402
 from mesh.replicas import serve_lighthouse  # noqa: E402
 from mesh.router import Router  # noqa: E402
-from mesh.rundir import RunDir  # noqa: E402
+from mesh.rundir import ERROR_LOG, RunDir  # noqa: E402
 from mesh.teachers import TeacherBoard  # noqa: E402
 from mesh.topology import SamplesLogging  # noqa: E402
 from mesh.trace import Tracer  # noqa: E402
@@ -84,7 +84,6 @@ if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch._src.actor.actor_mesh import ActorMesh
     from monarch.actor import ProcMesh
 
-ERROR_LOG = "error.log"
 ENVIRONMENT_LOG = "environment.log"  # a served environment's output
 PROCS = "procs.json"
 
