@@ -3,7 +3,7 @@
     python bench/loop.py            # 3 runs per mode, 40 steps each, plus weight sync (~5 min on 2 cores)
     python bench/loop.py --quick    # 1 run per mode, 12 steps (~1.5 min)
 
-Three figures, each a ratio against a baseline measured in the same run:
+Four figures, each a ratio against a baseline measured in the same run:
 
 1. Orchestration overhead (synchronous loop): per step, the share of wall time spent
    outside actor compute, ``1 - (generate + reward + train + weight publish/load) / step``,
@@ -17,6 +17,11 @@ Three figures, each a ratio against a baseline measured in the same run:
    bytes in the same process. Target >= 0.5x. Also shown: the same plus waiting for the
    background checksum verification (a generator samples meanwhile), and endpoint
    arguments (the bytes as an actor-call argument) for reference.
+4. What watching a run costs (``logging.samples`` and ``logging.trace`` at their defaults):
+   directly, the loop's own time per step spent tracing its actor calls and handing rows to
+   the recorder, plus the logging thread's work (building, encoding and appending the rows,
+   writing trace.json), against the synchronous step; and as the ratio of median synchronous
+   steps with both on and both off (runs interleaved, noisier than the share it bounds).
 
 Steps 0-1 (process start, first weight load) and the last step (final checkpoint) are
 left out of per-step medians.
@@ -38,10 +43,20 @@ import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 from monarch.actor import Actor, endpoint, this_host
 
+from actors.lifecycle import ProcInfo
+from actors.train_batch import row_advantages
+from functools import partial
+
 from actors.weights import WeightPublisher, WeightSubscriber, WeightVersion
+from mesh.controller.samples import SampleRecording, sample_records
+from mesh.logthread import LogThread
+from mesh.preflight import load_plan
+from mesh.replay import recorded_batches
 from mesh.rundir import read_metrics
 from mesh.runtime import run
-from mesh.preflight import load_plan
+from mesh.sinks import json_line
+from mesh.topology import Logging
+from mesh.trace import TRACE_FILE, Tracer, at_step
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -56,7 +71,13 @@ def median(values: list[float]) -> float:
 async def loop_run(lag: int, steps: int, root: Path, *overrides: str) -> list[dict]:
     """tiny.yaml's loop without warm start, evaluation or checkpoints (``overrides``: further
     ``key=value`` settings); the metrics of its steps after the first two and before the last."""
-    settings = [
+    plan = load_plan(ROOT / "topologies" / "tiny.yaml", loop_settings(lag, steps, root, *overrides))
+    run_dir = await run(plan, progress=False)
+    return read_metrics(run_dir.metrics_file)[2:-1]
+
+
+def loop_settings(lag: int, steps: int, root: Path, *overrides: str) -> list[str]:
+    return [
         f"loop.steps={steps}",
         f"loop.max_policy_lag={lag}",
         "loop.warm_start.steps=0",
@@ -66,8 +87,78 @@ async def loop_run(lag: int, steps: int, root: Path, *overrides: str) -> list[di
         f"logging.root={root}",
         *overrides,
     ]
-    run_dir = await run(load_plan(ROOT / "topologies" / "tiny.yaml", settings), progress=False)
-    return read_metrics(run_dir.metrics_file)[2:-1]
+
+
+UNWATCHED = ("logging.samples=null", "logging.trace=null")
+
+
+async def watching_cost(steps: int, root: Path, step_s: float) -> dict:
+    """What ``logging.samples`` and ``logging.trace`` at their defaults cost a synchronous tiny step, measured
+    directly: the loop's own share (a traced call times the calls a step makes; handing a step to the recorder)
+    and the logging thread's (a recorded step's rows built, encoded and written, every ``every``-th step; a
+    trace.json written every N steps), each the median of many repetitions, over ``step_s`` (the median
+    synchronous step). A run recorded in full gives the batches and the calls per step."""
+    full = root / "full"
+    plan = load_plan(ROOT / "topologies" / "tiny.yaml", loop_settings(0, steps, full, "logging.samples.full=true"))
+    run_dir = await run(plan, progress=False)
+    batches = recorded_batches(run_dir.path, plan)[2:-1]
+    events = json.loads((run_dir.path / TRACE_FILE).read_text())["traceEvents"]
+    traced = [e for e in events if e["ph"] == "X" and e.get("args", {}).get("step") == steps - 2]
+    calls = len(traced)  # a whole-mesh call counts once per process: an upper bound on the tracer's calls
+    defaults = Logging()
+    every, trace_steps = defaults.samples.every, defaults.trace.steps
+    recording = SampleRecording(every, defaults.samples.per_step, full=False)
+
+    tracer = Tracer(trace_steps, root, lambda job: job())
+    where = [ProcInfo("host", 1)]
+    reps = 20_000
+    start = time.perf_counter()
+    for i in range(reps):
+        tracer.call("generator", "generator", 0, "generate", where, 0.0, 1.0)
+    call_s = (time.perf_counter() - start) / reps
+    tracer = Tracer(trace_steps, root, lambda job: job())  # what a run holds when it writes: N steps of its calls
+    for step in range(trace_steps):
+        with at_step(step):
+            for _ in range(calls):
+                tracer.call("generator", "generator", 0, "generate", where, 0.0, 1.0)
+    write_s = median([_timed(lambda: tracer._write(list(tracer._events), tracer.newest)) for _ in range(5)])
+    logging = LogThread()
+    start = time.perf_counter()
+    for i in range(reps):  # what the loop does for a recorded step: hand the thread a job that will build the rows
+        logging.submit(partial(_unbuilt, i, batches[0], None, [], recording))
+    hand_s = (time.perf_counter() - start) / reps
+    logging.close()
+
+    def rows(collected, recording: SampleRecording) -> str:
+        ages = [0] * len(collected.rows())
+        return "".join(map(json_line, sample_records(0, collected, row_advantages(collected.groups), ages, recording)))
+
+    record_s = median([_timed(lambda c=c: rows(c, recording)) for c in batches])
+    full_s = median([_timed(lambda c=c: rows(c, SampleRecording(1, None, True))) for c in batches])
+    loop_s = calls * call_s + hand_s / every
+    thread_s = record_s / every + write_s / trace_steps
+    return {
+        "step_s": step_s,
+        "calls_per_step": calls,
+        "trace_call_s": call_s,
+        "hand_to_recorder_s": hand_s,
+        "record_per_recorded_step_s": record_s,
+        "trace_write_s": write_s,
+        "full_record_per_step_s": full_s,
+        "loop_share": loop_s / step_s,
+        "thread_share": thread_s / step_s,
+        "share": (loop_s + thread_s) / step_s,
+    }
+
+
+def _unbuilt(*args) -> None:
+    """A recorded step's job that does not build its rows: only handing it over is timed."""
+
+
+def _timed(work) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
 
 def overhead_shares(rows: list[dict]) -> list[float]:
@@ -189,6 +280,7 @@ async def main(args) -> None:
     samples = {0: [], 1: []}
     overhead: list[float] = []
     sync_rows: list[dict] = []
+    unwatched_steps: list[float] = []
     try:
         for i in range(runs):
             for lag in (0, 1):
@@ -198,6 +290,8 @@ async def main(args) -> None:
                     overhead += overhead_shares(rows)
                     sync_rows += rows
                 print(f"run {i} lag {lag}: median {samples[lag][-1]:.0f} samples/s", flush=True)
+            unwatched_steps += [r["time/step"] for r in await loop_run(0, steps, root, *UNWATCHED)]
+        watching = await watching_cost(steps, root, median([r["time/step"] for r in sync_rows]))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     sync = await weight_sync(reps=3 if args.quick else 7)
@@ -221,6 +315,7 @@ async def main(args) -> None:
         "async_samples_per_s": median(samples[1]),
         "async_over_sync": median(samples[1]) / median(samples[0]),
         "weight_sync": sync,
+        "watching": watching | {"watched_over_unwatched_step": step_s / median(unwatched_steps)},
     }
     print(
         f"orchestration overhead, synchronous: median {100 * result['overhead_share_median']:.1f}% of step time "
@@ -238,6 +333,15 @@ async def main(args) -> None:
         f"(target >= 0.5x); publish + load + waiting for the background verification "
         f"{sync['verified_s'] * 1e3:.0f} ms ({sync['verified_ratio_vs_memcpy']:.2f}x); endpoint argument "
         f"{sync['argument_s'] * 1e3:.0f} ms ({sync['argument_GBps']:.2f} GB/s)"
+    )
+    w = result["watching"]
+    print(
+        f"watching a run (samples and trace at their defaults): {100 * w['share']:.2f}% of a "
+        f"{w['step_s'] * 1e3:.0f} ms synchronous step (target <= 1%): the loop's {100 * w['loop_share']:.3f}% "
+        f"({w['calls_per_step']} traced calls of {w['trace_call_s'] * 1e6:.1f} us), the logging thread's "
+        f"{100 * w['thread_share']:.2f}% (a recorded step's rows {w['record_per_recorded_step_s'] * 1e3:.2f} ms, "
+        f"trace.json {w['trace_write_s'] * 1e3:.1f} ms); a full recording's rows {w['full_record_per_step_s'] * 1e3:.1f}"
+        f" ms per step. Median step with both on / both off: {w['watched_over_unwatched_step']:.3f}"
     )
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "loop.json").write_text(json.dumps(result, indent=1))

@@ -257,11 +257,11 @@ def plot_timeline(spans: list[Span], out: Path, steps: int = TIMELINE_STEPS) -> 
     in lanes. Nothing when there are none (a run that stopped before its first call)."""
     if not spans:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
+    from mesh.rundir import pyplot
+
+    plt = pyplot()
 
     t0, title = _window(spans, steps)
     shown = [replace(s, start=max(s.start, t0)) for s in spans if s.end >= t0]
