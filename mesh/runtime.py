@@ -53,9 +53,8 @@ from mesh.controller import (  # noqa: E402
     CollectSettings,
     Controller,
     EpisodeCollection,
-    RecordedCollection,
-    SampleCollection,
     LoopSettings,
+    RecordedCollection,
     ReferenceInTrainer,
     ReferenceScoring,
     RemoteReference,
@@ -63,6 +62,7 @@ from mesh.controller import (  # noqa: E402
     RewardedInGenerators,
     Rewarding,
     RunContext,
+    SampleCollection,
     Services,
 )
 from mesh.controller.samples import SampleRecording  # noqa: E402
