@@ -64,6 +64,7 @@ def test_a_replay_trains_the_trainer_alone_on_the_recorded_batches(recorded, tmp
     assert (path / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_a_replay_compares_another_loss_on_the_same_data(recorded, tmp_path):
     changed = ["actors.trainer.loss.policy.name=grpo", "actors.trainer.loss.policy.kl_coef=0.1"]
     assert main([str(TINY), "--no-progress", *sets(tmp_path, *changed), "--replay", str(recorded)]) == 0

@@ -64,6 +64,7 @@ async def test_a_run_records_the_first_rows_of_every_nth_step_with_what_scored_t
     assert all(r["kind"] == "sample" and r["teacher"] is None for r in steps[2])  # the warm start is over
 
 
+@pytest.mark.slow
 async def test_a_full_recording_holds_every_row_of_every_step_with_its_tokens(tmp_path):
     run_dir = await run(tiny_plan(tmp_path, "logging.samples.full=true"), progress=False)
     steps = by_step(read_metrics(run_dir.samples_file))
@@ -80,6 +81,7 @@ async def test_a_full_recording_holds_every_row_of_every_step_with_its_tokens(tm
             assert all(lp <= 0 for lp in trajectory["logprobs"]) and r["distill"] is None
 
 
+@pytest.mark.slow
 async def test_samples_null_records_nothing(tmp_path):
     run_dir = await run(tiny_plan(tmp_path, "loop.steps=1", "logging.samples=null"), progress=False)
     assert read_metrics(run_dir.metrics_file) and not run_dir.samples_file.exists()
