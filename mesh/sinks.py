@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol

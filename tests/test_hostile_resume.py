@@ -9,16 +9,14 @@ in a traceback (``inflight`` as a string)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from test_checkpoint import reseal
+from tiny_runs import TINY, finished_tiny_run
 
 from actors.checkpoint import CheckpointError, checkpoint_state
 from mesh.inflight import collected_from_json, collected_to_json
@@ -26,8 +24,6 @@ from mesh.resume import check_state
 from mesh.run import check_resume, main
 from mesh.topology import load_topology
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "topologies" / "tiny.yaml"
 SHORT = ["loop.steps=2", "loop.prompts_per_step=2", "loop.group_size=2", "checkpointing.every=1"]
 ROW = "inflight.collected[0].groups[0].rows[0]"  # a policy sample
 NOT_WRITTEN_SO = "was changed after the checkpoint was written (and its checksum recomputed)"
@@ -36,14 +32,7 @@ NOT_WRITTEN_SO = "was changed after the checkpoint was written (and its checksum
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> Path:
     """step_000001 of a two-step run of tiny.yaml (max_policy_lag 1): it keeps step 2's batch."""
-    root = tmp_path_factory.mktemp("runs")
-    command = [sys.executable, "-m", "mesh.run", str(TINY), "--no-progress", f"--set=logging.root={root}"]
-    command += [f"--set={setting}" for setting in SHORT]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (checkpoint,) = root.glob("tiny-*/checkpoints/step_000001")
-    return checkpoint
+    return finished_tiny_run(tmp_path_factory.mktemp("runs"), SHORT) / "checkpoints" / "step_000001"
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_runs import finished_tiny_run
 
 from mesh.report import OVERLAP, REPORT_PNG, WIDTH, main
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "topologies" / "tiny.yaml"
 STEPS = 10
 SHORT = [
     f"loop.steps={STEPS}",
@@ -36,14 +36,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     """The run directory of a 10-step run of tiny.yaml, run to its end."""
-    root = tmp_path_factory.mktemp("runs")
-    command = [sys.executable, "-m", "mesh.run", str(TINY), "--no-progress", f"--set=logging.root={root}"]
-    command += [f"--set={setting}" for setting in SHORT]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = root.glob("tiny-*")
-    return run
+    return finished_tiny_run(tmp_path_factory.mktemp("runs"), SHORT)
 
 
 @pytest.fixture

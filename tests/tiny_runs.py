@@ -1,0 +1,22 @@
+"""A finished run of tiny.yaml from the command line, for tests that read what a run leaves behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "topologies" / "tiny.yaml"
+
+
+def finished_tiny_run(root: Path, settings: list[str]) -> Path:
+    """The run directory of ``python -m mesh.run tiny.yaml`` with ``settings`` (``key=value``) under ``root``."""
+    command = [sys.executable, "-m", "mesh.run", str(TINY), "--no-progress", f"--set=logging.root={root}"]
+    command += [f"--set={setting}" for setting in settings]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = root.glob("tiny-*")
+    return run
