@@ -2,9 +2,9 @@
 
 A recorded step's rows are built, encoded and appended here, one job after another in the
 order they were sent, while the loop goes on to the next step. A job that fails (a full
-disk) does not stop training: its error is kept, the jobs after it are skipped, and the
-loop reads the error at its next ``submit`` (or ``drain``), where it is raised as the
-loop's own error would have been.
+disk) does not interrupt the step it was sent from: its error is kept, the jobs sent after
+it are skipped, and the loop's next ``submit`` (or ``drain``) raises it, where a write the
+loop made itself would have raised.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ One line per recorded row, in batch order (a prompt's whole group before the nex
 ``kind`` is the row's ``RowKind`` (``sample``, ``warm_start``, ``replay``), ``teacher`` the binding that
 wrote a teacher's trace, ``version`` the policy that sampled it and ``age`` the trainer's version minus
 that when it trained on it. A full recording (``logging.samples.full``) holds every row of every step,
-each with what training reads of it besides (``FULL_KEYS``: its token ids, the sampler's logprobs, the
-loss mask, the distill teacher's top-k, the reference's logprobs and the rest of its prompt), so that
+each with what training reads of it besides (``trajectory``: its token ids, the sampler's logprobs and the
+loss mask; ``distill``: the distill teacher's top-k; ``reference_logprobs``; ``problem``: the whole prompt), so that
 ``--replay`` (``mesh/replay.py``) can rebuild each step's batch exactly.
 
 The rows are built from the step's ``Collected`` on the run directory's logging thread (``RunDir.record``),
