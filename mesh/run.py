@@ -167,6 +167,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+MONARCH_SHUTDOWN_S = 10.0
+
+
+def shut_down_monarch() -> None:
+    """End the program's Monarch client (if a run made one) before the interpreter does. Monarch's exit handler
+    waits a second for it and prints a traceback when a busy machine needs longer; the run has already stopped
+    every mesh, so a client still closing after ``MONARCH_SHUTDOWN_S`` is left to end with the process, quietly.
+    Only as the program exits: a client that is shut down cannot start again in the same process."""
+    if "monarch.actor" not in sys.modules:  # nothing was run
+        return
+    from monarch.actor import shutdown_context
+
+    with contextlib.suppress(TimeoutError):
+        shutdown_context().get(timeout=MONARCH_SHUTDOWN_S)  # the exit handler's own call then returns at once
+
+
 def replica_overrides(path: str, overrides: list[str], replica: int) -> list[str]:
     """``overrides`` that make the run DiLoCo replica ``replica`` of the topology, named ``<name>-r<replica>``
     (its run directory, jobs and meshes; a replica's own topology.yaml, resumed, already has that name)."""
@@ -275,4 +291,6 @@ def check_resume(topology: Topology, checkpoint: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    shut_down_monarch()
+    sys.exit(exit_code)

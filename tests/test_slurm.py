@@ -236,5 +236,5 @@ def test_a_signal_stops_the_cli_run_and_cancels_its_jobs(cluster, tmp_path):
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, err
-    assert err.strip().splitlines()[-1].startswith("stopped: SIGTERM: the run stopped at a step boundary")
+    assert err.strip().splitlines()[-1].startswith("stopped: SIGTERM: the run stopped at a step boundary"), err
     assert queued() == []
