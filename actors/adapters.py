@@ -4,21 +4,27 @@ An adapter's tensors travel and are stored under the names PEFT saves them with 
 ``adapter_model.safetensors``: ``base_model.model.<module>.lora_A.weight``), so the weight
 store, the checkpoints, the ``hf`` engine, vLLM's LoRA loader and ``mesh.export`` all read
 one format, and a checkpoint's adapter is a file PEFT itself would have written.
+
+PEFT is imported where an adapter is made or written, not with this module: every trainer
+process imports it, and PEFT's own imports add a second to the start of a run without LoRA.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from actors.inner_loops.config import LoRAConfig
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
 
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 ADAPTER_NAME = "default"  # PEFT's name for a model's one adapter
@@ -26,6 +32,8 @@ ADAPTER_NAME = "default"  # PEFT's name for a model's one adapter
 
 def peft_config(lora: LoRAConfig) -> LoraConfig:
     """PEFT's ``LoraConfig`` for ``lora``: a causal LM's adapters, no bias terms trained."""
+    from peft import LoraConfig
+
     targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
     return LoraConfig(
         r=lora.rank,
@@ -40,11 +48,15 @@ def peft_config(lora: LoRAConfig) -> LoraConfig:
 def with_adapter(model: nn.Module, lora: LoRAConfig) -> PeftModel:
     """``model`` frozen, with fresh adapters on ``lora``'s layers (PEFT's init: A random, B zero, so the
     policy starts as the base). Seed torch first for the same adapters."""
+    from peft import get_peft_model
+
     return get_peft_model(model, peft_config(lora))
 
 
 def adapter_state(model: PeftModel) -> dict[str, Tensor]:
     """The adapters' tensors under PEFT's saved names (detached: they are read, not trained)."""
+    from peft import get_peft_model_state_dict
+
     state = get_peft_model_state_dict(model, save_embedding_layers=False)  # not the head's base weight: adapters only
     return {name: tensor.detach() for name, tensor in state.items()}
 
@@ -54,7 +66,8 @@ def head_weight(model: nn.Module) -> Tensor:
     (``losses.LinearHead``), so an adapter on it is folded in: ``W + (alpha / rank) B A`` while the
     adapters are on, ``W`` while they are off (the reference's base)."""
     head = model.get_output_embeddings()
-    if isinstance(head, LoraLayer) and not head.disable_adapters and ADAPTER_NAME in head.lora_A:
+    lora = sys.modules.get("peft.tuners.lora")  # not imported: no model of this process has adapters
+    if lora is not None and isinstance(head, lora.LoraLayer) and not head.disable_adapters and ADAPTER_NAME in head.lora_A:
         return head.base_layer.weight + head.get_delta_weight(ADAPTER_NAME)
     return head.weight
 
