@@ -112,7 +112,8 @@ async def train_once(
         pytest.param("trl", ALL_CHANNELS, marks=pytest.mark.slow),  # trl's loss and gradients: test_inner_loops
         ("prime_rl", ALL_CHANNELS),
         ("torchtitan", LossConfig()),
-        ("torchtitan", ALL_CHANNELS),  # FSDP2; the 25 rows split 13/12: ranks run different micro-batch counts
+        # FSDP2; the 25 rows split 13/12: ranks run different micro-batch counts
+        pytest.param("torchtitan", ALL_CHANNELS, marks=pytest.mark.slow),
     ],
     ids=lambda value: value if isinstance(value, str) else ("all_channels" if value is ALL_CHANNELS else "policy"),
 )
@@ -276,7 +277,7 @@ def weights_of(results) -> dict[str, torch.Tensor]:
         ("native", 2),
         pytest.param("trl", 1, marks=pytest.mark.slow),
         pytest.param("prime_rl", 1, marks=pytest.mark.slow),
-        ("torchtitan", 2),
+        pytest.param("torchtitan", 2, marks=pytest.mark.slow),
     ],
     ids=str,
 )

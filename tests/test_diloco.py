@@ -82,9 +82,8 @@ def assert_identical(a: dict, b: dict) -> None:
     assert all((a[k] == b[k]).all() for k in a), "replicas hold different weights right after a sync"
 
 
-@pytest.mark.parametrize(
-    "transport", [pytest.param(t, marks=[pytest.mark.slow] if t == "object_store" else []) for t in TRANSPORTS]
-)
+@pytest.mark.slow  # two whole runs; the default run averages across replicas in test_actors and test_diloco_torchft
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_two_replicas_sync_every_h_steps_and_hold_the_same_weights_after_each_sync(tmp_path, transport):
     parent = finish(start(tmp_path, 10, transport), tmp_path)
     runs = [replica_run(parent, i) for i in (0, 1)]

@@ -233,6 +233,7 @@ def run_cli(tmp_path: Path, *settings: str) -> tuple[subprocess.CompletedProcess
     return result, runs[0] if runs else None
 
 
+@pytest.mark.slow  # a whole CLI run; the default run plays served episodes in test_a_generator_plays_episodes_...
 def test_env_multiturn_trains_on_served_episodes_and_stops_the_server(tmp_path):
     """Two steps, bounded async: the checkpoint keeps the batch sampled ahead, episodes whose
     environment tokens carry no loss."""

@@ -141,6 +141,7 @@ def test_signals_while_the_program_exits_after_its_run_end_it_in_one_line(tmp_pa
 # ----------------------------------------------------------------------------- a second signal
 
 
+@pytest.mark.slow  # a run and its resume; the default run's second signal is test_chaos's
 def test_a_second_signal_during_a_checkpoint_write_names_the_checkpoint_and_it_resumes(tmp_path):
     """The reproduction: the first SIGINT asks for a checkpoint at the step boundary; the second lands while
     the trainer writes it (``step_N.partial`` exists). The trainer finishes the write as it stops, so

@@ -97,6 +97,7 @@ def test_the_shipped_data_set_is_what_its_generator_writes():
         assert all(row["solution"].endswith(f"#### {row['answer']}") for row in rows)
 
 
+@pytest.mark.slow  # a whole CLI run
 def test_math_small_trains_from_the_command_line_on_prompts_its_chat_template_renders(tmp_path):
     """topologies/math_small.yaml for two steps through the CLI; the batch sampled ahead (bounded
     async) and kept by the checkpoint holds the policy's prompt ids: ChatML, system prompt included."""

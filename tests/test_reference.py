@@ -80,6 +80,7 @@ def test_kl_coef_alone_puts_the_initial_weights_on_the_trainer_and_dry_run_says_
             assert line in result.stdout
 
 
+@pytest.mark.slow  # three runs; the default run trains against a reference in the test below
 async def test_both_placements_train_identically_and_the_kl_starts_at_zero(tmp_path):
     """Two trainer ranks (each scores its own rows) against a Reference actor beside the teachers,
     bounded-async with a checkpoint of in-flight batches: the same KL, the same training."""

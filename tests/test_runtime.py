@@ -89,6 +89,7 @@ async def test_synchronous_run_fills_the_run_directory(tmp_path, monkeypatch):
     assert {"config.json", "tokenizer.json", "generation_config.json"} <= {p.name for p in (path / "final").iterdir()}
 
 
+@pytest.mark.slow  # two runs; the default run rewards inside the generators in test_synchronous_run_fills_...
 async def test_generators_that_reward_what_they_write_train_exactly_as_a_rewarder_actor_does(tmp_path, monkeypatch):
     """The Rewarder on the generator's mesh runs inside each generator (samples, warm-start traces and
     evaluation rewarded in the generators' own calls): the same rewards, the same training, no actor."""
@@ -256,11 +257,11 @@ async def test_every_actor_on_one_mesh_learns_like_the_default_placement(tmp_pat
     ("inner_loop", "precision"),
     [
         ("native", "auto"),
-        # slow tier: each of these loops gives native's step (test_inner_loops); the default run learns with two
+        # slow tier: each of these loops gives native's step (test_inner_loops); the default run learns with native
         pytest.param("native", "bf16", marks=pytest.mark.slow),
         pytest.param("trl", "auto", marks=pytest.mark.slow),
         pytest.param("prime_rl", "auto", marks=pytest.mark.slow),
-        ("torchtitan", "auto"),
+        pytest.param("torchtitan", "auto", marks=pytest.mark.slow),
     ],
     ids=["native", "native-bf16", "trl", "prime_rl", "torchtitan"],
 )

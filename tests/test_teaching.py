@@ -149,6 +149,7 @@ async def test_hot_swap_during_a_live_run(tmp_path):
     assert list(json.loads((run_dir.path / "teachers.json").read_text())) == ["oracle"]
 
 
+@pytest.mark.slow  # two runs and a resume
 async def test_taid_schedule_survives_checkpoint_and_resume(tmp_path):
     topology = small(tmp_path, "actors.trainer.loss.distill={divergence: taid}", "loop.steps=4")
     first = records((await run(topology, progress=False)).path)
