@@ -11,17 +11,10 @@ import yaml
 
 from mesh.rundir import read_metrics
 from mesh.run import main
+from tiny_runs import ROOT, TINY
+from tiny_runs import SHORT as TINY_SHORT
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "topologies" / "tiny.yaml"
-SHORT = [
-    "loop.steps=3",
-    "loop.prompts_per_step=3",
-    "loop.group_size=4",
-    "loop.warm_start.steps=1",
-    "loop.evaluation.every=2",
-    "loop.max_policy_lag=1",
-]
+SHORT = [*TINY_SHORT, "loop.evaluation.every=2"]
 
 
 def sets(root: Path, *overrides: str) -> list[str]:

@@ -16,18 +16,11 @@ from mesh.rundir import RunDir, RunDirError, read_metrics
 from mesh.runtime import run
 from mesh.sinks import SAMPLE_COLUMNS
 from mesh.topology import TopologyError, load_topology
+from tiny_runs import SHORT as TINY_SHORT
+from tiny_runs import TINY
 from tmpfs import tmpfs
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "topologies" / "tiny.yaml"
-SHORT = [
-    "loop.steps=3",
-    "loop.prompts_per_step=3",
-    "loop.group_size=4",
-    "loop.warm_start.steps=1",
-    "loop.evaluation.every=0",
-    "loop.max_policy_lag=1",
-]
+SHORT = [*TINY_SHORT, "loop.evaluation.every=0"]
 
 
 def tiny_plan(root: Path, *overrides: str):

@@ -9,6 +9,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
+SHORT = [  # a few seconds of tiny.yaml that still warm-starts and trains on a batch one version old
+    "loop.steps=3",
+    "loop.prompts_per_step=3",
+    "loop.group_size=4",
+    "loop.warm_start.steps=1",
+    "loop.max_policy_lag=1",
+]
 
 
 def finished_tiny_run(root: Path, settings: list[str]) -> Path:
