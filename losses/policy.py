@@ -17,6 +17,8 @@ from losses.batch import Counts, PolicyInputs, masked_sum_per_row
 from losses.config import COVARIANCE, Aggregation, CovariancePolicyConfig, PolicyConfig
 
 LOG_WEIGHT_BOUND = 20.0  # exp(+-20) guards importance weights against overflow (as verl)
+# The one policy metric that is a maximum, not a sum over rows: loops combine its passes and ranks with max.
+MISMATCH_MAX = "mismatch_max"
 
 
 def aggregate(per_token: Tensor, mask: Tensor, how: Aggregation, counts: Counts) -> Tensor:
@@ -61,13 +63,16 @@ def mismatch(trainer: Tensor, inference: Tensor, mask: Tensor, counts: Counts) -
     """How far the sampler's distribution ``mu`` is from the trainer's ``pi`` on the sampled
     tokens: the k1 and k3 estimates of KL(mu || pi) (samples come from mu), per token.
     k1 = log mu - log pi is unbiased but noisy and can go negative; k3 = r - 1 - log r with
-    r = pi / mu is never negative and has lower variance."""
+    r = pi / mu is never negative and has lower variance. ``mismatch_max`` is the largest
+    |log pi - log mu| of any sampled token: the averages hide a rare token far off, which is
+    what an importance-weight bound (``is_max``) has to catch."""
     valid = mask & torch.isfinite(inference)
     log_r = torch.where(valid, trainer.detach() - inference, torch.zeros_like(trainer))
     k3 = log_r.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND).exp() - 1 - log_r
     return {
         "mismatch_k1": masked_sum_per_row(-log_r, valid).sum() / counts.tokens,
         "mismatch_k3": masked_sum_per_row(k3, valid).sum() / counts.tokens,
+        MISMATCH_MAX: log_r.abs().max() if log_r.numel() else log_r.new_zeros(()),
     }
 
 

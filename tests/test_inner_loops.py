@@ -146,6 +146,7 @@ def test_tis_inside_the_loop_weights_each_token_by_trainer_over_sampler(model_di
     assert 0.05 < float((weight[mask] == 1.5).float().mean()) < 0.5  # the truncation is actually exercised
     assert metrics["policy/mismatch_k1"] == pytest.approx(float(-log_r[mask].mean()), abs=1e-6)
     assert metrics["policy/mismatch_k3"] == pytest.approx(float((log_r.exp() - 1 - log_r)[mask].mean()), abs=1e-6)
+    assert metrics["policy/mismatch_max"] == pytest.approx(float(log_r[mask].abs().max()), abs=1e-6)
     for name, grad in loop.gradients().items():
         torch.testing.assert_close(grad, by_hand.gradients()[name], atol=TOLERANCE, rtol=0, msg=name)
 

@@ -561,12 +561,18 @@ def test_mismatch_estimates_are_zero_on_policy_and_k3_never_negative():
     logprobs, inputs = random_policy()
     same = dataclasses.replace(inputs, inference_logprobs=logprobs.detach().clone())
     _, metrics = policy_loss(logprobs, same, policy_config())
-    assert metrics["mismatch_k1"] == 0.0 and metrics["mismatch_k3"] == 0.0
+    assert metrics["mismatch_k1"] == 0.0 and metrics["mismatch_k3"] == 0.0 and metrics["mismatch_max"] == 0.0
     shifted = dataclasses.replace(inputs, inference_logprobs=logprobs.detach() + 0.1)  # the sampler more confident
     _, metrics = policy_loss(logprobs, shifted, policy_config())
     share = float(inputs.mask.sum()) / inputs.counts.tokens
     assert metrics["mismatch_k1"] == pytest.approx(0.1 * share)  # E_mu[log mu - log pi]
     assert metrics["mismatch_k3"] == pytest.approx((math.exp(-0.1) - 1 + 0.1) * share)
+    assert metrics["mismatch_max"] == pytest.approx(0.1)
+    one_off = logprobs.detach().clone()
+    one_off[inputs.mask.nonzero()[0].tolist()] -= 2.0  # one sampled token far off; padding never counts
+    one_off[~inputs.mask] += 50.0
+    _, metrics = policy_loss(logprobs, dataclasses.replace(inputs, inference_logprobs=one_off), policy_config())
+    assert metrics["mismatch_max"] == pytest.approx(2.0)
     for offset in (-2.0, -0.3, 0.5, 3.0):
         moved = dataclasses.replace(inputs, inference_logprobs=logprobs.detach() + offset)
         assert policy_loss(logprobs, moved, policy_config())[1]["mismatch_k3"] > 0

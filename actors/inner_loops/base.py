@@ -57,6 +57,7 @@ from losses import (
     token_logprobs,
 )
 from losses.config import COVARIANCE
+from losses.policy import MISMATCH_MAX
 
 CPU = torch.device("cpu")
 
@@ -278,13 +279,18 @@ class MicroBatchLoop(ABC):
         return PairGradients(rows, logps.grad)
 
     def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
-        """Sum the row-additive metrics over ranks (a rank with no rows contributes zeros)."""
+        """Sum the row-additive metrics over ranks (a rank with no rows contributes zeros); take the
+        largest of the maxima."""
         if self.world == 1:
             return totals
-        names = sorted(totals)
-        values = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values)
-        return {n: (v / self.world if n.endswith("/skipped") else v) for n, v in zip(names, values.tolist())}
+        summed = sorted(n for n in totals if not _is_max(n))
+        maxima = sorted(n for n in totals if _is_max(n))
+        out = {}
+        for names, op in ((summed, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+            values = torch.tensor([totals[n] for n in names], dtype=torch.float64, device=self.device)
+            dist.all_reduce(values, op=op)
+            out |= {n: (v / self.world if n.endswith("/skipped") else v) for n, v in zip(names, values.tolist())}
+        return out
 
 
 class HFModelLoop(MicroBatchLoop):
@@ -414,10 +420,17 @@ def loss_inputs(batch: TrainBatch) -> list[LossInput]:
     return inputs
 
 
+def _is_max(name: str) -> bool:
+    return name.endswith(f"/{MISMATCH_MAX}")
+
+
 def _accumulate(totals: dict[str, float], metrics: dict[str, float]) -> None:
-    """Sum row-additive metrics; a channel counts as skipped only if every pass skipped it."""
+    """Sum row-additive metrics; a channel counts as skipped only if every pass skipped it; a maximum
+    is the largest of the passes'."""
     for name, value in metrics.items():
         if name.endswith("/skipped"):
             totals[name] = min(totals.get(name, 1.0), value)
+        elif _is_max(name):
+            totals[name] = max(totals.get(name, 0.0), value)
         else:
             totals[name] = totals.get(name, 0.0) + value
