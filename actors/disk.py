@@ -31,11 +31,12 @@ def write_cause(error: BaseException, path: Path) -> str:
     cause = f"{os.strerror(code)} ({errno.errorcode.get(code, code)}"
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if code in DISK_FULL and existing is not None:
-        cause += f"; {_size(shutil.disk_usage(existing).free)} free on {existing}"
+        cause += f"; {size_text(shutil.disk_usage(existing).free)} free on {existing}"
     return cause + ")"
 
 
-def _size(count: int) -> str:
+def size_text(count: int) -> str:
+    """E.g. ``12.0 KiB``."""
     value, unit = float(count), "B"
     for larger in ("KiB", "MiB", "GiB", "TiB"):
         if value < 1024:

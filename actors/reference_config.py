@@ -4,8 +4,11 @@ it runs (no torch: a topology check reads only the file system)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
+
+from actors.model_source import ModelSource
+
+REFERENCE_KEY = "actors.reference.path"
 
 
 @dataclass(frozen=True)
@@ -16,7 +19,8 @@ class ReferenceConfig:
     - ``placement: in_trainer``: the trainer's own ranks compute them, each rank for its rows
       right before its step; ``own_mesh`` (the default): a ``Reference`` actor on ``mesh``,
       asked while the batch is collected.
-    - ``path``: a Hugging Face model directory with the policy's tokenizer; None: the
+    - ``path``: a model with the policy's tokenizer (a Hugging Face directory or a GGUF file,
+      ``actors/model_source.py``); None: the
       policy's initial weights (the model the run starts from, also after a resume).
     """
 
@@ -25,9 +29,5 @@ class ReferenceConfig:
     placement: Literal["in_trainer", "own_mesh"] | None = None
 
     def __post_init__(self) -> None:
-        if self.path is not None and not (Path(self.path).expanduser() / "config.json").is_file():
-            raise ValueError(
-                f"reference path {self.path!r} is not a Hugging Face model directory (no config.json there); "
-                "point it at a directory written by save_pretrained, or leave path out to use the policy's "
-                "initial weights"
-            )
+        if self.path is not None:
+            ModelSource.of(self.path, REFERENCE_KEY)

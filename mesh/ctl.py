@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from actors import registry
+from actors.model_source import PACKAGE
 from actors.teachers.bindings.config import BindingConfig
 from mesh.commands import NAME_PATTERN, ControlError, read_teachers, send
 from mesh.topology import TopologyError, parse_yaml
@@ -114,7 +115,7 @@ def _parse_spec(text: str) -> dict:
     """The spec as the run will receive it, checked as far as it can be without building the binding.
 
     A relative ``path`` is made absolute here: the run resolves paths from its own working directory, not the
-    caller's.
+    caller's (a ``package:`` path is found the same from anywhere).
     """
     try:
         spec = parse_yaml(text, "SPEC")  # the topology file's safe, bounded reader
@@ -129,7 +130,7 @@ def _parse_spec(text: str) -> dict:
     if "kind" not in spec:
         kinds = ", ".join(registry.BACKENDS["teacher"])
         raise UsageError(f"SPEC needs a kind: one of {kinds}, or 'package.module:Class'; e.g. {EXAMPLE_SPEC}")
-    if isinstance(spec.get("path"), str):
+    if isinstance(spec.get("path"), str) and not spec["path"].startswith(PACKAGE):
         spec["path"] = str(Path(spec["path"]).expanduser().absolute())
     try:
         BindingConfig(**spec)

@@ -10,6 +10,7 @@ import math
 
 import yaml
 
+from actors.model_source import ModelSource
 from mesh.placement import describe_gpus, describe_memory
 from mesh.plan import ReferencePlan, RunPlan
 from mesh.preflight import describe_store
@@ -27,6 +28,7 @@ def describe(plan: RunPlan) -> str:
         on = f" ({describe_gpus(plan.gpus[name])})" if mesh.gpus else ""
         shape = f"{mesh.hosts} host{'s' * (mesh.hosts > 1)} x {mesh.procs} proc{'s' * (mesh.procs > 1)}"
         placement.append(f"  mesh {name}: {shape}{on} <- {', '.join(actors)}")
+    placement += [describe_conversion(source) for source in plan.models.values() if source.gguf]
     placement.append(describe_store(plan))
     if (memory := describe_memory(plan)) is not None:
         placement.append(memory)
@@ -35,6 +37,13 @@ def describe(plan: RunPlan) -> str:
     return "\n".join(
         ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
     )
+
+
+def describe_conversion(source: ModelSource) -> str:
+    """Where a GGUF model's Hugging Face directory is, or will be once the run converts it."""
+    if (converted := source.converted()) is not None:
+        return f"{source.key}: {source.path.name}, converted in {converted}"
+    return f"{source.key}: {source.path.name}, not converted yet: the run converts it into {source.cache_entry} (once)"
 
 
 def _replay_graph(plan: RunPlan) -> list[str]:

@@ -13,7 +13,8 @@ and the seed only chose the initial weights and the prompt stream, which a user 
 change. Not so with LoRA: a checkpoint then holds only the adapters, which mean nothing
 on another base, so the fingerprint adds the adapters' shape and the base's weights
 (``base_digest``: a digest of its safetensors files, or of a tiny model's recipe, seed
-included). So are the trainer's settings (optimizer, loss, ``precision``): a checkpoint holds
+included; a GGUF file's: the safetensors of the directory it converts into, which ``mesh.export``
+checks too). So are the trainer's settings (optimizer, loss, ``precision``): a checkpoint holds
 fp32 master weights whatever the precision, so a run may resume in another one.
 """
 
@@ -29,6 +30,7 @@ import xxhash
 
 from actors.inner_loops.config import LoRAConfig
 from actors.model_config import TINY_MODEL_MARKER, char_vocabulary, tiny_recipe
+from actors.model_source import ModelSource
 from actors.tasks import TaskConfig, build_task
 
 if TYPE_CHECKING:
@@ -123,13 +125,26 @@ def topology_fingerprint(topology: Topology) -> Fingerprint:
     """The fingerprint of a run of ``topology``; for ``model.init`` computed from the spec and the
     task's alphabet without building the model (which happens only inside the run)."""
     lora = topology.actors.trainer.lora
-    if topology.model.path is not None:
-        return fingerprint(Path(topology.model.path).expanduser(), topology.task.config, lora)
+    if topology.model.source is not None:
+        return fingerprint(_model_directory(topology.model.source), topology.task.config, lora)
     task, spec = _task_fingerprint(topology.task.config), topology.model.init
     vocab = _bpe_vocabulary() if spec.tokenizer == "bpe" else char_vocabulary(task["alphabet"])
     recipe = tiny_recipe(spec, task["alphabet"], topology.seed)  # as the run builds it (``mesh/runtime.py``)
     adapter = _adapter(lora, _recipe_digest(recipe)) if lora is not None else None
     return Fingerprint(_tiny_architecture(spec, len(vocab)), _digest(vocab), task, adapter)
+
+
+def _model_directory(source: ModelSource) -> Path:
+    """The directory the run trains: a GGUF file's converted one (``mesh.run`` converts before it compares
+    fingerprints; ``--dry-run`` converts nothing)."""
+    if not source.gguf:
+        return source.path
+    if (converted := source.converted()) is None:
+        raise FingerprintError(
+            f"{source.words} is a GGUF file not yet converted into its Hugging Face directory ({source.cache_entry}), "
+            "whose config and tokenizer the fingerprint reads; run it without --dry-run, which converts it first"
+        )
+    return converted
 
 
 def _adapter(lora: LoRAConfig, base: str) -> dict[str, Any]:

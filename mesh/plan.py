@@ -17,11 +17,12 @@ Checking builds the plan without importing any backend, as checking the topology
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype
 from actors.model_config import ModelFacts
+from actors.model_source import ModelSource
+from actors.reference_config import REFERENCE_KEY
 from actors.weights_config import choose_transport
 from mesh.topology import MeshSpec, Topology
 
@@ -83,6 +84,7 @@ class RunPlan:
     trainer_shares_generator_gpus: bool
     vllm_share: float | None  # a vLLM generator's share of each of its GPUs
     trainer_memory_share: float | None  # the share of each GPU the trainer's allocator may take; None: all
+    models: dict[str, ModelSource]  # key -> each model a path names (a GGUF file is converted before the run)
     replays: str | None = None  # ``--replay``: the recorded run whose batches the trainer trains on
 
     @classmethod
@@ -116,6 +118,7 @@ class RunPlan:
             trainer_shares_generator_gpus=shared,
             vllm_share=vllm,
             trainer_memory_share=_trainer_memory_share(topology, shared, vllm),
+            models=_model_sources(topology),
         )
 
     def replaying(self, run_dir: str) -> RunPlan:
@@ -320,5 +323,15 @@ def _trainer_memory_share(topology: Topology, shares_gpus: bool, vllm: float | N
 
 
 def model_path_of(reference: ReferencePlan, policy_path: str) -> str:
-    """The directory the reference model is read from: its own, or the policy's initial weights."""
-    return str(Path(reference.path).expanduser()) if reference.path else policy_path
+    """The directory the reference model is read from: its own (a GGUF file's converted one), or the policy's
+    initial weights."""
+    return str(ModelSource.of(reference.path, REFERENCE_KEY).directory()) if reference.path else policy_path
+
+
+def _model_sources(topology: Topology) -> dict[str, ModelSource]:
+    """Every model a path of the topology names: the policy's, the reference's, each ``hf`` teacher's."""
+    cfg = topology.actors
+    named = {"model.path": topology.model.path, REFERENCE_KEY: cfg.reference and cfg.reference.path}
+    bindings = cfg.teachers.bindings if cfg.teachers else {}
+    named |= {f"actors.teachers.bindings.{name}.path": b.path for name, b in bindings.items() if b.kind == "hf"}
+    return {key: ModelSource.of(text, key) for key, text in named.items() if text is not None}

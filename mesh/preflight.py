@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.model_config import ModelFacts
+from actors.model_source import ModelSource
+from actors.reference_config import REFERENCE_KEY
 from actors.weights_config import SHM, slot_bytes
 from mesh.placement import check_gpus, gpus_needed
 from mesh.plan import RunPlan
@@ -85,20 +87,42 @@ class Machine:
         return cls(os.cpu_count() or 1, gpu_count(), FreeMemory.now())
 
 
-def load_plan(path: str | Path, overrides: list[str] = (), placed_here: bool = True) -> RunPlan:
+def load_plan(path: str | Path, overrides: list[str] = (), placed_here: bool = True, convert: bool = False) -> RunPlan:
     """Read, override and validate a topology file, resolve its plan and (``placed_here``: the job starts
-    on this machine, not only described) check that the plan fits this machine. Any mistake is a
+    on this machine, not only described) check that the plan fits this machine. ``convert`` (``mesh.run``,
+    not ``--dry-run``): first convert the GGUF models it names (``convert_models``). Any mistake is a
     ``TopologyError`` naming the file."""
     topology = load_topology(path, overrides, placed_here)
     try:
         plan = RunPlan.of(topology)
         check_gpus(plan)
         topology.launcher.check(plan)
+        if convert:
+            convert_models(plan)
         if placed_here:
+            for source in _unconverted(plan):
+                source.check_cache()
             preflight(plan, Machine.here())
     except ValueError as error:
         raise TopologyError(f"{path}: {one_line(str(error))}") from None
     return plan
+
+
+def convert_models(plan: RunPlan) -> None:
+    """Convert each GGUF file the plan names into its Hugging Face directory in the model cache, once (a later
+    run finds it there), saying so: it takes a while, and it happens on this machine, before anything starts."""
+    for source in plan.models.values():
+        if source.gguf and source.converted() is None:  # asked each time: the reference may be the policy's file
+            source.check_cache()
+            print(
+                f"model: converting {source.path.name} into a Hugging Face directory at {source.cache_entry} (once)",
+                flush=True,
+            )
+            source.directory()
+
+
+def _unconverted(plan: RunPlan) -> list[ModelSource]:
+    return [source for source in plan.models.values() if source.gguf and source.converted() is None]
 
 
 def preflight(plan: RunPlan, machine: Machine) -> None:
@@ -267,7 +291,7 @@ def _reference_bytes(plan: RunPlan) -> int:
     reference = plan.reference
     if reference is None or reference.placement == "adapter_off" or plan.meshes[reference.mesh].gpus:
         return 0
-    facts = plan.model if reference.path is None else ModelFacts.of_directory(Path(reference.path).expanduser())
+    facts = plan.model if reference.path is None else plan.models[REFERENCE_KEY].facts()
     return plan.meshes[reference.mesh].size * slot_bytes(facts.tensors) if facts.tensors else 0
 
 

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         return render(args.topology, args.set, Path(args.render))
     try:
-        plan = load_plan(args.topology, args.set)
+        plan = load_plan(args.topology, args.set, convert=True)
         topology = plan.topology
         if args.resume and plan.starts_replicas:
             raise TopologyError(

@@ -293,8 +293,8 @@ class _FaultLog:
 
 def _prepare_model(plan: RunPlan, alphabet: str | None, run_dir: RunDir) -> str:
     topology = plan.topology
-    if topology.model.path is not None:
-        return str(Path(topology.model.path).expanduser().resolve())
+    if topology.model.source is not None:
+        return str(topology.model.source.directory())
     return str(build_tiny_model(run_dir.model_dir, topology.model.init, alphabet, topology.seed))
 
 

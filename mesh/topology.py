@@ -43,7 +43,8 @@ from actors.diloco.config import DiLoCoConfig
 from actors.generator_config import GeneratorConfig
 from actors.inner_loops.config import TrainerConfig, linear_layers
 from actors.model_config import ModelFacts, TinyModelSpec
-from actors.reference_config import ReferenceConfig
+from actors.model_source import ModelSource
+from actors.reference_config import REFERENCE_KEY, ReferenceConfig
 from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig, build_task
 from actors.teachers.config import TeachersConfig, check_weighted
@@ -75,22 +76,26 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     """Exactly one of: ``init`` (a random-init tiny model with a character tokenizer built
-    from the task's alphabet, or ``tokenizer: bpe``) or ``path`` (a local Hugging Face model directory)."""
+    from the task's alphabet, or ``tokenizer: bpe``) or ``path`` (a local Hugging Face model directory,
+    a GGUF file, or ``package:<import name>/<file>``: ``actors/model_source.py``)."""
 
     init: TinyModelSpec | None = None
     path: str | None = None
+    _source: ModelSource | None = PrivateAttr(None)
+
+    @property
+    def source(self) -> ModelSource | None:
+        """``path`` resolved and checked (None with ``init``)."""
+        return self._source
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if (self.init is None) == (self.path is None):
             raise ValueError(
-                "give exactly one of model.init (a tiny random model) or model.path (a local HF directory)"
+                "give exactly one of model.init (a tiny random model) or model.path (a local HF directory or GGUF file)"
             )
-        if self.path is not None and not (Path(self.path).expanduser() / "config.json").is_file():
-            raise ValueError(
-                f"model.path {self.path!r} is not a Hugging Face model directory (no config.json there); "
-                "point it at a directory written by save_pretrained, or use model.init for a tiny random model"
-            )
+        if self.path is not None:
+            self._source = ModelSource.of(self.path, "model.path")
         return self
 
 
@@ -424,10 +429,8 @@ class Topology(Section):
             )
         if reference.path is None:
             return
-        ours, theirs = (
-            self._facts.vocabulary_rows,
-            ModelFacts.of_directory(Path(reference.path).expanduser()).vocabulary_rows,
-        )
+        ours = self._facts.vocabulary_rows
+        theirs = ModelSource.of(reference.path, REFERENCE_KEY).facts().vocabulary_rows
         if None not in (ours, theirs) and ours != theirs:
             raise ValueError(
                 f"actors.reference.path {reference.path!r} is a model over {theirs} tokens, but the policy's "
@@ -495,8 +498,8 @@ class Topology(Section):
             )
 
     def _read_model(self) -> ModelFacts:
-        if self.model.path is not None:
-            return ModelFacts.of_directory(Path(self.model.path).expanduser())
+        if self.model.source is not None:
+            return self.model.source.facts()
         alphabet = self.task.alphabet
         if self.model.init.tokenizer == "chars" and (not isinstance(alphabet, str) or not alphabet):
             raise ValueError(

@@ -167,7 +167,7 @@ def test_task_oracle_traces_the_answer(student):
         ({"kind": "self_hint", "use": ["replay"]}, "writes no traces"),
         ({"kind": "task_oracle", "use": ["teach"]}, "unknown use 'teach'"),
         ({"kind": "hf"}, "needs path"),
-        ({"kind": "hf", "path": "/nonexistent"}, "not a Hugging Face model directory"),
+        ({"kind": "hf", "path": "/nonexistent"}, "hf teacher path '/nonexistent' names nothing"),
         ({"kind": "self_hint", "top_k": 0}, "top_k must be an integer >= 1"),
         ({"kind": "self_hint", "path": "/x"}, "takes no path"),
         ({"kind": "nope"}, "unknown teacher 'nope'"),

@@ -281,7 +281,7 @@ def test_resume_from_a_missing_or_finished_checkpoint_is_refused_before_anything
             ["actors.reference names the model the KL penalty", "kl_coef is 0", "remove actors.reference"],
         ),
         ("actors.reference={mesh: gpu}", ["actors.reference.mesh is 'gpu'", "add a mesh named 'gpu'"]),
-        ("actors.reference={mesh: trainer, path: /nowhere}", ["reference path '/nowhere'", "save_pretrained"]),
+        ("actors.reference={mesh: trainer, path: /nowhere}", ["actors.reference.path '/nowhere'", "save_pretrained"]),
         ("model.init.heads=3", ["heads (3) must be a multiple of kv_heads (2)"]),
         ("model.init.hidden_size=60", ["head size hidden_size // heads is 15", "even"]),
         ("model.init.arch=gpt", ["unknown tiny architecture 'gpt'", "qwen2"]),

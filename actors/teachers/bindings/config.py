@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Literal
 
 from actors import registry
+from actors.model_source import ModelSource
 from actors.urls import check_url
+
+HF_TEACHER_KEY = "hf teacher path"
 
 Use = Literal["distill", "replay"]
 USES = ("distill", "replay")
@@ -32,7 +35,8 @@ class BindingConfig:
     - ``use``: what the loop does with it: ``distill`` (its top-k at the student's tokens,
       channel 2; at most one binding at a time) and/or ``replay`` (its traces become
       preference pairs, channel 3). A binding with no use can still be the warm-start teacher.
-    - ``path``: ``hf``: the model directory; ``replay``: the JSONL file of traces.
+    - ``path``: ``hf``: the model (a directory or a GGUF file, ``actors/model_source.py``); ``replay``: the JSONL
+      file of traces.
     - ``url``/``model``: ``openai``: the server's base URL (``http://host:port/v1``) and model name.
     - ``top_k``: scoring teachers keep this many logprobs per token (capped at the vocabulary).
     - ``token_map``: ``none`` (refuse a tokenizer that differs from the student's) or
@@ -76,11 +80,7 @@ def require(cfg: BindingConfig, *fields: str) -> None:
 
 def check_hf(cfg: BindingConfig) -> None:
     require(cfg, "path")
-    if not (Path(cfg.path).expanduser() / "config.json").is_file():
-        raise ValueError(
-            f"hf teacher path {cfg.path!r} is not a Hugging Face model directory (no config.json there); "
-            "point it at a directory written by save_pretrained"
-        )
+    ModelSource.of(cfg.path, HF_TEACHER_KEY)
 
 
 def check_self_hint(cfg: BindingConfig) -> None:

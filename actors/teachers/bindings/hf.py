@@ -7,15 +7,15 @@ teacher's top-k at each position that predicts a completion token.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
 from actors.model import load_policy
+from actors.model_source import ModelSource
 from actors.prompts import render
 from actors.tasks import Problem
 from actors.teachers.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
+from actors.teachers.bindings.config import HF_TEACHER_KEY
 from actors.teachers.bindings.tokens import top_k_of, vocab_map
 from losses import hinted_inputs
 
@@ -73,7 +73,8 @@ def _student_to_teacher(to_student: Tensor, student_vocab: dict[str, int], cfg: 
 
 class HFTeacher(CausalLMScorer):
     def __init__(self, cfg: BindingConfig, student: Student):
-        super().__init__(str(Path(cfg.path).expanduser()), cfg, student)
+        model_path = ModelSource.of(cfg.path, HF_TEACHER_KEY).directory()  # a GGUF file is converted here if not yet
+        super().__init__(str(model_path), cfg, student)
         self.tokenizer.padding_side = "left"
 
     @torch.no_grad()
