@@ -30,7 +30,7 @@ from actors.compute import Placement
 from actors.engines import sampling_seeds
 from actors.environments import Environments
 from actors.environments.episode import run_episode
-from actors.environments.openenv_task import EpisodeSpec, episode_seed
+from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
 from actors.environments.tokens import ChatFrame, TokenPolicy
 from actors.generator_config import GeneratorConfig
 from actors.inner_loops.config import LoRAConfig
@@ -161,7 +161,7 @@ class Generator(Actor):
         self.reward_functions: RewardFunctions | None = None
         self.weights = WeightFollower()
         self.gate = VersionGate()
-        self._clients: dict[EpisodeSpec, Environments] = {}  # environment clients, by the spec they play
+        self._clients: dict[OpenEnvConfig, Environments] = {}  # environment clients, by the environment they play
         self._frame: ChatFrame | None = None  # how the chat template frames an observation, read once
 
     @concurrent_endpoint
@@ -198,13 +198,14 @@ class Generator(Actor):
 
     @concurrent_endpoint
     async def generate(
-        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int]
+        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], greedy: bool = False
     ) -> Generation:
         """``group_size`` samples of each problem; ``seeds`` (one per problem) fix the sampling
-        randomness, so a request sampled again (a retry, a resumed run) gives the same samples."""
+        randomness, so a request sampled again (a retry, a resumed run) gives the same samples.
+        ``greedy``: each problem's argmax continuation instead (the evaluation's, one per problem)."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
-            groups = await self.engine.generate(self._prompts(problems), group_size, seeds)
+            groups = await self.engine.generate(self._prompts(problems), group_size, seeds, greedy)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         rows = [t for group in groups for t in group]
         rewards = self._rewards(problems, rows, group_size)
@@ -217,7 +218,8 @@ class Generator(Actor):
     ) -> Generation:
         """``group_size`` episodes of each problem's environment seed, all played at once (the
         environment bounds how many hold a session), each one trajectory with the environment's
-        tokens masked out of the loss; ``seeds`` fix each episode's sampling, turn by turn."""
+        tokens masked out of the loss; ``seeds`` fix each episode's sampling, turn by turn (with
+        ``spec.greedy`` every turn is the argmax continuation instead)."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
             environments = self._environments(spec)
@@ -240,7 +242,7 @@ class Generator(Actor):
         if self._frame is None:
             self._frame = ChatFrame.of(self.tokenizer)
         policy = TokenPolicy(
-            self.tokenizer, self._frame, lambda ids, turn: self.engine.continue_from(ids, turn_seeds[turn])
+            self.tokenizer, self._frame, lambda ids, turn: self.engine.continue_from(ids, turn_seeds[turn], spec.greedy)
         )
         episode = await run_episode(
             environments,
@@ -254,11 +256,11 @@ class Generator(Actor):
 
     def _environments(self, spec: EpisodeSpec) -> Environments:
         """One client per environment, kept across calls: it holds the session limit."""
-        if spec not in self._clients:
+        if spec.environment not in self._clients:
             from actors.environments.openenv import OpenEnv
 
-            self._clients[spec] = OpenEnv(spec.environment)
-        return self._clients[spec]
+            self._clients[spec.environment] = OpenEnv(spec.environment)
+        return self._clients[spec.environment]
 
     @concurrent_endpoint
     async def logprobs_of(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Generation:

@@ -34,7 +34,10 @@ class Sampling:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (RL samples; there is no greedy mode), got {self.temperature}")
+            raise ValueError(
+                f"temperature must be > 0 (RL samples; for a greedy evaluation set loop.evaluation.greedy), got "
+                f"{self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -129,9 +129,10 @@ class SavedProblem(Saved):
     answer: str
     system_prompt: str | None = None
     data: str | None = None
+    solution: str | None = None
 
     def decode(self) -> Problem:
-        return Problem(self.prompt, self.answer, self.system_prompt, self.data)
+        return Problem(self.prompt, self.answer, self.system_prompt, self.data, self.solution)
 
 
 class SavedTrajectory(Saved):

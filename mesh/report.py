@@ -14,7 +14,9 @@ anything else stopped (a signal, or a kill). A DiLoCo parent (``replicas/``, see
 a row per replica and each replica's curves in ``report.png``.
 
 A live run may be writing a line of ``metrics.jsonl`` as it is read: a last line that is not whole is
-left for the next report. A run from an older version lacks some keys: what is missing shows as ``-``.
+left for the next report. A run from an older version lacks some keys: what is missing shows as ``-``. A run
+that evaluated its initial weights (``loop.evaluation.at_start``) has a row for step -1 holding that
+evaluation alone: it counts as an evaluation ("at start"), never as a step.
 
 Exit codes: 0 the report was printed, also for a run with no finished step yet (it says so: a run that
 is starting is not an error); 2 nothing could be reported (the directory is missing, is not a run
@@ -72,7 +74,7 @@ class Run:
     """One run directory, as read."""
 
     path: Path
-    records: list[dict]  # metrics.jsonl, one per step
+    records: list[dict]  # metrics.jsonl, one per step (and step -1's, the initial weights' evaluation)
     events: list[dict]  # events.jsonl
     topology: dict
     checkpoints: list[Path]  # whole ones, oldest first
@@ -90,6 +92,11 @@ class Run:
     @property
     def done(self) -> int:
         return self.records[-1]["step"] + 1 if self.records else 0
+
+    @property
+    def trained(self) -> list[dict]:
+        """The rows of trained steps (without step -1's evaluation of the initial weights)."""
+        return [r for r in self.records if r["step"] >= 0]
 
     def values(self, key: str) -> list[float]:
         """The finite numbers logged under ``key``, in step order (a null, a text or a missing key skipped)."""
@@ -317,15 +324,16 @@ def _stopped_entry(path: Path) -> str | None:
 
 def run_lines(run: Run) -> list[str]:
     lines = [_run_line(run.path), f"state     {run.state.word}: {run.state.detail}"]
-    if not run.records:
-        return [*lines, "steps     no step has finished yet", *_saved(run)]
-    lines += [_steps(run), _reward(run), _eval(run), f"samples/s {_fmt(run.median('samples_per_s'), '.1f')} (median)"]
+    if not run.trained:
+        evaluated = _eval(run) if run.records else []  # the initial weights', before the first step
+        return [*lines, "steps     no step has finished yet", *evaluated, *_saved(run)]
+    lines += [_steps(run), _reward(run), *_eval(run), f"samples/s {_fmt(run.median('samples_per_s'), '.1f')} (median)"]
     lines += [_age(run), *_diloco(run), *_stages(run), *_faults(run), *_teachers(run), *_saved(run)]
     return lines
 
 
 def _steps(run: Run) -> str:
-    first = run.records[0]["step"]
+    first = run.trained[0]["step"]
     resumed = f", resumed at step {first}" if first else ""
     warm = sum(1 for r in run.records if r.get("warm_start"))
     warm_note = f"; {warm} warm-start step{'s' * (warm != 1)}" if warm else ""
@@ -350,16 +358,23 @@ def _reward(run: Run) -> str:
     return line + (f"; exact {exact[0]:.3f} -> {exact[1]:.3f}" if exact else "")
 
 
-def _eval(run: Run) -> str:
-    evals = [r for r in run.records if _number(r.get("eval/reward"))]
+def _eval(run: Run) -> list[str]:
+    """The held-out evaluations' best and last reward, and their accuracy where it is logged."""
+    reward, accuracy = _best_and_last(run, "eval/reward"), _best_and_last(run, "eval/accuracy")
+    lines = [f"eval      {reward or '-'}"]
+    return lines + ([f"accuracy  {accuracy} (eval: share exactly right)"] if accuracy else [])
+
+
+def _best_and_last(run: Run, key: str) -> str | None:
+    evals = [r for r in run.records if _number(r.get(key))]
     if not evals:
-        return "eval      -"
-    best = max(evals, key=lambda r: r["eval/reward"])
-    last = evals[-1]
-    return (
-        f"eval      best {best['eval/reward']:.3f} (step {best['step']}), "
-        f"last {last['eval/reward']:.3f} (step {last['step']}), {len(evals)} in all"
-    )
+        return None
+    best, last = max(evals, key=lambda r: r[key]), evals[-1]
+    return f"best {best[key]:.3f} ({_when(best)}), last {last[key]:.3f} ({_when(last)}), {len(evals)} in all"
+
+
+def _when(record: dict) -> str:
+    return "at start" if record["step"] < 0 else f"step {record['step']}"
 
 
 def _age(run: Run) -> str:
@@ -493,6 +508,8 @@ def _replica_notes(label: str, run: Run) -> list[str]:
     changes = len(run.teacher_changes)
     lines = [f"{label:<8}{run.state.word}: {run.state.detail}"]
     lines.append(f"{'':<8}faults {len(run.faults)}, teacher changes {changes}; saved {_checkpoint(run)}")
+    if accuracy := _best_and_last(run, "eval/accuracy"):
+        lines.append(f"{'':<8}eval accuracy {accuracy}")
     return lines + ([f"{'':<8}last fault: {_fault(run.faults[-1])}"] if run.faults else [])
 
 
@@ -573,13 +590,15 @@ def _finish(ax, title: str, drawn: bool) -> None:
 
 
 def _reward_panel(ax, runs: dict[str, Run]) -> None:
-    """Mean reward, the eval points on it (each run's colour), the DiLoCo rounds and a warm start marked."""
+    """Mean reward, the eval points on it and their accuracy (each run's colour), the DiLoCo rounds and a warm
+    start marked."""
     drawn = _lines(ax, "reward", runs, {REWARD_KEY: "mean reward"})
     for i, run in enumerate(runs.values()):
         color = "C1" if len(runs) == 1 else f"C{i}"
-        steps, values = _series(run, "eval/reward")
-        if steps:
-            ax.plot(steps, values, "o", color=color, ms=5, mfc="white", label="eval" if i == 0 else None)
+        for key, marker, name in (("eval/reward", "o", "eval"), ("eval/accuracy", "s", "eval accuracy")):
+            steps, values = _series(run, key)
+            if steps:
+                ax.plot(steps, values, marker, color=color, ms=5, mfc="white", label=name if i == 0 else None)
         synced = [r for r in run.records if "diloco/round" in r and _number(r.get(REWARD_KEY))]
         ax.plot([r["step"] for r in synced], [r[REWARD_KEY] for r in synced], ".", color=f"C{i}", ms=5)
         warm = [r["step"] for r in run.records if r.get("warm_start")]

@@ -147,13 +147,14 @@ class Router:
         return [target.handle for target in self.targets]
 
     async def generate(
-        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int]
+        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], greedy: bool = False
     ) -> Routed:
         """``group_size`` samples of each prompt, sampled with ``weights``, in prompt order.
-        ``seeds`` (one per prompt) fix each prompt's sampling, whichever target serves it."""
+        ``seeds`` (one per prompt) fix each prompt's sampling, whichever target serves it;
+        ``greedy``: each prompt's argmax continuation instead."""
 
         def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
-            return handle.generate.call_one(problems[share], group_size, weights, seeds[share])
+            return handle.generate.call_one(problems[share], group_size, weights, seeds[share], greedy)
 
         return await self._route(problems, group_size, weights.version, call)
 

@@ -306,9 +306,10 @@ def plot_reward(records: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     ax.plot(steps, mean, label="mean reward (policy samples)")
     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
-    evals = [r for r in records if "eval/reward" in r]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], "o-", label="eval reward")
+    for key, style, label in (("eval/reward", "o-", "eval reward"), ("eval/accuracy", "s--", "eval accuracy")):
+        evals = [r for r in records if key in r]  # with loop.evaluation.at_start, the initial weights' at step -1
+        if evals:
+            ax.plot([r["step"] for r in evals], [r[key] for r in evals], style, label=label)
     warm = [r["step"] for r in rows if r.get("warm_start")]
     if warm:
         ax.axvspan(min(warm) - 0.5, max(warm) + 0.5, color="orange", alpha=0.15, label="warm start (oracle traces)")

@@ -427,6 +427,7 @@ def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Col
         prompt_seed=plan.prompt_seed,
         seed=topology.seed,
         evaluation_prompts=loop.evaluation.prompts,
+        evaluation_greedy=loop.evaluation.greedy,
         warm_start_teacher=loop.warm_start.teacher,
         warm_start_steps=loop.warm_start.steps,
         replay=loss.beta_replay > 0,
@@ -437,6 +438,7 @@ def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Col
         steps=loop.steps,
         max_policy_lag=lag,
         evaluation_every=loop.evaluation.every if replay is None else 0,
+        evaluation_at_start=loop.evaluation.at_start and replay is None,
         checkpoint_every=topology.checkpointing.every,
         advantage=loss.policy.advantage,
         # every reply of an episode

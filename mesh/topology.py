@@ -166,8 +166,17 @@ class WarmStart(Section):
 
 
 class Evaluation(Section):
+    """The held-out evaluation: one completion for each of ``prompts`` prompts, drawn once from the task's step -1
+    with the topology's seed, so every evaluation (and every DiLoCo replica) scores the same prompts and the points
+    of a curve compare. It logs ``eval/reward`` (the mean) and ``eval/accuracy`` (the share exactly right; not for
+    environment episodes). ``greedy`` decodes each prompt's argmax continuation instead of sampling at the
+    generator's settings, so a score is the policy's and not the draw's. ``at_start`` also evaluates the initial
+    weights before the first step, logged as step -1 (a resumed run does not again)."""
+
     every: int = Field(0, ge=0, description="steps between evaluations; 0 = never")
     prompts: int = Field(64, ge=1)
+    greedy: bool = False
+    at_start: bool = False
 
 
 class LoopSection(Section):

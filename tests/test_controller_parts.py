@@ -31,7 +31,7 @@ from mesh.controller import (
     Services,
     StalenessError,
 )
-from mesh.controller.collection import SampleCollection
+from mesh.controller.collection import Evaluated, SampleCollection
 from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.metrics import step_metrics, teacher_metrics
 from mesh.controller.scheduler import Scheduler, policy_ages
@@ -160,10 +160,13 @@ class Endpoint:
 
 class Generators:
     """A generator proc: of each prompt's completions it writes every second one is the answer but its last
-    letter, the others all wrong; with ``rewarding`` it rewards them itself, with the task's real reward functions."""
+    letter, the others all wrong; greedy, the answer to every second prompt and the answer but its last letter
+    to the others. With ``rewarding`` it rewards them itself, with the task's real reward functions. ``asked``:
+    each generate call's prompts and whether it was greedy."""
 
     def __init__(self, log: list[str], rewarding: bool):
         self.rewarding = rewarding
+        self.asked: list[tuple[list[str], bool]] = []
         self.generate = Endpoint("generator.generate", log, self._generate)
         self.logprobs_of = Endpoint("generator.logprobs_of", log, self._logprobs_of)
 
@@ -173,8 +176,12 @@ class Generators:
         rewards = REWARDS.reward(expanded, texts) if self.rewarding else None
         return Generation.of(rows, per_prompt, weights.version, 0.01, 0.0, rewards=rewards)
 
-    def _generate(self, problems, group_size, weights, seeds):
-        texts = [p.answer[:-1] if j % 2 else "zz" for p in problems for j in range(group_size)]
+    def _generate(self, problems, group_size, weights, seeds, greedy):
+        self.asked.append(([p.prompt for p in problems], greedy))
+        if greedy:
+            texts = [p.answer[: len(p.answer) - i % 2] for i, p in enumerate(problems) for _ in range(group_size)]
+        else:
+            texts = [p.answer[:-1] if j % 2 else "zz" for p in problems for j in range(group_size)]
         return self._generation(problems, texts, group_size, weights)
 
     def _logprobs_of(self, problems, texts, weights):
@@ -188,6 +195,7 @@ SETTINGS = CollectSettings(
     prompt_seed=0,
     seed=0,
     evaluation_prompts=4,
+    evaluation_greedy=False,
     warm_start_teacher=None,
     warm_start_steps=0,
     replay=True,
@@ -265,8 +273,24 @@ async def test_the_reference_actor_scores_the_rows_that_train_the_policy_and_the
 async def test_evaluation_rewards_through_the_same_interface():
     log = []
     collection = SampleCollection(SETTINGS, TASK, services(log, in_generators=False, remote_reference=False))
-    assert await collection.evaluate(3, version(3)) == 0.0  # one sample per prompt: the first, always wrong
+    evaluated = await collection.evaluate(3, version(3))
+    assert evaluated == Evaluated(0.0, 0.0)  # one sample per prompt: the first, always wrong
+    assert evaluated.metrics() == {"eval/reward": 0.0, "eval/accuracy": 0.0}
     assert log == ["generator.generate", "rewarder.reward"]
+
+
+async def test_a_greedy_evaluation_asks_the_generators_for_the_argmax_and_counts_the_exactly_right():
+    for in_generators in (True, False):
+        held = services([], in_generators, remote_reference=False)
+        settings = dataclasses.replace(SETTINGS, evaluation_greedy=True)
+        evaluated = [await SampleCollection(settings, TASK, held).evaluate(step, version(1)) for step in (-1, 3, 7)]
+        (generators,) = held.generators.handles
+        assert [greedy for _, greedy in generators.asked] == [True] * 3
+        held_out = [p.prompt for p in TASK.problems(SETTINGS.seed, -1, 4)]
+        assert [prompts for prompts, _ in generators.asked] == [held_out] * 3  # the same prompts at every evaluation
+        assert evaluated[0] == evaluated[1] == evaluated[2]
+        assert evaluated[0].accuracy == 0.5  # two of four exactly right; the others' partial credit is no hit
+        assert 0.5 < evaluated[0].reward < 1.0
 
 
 # ----------------------------------------------------------------------------- metrics

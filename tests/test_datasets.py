@@ -60,7 +60,9 @@ def saved(tmp_path_factory) -> dict[str, Path]:
 )
 def test_every_local_format_loads_its_rows(saved, kind, split, expected):
     source = DatasetSource(str(saved[kind]), split=split, prompt="q", answer="a")
-    assert set(source.load()) == pairs(expected)  # numbers in the answer column come as text
+    assert {(p, a) for p, a, _ in source.load()} == pairs(expected)  # numbers in the answer column come as text
+    solved = DatasetSource(str(saved[kind]), split=split, prompt="q", answer="a", solution="note")
+    assert {s for _, _, s in solved.load()} == {"x"} and {s for _, _, s in source.load()} == {None}
 
 
 def test_problems_are_a_pure_function_of_seed_and_step_and_cover_each_epoch(saved):
@@ -136,3 +138,17 @@ def test_a_bad_data_set_is_a_topology_error_naming_the_key(tmp_path):
     write_jsonl(tmp_path / "rows.jsonl", ROWS)
     with pytest.raises(TopologyError, match="has no column 'question' for the prompt"):
         load_topology(math_small, [f"task.dataset.path={tmp_path / 'rows.jsonl'}"])
+
+
+def test_a_missing_solution_column_is_a_topology_error_in_one_paragraph(tmp_path):
+    math_small = ROOT / "topologies" / "math_small.yaml"
+    assert load_topology(math_small, ["task.solution=solution"]).task.config.params["solution"] == "solution"
+    with pytest.raises(TopologyError) as refused:
+        load_topology(math_small, ["task.solution=steps"])
+    message = str(refused.value)
+    assert "\n" not in message and "math_small.yaml: task: " in message
+    assert "has no column 'steps' for the solution; its columns are question, answer, solution, kind" in message
+    assert message.endswith("Set task.solution: to one of them, or leave it out to hint and trace the answer alone")
+    gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", [{"question": "Q?", "answer": "#### 1"}])  # the eval set's too
+    with pytest.raises(TopologyError, match=r"gsm8k.jsonl has no column 'solution' for the solution"):
+        load_topology(math_small, ["task.solution=solution", f"task.eval_dataset={gsm8k}"])

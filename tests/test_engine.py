@@ -217,3 +217,30 @@ async def test_continuing_a_token_sequence_samples_by_its_seed_with_the_models_l
     torch.testing.assert_close(torch.tensor(first.logprobs), expected, atol=LOGPROB_TOLERANCE, rtol=0)
     others = {tuple((await sampler.continue_from(ids, seed)).completion_ids) for seed in range(8)}
     assert len(others) > 1  # the seed is the randomness
+
+
+def argmax_continuation(model, prompt_ids: list[int], max_new_tokens: int = 6, eos: int = 1) -> list[int]:
+    """The model's own greedy completion: a plain forward pass per token, its argmax appended, to EOS or the limit."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        while len(ids) - len(prompt_ids) < max_new_tokens and (len(ids) == len(prompt_ids) or ids[-1] != eos):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids) :]
+
+
+@pytest.mark.parametrize("which", ["engine", "vllm_engine"])
+async def test_greedy_decoding_is_the_models_argmax_continuation_whatever_the_seed(which, request, vllm_path):
+    """The evaluation's decoding: every prompt's (and an episode turn's) argmax continuation, so the same
+    weights score the same whichever seeds the evaluation carries."""
+    sampler = request.getfixturevalue(which)
+    model = sampler.model if which == "engine" else load_policy(vllm_path)[0]
+    prompts = ["abc=", "fedcba=", "e="]
+    first = await sampler.generate(prompts, 1, seeds_for(prompts), greedy=True)
+    again = await sampler.generate(prompts, 1, seeds_for(prompts, "other"), greedy=True)
+    ids = lambda groups: [s.completion_ids for g in groups for s in g]  # noqa: E731
+    assert ids(first) == ids(again)
+    for (sample,) in first:  # left padding aside, the batch decodes as each prompt alone would
+        assert sample.completion_ids == argmax_continuation(model, sample.prompt_ids)
+    turn = sampler.tokenizer("ab=", add_special_tokens=False).input_ids + [1] + [3, 4]
+    continued = {tuple((await sampler.continue_from(turn, seed, greedy=True)).completion_ids) for seed in range(4)}
+    assert continued == {tuple(argmax_continuation(model, turn))}

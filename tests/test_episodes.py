@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,9 @@ async def test_a_generator_plays_episodes_as_trajectories_the_game_and_its_rewar
                 assert tokenizer.decode(context).replace(eos, "") == "".join(answers[: outcome.turns - 1])
         again = await generator.play.call_one(problems, 3, weights, seeds, task.episodes())
         assert again.completion_ids == played.completion_ids  # seeded turn by turn
+        greedy = await generator.play.call_one(problems, 3, weights, seeds, replace(task.episodes(), greedy=True))
+        for trajectories in greedy.trajectories():  # every turn the argmax, whatever its seed: one game, played alike
+            assert len({tuple(t.completion_ids) for t in trajectories}) == 1
 
         dead = OpenEnvTask(url="http://127.0.0.1:9", max_turns=3, action_field="message", observation_field="message")
         failed = await generator.play.call_one(problems[:1], 2, weights, seeds[:1], dead.episodes())

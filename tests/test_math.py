@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,9 +13,14 @@ from pathlib import Path
 import pytest
 
 from actors.prompts import render
+from actors.reward_functions import RewardFunctions
+from actors.rewarder_config import RewarderConfig
 from actors.tasks import Problem, TaskConfig, build_task
 from actors.tasks.arithmetic_data import DATA_DIR, SIZES, generate
-from actors.tasks.math import Math, extract_answer, numeric_reward
+from actors.tasks.math import SOLUTION_HINT, Math, extract_answer, numeric_reward
+from actors.teachers.bindings.config import BindingConfig
+from actors.teachers.bindings.task_oracle import TaskOracle
+from mesh.inflight import SavedProblem
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,6 +93,35 @@ def test_math_reads_the_shipped_set_with_a_held_out_test_split_and_gsm8k_answers
     gsm8k.write_text(json.dumps({"question": "Q?", "answer": "many"}) + "\n")
     with pytest.raises(ValueError, match="needs a number as each reference answer"):
         Math(dataset=str(gsm8k)).problems(0, 0, 1)
+
+
+def test_worked_solutions_become_the_self_hinting_teachers_hint_and_the_oracles_trace():
+    config = TaskConfig("math", {"solution": "solution"})
+    task, oracle = build_task(config), TaskOracle(BindingConfig("task_oracle"), student=None)
+    solutions = {row["question"]: row["solution"] for split in SIZES for row in generate(split, SIZES[split])}
+    problems = task.problems(0, 0, 8) + task.problems(0, -1, 8)  # the held-out split reads the same column
+    assert [p.solution for p in problems] == [solutions[p.prompt] for p in problems]
+    assert oracle.trace(problems) == [p.solution for p in problems]
+    assert all(task.reward(p, p.solution) == 1.0 for p in problems)  # "#### N" ends it: the verifier's last number
+    hints = RewardFunctions(config, RewarderConfig("generator")).reward(problems, ["I do not know"] * 16).hints
+    assert hints == [SOLUTION_HINT.format(solution=p.solution) for p in problems]
+    assert hints[0].startswith("Here is a worked solution:\n") and hints[0].endswith(f"#### {problems[0].answer}")
+    plain = build_task(TaskConfig("math")).problems(0, 0, 8)  # without the parameter, the answer alone
+    assert [p.prompt for p in plain] == [p.prompt for p in problems[:8]] and all(p.solution is None for p in plain)
+    assert oracle.trace(plain) == [p.answer for p in plain]
+    assert build_task(TaskConfig("math")).feedback(plain[0], "7") == f"The answer is {plain[0].answer}."
+
+
+def test_a_gsm8k_answer_column_is_its_own_worked_solution_and_checkpoints_keep_it(tmp_path):
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    gsm8k.write_text(json.dumps({"question": "Q?", "answer": " 2 * 3 = 6\n6 * 200 = 1,200\n#### 1,200\n"}) + "\n")
+    (problem,) = Math(dataset=str(gsm8k), solution="answer").problems(0, 0, 1)
+    assert problem == Problem("Q?", "1200", solution="2 * 3 = 6\n6 * 200 = 1,200\n#### 1,200")
+    saved = json.loads(json.dumps(dataclasses.asdict(problem)))  # as a checkpoint's in-flight batch holds it
+    assert SavedProblem.model_validate(saved).decode() == problem
+    assert SavedProblem.model_validate({"prompt": "Q?", "answer": "1200"}).decode().solution is None  # an older one
+    with pytest.raises(ValueError, match="task.solution must name the data set's column of worked solutions"):
+        Math(solution="")
 
 
 def test_the_shipped_data_set_is_what_its_generator_writes():

@@ -65,7 +65,9 @@ class FakeReplica:
         finally:
             self.in_flight.remove(weights.version)
 
-    async def _generate(self, problems, group_size: int, weights: WeightVersion, seeds: list[int]) -> Generation:
+    async def _generate(
+        self, problems, group_size: int, weights: WeightVersion, seeds: list[int], greedy: bool
+    ) -> Generation:
         assert len(seeds) == len(problems)
         return await self._serve("generate", problems, group_size, weights)
 

@@ -43,13 +43,17 @@ class Engine(Protocol):
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Adopt new weights; the caller guarantees no request is in flight."""
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
+    async def generate(
+        self, prompts: list[str], samples_per_prompt: int, seeds: list[int], greedy: bool = False
+    ) -> list[list[Trajectory]]:
         """``samples_per_prompt`` completions of each prompt, grouped by prompt; the same
-        prompts with the same ``seeds`` (one per prompt) give the same completions."""
+        prompts with the same ``seeds`` (one per prompt) give the same completions. ``greedy``:
+        each prompt's argmax continuation instead (the evaluation's, one per prompt), whatever the
+        seeds and the sampling settings."""
 
-    async def continue_from(self, ids: list[int], seed: int) -> Trajectory:
+    async def continue_from(self, ids: list[int], seed: int, greedy: bool = False) -> Trajectory:
         """One completion of a token sequence (an episode so far), with ``ids`` as its prompt;
-        the same ids and ``seed`` give the same completion."""
+        the same ids and ``seed`` give the same completion (``greedy``: the argmax one)."""
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """Each given completion (EOS appended) as a ``Trajectory``, its logprobs under the loaded weights."""

@@ -2,7 +2,8 @@
 
 The logprobs reported are those of the distribution sampled from (after temperature,
 top-k, top-p); with the defaults that is the model's plain distribution, the one the
-trainer recomputes. Requests run one at a time, each as one padded batch, on a worker
+trainer recomputes. A greedy request (the evaluation's) takes each step's argmax, and reports
+the model's plain logprobs. Requests run one at a time, each as one padded batch, on a worker
 thread, so the generator's event loop stays free while it samples.
 
 With an adapter (the trainer trains LoRA), the base is loaded once and wrapped by PEFT, frozen
@@ -52,42 +53,51 @@ class HFEngine:
         # on CPU the model adopts the given tensors (shared-memory views) without a copy; a GPU copies them in
         self.model.load_state_dict(state_dict, assign=self.device.type == "cpu", strict=True)
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
+    async def generate(
+        self, prompts: list[str], samples_per_prompt: int, seeds: list[int], greedy: bool = False
+    ) -> list[list[Trajectory]]:
         async with self._one_at_a_time:
-            return await asyncio.to_thread(self.generate_now, prompts, samples_per_prompt, seeds)
+            return await asyncio.to_thread(self.generate_now, prompts, samples_per_prompt, seeds, greedy)
 
-    async def continue_from(self, ids: list[int], seed: int) -> Trajectory:
+    async def continue_from(self, ids: list[int], seed: int, greedy: bool = False) -> Trajectory:
         async with self._one_at_a_time:
-            return await asyncio.to_thread(self.continue_from_now, ids, seed)
+            return await asyncio.to_thread(self.continue_from_now, ids, seed, greedy)
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         async with self._one_at_a_time:
             return await asyncio.to_thread(self.logprobs_of_now, prompts, completions)
 
-    def generate_now(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
+    def generate_now(
+        self, prompts: list[str], samples_per_prompt: int, seeds: list[int], greedy: bool = False
+    ) -> list[list[Trajectory]]:
         repeated = [p for p in prompts for _ in range(samples_per_prompt)]
         encoded = self.tokenizer(repeated, return_tensors="pt", padding=True, add_special_tokens=False)
-        samples = self._sampled(encoded, request_seed(seeds))
+        samples = self._sampled(encoded, request_seed(seeds), greedy)
         return [samples[i : i + samples_per_prompt] for i in range(0, len(samples), samples_per_prompt)]
 
-    def continue_from_now(self, ids: list[int], seed: int) -> Trajectory:
+    def continue_from_now(self, ids: list[int], seed: int, greedy: bool = False) -> Trajectory:
         encoded = BatchEncoding(
             {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         )
-        return self._sampled(encoded, seed)[0]
+        return self._sampled(encoded, seed, greedy)[0]
+
+    def _decoding(self, greedy: bool) -> dict:
+        """``generate``'s arguments for how each token is chosen: the argmax, or a draw under the sampling
+        settings."""
+        if greedy:
+            return {"do_sample": False}
+        s = self.sampling
+        return {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
     @torch.no_grad()
-    def _sampled(self, encoded: BatchEncoding, seed: int) -> list[Trajectory]:
-        """One sample per row of ``encoded`` (left-padded prompts)."""
+    def _sampled(self, encoded: BatchEncoding, seed: int, greedy: bool) -> list[Trajectory]:
+        """One completion per row of ``encoded`` (left-padded prompts)."""
         encoded = encoded.to(self.device)
         # transformers samples from the global RNG, one request at a time: seed it per request
         torch.manual_seed(seed)
         out = self.model.generate(
             **encoded,
-            do_sample=True,
-            temperature=self.sampling.temperature,
-            top_k=self.sampling.top_k,
-            top_p=self.sampling.top_p,
+            **self._decoding(greedy),
             max_new_tokens=self.sampling.max_new_tokens,
             output_scores=True,  # after temperature/top-k/top-p: the distribution the tokens came from
             return_dict_in_generate=True,

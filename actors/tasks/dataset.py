@@ -4,7 +4,9 @@
 system_prompt: ...}``. ``path`` is a JSON Lines file (``.jsonl``/``.json``), a parquet
 file, a directory written by ``Dataset.save_to_disk``/``DatasetDict.save_to_disk``, or a
 directory of such files named by split (``train.jsonl``, ``test-00000-of-00001.parquet``,
-also under ``data/``, the Hub's layout). Nothing is downloaded.
+also under ``data/``, the Hub's layout). Nothing is downloaded. A task that reads worked
+solutions (``math``'s ``solution``) names their column with a parameter of its own, and
+``eval_dataset`` reads that column as it reads the prompt and answer columns.
 
 The topology check reads no data (it must not import ``datasets``): it finds the files and,
 where a header is cheap to read (a JSON line, a saved data set's ``dataset_info.json``),
@@ -26,7 +28,7 @@ import os
 import random
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,8 @@ SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what save_to_disk writes:
 # The character tokenizer of a tiny model (model.init) needs every character a prompt can hold
 # before any row is read: printable ASCII; anything else reads as <unk>.
 PRINTABLE = "\n" + "".join(chr(c) for c in range(32, 127))
+# What task.dataset and task.eval_dataset may set; a solution column is the task's own parameter (``columns``).
+KEYS = ("path", "split", "prompt", "answer")
 # The topology check reads at most this much of a data file (a record's columns, a saved data set's
 # header): a file of any size, or one long line, is checked in the time of reading a few MB.
 HEADER_BYTES = 4 * 2**20
@@ -50,24 +54,24 @@ class DatasetError(ValueError):
 @dataclass(frozen=True)
 class DatasetSource:
     """Where the rows come from: ``path``, which ``split`` of it (None: its only one), and the
-    columns holding each row's ``prompt`` and reference ``answer``."""
+    columns holding each row's ``prompt``, reference ``answer`` and worked ``solution`` (None: none read)."""
 
     path: str
     split: str | None = None
     prompt: str = "prompt"
     answer: str = "answer"
+    solution: str | None = None
 
     @classmethod
     def of(cls, value: Any, key: str, defaults: Mapping[str, str | None]) -> DatasetSource:
-        """From the task's ``key``: a mapping of the fields above (those left out from ``defaults``),
-        or a path alone."""
+        """From the task's ``key``: a mapping of ``KEYS`` (those left out, and the solution column, from
+        ``defaults``), or a path alone."""
         if isinstance(value, str):
             value = {"path": value}
         if not isinstance(value, Mapping):
             raise DatasetError(f"task.{key} must be a mapping such as {{path: data/train.jsonl, prompt: question}}")
-        known = [f.name for f in fields(cls)]
-        if unknown := sorted(set(value) - set(known)):
-            raise DatasetError(f"task.{key}: unknown key {unknown[0]!r}; keys are {', '.join(known)}")
+        if unknown := sorted(set(value) - set(KEYS)):
+            raise DatasetError(f"task.{key}: unknown key {unknown[0]!r}; keys are {', '.join(KEYS)}")
         for name, text in value.items():
             if not isinstance(text, str) or not text:
                 raise DatasetError(f"task.{key}.{name} must be a non-empty string, got {text!r}")
@@ -130,16 +134,22 @@ class DatasetSource:
             self._require(_saved_columns(found[0], self.split))
 
     def _require(self, names: list[str]) -> None:
-        for role, column in (("prompt", self.prompt), ("answer", self.answer)):
-            if column not in names:
+        roles = {"prompt": self.prompt, "answer": self.answer, "solution": self.solution}
+        for role, column in roles.items():
+            if column is not None and column not in names:
+                fix = (
+                    "Set task.solution: to one of them, or leave it out to hint and trace the answer alone"
+                    if role == "solution"
+                    else f"Set the data set's {role}: to one of them"
+                )
                 raise DatasetError(
-                    f"{self.where} has no column {column!r} for the {role}; its columns are {', '.join(names)}. "
-                    f"Set the data set's {role}: to one of them"
+                    f"{self.where} has no column {column!r} for the {role}; its columns are {', '.join(names)}. {fix}"
                 )
 
-    def load(self) -> list[tuple[str, str]]:
-        """Every row's (prompt, answer), read with ``datasets`` offline, into a throwaway cache (the
-        rows live in memory; nothing is left on disk, and concurrent runs share no lock)."""
+    def load(self) -> list[tuple[str, str, str | None]]:
+        """Every row's (prompt, answer, solution), read with ``datasets`` offline, into a throwaway cache
+        (the rows live in memory; nothing is left on disk, and concurrent runs share no lock). The
+        solution is None when no column is named, its surrounding white space stripped otherwise."""
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import datasets
@@ -161,12 +171,20 @@ class DatasetSource:
                 ) from None
             self._require(list(data.column_names))
             prompts, answers = list(data[self.prompt]), list(data[self.answer])
+            solutions = list(data[self.solution]) if self.solution is not None else [None] * len(prompts)
         if not prompts:
             raise DatasetError(f"{self.where} holds no rows; point the task at a data set with some")
-        for number, prompt in enumerate(prompts):
-            if not isinstance(prompt, str) or not prompt:
-                raise DatasetError(f"{self.where}: row {number} has prompt {prompt!r}, not a text; fix that row")
-        return [(prompt, "" if answer is None else str(answer)) for prompt, answer in zip(prompts, answers)]
+        self._texts("prompt", prompts)
+        if self.solution is not None:
+            solutions = [s.strip() if isinstance(s, str) else s for s in solutions]
+            self._texts("solution", solutions)
+        return [(p, "" if a is None else str(a), s) for p, a, s in zip(prompts, answers, solutions)]
+
+    def _texts(self, role: str, values: list) -> None:
+        """Refuse the first of a column's ``values`` that is not a text with something in it."""
+        for number, value in enumerate(values):
+            if not isinstance(value, str) or not value:
+                raise DatasetError(f"{self.where}: row {number} has {role} {value!r}, not a text; fix that row")
 
 
 @dataclass
@@ -180,16 +198,16 @@ class DatasetTask:
     dataset: DatasetSource | Mapping | str
     eval_dataset: DatasetSource | Mapping | str | None = None
     system_prompt: str | None = None
-    _rows: dict[str, list[tuple[str, str]]] = field(default_factory=dict, init=False, repr=False)
+    _rows: dict[str, list[tuple[str, str, str | None]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, DatasetSource):
-            self.dataset = DatasetSource.of(self.dataset, "dataset", self.COLUMNS)
+            self.dataset = DatasetSource.of(self.dataset, "dataset", self.columns())
         if self.eval_dataset is not None and not isinstance(self.eval_dataset, DatasetSource):
             train = self.dataset
-            same = {"prompt": train.prompt, "answer": train.answer, "path": train.path, "split": train.split}
-            if isinstance(self.eval_dataset, str) or "path" in self.eval_dataset:  # a new path: no split of the old
-                same = {"prompt": train.prompt, "answer": train.answer}
+            same = {"prompt": train.prompt, "answer": train.answer, "solution": train.solution}
+            if isinstance(self.eval_dataset, Mapping) and "path" not in self.eval_dataset:  # the same path
+                same |= {"path": train.path, "split": train.split}  # and split; a new path takes no split of the old
             self.eval_dataset = DatasetSource.of(self.eval_dataset, "eval_dataset", same)
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise DatasetError(f"task.system_prompt must be a text, got {self.system_prompt!r}")
@@ -198,13 +216,17 @@ class DatasetTask:
     def alphabet(self) -> str:
         return PRINTABLE
 
+    def columns(self) -> dict[str, str | None]:
+        """The columns rows are read from where ``task.dataset`` names none (a subclass adds its own)."""
+        return dict(self.COLUMNS)
+
     def problems(self, seed: int, step: int, count: int) -> list[Problem]:
         stream = "eval" if step < 0 else "train"
         rows = self._load(stream)
         start = (step if step >= 0 else -step - 1) * count
         key = f"{type(self).__name__}/{stream}/{seed}"
         picked = [rows[_permutation(key, epoch, len(rows))[at]] for epoch, at in _positions(start, count, len(rows))]
-        return [Problem(prompt, self.reference(answer), self.system_prompt) for prompt, answer in picked]
+        return [Problem(p, self.reference(a), self.system_prompt, solution=s) for p, a, s in picked]
 
     def reference(self, answer: str) -> str:
         """The answer a problem carries, from the data set's answer column."""
@@ -213,7 +235,7 @@ class DatasetTask:
     def reward(self, problem: Problem, completion: str) -> float:
         return float(completion.strip() == problem.answer)
 
-    def _load(self, stream: str) -> list[tuple[str, str]]:
+    def _load(self, stream: str) -> list[tuple[str, str, str | None]]:
         if stream not in self._rows:
             source = self.eval_dataset if stream == "eval" and self.eval_dataset is not None else self.dataset
             self._rows[stream] = source.load()

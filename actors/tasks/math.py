@@ -15,6 +15,12 @@ The reference answer is the data set's answer column as a number; a GSM8K soluti
 steps, then ``#### 42``) gives the number after ``####``. Without a ``dataset``, the task
 reads the shipped arithmetic set (``actors/tasks/arithmetic_data.py``): its ``train`` split
 for training, its ``test`` split for the held-out evaluation.
+
+``solution`` names a column of worked solutions (the shipped set's ``solution``, GSM8K's
+``answer``): each problem then carries its own, and it becomes what a self-hinting teacher
+reads (``feedback``) and what the ``task_oracle`` teacher writes, instead of the bare answer, so
+the teacher shows the steps and not only where they end. A worked solution ends in its answer
+(``#### 42``), which the verifier reads as the last number, so the oracle's trace scores 1.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from actors.tasks.arithmetic_data import DATA_DIR
 from actors.tasks.dataset import DatasetError, DatasetSource, DatasetTask
 
 SHIPPED = {"path": str(DATA_DIR), "split": "train"}
+# What a self-hinting teacher reads after the question when the problem has a worked solution: worded
+# for a model to copy it into its own answer.
+SOLUTION_HINT = "Here is a worked solution:\n{solution}"
 _DECIMAL = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+"  # 1,234.5 before 1234.5, so commas stay inside
 # a minus is a sign unless it follows a digit, letter or bracket ("5-3" is a subtraction)
 NUMBER = re.compile(rf"(?:(?<![\w)\]])(-))?\s*\$?\s*({_DECIMAL})(?:\s*/\s*({_DECIMAL}))?")
@@ -85,8 +94,14 @@ class Math(DatasetTask):
     COLUMNS = {"prompt": "question", "answer": "answer"}  # GSM8K's
     dataset: DatasetSource | Mapping | str = field(default_factory=lambda: dict(SHIPPED))
     partial_credit: float = 0.0
+    solution: str | None = None  # the column of worked solutions; None: hints and oracle traces state the answer
 
     def __post_init__(self) -> None:
+        if self.solution is not None and (not isinstance(self.solution, str) or not self.solution):
+            raise DatasetError(
+                f"task.solution must name the data set's column of worked solutions (e.g. solution), got "
+                f"{self.solution!r}; leave it out to hint and trace the answer alone"
+            )
         if self.eval_dataset is None and self.dataset == SHIPPED:
             self.eval_dataset = {"split": "test"}  # the shipped set's held-out split
         super().__post_init__()
@@ -95,6 +110,9 @@ class Math(DatasetTask):
                 f"task.partial_credit must be a number in [0, 1), got {self.partial_credit!r}: only an exactly "
                 "right answer may score 1"
             )
+
+    def columns(self) -> dict[str, str | None]:
+        return super().columns() | {"solution": self.solution}
 
     def reference(self, answer: str) -> str:
         """The number a reference answer states (after ``####`` in a GSM8K solution), written plainly."""
@@ -110,5 +128,8 @@ class Math(DatasetTask):
         return numeric_reward(problem.answer, completion, self.partial_credit)
 
     def feedback(self, problem: Problem, completion: str) -> str:
-        """What a self-hinting teacher reads after the question: the reference answer, stated."""
+        """What a self-hinting teacher reads after the question: the problem's worked solution when it
+        carries one (``solution``), else the reference answer, stated."""
+        if problem.solution is not None:
+            return SOLUTION_HINT.format(solution=problem.solution)
         return f"The answer is {problem.answer}."

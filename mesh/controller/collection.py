@@ -40,13 +40,26 @@ from mesh.router import Routed, TargetLoad
 from mesh.teachers import Snapshot, TeacherBinding
 
 
+@dataclass(frozen=True)
+class Evaluated:
+    """How ``weights`` did on the held-out prompts, one completion each: the mean reward and, where
+    rewards follow the task contract (1 only for an exactly correct completion), the share that scored 1."""
+
+    reward: float
+    accuracy: float | None  # None for environment episodes, whose returns follow no such contract
+
+    def metrics(self) -> dict[str, float]:
+        """As logged: ``eval/reward``, and ``eval/accuracy`` where there is one."""
+        return {"eval/reward": self.reward} | ({} if self.accuracy is None else {"eval/accuracy": self.accuracy})
+
+
 class Collection(Protocol):
     async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
         """Step ``step``'s rollout groups, with ``weights`` and the ``teachers`` bound when it started."""
         ...
 
-    async def evaluate(self, step: int, weights: WeightVersion) -> float:
-        """The mean reward of ``weights`` on the held-out prompts (at step ``step``)."""
+    async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
+        """How ``weights`` do on the held-out prompts (after step ``step``; -1: the initial weights)."""
         ...
 
 
@@ -118,7 +131,8 @@ class _Collection:
         return problems, sampling_seeds(self.settings.prompt_seed, f"step {step}", len(problems))
 
     def _evaluation_prompts(self, step: int) -> tuple[list[Problem], list[int]]:
-        """The held-out prompts (the task's step -1), sampled afresh at each ``step`` that evaluates."""
+        """The held-out prompts: the task's step -1 under the topology's seed, so the same prompts at every
+        evaluation; their sampling seeds differ by ``step`` (a greedy evaluation uses none)."""
         count = self.settings.evaluation_prompts
         problems = self.task.problems(self.settings.seed, -1, count)
         return problems, sampling_seeds(self.settings.seed, f"eval {step}", count)
@@ -136,13 +150,16 @@ class SampleCollection(_Collection):
             rollout = await stage(rollout)
         return rollout.collected()
 
-    async def evaluate(self, step: int, weights: WeightVersion) -> float:
-        """Mean reward of one sample per prompt on the held-out prompts."""
+    async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
+        """One completion per held-out prompt (sampled, or greedy with ``evaluation_greedy``): its mean
+        reward and the share exactly right (a reward of 1 or more, as ``reward/exact`` counts)."""
         problems, seeds = self._evaluation_prompts(step)
-        sampled = await self.services.generators.generate(problems, 1, weights, seeds)
+        greedy = self.settings.evaluation_greedy
+        sampled = await self.services.generators.generate(problems, 1, weights, seeds, greedy)
         rows = [_sampled_rows(i, sampled) for i in range(len(problems))]
         rows, _ = await self.services.rewarding.reward(problems, rows)
-        return sum(row.reward.total for group in rows for row in group) / len(problems)
+        rewards = [row.reward.total for group in rows for row in group]
+        return Evaluated(sum(rewards) / len(problems), sum(r >= 1.0 for r in rewards) / len(problems))
 
     # ------------------------------------------------------------------------- the stages
 
@@ -310,11 +327,14 @@ class EpisodeCollection(_Collection):
             },
         )
 
-    async def evaluate(self, step: int, weights: WeightVersion) -> float:
-        """Mean return of one episode per prompt on the held-out prompts; a failed episode earns nothing."""
+    async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
+        """Mean return of one episode per held-out prompt (every turn greedy with ``evaluation_greedy``); a
+        failed episode earns nothing."""
         problems, seeds = self._evaluation_prompts(step)
-        played = await self.services.generators.play(problems, 1, weights, seeds, self.episodes)
-        return sum(o.reward for per in played.outcomes for o in per if o.failure is None) / len(problems)
+        spec = replace(self.episodes, greedy=self.settings.evaluation_greedy)
+        played = await self.services.generators.play(problems, 1, weights, seeds, spec)
+        returns = sum(o.reward for per in played.outcomes for o in per if o.failure is None)
+        return Evaluated(returns / len(problems), accuracy=None)
 
 
 class RecordedCollection:

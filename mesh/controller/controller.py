@@ -21,6 +21,8 @@ What runs where, and the buffers between them (``max_policy_lag: L``):
       -> metrics (metrics.py), recorded rows (samples.py, written on the logging thread),
          evaluation, checkpoint (with batches k+1 ... in flight)
 
+A run that starts afresh with ``loop.evaluation.at_start`` first evaluates the initial weights (logged as step -1).
+
 With ``max_policy_lag: 0`` each step samples with the weights the previous step just
 published (synchronous). With lag L > 0 up to L+1 batches are collected ahead, each
 with the newest weights published when its collection starts, so generation of step
@@ -110,6 +112,8 @@ class Controller:
         self.trained_at = time.perf_counter()
         self.step = await self._begin(checkpoint)
         self._write_teachers()
+        if checkpoint is None and self.settings.evaluation_at_start:
+            await self._evaluate_initial()
         if stopper is not None:
             stopper.training = True
         try:
@@ -150,6 +154,13 @@ class Controller:
         self.scheduler.restore(step, restored)
         self.context.progress.move_to(step)
         return step
+
+    async def _evaluate_initial(self) -> None:
+        """The initial weights on the held-out prompts (``loop.evaluation.at_start``), logged as step -1: an
+        evaluation logged at step s scores the weights step s trained, so those before any step are -1's."""
+        metrics = (await self.collection.evaluate(-1, self.weights)).metrics()
+        self.context.run.log(-1, metrics)
+        self.context.progress.evaluated(metrics)
 
     async def _train_step(self, step: int) -> dict:
         """Step ``step``: wait for its batch, train on it, start the next collections, then log.
@@ -250,7 +261,7 @@ class Controller:
         last = step + 1 == self.settings.steps
         every = self.settings.evaluation_every
         if every and ((step + 1) % every == 0 or last):
-            metrics["eval/reward"] = await self.collection.evaluate(step, self.weights)
+            metrics |= (await self.collection.evaluate(step, self.weights)).metrics()
         self.context.run.log(step, metrics)
         every = self.settings.checkpoint_every
         if (every and (step + 1) % every == 0) or last:

@@ -19,6 +19,7 @@ class CollectSettings:
     prompt_seed: int  # the training prompts' and their sampling's (a DiLoCo replica draws its own)
     seed: int  # the evaluation prompts' and their sampling's: the topology's, the same for every DiLoCo replica
     evaluation_prompts: int
+    evaluation_greedy: bool  # each held-out prompt's argmax continuation rather than a sample
     warm_start_teacher: str | None  # whose traces join their prompts' groups (channel 1) ...
     warm_start_steps: int  # ... in the steps before this one
     replay: bool  # replay teachers' traces enter channel 3's pairs (``beta_replay > 0``)
@@ -33,6 +34,7 @@ class LoopSettings:
     steps: int
     max_policy_lag: int
     evaluation_every: int  # 0: never
+    evaluation_at_start: bool  # also evaluate the initial weights, before the first step (a run that starts afresh)
     checkpoint_every: int  # 0: only the last step
     advantage: AdvantageEstimator | None
     max_completion_len: int  # the most tokens the model writes in one row (Dr. GRPO's normalizer)

@@ -1,4 +1,5 @@
-"""``task_oracle``: the task's own correct answer as the teacher's trace."""
+"""``task_oracle``: the task's own correct answer as the teacher's trace: the problem's worked
+solution when it carries one (``math``'s ``solution``), else the bare answer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ class TaskOracle:
     follows_policy = False
 
     def __init__(self, cfg: BindingConfig, student: Student):
-        """Nothing to load: each trace is the problem's own answer."""
+        """Nothing to load: each trace is the problem's own solution or answer."""
 
     def trace(self, problems: list[Problem]) -> list[str | None]:
-        return [problem.answer for problem in problems]
+        return [problem.answer if problem.solution is None else problem.solution for problem in problems]
