@@ -14,8 +14,11 @@ weights move into a plain model, which saves as an ordinary directory).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from actors.gguf_header import GGML_TYPES, GGUFError, GGUFHeader
@@ -133,6 +136,22 @@ def dequantized(gguf: Path, facts: ModelFacts) -> tuple:
     """(model, tokenizer): ``gguf`` dequantized into a plain float32 model, which ``save_pretrained`` writes as an
     ordinary directory, and its tokenizer (with the chat template). Raises ``GGUFError`` where transformers
     builds a model of other shapes than the file's; its own errors pass through."""
+    with _without_progress_bars():
+        return _dequantize(gguf, facts)
+
+
+@contextlib.contextmanager
+def _without_progress_bars() -> Iterator[None]:
+    """The run says in one line that it converts; transformers' own bars (tqdm's, written to stderr, one of them
+    outside transformers' switch) would fill the terminal around it."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        yield
+
+
+def _dequantize(gguf: Path, facts: ModelFacts) -> tuple:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
