@@ -24,6 +24,7 @@ _LAZY = {
     "overlong_penalty": "losses.advantages",
     "Counts": "losses.batch",
     "DistillInputs": "losses.batch",
+    "PairGrads": "losses.batch",
     "PolicyInputs": "losses.batch",
     "PreferenceInputs": "losses.batch",
     "TeacherHidden": "losses.batch",

@@ -127,6 +127,19 @@ class PreferenceInputs:
     ref_rejected_logps: Tensor | None = None
 
 
+@dataclass(frozen=True)
+class PairGrads:
+    """Channel 3's gradient, cached (the inner loop's ``_pair_gradients``): the pair loss depends on each
+    row only through its summed completion logprob, so once d(loss)/d(sum) is known per row, backpropagating
+    ``coefficients x sum`` through the rows' own forward gives the channel's exact gradient, in the same pass
+    as channels 1 and 2 (no second forward over the rows)."""
+
+    coefficients: Tensor  # [B] d(pair loss)/d(row's summed logprob); 0 for a row in no pair
+    mask: Tensor  # [B, T] bool, the completion tokens each sum runs over
+
+    rows = _slice_rows
+
+
 def masked_sum_per_row(values: Tensor, mask: Tensor) -> Tensor:
     """Row sums of ``values`` where ``mask``; a ``where`` so that inf/NaN at padding cannot leak."""
     return torch.where(mask, values, torch.zeros_like(values)).sum(-1)

@@ -5,6 +5,11 @@ Each channel is normalized by its own global token or pair count (as PRIME-RL's
 meaning as batches change. A channel whose inputs are absent, or whose weight is 0, is
 not computed: it contributes exactly 0 and is reported as skipped.
 
+Channel 3 comes in one of two forms: ``preference`` pairs (summed logprobs, the loss itself),
+or ``pair_grads``, its gradient cached by the inner loop (``losses.batch.PairGrads``), which
+rides on the token logprobs channels 1 and 2 already take, so a micro-batch's rows are
+forwarded once for all three channels.
+
 The policy's distribution comes in one of three forms (the ``Head``):
 - ``Logits``: full ``[B, T, V]`` logits at the completion positions (simple, memory-hungry);
 - ``LinearHead``: last hidden states and LM-head weight; channels 1 and 2 are then
@@ -20,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from losses.batch import DistillInputs, PolicyInputs, PreferenceInputs, masked_sum_per_row
+from losses.batch import DistillInputs, PairGrads, PolicyInputs, PreferenceInputs, masked_sum_per_row
 from losses.config import COVARIANCE, CovariancePolicyConfig, LossConfig
 from losses.distill import distill_loss
 from losses.logprobs import (
@@ -65,6 +70,7 @@ class LossInputs:
     policy: PolicyInputs | None = None
     distill: DistillInputs | None = None
     preference: PreferenceInputs | None = None
+    pair_grads: PairGrads | None = None  # channel 3's cached gradient (its loss and metrics come with ``preference``)
 
 
 @dataclass
@@ -77,7 +83,7 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
     """The channels that read the policy's distribution, as a loss of some rows' logits."""
 
     def loss_of_rows(logits: Tensor, rows: slice) -> tuple[Tensor, dict[str, Tensor]]:
-        total, metrics = None, {}
+        total, metrics, logprobs = None, {}, None
         if "policy" in active:
             policy = inputs.policy.rows(rows)
             logprobs, entropy = selective_logprobs_and_entropy(logits, inputs.targets[rows])
@@ -90,10 +96,24 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
         if "distill" in active:
             distill, parts = distill_loss(logits, inputs.distill.rows(rows), cfg.distill, taid_t)
             metrics |= {"distill/loss": distill.detach()} | {f"distill/{k}": v for k, v in parts.items()}
-            total = cfg.alpha_sdpo * distill if total is None else total + cfg.alpha_sdpo * distill
+            total = _plus(total, cfg.alpha_sdpo * distill)
+        if inputs.pair_grads is not None:
+            if logprobs is None:
+                logprobs = selective_logprobs(logits, inputs.targets[rows])
+            total = _plus(total, _cached_pair_loss(logprobs, inputs.pair_grads.rows(rows)))
         return total, metrics
 
     return loss_of_rows
+
+
+def _plus(total: Tensor | None, term: Tensor) -> Tensor:
+    return term if total is None else total + term
+
+
+def _cached_pair_loss(logprobs: Tensor, grads: PairGrads) -> Tensor:
+    """Exactly 0, with channel 3's gradient (``PairGrads``): the pair loss itself is reported where the pairs are."""
+    term = (grads.coefficients * masked_sum_per_row(logprobs, grads.mask)).sum()
+    return term - term.detach()
 
 
 def _with_held_back(head: Head, inputs: LossInputs, cfg: CovariancePolicyConfig) -> PolicyInputs:
@@ -164,7 +184,9 @@ def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid
             if head.entropy is not None:
                 parts["entropy"] = mean_entropy(head.entropy, inputs.policy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
-    elif active & {"policy", "distill"}:
+        if inputs.pair_grads is not None:
+            total = _plus(total, _cached_pair_loss(head.logprobs, inputs.pair_grads))
+    elif active & {"policy", "distill"} or inputs.pair_grads is not None:
         loss_of_rows = _token_channels(inputs, cfg, taid_t, active)
         if isinstance(head, Logits):
             total, metrics = loss_of_rows(head.logits, slice(None))
@@ -175,7 +197,7 @@ def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid
     if "preference" in active:
         preference, parts = preference_loss(inputs.preference, cfg.preference)
         metrics |= {"preference/loss": preference.detach()} | {f"preference/{k}": v for k, v in parts.items()}
-        total = cfg.beta_replay * preference if total is None else total + cfg.beta_replay * preference
+        total = _plus(total, cfg.beta_replay * preference)
 
     if total is None:
         raise ValueError("the batch has no loss inputs: give at least one of policy, distill or preference")

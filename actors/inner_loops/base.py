@@ -47,6 +47,7 @@ from losses import (
     Logits,
     LossInputs,
     LossOutput,
+    PairGrads,
     PolicyInputs,
     PreferenceInputs,
     TeacherTopK,
@@ -60,17 +61,6 @@ from losses.config import COVARIANCE
 from losses.policy import MISMATCH_MAX
 
 CPU = torch.device("cpu")
-
-
-@dataclass
-class PairGradients:
-    """d(pair loss)/d(summed logprob) for each row in a pair (``rows``: batch row indices)."""
-
-    rows: Tensor
-    grads: Tensor
-
-    def index(self, batch_rows: Tensor) -> Tensor:
-        return torch.searchsorted(self.rows, batch_rows)
 
 
 RowInputs = Callable[[slice], LossInputs]
@@ -164,29 +154,21 @@ class MicroBatchLoop(ABC):
     def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
         """This rank's share of the step's gradients, synced over ranks; the step's metrics."""
         batch = batch.to(self.device)
-        inputs = self.row_inputs(batch)
         share = split_evenly(len(batch), self.world)[self.rank]
         micro = self.cfg.micro_batch_size
         self.zero_grad()
         totals: dict[str, float] = {}
-        pairs = self._pair_gradients(batch, totals) if self._has_pairs(batch) else None
+        pair_grads = self._pair_gradients(batch, totals) if self._has_pairs(batch) else None
+        inputs = self.row_inputs(batch, pair_grads)
         passes = [("rows", slice(i, min(i + micro, share.stop))) for i in range(share.start, share.stop, micro)]
-        if pairs is not None:
-            mine = pairs.rows[split_evenly(len(pairs.rows), self.world)[self.rank]]
-            passes += [("pairs", mine[i : i + micro]) for i in range(0, len(mine), micro)]
         if self.lockstep:
-            pair_rows = len(pairs.rows) if pairs is not None else 0
-            most = max(map(sum, zip(self._micro_batches(len(batch)), self._micro_batches(pair_rows))))
-            passes += [("idle", slice(0, 1))] * (most - len(passes))
+            passes += [("idle", slice(0, 1))] * (max(self._micro_batches(len(batch))) - len(passes))
         for i, (kind, rows) in enumerate(passes):
             with nullcontext() if i == len(passes) - 1 or self.world == 1 else self.no_sync():
                 if kind == "rows":
                     out = self.micro_loss(batch.rows(rows), inputs(rows), taid_t)
                     self.backward(out.loss)
                     _accumulate(totals, out.metrics)
-                elif kind == "pairs":
-                    logps = self.sequence_logprobs(batch.rows(rows))
-                    self.backward((logps * pairs.grads[pairs.index(rows)]).sum())
                 else:
                     self.backward(self.sequence_logprobs(batch.rows(rows)).sum() * 0.0)
         return self._reduce(totals)
@@ -196,8 +178,9 @@ class MicroBatchLoop(ABC):
         micro = self.cfg.micro_batch_size
         return [-(-(part.stop - part.start) // micro) for part in split_evenly(rows, self.world)]
 
-    def row_inputs(self, batch: TrainBatch) -> RowInputs:
-        """Channels 1 and 2's inputs for any rows of ``batch``, normalized by the whole step's counts."""
+    def row_inputs(self, batch: TrainBatch, pair_grads: PairGrads | None = None) -> RowInputs:
+        """The channels' inputs for any rows of ``batch``, normalized by the whole step's counts (channel 3 as
+        its cached gradient, ``pair_grads``)."""
         policy_mask = batch.completion_mask & batch.policy_rows[:, None]
         counts = Counts.from_mask(policy_mask, batch.max_completion_len)
         distill = batch.distill_mask is not None and self.cfg.loss.alpha_sdpo > 0
@@ -222,7 +205,8 @@ class MicroBatchLoop(ABC):
                 if distill
                 else None
             )
-            return LossInputs(targets=part.targets, policy=policy, distill=teacher)
+            pairs = None if pair_grads is None else pair_grads.rows(sl)
+            return LossInputs(targets=part.targets, policy=policy, distill=teacher, pair_grads=pairs)
 
         return rows
 
@@ -241,11 +225,12 @@ class MicroBatchLoop(ABC):
     def _has_pairs(self, batch: TrainBatch) -> bool:
         return batch.pairs is not None and len(batch.pairs) > 0 and self.cfg.loss.beta_replay > 0
 
-    def _pair_gradients(self, batch: TrainBatch, totals: dict[str, float]) -> PairGradients:
+    def _pair_gradients(self, batch: TrainBatch, totals: dict[str, float]) -> PairGrads:
         """Channel 3 by gradient caching: the pair loss is a function of each row's summed
         logprob, so take those without a graph, get d(loss)/d(logprob) per row, and let
-        each rank backpropagate ``coefficient * logprob`` over its own rows, micro-batch by
-        micro-batch. Exact, and no pair ever needs both rows in one micro-batch."""
+        each rank backpropagate ``coefficient * logprob`` over its own rows in the same
+        micro-batches as channels 1 and 2 (``losses.batch.PairGrads``). Exact, and no pair
+        ever needs both rows in one micro-batch."""
         rows = batch.pairs.unique()
         mine = split_evenly(len(rows), self.world)[self.rank]
         logps = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
@@ -276,7 +261,9 @@ class MicroBatchLoop(ABC):
         out.loss.backward()
         # every rank computed the same pair loss: count it once (but report the same names everywhere)
         _accumulate(totals, {k: v if self.rank == 0 or k.endswith("/skipped") else 0.0 for k, v in out.metrics.items()})
-        return PairGradients(rows, logps.grad)
+        coefficients = torch.zeros(len(batch), dtype=logps.grad.dtype, device=self.device)
+        coefficients[rows] = logps.grad
+        return PairGrads(coefficients, batch.completion_mask)
 
     def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
         """Sum the row-additive metrics over ranks (a rank with no rows contributes zeros); take the

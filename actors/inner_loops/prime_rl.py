@@ -79,7 +79,7 @@ class PrimeRLLoop(NativeLoop):
         head = self.head(batch)
         total, metrics = self._policy_loss(head, batch, inputs.policy)
         metrics |= {"distill/skipped": 1.0, "preference/skipped": 1.0}  # as compose_loss reports them
-        if inputs.distill is not None:
+        if inputs.distill is not None or inputs.pair_grads is not None:  # channels 2 and 3 as compose_loss takes them
             out = compose_loss(head, replace(inputs, policy=None), self.cfg.loss, taid_t=taid_t)
             total = total + out.loss
             metrics |= {name: value for name, value in out.metrics.items() if not name.startswith("policy/")}
