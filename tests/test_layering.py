@@ -52,6 +52,7 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
     ("tiny_diloco.yaml", []),
     ("math_small.yaml", []),
     ("math_small.yaml", ["model.init.tokenizer=chars"]),
+    ("smol_math.yaml", []),  # a GGUF model: its header read in pure Python, nothing converted
     ("env_multiturn.yaml", []),
     ("tiny_diloco.yaml", ["diloco.transport=object_store", "diloco.store=s3://bucket/run", "diloco.replica=1"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=trl"]),
