@@ -6,7 +6,9 @@
 The job is tiny.yaml's, for both: the same random-init model (built once, loaded by
 path), the reverse task's prompts and reward, 32 prompts x 8 samples per step, up to 5
 new tokens at temperature 1, DAPO (clip 0.2/0.28, token-mean, no KL), group-scaled
-advantages, Adam at a constant lr 1e-3, no warm start, evaluation or checkpoints.
+advantages, tiny.yaml's AdamW (lr 1e-3, constant; its betas and grad clip), no warm start,
+evaluation or checkpoints. TRL's side is ``grpo_args``'s mapping of the topology, which
+``bench/vs_trl_smol.py`` shares.
 
 - TRL: ``GRPOTrainer`` in this process with every core's thread; it generates with
   transformers, rewards and takes the optimizer step one after another (synchronous by
@@ -36,9 +38,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from common import machine  # noqa: E402  bench/ is on sys.path when this runs as a script
 from loop import loop_run  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig  # noqa: E402
 
 from actors.model import build_tiny_model  # noqa: E402
-from actors.tasks import Problem, build_task  # noqa: E402
+from actors.prompts import render  # noqa: E402
+from actors.tasks import build_task  # noqa: E402
 from mesh.topology import Topology, load_topology  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,51 +57,93 @@ async def ours(lag: int, steps: int, root: Path, model_dir: Path) -> float:
 
 
 def trl(topology: Topology, steps: int, root: Path, model_dir: Path) -> float:
+    trainer, clock = trl_trainer(topology, steps, root / "trl", model_dir)
+    torch.set_num_threads(os.cpu_count() or 1)
+    trainer.train()
+    step_s = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    loop = topology.loop
+    return statistics.median(loop.prompts_per_step * loop.group_size / s for s in step_s[2:-1])
+
+
+class StepClock(TrainerCallback):
+    """When each optimizer step ended (the first entry: when the clock was made)."""
+
+    def __init__(self):
+        self.ends: list[float] = [time.perf_counter()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+
+def trl_trainer(topology: Topology, steps: int, output_dir: Path, model_dir: Path) -> tuple:
+    """(``GRPOTrainer``, its ``StepClock``) for ``steps`` of the topology's job on the model at ``model_dir``:
+    each step's prompts as the runtime draws them (``problems(seed, step, prompts_per_step)``), rendered as
+    its generators render them, the task's reward, and ``grpo_args``'s configuration; TRL generates with
+    transformers."""
     import datasets
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
 
     task, loop = build_task(topology.task.config), topology.loop
     problems = [p for step in range(steps) for p in task.problems(topology.seed, step, loop.prompts_per_step)]
-    rows = datasets.Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"prompt": render(tokenizer, p.prompt, p.system_prompt), "index": i} for i, p in enumerate(problems)]
 
-    def reward(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
-        return [task.reward(Problem(p, a), c) for p, c, a in zip(prompts, completions, answer)]
+    def reward(completions: list[str], index: list[int], **_) -> list[float]:
+        return [task.reward(problems[i], c) for i, c in zip(index, completions)]
 
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.ends: list[float] = [time.perf_counter()]
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=reward,
+        args=grpo_args(topology, steps, output_dir),
+        train_dataset=datasets.Dataset.from_list(rows),
+        callbacks=[clock],
+    )
+    return trainer, clock
 
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
 
-    args = GRPOConfig(
-        output_dir=str(root / "trl"),
+def grpo_args(topology: Topology, steps: int, output_dir: Path) -> GRPOConfig:
+    """The topology's trainer as a ``GRPOConfig``: DAPO (its clip range, token mean over a step's tokens), no
+    KL, its AdamW (lr, betas, weight decay, grad clip; constant lr), temperature 1 and its generator's
+    ``max_new_tokens``, fp32 on CPU, no gradient checkpointing, its seed; prompts in the dataset's order. One
+    optimizer step takes exactly one generation of ``prompts_per_step x group_size`` samples, in
+    micro-batches of at most the trainer's ``micro_batch_size`` rows (accumulated)."""
+    loop, trainer = topology.loop, topology.actors.trainer
+    opt, policy = trainer.optimizer, trainer.loss.policy
+    samples = loop.prompts_per_step * loop.group_size
+    micro = max(d for d in range(1, min(samples, trainer.micro_batch_size) + 1) if samples % d == 0)
+    return GRPOConfig(
+        output_dir=str(output_dir),
         report_to="none",
         use_cpu=True,
         bf16=False,
+        model_init_kwargs={"dtype": torch.float32},
+        gradient_checkpointing=False,  # TRL's default is True; the runtime's trainer does not checkpoint
+        seed=topology.seed,
         max_steps=steps,
-        per_device_train_batch_size=loop.prompts_per_step * loop.group_size,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=samples // micro,
+        steps_per_generation=samples // micro,
         num_generations=loop.group_size,
         max_completion_length=topology.actors.generator.max_new_tokens,
         temperature=1.0,
         loss_type="dapo",
-        epsilon=0.2,
-        epsilon_high=0.28,
+        epsilon=policy.clip_low,
+        epsilon_high=policy.clip_high,
         beta=0.0,
-        learning_rate=topology.actors.trainer.optimizer.lr,
+        learning_rate=opt.lr,
+        adam_beta1=opt.betas[0],
+        adam_beta2=opt.betas[1],
+        weight_decay=opt.weight_decay,
+        max_grad_norm=opt.grad_clip,
+        optim="adamw_torch",  # torch.optim.AdamW, as the native loop's (TRL's default is the fused one)
         lr_scheduler_type="constant",
         shuffle_dataset=False,
         save_strategy="no",
         logging_strategy="no",
         disable_tqdm=True,
     )
-    clock = StepClock()
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=rows, callbacks=[clock])
-    torch.set_num_threads(os.cpu_count() or 1)
-    trainer.train()
-    step_s = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
-    return statistics.median(loop.prompts_per_step * loop.group_size / s for s in step_s[2:-1])
 
 
 async def main(args) -> None:
