@@ -154,17 +154,20 @@ def preflight(plan: RunPlan, machine: Machine) -> None:
 def gpu_count() -> int:
     """The GPUs a process started here can use, found without loading CUDA (or torch):
     the NVIDIA device files, narrowed by ``CUDA_VISIBLE_DEVICES`` as CUDA reads it (indices
-    or ``GPU-``/``MIG-`` UUIDs, up to the first entry that is neither)."""
+    or ``GPU-``/``MIG-`` UUIDs, up to the first entry that is neither; a repeated entry makes
+    CUDA see none)."""
     devices = len(list(DEV.glob("nvidia[0-9]*")))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return devices
-    count = 0
+    seen: list[str] = []
     for entry in (e.strip() for e in visible.split(",")):
         if not (entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < devices)):
             break
-        count += 1
-    return min(count, devices)
+        if entry in seen:
+            return 0
+        seen.append(entry)
+    return min(len(seen), devices)
 
 
 @dataclass(frozen=True)

@@ -494,7 +494,7 @@ def test_huge_values_are_shown_cut_short(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "visible, count",
-    [(None, 2), ("", 0), ("1", 1), ("0,1", 2), ("0,7,1", 1), ("-1", 0), ("GPU-5d1c", 1), ("MIG-a,MIG-b", 2)],
+    [(None, 2), ("", 0), ("1", 1), ("0,1", 2), ("0,7,1", 1), ("-1", 0), ("0,0", 0), ("GPU-5d1c", 1), ("MIG-a,MIG-b", 2)],
 )
 def test_gpus_are_counted_from_device_files_as_cuda_visible_devices_narrows_them(tmp_path, monkeypatch, visible, count):
     for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-modeset"):
@@ -515,7 +515,7 @@ def test_gpu_count_agrees_with_cuda(visible):
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     code = "import torch\nfrom mesh.preflight import gpu_count\nprint(gpu_count(), torch.cuda.device_count())"
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # keeps where deps live
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     ours, cuda = out.stdout.split()
     assert ours == cuda, out.stderr

@@ -3,7 +3,9 @@
 The handles (one per slot) are pickled into the store directory; a follower unpickles
 them only after ``StoreDir`` proved this user wrote the file, and then reads the slots
 in place, like ``shm`` but without leaving device memory (``in_place.WeightSubscriber``,
-whose checksum runs on the GPU: ``checksum.device_checksum``).
+whose checksum runs on the GPU: ``checksum.device_checksum``). CUDA refuses to open a handle
+in the process that made it, so a follower placed in the trainer's own process (every actor
+on the trainer's mesh) takes the published slots from this process's memory instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from actors.weights.slot import Slot, memory_slots
 from actors.weights.storedir import StoreDir
 from actors.weights.transports.in_place import CUDA_HANDLES, InPlaceSlots, create_files
 
+_PUBLISHED_HERE: dict[str, list[Slot]] = {}  # store path -> the slots this process publishes there
+
 
 class CudaIpcSlots(InPlaceSlots):
     name = "cuda_ipc"
@@ -28,6 +32,8 @@ class CudaIpcSlots(InPlaceSlots):
         return create_files(store, encoded, lambda directory: _write_handles(directory, slots))
 
     def open(self, directory: StoreDir, manifest: Manifest) -> list[Slot]:
+        if (here := _PUBLISHED_HERE.get(str(directory.path))) is not None:
+            return here
         try:
             handles = pickle.loads(directory.read(CUDA_HANDLES))  # safe: StoreDir proved this user wrote it
         except FileNotFoundError:
@@ -42,6 +48,7 @@ def _write_handles(directory: StoreDir, slots: list[Slot]) -> list[Slot]:
     from torch.multiprocessing.reductions import reduce_tensor  # CUDA-only path
 
     directory.replace(CUDA_HANDLES, pickle.dumps([reduce_tensor(s.whole) for s in slots]))
+    _PUBLISHED_HERE[str(directory.path)] = slots
     return slots
 
 
