@@ -19,7 +19,8 @@ channels switched off:
 
 Printed and written to bench/out/smol_math.json: each run's final accuracy, the policy samples it
 needed to first reach ``dapo``'s final accuracy, its wall time and median step time; and
-bench/smol_math_accuracy.png, accuracy against policy samples.
+bench/smol_math_accuracy.png, accuracy against policy samples. The run directories stay under
+bench/out/smol_math/ (their trained models, reports and timelines).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import asyncio
 import datetime
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from mesh.runtime import run
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
+RUNS = OUT / "smol_math"
 TOPOLOGY = ROOT / "topologies" / "smol_math.yaml"
 PLOT = ROOT / "bench" / "smol_math_accuracy.png"
 NO_WARM_START = "loop.warm_start.steps=0"
@@ -125,11 +126,10 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {machine()}\ndate: {datetime.date.today()}")
     results = {}
-    with tempfile.TemporaryDirectory(prefix="bench-smol-") as root:
-        for config in args.only:
-            results[config] = asyncio.run(one_run(config, Path(root), args.quick, args.set))
-            curve = ", ".join(f"{samples}: {accuracy:.3f}" for samples, accuracy in results[config]["curve"])
-            print(f"{config:7s} wall {results[config]['wall_s']:.0f} s; accuracy by samples drawn: {curve}", flush=True)
+    for config in args.only:
+        results[config] = asyncio.run(one_run(config, RUNS / config, args.quick, args.set))
+        curve = ", ".join(f"{samples}: {accuracy:.3f}" for samples, accuracy in results[config]["curve"])
+        print(f"{config:7s} wall {results[config]['wall_s']:.0f} s; accuracy by samples drawn: {curve}", flush=True)
     summary = summarize(results)
     print(json.dumps(summary, indent=1))
     OUT.mkdir(exist_ok=True)
