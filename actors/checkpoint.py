@@ -29,13 +29,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from actors.disk import DISK_FULL, errno_of, write_cause
+from actors.disk import DISK_FULL, RefusedFile, errno_of, open_regular, read_regular, write_cause
 
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
 CHECKSUMS_FILE, ALGORITHM = "checksums.json", "xxh3_128"
 REQUIRED = (MODEL_FILE, OPTIMIZER_FILE, STATE_FILE)
 PARTIAL, REPLACED = ".partial", ".replaced"
 CHUNK = 1 << 24
+CHECKSUMS_LIMIT = 1 << 20  # a checksums.json names a handful of files
 ANOTHER = "resume from another checkpoint (runs keep one per save) or start without --resume"
 # JSON's own types (no "1" or 1.0 for an integer, no 0 for false), no unknown keys, finite numbers
 STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
@@ -113,9 +114,9 @@ def read_extra(directory: Path, name: str) -> bytes:
         extras = sorted(set(files) - set(REQUIRED))
         raise CheckpointError(f"checkpoint {directory} holds no {name} (its extra files: {extras}); {ANOTHER}")
     try:
-        data = (directory / name).read_bytes()
+        data = read_regular(directory / name)
     except OSError as error:
-        raise CheckpointError(f"checkpoint {directory} lost its {name} ({error.strerror}); {ANOTHER}") from None
+        raise CheckpointError(_unreadable(directory, name, error)) from None
     _compare(directory, name, files[name], xxhash.xxh3_128_hexdigest(data))
     return data
 
@@ -125,8 +126,18 @@ def _verified(directory: Path) -> None:
         try:
             found = _digest(directory / name)
         except OSError as error:
-            raise CheckpointError(f"checkpoint {directory} lost its {name} ({error.strerror}); {ANOTHER}") from None
+            raise CheckpointError(_unreadable(directory, name, error)) from None
         _compare(directory, name, expected, found)
+
+
+def _unreadable(directory: Path, name: str, error: OSError) -> str:
+    """Why a checkpoint's file cannot be read: gone, or not a file its writer makes (a pipe, a device, a link)."""
+    if isinstance(error, RefusedFile):
+        return (
+            f"checkpoint {directory}: its {name} is {error}, which a checkpoint never holds (its writer writes "
+            f"regular files only, and a link could lead anywhere); {ANOTHER}"
+        )
+    return f"checkpoint {directory} lost its {name} ({error.strerror}); {ANOTHER}"
 
 
 def _checksums(directory: Path) -> dict[str, str]:
@@ -137,19 +148,19 @@ def _checksums(directory: Path) -> dict[str, str]:
             f"disk); resume from {directory.with_name(directory.name.removesuffix(PARTIAL))} if it exists, or "
             "from an earlier checkpoint of that run"
         )
-    if not directory.is_dir() or not (directory / STATE_FILE).is_file():
+    if not directory.is_dir() or not os.path.lexists(directory / STATE_FILE):  # a pipe or a link: refused below
         raise CheckpointError(
             f"{directory} is not a checkpoint (no {STATE_FILE} there); point to a directory such as "
             "runs/<run>/checkpoints/step_000125"
         )
     path = directory / CHECKSUMS_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(
             f"checkpoint {directory} has no {CHECKSUMS_FILE}, so its files cannot be verified (it was written "
             f"before checkpoints carried checksums, or not by save_checkpoint); {ANOTHER}"
         )
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_regular(path, CHECKSUMS_LIMIT))
         files, algorithm = manifest["files"], manifest["algorithm"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
         unreadable = f"checkpoint {directory} has an unreadable {CHECKSUMS_FILE} ({error}); {ANOTHER}"
@@ -158,6 +169,12 @@ def _checksums(directory: Path) -> dict[str, str]:
         raise CheckpointError(
             f"checkpoint {directory}'s {CHECKSUMS_FILE} is not this version's ({ALGORITHM} digests of "
             f"{', '.join(REQUIRED)} expected); {ANOTHER}"
+        )
+    outside = [name for name in files if Path(name).name != name or name in (".", "..")]
+    if outside:
+        raise CheckpointError(
+            f"checkpoint {directory}'s {CHECKSUMS_FILE} names {outside[0]!r}, not a file of the checkpoint "
+            f"directory (a checkpoint's files are plain names in it); {ANOTHER}"
         )
     return files
 
@@ -174,7 +191,7 @@ def _read_state(directory: Path) -> dict:
     """state.json as a dict with an integer step and the optimizer's param groups (every setting finite),
     or a CheckpointError."""
     try:
-        state = json.loads((directory / STATE_FILE).read_text())
+        state = json.loads(read_regular(directory / STATE_FILE))
     except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested past Python's stack
         raise CheckpointError(f"checkpoint {directory} has an unreadable {STATE_FILE} ({error}); {ANOTHER}") from None
     if not isinstance(state, dict):
@@ -286,14 +303,16 @@ def _shown(value: Any) -> str:
 
 
 def _digest(path: Path, sync: bool = False) -> str:
-    """The file's xxh3 read back from the filesystem; ``sync`` also forces it to disk first,
-    where a full disk may only show up (delayed allocation, network filesystems)."""
+    """The regular file's xxh3 read back from the filesystem, as long as it was when opened; ``sync`` also
+    forces it to disk first, where a full disk may only show up (delayed allocation, network filesystems)."""
     digest = xxhash.xxh3_128()
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         if sync:
             os.fsync(f.fileno())
-        while chunk := f.read(CHUNK):
+        left = os.fstat(f.fileno()).st_size
+        while left > 0 and (chunk := f.read(min(CHUNK, left))):
             digest.update(chunk)
+            left -= len(chunk)
     return digest.hexdigest()
 
 

@@ -1,4 +1,10 @@
-"""Why a write failed, in words a user can act on: the error's name and the space left.
+"""Reading what a run left behind safely, and why a write failed in words a user can act on.
+
+Whoever can write a run directory or a checkpoint can put a named pipe, a device or a link
+where a file belongs: a reader that opens it as a file hangs on the pipe, reads /dev/zero
+forever or follows the link to another user's file. ``open_regular`` is the one way such
+files are opened: never blocking, never following a link unless asked, regular files only,
+and ``read_regular``/``lines`` read within a bound.
 
 A full disk is the common cause of a failed checkpoint or log write, and the number
 that tells the user what to do (how much is free, and where) is not in the exception.
@@ -10,9 +16,84 @@ import errno
 import os
 import re
 import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+KINDS = {  # what a path is instead of a regular file, by its stat type
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+class RefusedFile(OSError):
+    """A file a reader refuses: not a regular file (a pipe, a device, a link, a directory), or larger than
+    that reader's bound. ``str()`` is the reason alone, e.g. ``a named pipe (FIFO), not a regular file``,
+    for the caller to put after the path and a colon."""
+
+    def __init__(self, reason: str):
+        super().__init__(errno.EINVAL, reason)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def open_regular(path: Path, follow_links: bool = False) -> BinaryIO:
+    """``path`` open for reading, when it is a regular file; else ``RefusedFile`` (other failures are the
+    usual ``OSError``). It never blocks (a pipe opens at once, then is refused) and, unless ``follow_links``
+    (a model directory: the Hugging Face cache is links into its blobs), never follows a link at the end of
+    ``path``, so a name in a run directory cannot lead out of it."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENXIO):  # O_NOFOLLOW on a link; a socket cannot be opened
+            raise RefusedFile(_not_regular(os.lstat(path).st_mode)) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise RefusedFile(_not_regular(mode))
+    return os.fdopen(fd, "rb")
+
+
+def is_regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself (a link to one is not: ``open_regular`` would refuse it)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _not_regular(mode: int) -> str:
+    return f"{KINDS.get(stat.S_IFMT(mode), 'not a file')}, not a regular file"
+
+
+def read_regular(path: Path, limit: int | None = None, follow_links: bool = False) -> bytes:
+    """All of the regular file ``path`` (``open_regular``), as long as it was when opened; a file larger than
+    ``limit`` bytes is a ``RefusedFile`` saying so, before any of it is read."""
+    with open_regular(path, follow_links) as file:
+        size = os.fstat(file.fileno()).st_size
+        if limit is not None and size > limit:
+            raise RefusedFile(f"{size_text(size)}, more than the {size_text(limit)} such a file can be")
+        return file.read(size)
+
+
+def lines(file: BinaryIO, longest: int) -> Iterator[bytes]:
+    """The lines of ``file`` (each with its newline, the last one maybe without), one at a time; a line longer
+    than ``longest`` bytes is a ``RefusedFile`` naming it, so a file with no newline is never read whole."""
+    number = 0
+    while line := file.readline(longest + 1):
+        number += 1
+        if len(line) > longest:
+            raise RefusedFile(f"line {number} is longer than {size_text(longest)}, more than any of its lines can be")
+        yield line
 
 
 def errno_of(error: BaseException) -> int | None:

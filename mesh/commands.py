@@ -44,6 +44,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors.disk import RefusedFile, open_regular, read_regular
 from actors.procs import alive_since
 from mesh.topology import MAX_FILE_BYTES, TopologyError, check_bounded
 
@@ -53,6 +54,8 @@ TEACHERS = "teachers.json"
 VERBS = ("bind", "unbind")
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9_-]*$")
 POLL_S = 0.05
+LINE_FILE_BYTES = 4096  # control/pid and control/token: one short line each
+MAX_PID = 1 << 22  # Linux's largest pid_max (PID_MAX_LIMIT): no process has a larger id
 
 
 class ControlError(Exception):
@@ -66,6 +69,61 @@ class Command:
     id: str
     verb: str
     args: dict
+
+
+@dataclass(frozen=True)
+class Owner:
+    """control/pid: the run's process, its host, and when the run wrote it (what tells a reused pid apart)."""
+
+    pid: int
+    host: str
+    written: float
+
+    @property
+    def here(self) -> bool:
+        """On this host, where whether it still runs can be seen."""
+        return self.host == socket.gethostname()
+
+    @property
+    def alive(self) -> bool:
+        """Still the run's process (on this host; another host's are not ours to see)."""
+        return self.here and alive_since(self.pid, self.written)
+
+
+def read_owner(run_path: Path) -> Owner | None:
+    """The run's control/pid; None when there is none (the run closed its channel). A file the run does not
+    write (not a regular file, not its JSON, a pid no process can have) is a ControlError naming it; a
+    PermissionError (another user's run) is the caller's to word."""
+    pid_file = run_path / CONTROL / "pid"
+    try:
+        with open_regular(pid_file) as file:
+            written = os.fstat(file.fileno()).st_mtime
+            data = file.read(LINE_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        raise
+    except RefusedFile as error:
+        raise ControlError(f"cannot read {pid_file}: {error}, which a run never writes there; {_REWRITE}") from None
+    except OSError as error:
+        raise ControlError(f"cannot read {pid_file}: {error.strerror or error}; {_REWRITE}") from None
+    try:
+        owner = json.loads(data) if len(data) <= LINE_FILE_BYTES else None
+    except (ValueError, RecursionError):
+        owner = None
+    pid = owner.get("pid") if isinstance(owner, dict) else None
+    if type(pid) is not int or not 0 < pid <= MAX_PID or not isinstance(owner.get("host"), str):
+        raise ControlError(
+            f"{pid_file} is not the run's {{'pid', 'host'}} (a process id from 1 to {MAX_PID} and a host name), "
+            f"so it was edited or damaged; {_REWRITE}"
+        )
+    return Owner(pid, owner["host"], written)
+
+
+_REWRITE = (
+    "remove that file if the run has ended; a run that still trains cannot be reached through it, so stop it and "
+    "resume it from its last checkpoint to get a new control channel"
+)
 
 
 class _Refused(ValueError):
@@ -192,14 +250,26 @@ def read_teachers(run_path: str | Path) -> dict[str, dict]:
     """The teachers the run last published (name -> {"spec", "bound_at_step", ...}); works after the run ended."""
     run_path = Path(run_path)
     _check_run_dir(run_path)
+    path = run_path / TEACHERS
     try:
-        return json.loads((run_path / TEACHERS).read_text())
+        teachers = json.loads(read_regular(path, MAX_FILE_BYTES))
     except FileNotFoundError:
         raise ControlError(
             f"{run_path} has no {TEACHERS}: the run has not started its teachers yet, or it was started before "
             "mesh.ctl existed. Wait for the run to start, or look up its teachers in its topology.yaml "
             "(actors.teachers.bindings)."
         ) from None
+    except (OSError, ValueError, RecursionError) as error:
+        teachers = error
+    if not isinstance(teachers, dict) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("spec"), dict) for entry in teachers.values()
+    ):
+        why = f" ({teachers})" if isinstance(teachers, Exception) else ""
+        raise ControlError(
+            f"{path} is not the run's record of its teachers{why}: it was edited or damaged. The run rewrites it at "
+            "its next change of teachers; until then its topology.yaml (actors.teachers.bindings) names them."
+        )
+    return teachers
 
 
 def _await_reply(run_path: Path, request: Path, command_id: str, timeout: float) -> dict:
@@ -209,12 +279,27 @@ def _await_reply(run_path: Path, request: Path, command_id: str, timeout: float)
         ended = _ended(run_path)  # looked at before the reply: a run that answers and then ends is not called dead
         reply = _claim(reply_path)
         if reply is not None:
-            return json.loads(reply)
+            return _reply_of(reply_path, reply)
         if ended:
             raise ControlError(ended)
         if time.monotonic() > deadline:
             raise ControlError(_unanswered(run_path, request, timeout))
         time.sleep(POLL_S)
+
+
+def _reply_of(path: Path, data: bytes) -> dict:
+    """The run's reply ``{"id", "ok", "message", "step"}`` read from ``path``, or a ControlError if it is not one."""
+    try:
+        reply = json.loads(data)
+    except (ValueError, RecursionError):
+        reply = None
+    if not (isinstance(reply, dict) and isinstance(reply.get("ok"), bool) and isinstance(reply.get("message"), str)):
+        raise ControlError(
+            f"the reply in {path} is not the run's (a JSON object with ok and message), so whether the command was "
+            f"applied is unknown; see {path.parent.parent.parent / EVENTS} or python -m mesh.ctl "
+            f"{path.parent.parent.parent} teachers list"
+        )
+    return reply
 
 
 def _unanswered(run_path: Path, request: Path, timeout: float) -> str:
@@ -242,7 +327,7 @@ def _check_run_dir(run_path: Path) -> None:
 def _read_token(run_path: Path) -> str:
     try:
         _check_run_dir(run_path)
-        return (run_path / CONTROL / "token").read_text().strip()
+        return read_regular(run_path / CONTROL / "token", LINE_FILE_BYTES).decode(errors="replace").strip()
     except PermissionError:
         raise ControlError(
             f"permission denied reading {run_path / CONTROL / 'token'}: only the run's owner can send commands "
@@ -254,6 +339,9 @@ def _read_token(run_path: Path) -> str:
             "run directory. Only a run started by a current python -m mesh.run can change its teachers while it "
             "trains; restart it from its last checkpoint to get one."
         ) from None
+    except RefusedFile as error:
+        token = run_path / CONTROL / "token"
+        raise ControlError(f"cannot read {token}: {error}, which a run never writes there; {_REWRITE}") from None
 
 
 def _check_live(run_path: Path) -> None:
@@ -264,19 +352,16 @@ def _check_live(run_path: Path) -> None:
 
 def _ended(run_path: Path) -> str | None:
     """Why the run in ``run_path`` is no longer running, or None if it is (or may be: another host's run)."""
-    pid_file = run_path / CONTROL / "pid"
-    try:
-        owner = json.loads(pid_file.read_text())
-        written = pid_file.stat().st_mtime
-    except FileNotFoundError:
+    owner = read_owner(run_path)
+    if owner is None:
         return (
             f"the run in {run_path} has ended ({CONTROL}/pid is gone), so there is nothing to change. Start it again "
             "(its teachers are in actors.teachers.bindings of the topology) to train with other teachers."
         )
-    if owner["host"] != socket.gethostname() or alive_since(owner["pid"], written):
+    if not owner.here or owner.alive:
         return None  # another host's processes are not ours to see: the reply, or the timeout, will tell
     return (
-        f"the run in {run_path} has ended: its process {owner['pid']} is gone (it stopped without closing the "
+        f"the run in {run_path} has ended: its process {owner.pid} is gone (it stopped without closing the "
         "channel, e.g. it was killed or crashed), so there is nothing to change. Start it again to train with "
         "other teachers."
     )
@@ -286,10 +371,13 @@ def _claim(path: Path) -> bytes | None:
     """Read (at most one byte past a topology file's limit) and delete ``path``; None if it is gone
     (another party claimed it first). Deleting is the claim."""
     try:
-        with path.open("rb") as file:
+        with open_regular(path) as file:
             data = file.read(MAX_FILE_BYTES + 1)
         path.unlink()
     except FileNotFoundError:
+        return None
+    except RefusedFile:  # a pipe or a link, which no party of the channel writes: dropped, never waited on
+        path.unlink(missing_ok=True)
         return None
     return data
 

@@ -87,7 +87,8 @@ def _list(args: argparse.Namespace) -> int:
     rows = [("name", "kind", "use", "bound_at_step")]
     for name, entry in sorted(teachers.items()):
         spec = entry["spec"]
-        rows.append((name, spec["kind"], ",".join(spec.get("use", [])) or "-", str(entry["bound_at_step"])))
+        use = ",".join(map(str, spec.get("use") or [])) or "-"
+        rows.append((name, str(spec.get("kind", "-")), use, str(entry.get("bound_at_step", "-"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from actors.disk import open_regular, read_regular
 from actors.inner_loops.config import LoRAConfig
 from actors.model_config import TINY_MODEL_MARKER, char_vocabulary, tiny_recipe
 from actors.model_source import ModelSource
@@ -164,9 +165,12 @@ def base_digest(model_dir: Path) -> str:
     digest = xxhash.xxh3_128()
     for file in files:
         digest.update(file.name.encode())
-        with file.open("rb") as stream:
-            while block := stream.read(1 << 24):
-                digest.update(block)
+        try:
+            with open_regular(file, follow_links=True) as stream:  # a Hugging Face cache's files are links
+                while block := stream.read(1 << 24):
+                    digest.update(block)
+        except OSError as error:
+            raise FingerprintError(f"cannot read {file} to fingerprint the base model: {error}") from None
     return digest.hexdigest()
 
 
@@ -194,7 +198,7 @@ def _tokenizer(model_dir: Path) -> dict:
     if (model_dir / "vocab.json").is_file():
         return _digest(_read_json(model_dir / "vocab.json"))
     if (model_dir / "tokenizer.model").is_file():
-        return {"tokens": None, "digest": xxhash.xxh3_128_hexdigest((model_dir / "tokenizer.model").read_bytes())}
+        return {"tokens": None, "digest": xxhash.xxh3_128_hexdigest(_read(model_dir / "tokenizer.model"))}
     return {"tokens": None, "digest": None}
 
 
@@ -225,10 +229,20 @@ def _tiny_architecture(spec: TinyModelSpec, vocab_size: int) -> dict:
     }
 
 
+def _read(path: Path) -> bytes:
+    """A model directory's file, if it is a regular one (a link to one counts: a Hugging Face cache's are)."""
+    try:
+        return read_regular(path, follow_links=True)
+    except OSError as error:
+        raise FingerprintError(
+            f"cannot read {path} to fingerprint the model ({error}); check the model directory"
+        ) from None
+
+
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
+        data = json.loads(_read(path))
+    except (ValueError, RecursionError) as error:
         raise FingerprintError(
             f"cannot read {path} to fingerprint the model ({error}); check the model directory"
         ) from None

@@ -22,10 +22,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ConfigDict, Field, ValidationError
 
 from actors.checkpoint import STRICT, first_problem
+from actors.disk import is_regular, lines, open_regular
 from actors.rollout import RolloutGroup, Row
 from mesh.collected import Collected
 from mesh.fingerprint import FingerprintError, topology_fingerprint
@@ -37,6 +37,7 @@ from mesh.topology import Topology, TopologyError, load_topology
 RECORD_AGAIN = "record the run again with --set logging.samples.full=true"
 ROW_KEYS = ("kind", "trajectory", "version", "teacher", "distill", "reference_logprobs")  # as a SavedRow's
 NO_SECONDS = {"generate": 0.0, "load": 0.0, "reward": 0.0, "teachers": 0.0}  # nothing was collected
+LONGEST_ROW = 1 << 28  # bytes in one line: a long completion with a distill teacher's top-k is megabytes
 
 
 class RecordedPlace(Saved):
@@ -84,20 +85,22 @@ def oldest_age(batches: list[Collected]) -> int:
 def _check_recorded(run_dir: Path, topology: Topology) -> None:
     """``run_dir`` is a fully recorded run of this topology's model, tokenizer and task."""
     written = run_dir / "topology.yaml"
-    if not (run_dir / SAMPLES_FILE).is_file() or not written.is_file():
+    if not is_regular(run_dir / SAMPLES_FILE) or not is_regular(written):
         raise TopologyError(
             f"--replay {run_dir}: not a run directory with a recording (it needs topology.yaml and {SAMPLES_FILE}); "
-            f"name the directory a run printed as 'run directory:', recorded with logging.samples.full: true"
+            f"name the directory a run printed as 'run directory:', recorded with logging.samples.full: true (a link "
+            "or a pipe in place of either file is not one)"
         )
     try:
-        samples = (yaml.safe_load(written.read_text()) or {}).get("logging", {}).get("samples")
-        recorded = load_topology(written, placed_here=False)
+        recorded = load_topology(written, placed_here=False)  # the topology file's reader and its bounds
         mine, theirs = topology_fingerprint(topology).to_json(), topology_fingerprint(recorded).to_json()
-    except (OSError, yaml.YAMLError, AttributeError, TopologyError, FingerprintError) as error:
+    except (TopologyError, FingerprintError) as error:
         raise TopologyError(f"--replay {run_dir}: its topology.yaml cannot be read back: {error}") from None
-    if not (isinstance(samples, dict) and samples.get("full") is True):
+    samples = recorded.logging.samples
+    if samples is None or not samples.full:
+        shown = json.dumps(samples.model_dump(mode="json") if samples is not None else None)
         raise TopologyError(
-            f"--replay {run_dir}: that run was not fully recorded (its logging.samples is {json.dumps(samples)}), so "
+            f"--replay {run_dir}: that run was not fully recorded (its logging.samples is {shown}), so "
             f"{SAMPLES_FILE} holds some rows of some steps, and a replay trains on every row of every step; "
             f"{RECORD_AGAIN}"
         )
@@ -113,12 +116,15 @@ def _read(path: Path, vocabulary: int | None) -> dict[int, Collected]:
     """samples.jsonl's rows, each validated, as one ``Collected`` per step."""
     rows: dict[int, dict[int, list[Row]]] = defaultdict(lambda: defaultdict(list))
     problems, distill_teachers = {}, {}
-    with path.open() as lines:
-        for number, line in enumerate(lines, 1):
-            place, row = _row(path, number, line, vocabulary)
-            rows[place.step][place.group].append(row)
-            problems[place.step, place.group] = place.problem.decode()
-            distill_teachers[place.step] = place.distill_teacher
+    try:
+        with open_regular(path) as file:
+            for number, line in enumerate(lines(file, LONGEST_ROW), 1):
+                place, row = _row(path, number, line, vocabulary)
+                rows[place.step][place.group].append(row)
+                problems[place.step, place.group] = place.problem.decode()
+                distill_teachers[place.step] = place.distill_teacher
+    except OSError as error:  # a line too long (``lines``), or the file replaced since it was checked
+        raise TopologyError(f"{path} cannot be read: {error}; {RECORD_AGAIN}") from None
     return {
         step: Collected(
             [RolloutGroup(problems[step, index], index, tuple(group)) for index, group in groups.items()],
@@ -137,11 +143,12 @@ def _not_recorded(path: Path, number: int, problem: str) -> str:
     )
 
 
-def _row(path: Path, number: int, line: str, vocabulary: int | None) -> tuple[RecordedPlace, Row]:
+def _row(path: Path, number: int, line: bytes, vocabulary: int | None) -> tuple[RecordedPlace, Row]:
     try:
-        record: Any = json.loads(line)
-    except ValueError as error:
-        raise TopologyError(f"{path} line {number} is not JSON ({error}); {RECORD_AGAIN}") from None
+        record: Any = json.loads(line)  # UTF-8 only: a byte that is not is a ValueError
+    except (ValueError, RecursionError) as error:  # RecursionError: nested past Python's stack
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise TopologyError(f"{path} line {number} is not JSON ({reason}); {RECORD_AGAIN}") from None
     try:
         place = RecordedPlace.model_validate(record)
     except ValidationError as error:

@@ -9,14 +9,19 @@ and what it saved. It reads only; it starts nothing and needs no torch, so it is
 The state comes from what is in the directory: ``final/`` present is finished; ``control/pid`` naming a
 process that is still the run's (``actors.procs.alive_since``) is live (``live?`` when it is on another
 host); an ``error.log`` entry for the end of the run is failed; every step trained but no ``final/`` yet is
-``finishing?`` (the run exports it after closing its channel, and an export that fails is not in error.log);
+``finishing?`` (the run exports it after closing its channel; an export that fails is the run's end in
+error.log, so this is an export under way, or one a kill cut short);
 anything else stopped (a signal, or a kill). A DiLoCo parent (``replicas/``, see ``mesh/replicas.py``) gets
 a row per replica and each replica's curves in ``report.png``.
 
 A live run may be writing a line of ``metrics.jsonl`` as it is read: a last line that is not whole is
-left for the next report. A run from an older version lacks some keys: what is missing shows as ``-``. A run
-that evaluated its initial weights (``loop.evaluation.at_start``) has a row for step -1 holding that
-evaluation alone: it counts as an evaluation ("at start"), never as a step.
+left for the next report. Every file is read a line at a time, each line within ``LONGEST_LINE``, keeping
+only what the report shows (``Series``), so a run of any length (or a file of any size) is reported in
+bounded memory; a file that is not a regular one (a pipe, a device, a link) is refused, never waited on.
+Rows past the plan's ``loop.steps`` (another run writing to the directory, or an edited file) are flagged.
+A run from an older version lacks some keys: what is missing shows as ``-``. A run that evaluated its
+initial weights (``loop.evaluation.at_start``) has a row for step -1 holding that evaluation alone: it
+counts as an evaluation ("at start"), never as a step.
 
 Exit codes: 0 the report was printed, also for a run with no finished step yet (it says so: a run that
 is starting is not an error); 2 nothing could be reported (the directory is missing, is not a run
@@ -26,24 +31,25 @@ directory, or a file in it cannot be read or parsed), one line on stderr naming 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
-import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-import yaml
-
-from actors.procs import alive_since
-from mesh.commands import CONTROL, EVENTS
+from actors.disk import RefusedFile, lines, open_regular, read_regular
+from mesh.commands import CONTROL, EVENTS, ControlError, read_owner
 from mesh.interrupts import CHECKPOINT_NAME
 from mesh.rundir import ERROR_LOG, METRICS_FILE, REWARD_KEY, draw, pyplot
+from mesh.topology import MAX_FILE_BYTES, TopologyError, parse_yaml
 
 REPORT_PNG = "report.png"
 REPLICAS = "replicas"
@@ -55,6 +61,13 @@ OPTIONAL_STAGES = ("reference",)  # logged only by runs that have one: left out 
 STOPPED_ENTRY = re.compile(r"^== \S+ \S+ the run stopped")  # runtime's error.log title of the run's end
 KL_KEYS = {"train/policy/kl": "KL to the reference", "train/policy/mismatch_k3": "trainer vs sampler (k3)"}
 CHANNEL_LOSSES = ("train/policy/loss", "train/distill/loss", "train/preference/loss")
+REPORTED = (  # the keys of metrics.jsonl the report reads; the others are skipped as they are read
+    REWARD_KEY, "reward/exact", "eval/reward", "eval/accuracy", "samples_per_s", "policy_age/mean", "policy_age/max",
+    "diloco/round", "diloco/sync_s", "faults/restarts", "faults/seconds_lost", "train/loss", "train/policy/entropy",
+    *CHANNEL_LOSSES, *KL_KEYS, "time/step", *(f"time/{stage}" for stage in STAGES),
+)
+LONGEST_LINE = 1 << 20  # a metrics.jsonl, events.jsonl or error.log line is a few kilobytes
+SAMPLE = 4096  # the points of a key kept for its median, its start and end, and its curve
 
 
 class ReportError(Exception):
@@ -70,12 +83,93 @@ class State:
 
 
 @dataclass
+class Series:
+    """One key of metrics.jsonl as the report needs it, whatever the run's length: the count, sum, best and last
+    of its finite values, exact, and its (step, value) points, every one up to ``SAMPLE`` and past that an even
+    sample of them (every ``stride``-th row logging it), for its median, its start and end, and its curve."""
+
+    steps: list[int] = field(default_factory=list)
+    points: list[float] = field(default_factory=list)  # NaN where the row logged a null or a text: a gap
+    stride: int = 1
+    logged: int = 0  # rows holding the key
+    count: int = 0  # of them, finite numbers
+    total: float = 0.0
+    best: tuple[float, int] | None = None  # (value, step)
+    last: tuple[float, int] | None = None
+
+    def add(self, step: int, value: object) -> None:
+        number = _float(value)
+        if number is not None:
+            self.count, self.total, self.last = self.count + 1, self.total + number, (number, step)
+            if self.best is None or number > self.best[0]:
+                self.best = (number, step)
+        if self.logged % self.stride == 0:
+            self.steps.append(step)
+            self.points.append(math.nan if number is None else number)
+            if len(self.steps) > SAMPLE:  # keep every other one: an even sample of twice the stride
+                del self.steps[1::2], self.points[1::2]
+                self.stride *= 2
+        self.logged += 1
+
+    @property
+    def values(self) -> list[float]:
+        """The kept points' finite values, in step order."""
+        return [v for v in self.points if math.isfinite(v)]
+
+
+@dataclass
+class Metrics:
+    """metrics.jsonl, read a line at a time (``read_metrics``): its rows' steps and the reported keys' series."""
+
+    rows: int = 0
+    last_step: int | None = None
+    first_trained: int | None = None  # the first row of a trained step (not step -1's evaluation)
+    past_plan: int = 0  # rows of a step the plan does not have (loop.steps or later)
+    latest: int | None = None  # the largest step of a row
+    warm: int = 0  # warm-start rows
+    warm_span: tuple[int, int] | None = None  # their first and last step
+    series: dict[str, Series] = field(default_factory=dict)
+
+    def add(self, record: dict, planned: int | None) -> None:
+        step = record["step"]
+        self.rows, self.last_step = self.rows + 1, step
+        self.latest = step if self.latest is None else max(self.latest, step)
+        if self.first_trained is None and step >= 0:
+            self.first_trained = step
+        if planned is not None and step >= planned:
+            self.past_plan += 1
+        if record.get("warm_start"):
+            self.warm += 1
+            self.warm_span = (self.warm_span[0] if self.warm_span else step, step)
+        for key in REPORTED:
+            if key in record:
+                self.series.setdefault(key, Series()).add(step, record[key])
+
+
+@dataclass
+class Events:
+    """events.jsonl as the report shows it: how many faults and teacher changes, and the last ones."""
+
+    faults: int = 0
+    last_fault: dict | None = None
+    changes: int = 0
+    last_changes: deque = field(default_factory=lambda: deque(maxlen=LAST_CHANGES))
+
+    def add(self, event: dict) -> None:
+        if event.get("event") == "fault":
+            self.faults, self.last_fault = self.faults + 1, event
+        elif "verb" in event:  # ``mesh.ctl``'s commands, applied or rejected (a fault's event carries no verb)
+            self.changes += 1
+            self.last_changes.append(event)
+
+
+@dataclass
 class Run:
     """One run directory, as read."""
 
     path: Path
-    records: list[dict]  # metrics.jsonl, one per step (and step -1's, the initial weights' evaluation)
-    events: list[dict]  # events.jsonl
+    metrics: Metrics  # metrics.jsonl, a row per step (and step -1's, the initial weights' evaluation)
+    events: Events  # events.jsonl
     topology: dict
     checkpoints: list[Path]  # whole ones, oldest first
 
@@ -86,34 +180,23 @@ class Run:
     @property
     def planned(self) -> int | None:
         """The run's loop.steps, when its topology.yaml says."""
-        steps = (self.topology.get("loop") or {}).get("steps")
-        return steps if isinstance(steps, int) else None
+        return planned_steps(self.topology)
 
     @property
     def done(self) -> int:
-        return self.records[-1]["step"] + 1 if self.records else 0
+        return self.metrics.last_step + 1 if self.metrics.rows else 0
 
-    @property
-    def trained(self) -> list[dict]:
-        """The rows of trained steps (without step -1's evaluation of the initial weights)."""
-        return [r for r in self.records if r["step"] >= 0]
+    def series(self, key: str) -> Series:
+        return self.metrics.series.get(key) or Series()
 
     def values(self, key: str) -> list[float]:
-        """The finite numbers logged under ``key``, in step order (a null, a text or a missing key skipped)."""
-        return [r[key] for r in self.records if _number(r.get(key))]
+        """The finite numbers logged under ``key``, in step order (a null, a text or a missing key skipped); past
+        ``SAMPLE`` rows, an even sample of them."""
+        return self.series(key).values
 
     def median(self, key: str) -> float | None:
         values = self.values(key)
         return statistics.median(values) if values else None
-
-    @property
-    def faults(self) -> list[dict]:
-        return [e for e in self.events if e.get("event") == "fault"]
-
-    @property
-    def teacher_changes(self) -> list[dict]:
-        """``mesh.ctl``'s commands, applied or rejected (their events carry a verb, a fault's does not)."""
-        return [e for e in self.events if "verb" in e]
 
 
 @dataclass
@@ -191,39 +274,57 @@ def load(path: Path) -> Run | Parent:
 
 
 def load_run(path: Path) -> Run:
-    records = read_jsonl(path / METRICS_FILE)
-    for number, record in enumerate(records, 1):
-        if not isinstance(record.get("step"), int):
+    topology = _topology(path)
+    metrics, planned = Metrics(), planned_steps(topology)
+    for number, record in read_jsonl(path / METRICS_FILE):
+        if type(record.get("step")) is not int:
             raise ReportError(f"{path / METRICS_FILE} line {number} has no integer 'step'; {_REPAIR}")
+        metrics.add(record, planned)
+    events = Events()
+    for _, event in read_jsonl(path / EVENTS):
+        events.add(event)
     checkpoints = sorted(
         (p for p in _listed(path / "checkpoints") if CHECKPOINT_NAME.fullmatch(p.name)),
         key=lambda p: int(p.name.removeprefix("step_")),
     )
-    return Run(path, records, read_jsonl(path / EVENTS), _topology(path), checkpoints)
+    return Run(path, metrics, events, topology, checkpoints)
+
+
+def planned_steps(topology: dict) -> int | None:
+    """The run's loop.steps, when its topology.yaml says."""
+    loop = topology.get("loop")
+    steps = loop.get("steps") if isinstance(loop, dict) else None
+    return steps if type(steps) is int else None
 
 
 _REPAIR = "the file was edited or damaged: repair or delete that line and run the report again"
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every JSON object in ``path`` (none when it is missing). A last line that is not whole is a live
-    run's write in progress and is left out; a bad line anywhere else is a ReportError naming it."""
-    text = _read(path)
-    if text is None:
-        return []
-    lines = text.split("\n")
-    partial = lines.pop()  # "" after a final newline
-    records = [_object(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
-    try:
-        tail = json.loads(partial) if partial.strip() else None
-    except ValueError:
-        tail = None  # being written
-    return records + [tail] if isinstance(tail, dict) else records
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """Every JSON object in ``path`` with its line number, a line at a time (none when it is missing). A last
+    line that is not whole is a live run's write in progress and is left out; a bad line anywhere else is a
+    ReportError naming it."""
+    for number, line in _numbered_lines(path):
+        if not line.endswith(b"\n"):  # the last line, being written: taken if it is whole already
+            with contextlib.suppress(ValueError):
+                if isinstance(tail := _parsed(line), dict):
+                    yield number, tail
+            return
+        if line.strip():
+            yield number, _object(path, number, line)
 
 
-def _object(path: Path, number: int, line: str) -> dict:
+def _parsed(line: bytes) -> object:
+    """The JSON value of ``line`` (undecodable bytes replaced); a ValueError if it is none."""
     try:
-        record = json.loads(line)
+        return json.loads(line.decode(errors="replace"))
+    except RecursionError:  # nested past Python's stack: no line the run writes
+        raise ValueError("nested too deeply") from None
+
+
+def _object(path: Path, number: int, line: bytes) -> dict:
+    try:
+        record = _parsed(line)
     except ValueError as error:
         raise ReportError(f"{path} line {number} is not JSON ({error}); {_REPAIR}") from None
     if not isinstance(record, dict):
@@ -231,19 +332,37 @@ def _object(path: Path, number: int, line: str) -> dict:
     return record
 
 
-def _read(path: Path) -> str | None:
-    """The text of ``path``, None when it does not exist; any other failure is a ReportError."""
+def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """The lines of ``path`` with their numbers, each within ``LONGEST_LINE``; none when it does not exist, and
+    any failure to read it (a pipe, a link, a line too long) a ReportError."""
     try:
-        return path.read_text(errors="replace")
+        with open_regular(path) as file:
+            yield from enumerate(lines(file, LONGEST_LINE), 1)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise ReportError(_cannot_read(path, error)) from None
+
+
+def _read(path: Path, limit: int) -> bytes | None:
+    """All of ``path`` (at most ``limit`` bytes), None when it does not exist; any other failure is a ReportError."""
+    try:
+        return read_regular(path, limit)
     except FileNotFoundError:
         return None
-    except PermissionError:
-        raise ReportError(
-            f"cannot read {path}: permission denied; run the report as the run's owner, or ask them for read access"
-        ) from None
     except OSError as error:
-        cause = error.strerror or str(error)
-        raise ReportError(f"cannot read {path}: {cause}; check the file and run the report again") from None
+        raise ReportError(_cannot_read(path, error)) from None
+
+
+def _cannot_read(path: Path, error: OSError) -> str:
+    if isinstance(error, PermissionError):
+        return f"cannot read {path}: permission denied; run the report as the run's owner, or ask them for read access"
+    if isinstance(error, RefusedFile):
+        return (
+            f"cannot read {path}: {error}, which a run never writes there; remove it (or put the run's own file back) "
+            "and run the report again"
+        )
+    return f"cannot read {path}: {error.strerror or error}; check the file and run the report again"
 
 
 def _listed(folder: Path) -> list[Path]:
@@ -256,11 +375,12 @@ def _listed(folder: Path) -> list[Path]:
 
 
 def _topology(path: Path) -> dict:
-    text = _read(path / "topology.yaml")
+    """topology.yaml as the run wrote it, read with a topology file's bounds ({} when there is none)."""
+    data = _read(path / "topology.yaml", MAX_FILE_BYTES)
     try:
-        topology = yaml.safe_load(text) if text else {}
-    except yaml.YAMLError as error:
-        raise ReportError(f"{path / 'topology.yaml'} is not YAML ({str(error).splitlines()[0]}); {_REPAIR}") from None
+        topology = parse_yaml(data.decode(errors="replace"), f"{path / 'topology.yaml'}") if data else {}
+    except TopologyError as error:
+        raise ReportError(f"{error}; that file was edited or damaged: repair it and run the report again") from None
     return topology if isinstance(topology, dict) else {}
 
 
@@ -281,8 +401,8 @@ def _state(run: Run) -> State:
     if ended is not None:
         return State("failed", ended)
     if run.planned is not None and run.done >= run.planned and run.checkpoints:
-        return State(  # the run closes its channel, then exports final/; an export that fails is not in error.log
-            "finishing?", "all steps trained, final/ not yet written: exporting it, or the export failed"
+        return State(  # the run closes its channel, then exports final/; an export that fails is in error.log
+            "finishing?", "all steps trained, no final/ yet: exporting it, or a kill stopped the export"
         )
     return State("stopped", "not live, no final/ and no failure in error.log: a signal or a kill stopped it")
 
@@ -290,33 +410,32 @@ def _state(run: Run) -> State:
 def _process(path: Path) -> State | None:
     """Live, when control/pid names a process that is still the run's; stopped, when it names one that is gone
     (the run did not close its channel: killed); None when there is no control/pid (the run closed it)."""
-    pid_file = path / CONTROL / "pid"
     try:
-        owner = json.loads(pid_file.read_text())
-        written = pid_file.stat().st_mtime
-    except FileNotFoundError:
-        return None
+        owner = read_owner(path)
     except PermissionError:
         return State("live?", f"{CONTROL}/ is readable by the run's owner only, who can tell whether it is live")
-    except ValueError:
-        owner = None
-    if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int) or owner["pid"] <= 0 or "host" not in owner:
-        raise ReportError(f"{pid_file} is not the run's {{'pid', 'host'}}; {_REPAIR}")
-    if owner["host"] != socket.gethostname():
-        return State("live?", f"control/pid names process {owner['pid']} on {owner['host']}, not checkable here")
-    if alive_since(owner["pid"], written):
-        return State("live", f"process {owner['pid']} on {owner['host']}")
-    return State("stopped", f"its process {owner['pid']} is gone without closing the run (killed, or the host died)")
+    except ControlError as error:
+        raise ReportError(str(error)) from None
+    if owner is None:
+        return None
+    if not owner.here:
+        return State("live?", f"control/pid names process {owner.pid} on {owner.host}, not checkable here")
+    if owner.alive:
+        return State("live", f"process {owner.pid} on {owner.host}")
+    return State("stopped", f"its process {owner.pid} is gone without closing the run (killed, or the host died)")
 
 
 def _stopped_entry(path: Path) -> str | None:
-    """The cause error.log gives for the run's end (the line after the runtime's 'the run stopped' title)."""
-    lines = (_read(path / ERROR_LOG) or "").splitlines()
-    titles = [i for i, line in enumerate(lines) if STOPPED_ENTRY.match(line)]
-    if not titles:
-        return None  # only faults the run absorbed
-    cause = lines[titles[-1] + 1] if titles[-1] + 1 < len(lines) else ""
-    return f"{cause} (traceback in {ERROR_LOG})"
+    """The cause error.log gives for the run's end (the line after the runtime's last 'the run stopped' title)."""
+    cause, title = None, False
+    for _, line in _numbered_lines(path / ERROR_LOG):
+        text = line.decode(errors="replace").rstrip("\n")
+        if title:
+            cause = text
+        title = bool(STOPPED_ENTRY.match(text))
+        if title:
+            cause = ""  # until its next line is read
+    return None if cause is None else f"{cause} (traceback in {ERROR_LOG})"  # None: only faults the run absorbed
 
 
 # The text
@@ -324,37 +443,62 @@ def _stopped_entry(path: Path) -> str | None:
 
 def run_lines(run: Run) -> list[str]:
     lines = [_run_line(run.path), f"state     {run.state.word}: {run.state.detail}"]
-    if not run.trained:
-        evaluated = _eval(run) if run.records else []  # the initial weights', before the first step
-        return [*lines, "steps     no step has finished yet", *evaluated, *_saved(run)]
-    lines += [_steps(run), _reward(run), *_eval(run), f"samples/s {_fmt(run.median('samples_per_s'), '.1f')} (median)"]
-    lines += [_age(run), *_diloco(run), *_stages(run), *_faults(run), *_teachers(run), *_saved(run)]
+    metrics = run.metrics
+    if metrics.first_trained is None:
+        evaluated = _eval(run) if metrics.rows else []  # the initial weights', before the first step
+        return [*lines, "steps     no step has finished yet", *evaluated, *_past_plan(run), *_saved(run)]
+    lines += [_steps(run), *_past_plan(run), *_sampled(run), _reward(run), *_eval(run)]
+    lines += [f"samples/s {_fmt(run.median('samples_per_s'), '.1f')} (median)", _age(run), *_diloco(run)]
+    lines += [*_stages(run), *_faults(run), *_teachers(run), *_saved(run)]
     return lines
 
 
 def _steps(run: Run) -> str:
-    first = run.trained[0]["step"]
+    first, warm = run.metrics.first_trained, run.metrics.warm
     resumed = f", resumed at step {first}" if first else ""
-    warm = sum(1 for r in run.records if r.get("warm_start"))
     warm_note = f"; {warm} warm-start step{'s' * (warm != 1)}" if warm else ""
-    took = _fmt(sum(run.values("time/step")) if run.values("time/step") else None, ".1f")
-    return f"steps     {run.done} of {_fmt(run.planned, 'd')}{resumed}{warm_note}; {took} s of steps in all"
+    took = run.series("time/step")
+    took_text = _fmt(took.total if took.count else None, ".1f")
+    return f"steps     {run.done} of {_fmt(run.planned, 'd')}{resumed}{warm_note}; {took_text} s of steps in all"
 
 
-def _edges(values: list[float]) -> tuple[float, float, int] | None:
-    """The mean of the first and of the last ``EDGE`` share of ``values`` (at least one each), and that count."""
+def _past_plan(run: Run) -> list[str]:
+    """A warning when metrics.jsonl has rows of steps the plan does not have: the figures count them."""
+    past, planned = run.metrics.past_plan, run.planned
+    if not past:
+        return []
+    return [
+        f"  ! {past} row{'s' * (past != 1)} of {METRICS_FILE} past the plan's {planned} steps (the last at step "
+        f"{run.metrics.latest});",
+        "    another run wrote to this directory, or the file was edited: the figures include them",
+    ]
+
+
+def _sampled(run: Run) -> list[str]:
+    """A note when a key has more rows than ``SAMPLE``: its median, start and end and curve use an even sample."""
+    stride = max((series.stride for series in run.metrics.series.values()), default=1)
+    if stride == 1:
+        return []
+    return [f"  {run.metrics.rows} rows: medians, the reward's start and end and the curves use every {stride}th step"]
+
+
+def _edges(series: Series) -> tuple[float, float, str] | None:
+    """The mean of the first and of the last ``EDGE`` share of the series' values (at least one each), and what
+    that share is, in words."""
+    values = series.values
     if not values:
         return None
     n = max(1, round(len(values) * EDGE))
-    return statistics.fmean(values[:n]), statistics.fmean(values[-n:]), n
+    share = f"{n} step{'s' * (n != 1)}" if series.stride == 1 else f"{EDGE:.0%} of the steps"
+    return statistics.fmean(values[:n]), statistics.fmean(values[-n:]), share
 
 
 def _reward(run: Run) -> str:
-    mean, exact = _edges(run.values(REWARD_KEY)), _edges(run.values("reward/exact"))
+    mean, exact = _edges(run.series(REWARD_KEY)), _edges(run.series("reward/exact"))
     if mean is None:
         return "reward    -"
-    start, end, n = mean
-    line = f"reward    {start:.3f} -> {end:.3f} (mean of the first and last {n} step{'s' * (n != 1)})"
+    start, end, share = mean
+    line = f"reward    {start:.3f} -> {end:.3f} (mean of the first and last {share})"
     return line + (f"; exact {exact[0]:.3f} -> {exact[1]:.3f}" if exact else "")
 
 
@@ -366,29 +510,38 @@ def _eval(run: Run) -> list[str]:
 
 
 def _best_and_last(run: Run, key: str) -> str | None:
-    evals = [r for r in run.records if _number(r.get(key))]
-    if not evals:
+    evals = run.series(key)
+    if not evals.count:
         return None
-    best, last = max(evals, key=lambda r: r[key]), evals[-1]
-    return f"best {best[key]:.3f} ({_when(best)}), last {last[key]:.3f} ({_when(last)}), {len(evals)} in all"
+    (best, at), (last, then) = evals.best, evals.last
+    return f"best {best:.3f} ({_when(at)}), last {last:.3f} ({_when(then)}), {evals.count} in all"
 
 
-def _when(record: dict) -> str:
-    return "at start" if record["step"] < 0 else f"step {record['step']}"
+def _when(step: int) -> str:
+    return "at start" if step < 0 else f"step {step}"
+
+
+def _mean(run: Run, key: str) -> float | None:
+    series = run.series(key)
+    return series.total / series.count if series.count else None
+
+
+def _most(run: Run, key: str) -> float | None:
+    best = run.series(key).best
+    return best[0] if best else None
 
 
 def _age(run: Run) -> str:
-    means, maxes = run.values("policy_age/mean"), run.values("policy_age/max")
-    mean = statistics.fmean(means) if means else None
-    return f"policy age mean {_fmt(mean, '.2f')}, max {_fmt(max(maxes) if maxes else None, 'g')} (steps behind)"
+    mean, most = _mean(run, "policy_age/mean"), _most(run, "policy_age/max")
+    return f"policy age mean {_fmt(mean, '.2f')}, max {_fmt(most, 'g')} (steps behind)"
 
 
 def _diloco(run: Run) -> list[str]:
-    rounds = run.values("diloco/round")
-    if not rounds:
+    rounds = run.series("diloco/round")
+    if not rounds.count:
         return []
     sync = _fmt(run.median("diloco/sync_s"), ".2f")
-    return [f"diloco    {len(rounds)} rounds, the last {max(rounds):g}; a sync takes {sync} s (median)"]
+    return [f"diloco    {rounds.count} rounds, the last {rounds.best[0]:g}; a sync takes {sync} s (median)"]
 
 
 def _stage_keys(runs: list[Run]) -> list[str]:
@@ -416,29 +569,33 @@ def _stages(run: Run) -> list[str]:
     return [*lines, f"  {OVERLAP}"]
 
 
+def _last(run: Run, key: str) -> float | None:
+    last = run.series(key).last
+    return last[0] if last else None
+
+
 def _faults(run: Run) -> list[str]:
-    faults = run.faults
-    restarts, lost = run.values("faults/restarts"), run.values("faults/seconds_lost")
-    if not faults and not any(restarts):
+    events = run.events
+    restarts = _last(run, "faults/restarts")
+    if not events.faults and not _most(run, "faults/restarts"):
         return ["faults    none"]
-    counts = f"{len(faults)} ({_fmt(restarts[-1] if restarts else None, 'g')} restarts, "
-    counts += f"{_fmt(lost[-1] if lost else None, '.1f')} s lost)"
-    return [f"faults    {counts}", *([f"  last: {_fault(faults[-1])}"] if faults else [])]
+    lost = _fmt(_last(run, "faults/seconds_lost"), ".1f")
+    counts = f"{events.faults} ({_fmt(restarts, 'g')} restarts, {lost} s lost)"
+    return [f"faults    {counts}", *([f"  last: {_fault(events.last_fault)}"] if events.last_fault else [])]
 
 
 def _fault(event: dict) -> str:
-    when = time.strftime("%H:%M:%S", time.localtime(event["time"])) if _number(event.get("time")) else "-"
-    return f"{when} {event.get('actor', '-')} in {event.get('endpoint', '-')}: {event.get('cause', '-')}"
+    when = _float(event.get("time"))
+    shown = time.strftime("%H:%M:%S", time.localtime(when)) if when is not None and abs(when) < 1e11 else "-"
+    return f"{shown} {event.get('actor', '-')} in {event.get('endpoint', '-')}: {event.get('cause', '-')}"
 
 
 def _teachers(run: Run) -> list[str]:
-    changes = run.teacher_changes
-    if not changes:
+    count, shown = run.events.changes, list(run.events.last_changes)
+    if not count:
         return ["teachers  no changes"]
-    shown = changes[-LAST_CHANGES:]
-    head = f"teachers  {len(changes)} change{'s' * (len(changes) != 1)}" + (
-        f", the last {len(shown)}:" if len(changes) > len(shown) else ":"
-    )
+    head = f"teachers  {count} change{'s' * (count != 1)}"
+    head += f", the last {len(shown)}:" if count > len(shown) else ":"
     return [head, *(f"  {_change(e)}" for e in shown)]
 
 
@@ -478,16 +635,16 @@ def parent_lines(parent: Parent) -> list[str]:
 
 
 def _replica_row(label: str, run: Run) -> str:
-    reward = _edges(run.values(REWARD_KEY))
+    reward = _edges(run.series(REWARD_KEY))
     rewards = f"{reward[0]:.3f} -> {reward[1]:.3f}" if reward else "-"
-    evals = run.values("eval/reward")
-    evaluated = f"{max(evals):.3f} / {evals[-1]:.3f}" if evals else "-"
-    means, maxes = run.values("policy_age/mean"), run.values("policy_age/max")
-    age = f"{statistics.fmean(means):.2f} / {max(maxes):g}" if means and maxes else "-"
-    steps = f"{run.done}/{_fmt(run.planned, 'd')}"
+    best, last = _most(run, "eval/reward"), _last(run, "eval/reward")
+    evaluated = f"{best:.3f} / {last:.3f}" if best is not None else "-"
+    mean, most = _mean(run, "policy_age/mean"), _most(run, "policy_age/max")
+    age = f"{mean:.2f} / {most:g}" if mean is not None and most is not None else "-"
+    steps = f"{run.done}/{_fmt(run.planned, 'd')}" + ("!" if run.metrics.past_plan else "")
     return (
         f"{label:<8}{run.state.word:<10}{steps:>9}  {rewards:<20}{evaluated:<16}"
-        f"{_fmt(run.median('samples_per_s'), '9.1f')}  {age:<13}{len(run.values('diloco/round')):>6}"
+        f"{_fmt(run.median('samples_per_s'), '9.1f')}  {age:<13}{run.series('diloco/round').count:>6}"
     )
 
 
@@ -505,12 +662,12 @@ def _stage_table(parent: Parent) -> list[str]:
 
 
 def _replica_notes(label: str, run: Run) -> list[str]:
-    changes = len(run.teacher_changes)
-    lines = [f"{label:<8}{run.state.word}: {run.state.detail}"]
-    lines.append(f"{'':<8}faults {len(run.faults)}, teacher changes {changes}; saved {_checkpoint(run)}")
+    events = run.events
+    lines = [f"{label:<8}{run.state.word}: {run.state.detail}", *(f"{'':<6}{text}" for text in _past_plan(run))]
+    lines.append(f"{'':<8}faults {events.faults}, teacher changes {events.changes}; saved {_checkpoint(run)}")
     if accuracy := _best_and_last(run, "eval/accuracy"):
         lines.append(f"{'':<8}eval accuracy {accuracy}")
-    return lines + ([f"{'':<8}last fault: {_fault(run.faults[-1])}"] if run.faults else [])
+    return lines + ([f"{'':<8}last fault: {_fault(events.last_fault)}"] if events.last_fault else [])
 
 
 # report.png
@@ -520,7 +677,7 @@ def _plot(found: Run | Parent) -> str:
     """Draw report.png into the run directory; the line saying where it is, or why it was not drawn."""
     runs = found.replicas if isinstance(found, Parent) else {found.path.name: found}
     out = found.path / REPORT_PNG
-    if not any(run.records for run in runs.values()):
+    if not any(run.metrics.rows for run in runs.values()):
         return "plot      not drawn: no step has finished yet"
     failed = draw(out, lambda path: plot_runs(runs, path))
     return f"plot      {out}" if failed is None else f"plot      {failed.removeprefix('warning: ')}"
@@ -551,8 +708,8 @@ STYLES = ("-", "--", ":", "-.")
 
 def _series(run: Run, key: str) -> tuple[list[int], list[float]]:
     """Steps and values of ``key`` where it was logged; a null is NaN, so the line has a gap there."""
-    rows = [r for r in run.records if key in r]
-    return [r["step"] for r in rows], [r[key] if _number(r[key]) else math.nan for r in rows]
+    series = run.series(key)
+    return series.steps, series.points
 
 
 def _lines(ax, title: str, runs: dict[str, Run], keys: dict[str, str]) -> bool:
@@ -599,11 +756,12 @@ def _reward_panel(ax, runs: dict[str, Run]) -> None:
             steps, values = _series(run, key)
             if steps:
                 ax.plot(steps, values, marker, color=color, ms=5, mfc="white", label=name if i == 0 else None)
-        synced = [r for r in run.records if "diloco/round" in r and _number(r.get(REWARD_KEY))]
-        ax.plot([r["step"] for r in synced], [r[REWARD_KEY] for r in synced], ".", color=f"C{i}", ms=5)
-        warm = [r["step"] for r in run.records if r.get("warm_start")]
+        reward = dict(zip(*_series(run, REWARD_KEY)))
+        synced = [step for step in run.series("diloco/round").steps if math.isfinite(reward.get(step, math.nan))]
+        ax.plot(synced, [reward[step] for step in synced], ".", color=f"C{i}", ms=5)
+        warm = run.metrics.warm_span
         if warm and len(runs) == 1:
-            ax.axvspan(min(warm) - 0.5, max(warm) + 0.5, color="orange", alpha=0.15, label="warm start")
+            ax.axvspan(warm[0] - 0.5, warm[1] + 0.5, color="orange", alpha=0.15, label="warm start")
     if any(run.values("diloco/round") for run in runs.values()):
         ax.plot([], [], ".", color="gray", label="after a DiLoCo sync")
     if drawn:
@@ -647,9 +805,15 @@ def _stage_bars(ax, runs: dict[str, Run]) -> None:
 # Helpers
 
 
-def _number(value: object) -> bool:
-    """A finite number (JSON's null, text and booleans are not)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _float(value: object) -> float | None:
+    """A finite number as a float; None for JSON's null, a text, a boolean, or a number past a float's range."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _fmt(value: float | int | None, spec: str) -> str:

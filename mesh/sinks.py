@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from mesh.topology import Logging, TrackioLogging, WandbLogging, install_hint
+from actors.disk import read_regular
+from mesh.topology import MAX_FILE_BYTES, Logging, TrackioLogging, WandbLogging, install_hint
 
 TRACKERS_FILE = "trackers.json"
 # a recorded row's columns in a tracker's table (``mesh/controller/samples.py``); its reward parts stay in samples.jsonl
@@ -125,9 +126,12 @@ def open_trackers(logging: Logging, run_path: Path, config: dict, resumed_from: 
 def _recorded(run_path: Path | None) -> dict[str, dict]:
     """The trackers.json of an earlier run, or nothing (none, or a checkpoint moved out of its run)."""
     try:
-        return json.loads((run_path / TRACKERS_FILE).read_text()) if run_path is not None else {}
-    except (OSError, ValueError):
+        recorded = json.loads(read_regular(run_path / TRACKERS_FILE, MAX_FILE_BYTES)) if run_path is not None else {}
+    except (OSError, ValueError, RecursionError):  # a pipe or a link, damaged, nested past Python's stack
         return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {key: record for key, record in recorded.items() if isinstance(record, dict)}
 
 
 def _continued(earlier: dict | None, **identity: str | None) -> dict | None:

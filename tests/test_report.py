@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from tiny_runs import finished_tiny_run
 
+from mesh import report as reporting
 from mesh.report import OVERLAP, REPORT_PNG, WIDTH, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +149,7 @@ def test_a_last_line_being_written_is_left_out_and_a_bad_line_elsewhere_is_named
     lines = report(capsys, copied, "--no-plot")
     assert line(lines, "steps").startswith(f"steps     {STEPS} of {STEPS};")
     assert line(lines, "state") == (  # every step trained, no final/: being exported, or the export failed
-        "state     finishing?: all steps trained, final/ not yet written: exporting it, or the export failed"
+        "state     finishing?: all steps trained, no final/ yet: exporting it, or a kill stopped the export"
     )
     assert line(lines, "saved") == "saved     checkpoints/step_000010 (2 kept)"
     broken = whole.splitlines()
@@ -274,19 +275,19 @@ def test_a_diloco_parent_before_its_replicas_made_their_directories(tmp_path, ca
 
 def test_a_file_that_cannot_be_read_is_one_line(copied, capsys):
     (copied / "events.jsonl").mkdir()
-    assert f"cannot read {copied / 'events.jsonl'}: Is a directory" in refused(capsys, copied)
+    assert f"cannot read {copied / 'events.jsonl'}: a directory, not a regular file" in refused(capsys, copied)
 
 
 def test_a_file_of_another_user_is_one_line(copied, capsys, monkeypatch):
     """What a mode 0600 metrics.jsonl of another user raises (chmod would not stop root, who runs CI's containers)."""
-    metrics_file, read_text = copied / "metrics.jsonl", Path.read_text
+    metrics_file, opened = copied / "metrics.jsonl", reporting.open_regular
 
-    def denied(path: Path, *args, **kwargs) -> str:
+    def denied(path: Path):
         if path == metrics_file:
             raise PermissionError(13, "Permission denied", str(path))
-        return read_text(path, *args, **kwargs)
+        return opened(path)
 
-    monkeypatch.setattr(Path, "read_text", denied)
+    monkeypatch.setattr(reporting, "open_regular", denied)
     err = refused(capsys, copied)
     assert f"cannot read {metrics_file}: permission denied; run the report as the run's owner" in err
 
