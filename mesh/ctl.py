@@ -13,7 +13,7 @@ the old binding. Only the user who started the run can send commands (see
 ``mesh/commands.py``).
 
 Exit codes: 0 applied or listed; 1 rejected by the run, or the run cannot be reached;
-2 the command line or the spec is wrong (nothing was sent).
+2 the command line or the spec is wrong (nothing was sent); 130 stopped by SIGINT.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from actors import registry
 from actors.model_source import PACKAGE
 from actors.teachers.bindings.config import BindingConfig
-from mesh.commands import NAME_PATTERN, ControlError, read_teachers, send
+from mesh.commands import EVENTS, NAME_PATTERN, ControlError, read_teachers, send
 from mesh.topology import TopologyError, parse_yaml
 
 EXAMPLE_SPEC = "'{kind: hf, path: ./teacher, use: [distill]}'"
@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     except ControlError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the command was withdrawn unless the run had taken it (``commands.send``)
+        print(
+            "stopped: SIGINT; a command the run had not taken yet was withdrawn, one it had taken is applied or "
+            f"rejected all the same (see {args.run_dir / EVENTS})",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:

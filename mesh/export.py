@@ -14,19 +14,26 @@ is a model directory. OUT gets one of two shapes:
 The checkpoint is verified first (checksums, ``state.json``), and a LoRA checkpoint's base must
 still hold the weights the adapters were trained on (``mesh.fingerprint.base_digest``): adapters
 exported onto other weights load without complaint and generate nonsense. OUT is written under a
-temporary name and renamed into place, so a failed export leaves nothing that looks whole.
-Exit codes: 0 written, 2 bad input (one paragraph on stderr).
+temporary name and renamed into place, so a failed export leaves nothing that looks whole; whatever
+stops it (a full disk, a library's own error, SIGINT or SIGTERM) removes that temporary directory.
+Exit codes: 0 written, 2 bad input or an OUT that cannot be written (one paragraph on stderr),
+130 / 143 stopped by SIGINT / SIGTERM (one line).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import shutil
+import signal
+import stat
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from actors.disk import KINDS
 from actors.inner_loops.config import LoRAConfig
 
 if TYPE_CHECKING:
@@ -40,6 +47,15 @@ class ExportError(ValueError):
     """A checkpoint that cannot be exported, or an OUT that cannot take it; the message names the cause and fix."""
 
 
+class Stopped(BaseException):
+    """SIGINT or SIGTERM during ``main``: unwinds like ``KeyboardInterrupt`` (so ``export`` removes OUT.partial)
+    and ends the program with 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """What a checkpoint's weights are: the base model they belong to and, with LoRA, the adapters' config."""
@@ -51,10 +67,12 @@ class Policy:
 def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     """Write the policy of ``checkpoint`` as a Hugging Face directory ``out`` (new, or empty); with LoRA
     and ``merge`` the adapters merged into the base, else PEFT's adapter directory. Returns ``out``."""
+    from safetensors import SafetensorError  # its writer's own error for a full disk, not an OSError
+
     from actors.checkpoint import ANOTHER, CheckpointError, checkpoint_model  # torch: not for --help
     from actors.disk import write_cause
 
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint, out = Path(checkpoint), _out_path(Path(out))
     _check_out(out)
     try:
         weights, state = checkpoint_model(checkpoint)
@@ -76,11 +94,34 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
         if out.exists():
             out.rmdir()  # empty (``_check_out``): taken by the finished directory
         partial.rename(out)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:
         shutil.rmtree(partial, ignore_errors=True)
         cause = write_cause(error, out.parent)
         raise ExportError(f"{out} could not be written: {cause}; free space there or choose another OUT") from None
+    except Exception as error:  # transformers or PEFT refusing the base model's files, in their own words
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ExportError(
+            f"{checkpoint} could not be exported: {type(error).__name__}: {' '.join(str(error).split())}. Nothing was "
+            f"written to {out}; check that the base model in {policy.base} loads with transformers "
+            "(AutoConfig and AutoTokenizer.from_pretrained), then export again"
+        ) from None
+    except BaseException:  # a signal: never leave a half-written directory behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return out
+
+
+def _out_path(out: Path) -> Path:
+    """``out`` made absolute (its ``..`` resolved, links kept), once it is one that a finished directory can be
+    renamed onto: not the filesystem's root, the current directory or a directory holding it."""
+    absolute = Path(os.path.abspath(out))
+    if not absolute.name or Path.cwd().is_relative_to(absolute):
+        what = "the current directory (or holds it)" if absolute.name else "the filesystem's root"
+        raise ExportError(
+            f"OUT {out} is {what}, which an export cannot take: it writes OUT{PARTIAL} beside OUT and renames it "
+            "into place when whole; name a new directory, e.g. my-model"
+        )
+    return absolute
 
 
 def _policy(checkpoint: Path, state: dict) -> Policy:
@@ -108,9 +149,25 @@ def _policy(checkpoint: Path, state: dict) -> Policy:
             f"{checkpoint}'s weights belong to the base model in {where}, which holds no model (no config.json "
             "there); put that model back where the run read it, then export again"
         )
+    _check_files(base)
     if recorded is not None:
         _check_base(checkpoint, base, (recorded.get("adapter") or {}).get("base"))
     return Policy(base, lora)
+
+
+def _check_files(base: Path) -> None:
+    """Every entry of the base model's directory is a file or a directory (a link to one counts: the Hugging Face
+    cache is links), since transformers opens the files it wants as they are and would hang on a pipe or read a
+    device forever."""
+    for entry in base.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a dangling link: transformers says so if it needs the file
+            mode = entry.stat().st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise ExportError(
+                    f"{entry}, in the base model's directory, is {KINDS.get(stat.S_IFMT(mode), 'not a file')}, not a "
+                    "regular file, which transformers would hang on or read forever; put the model's own file there, "
+                    "then export again"
+                )
 
 
 def _lora(checkpoint: Path, fields: dict) -> LoRAConfig:
@@ -210,13 +267,28 @@ def main(argv: list[str] | None = None) -> int:
         "directory, pointing at its base); a full-weights checkpoint is the whole model either way",
     )
     args = parser.parse_args(argv)
+    previous = {signum: signal.signal(signum, _stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         out = export(Path(args.checkpoint), Path(args.out), args.merge)
     except ExportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except Stopped as stopped:
+        name = signal.Signals(stopped.signum).name
+        print(f"stopped: {name} while exporting; nothing was written to {args.out}", file=sys.stderr)
+        return 128 + stopped.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print(f"wrote {out}: {describe(out)}")
     return 0
+
+
+def _stop(signum: int, _frame: object) -> None:
+    """The first signal stops the export; later ones are ignored, so removing OUT.partial is not cut short."""
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, signal.SIG_IGN)
+    raise Stopped(signum)
 
 
 def describe(out: Path) -> str:

@@ -25,7 +25,8 @@ counts as an evaluation ("at start"), never as a step.
 
 Exit codes: 0 the report was printed, also for a run with no finished step yet (it says so: a run that
 is starting is not an error); 2 nothing could be reported (the directory is missing, is not a run
-directory, or a file in it cannot be read or parsed), one line on stderr naming the cause and the fix.
+directory, or a file in it cannot be read or parsed), one line on stderr naming the cause and the fix; 130
+stopped by SIGINT (one line).
 """
 
 from __future__ import annotations
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # reading a long run's files: it only reads, so there is nothing to undo
+        print("stopped: SIGINT; the report was not printed", file=sys.stderr)
+        return 130
     if plotted is not None:
         lines.append(plotted)
     try:

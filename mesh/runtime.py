@@ -15,6 +15,7 @@ Processes that die or hang along the way are replaced by the fleet (``mesh/fleet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -184,18 +185,22 @@ async def _run(
     except Exception as error:
         step = controller.step if controller is not None else None
         raise RunFailed(_failure_message(run_dir, error, step, faults)) from error
-    _write_final(run_dir, controller.last_checkpoint)
+    _write_final(run_dir, controller.last_checkpoint, faults)
     return run_dir
 
 
-def _write_final(run_dir: RunDir, checkpoint: Path) -> None:
+def _write_final(run_dir: RunDir, checkpoint: Path, faults: _FaultLog) -> None:
     """The last checkpoint exported (no merge: a LoRA run's is its adapter directory) to ``final/``, once every
-    process has stopped; a stop by a signal leaves none, its checkpoint is for ``--resume``."""
+    process has stopped; a stop by a signal leaves none, its checkpoint is for ``--resume``. A failure is the
+    run's end in error.log, as any other: ``mesh.report`` calls the run failed, not finishing forever."""
     from mesh.export import ExportError, export
 
     try:
         export(checkpoint, run_dir.final_dir)
-    except ExportError as error:
+    except ExportError as error:  # ``export`` turns every failure into one (a full disk, a library's refusal)
+        with contextlib.suppress(OSError):  # the same full disk: the message below still says it all
+            cause = f"final/ was not written: {paragraph(str(error))}"
+            faults.write("the run stopped after its last step", cause, None)
         raise RunFailed(
             f"run {run_dir.path} trained every step, but its final model could not be written: {error}. Its "
             f"checkpoints are whole; export the last one again with python -m mesh.export {checkpoint} <dir>"

