@@ -295,3 +295,30 @@ def test_a_file_of_another_user_is_one_line(copied, capsys, monkeypatch):
 def _big(folder: str, names: list[str]) -> list[str]:
     """What a copy of a run leaves out: the weights (checkpoints keep their directories) and the report."""
     return [name for name in names if name.endswith((".safetensors", ".png")) or name == "tensorboard"]
+
+
+def test_a_long_metrics_file_is_read_in_bounded_memory_and_steps_past_the_plan_are_flagged(tmp_path, capsys):
+    """Two and a half times ``SAMPLE`` rows, the plan 100 steps: every count and sum exact, each key's points an
+    even sample of at most ``SAMPLE``, and the rows past step 99 flagged (before: "steps 10240 of 100", unflagged,
+    and every row held in memory as a dict)."""
+    run = tmp_path / "tiny-20261127-000000"
+    run.mkdir()
+    (run / "topology.yaml").write_text("name: tiny\nloop: {steps: 100}\n")
+    rows = 5 * reporting.SAMPLE // 2
+    with (run / "metrics.jsonl").open("w") as file:
+        for s in range(rows):
+            file.write(json.dumps({"step": s, "reward/mean": s / rows, "time/step": 0.5, "eval/reward": s % 7}) + "\n")
+    lines = report(capsys, run, "--no-plot")
+    assert line(lines, "steps") == f"steps     {rows} of 100; {0.5 * rows:.1f} s of steps in all"
+    at = lines.index(line(lines, "  ! "))
+    assert lines[at : at + 2] == [
+        f"  ! {rows - 100} rows of metrics.jsonl past the plan's 100 steps (the last at step {rows - 1});",
+        "    another run wrote to this directory, or the file was edited: the figures include them",
+    ]
+    assert lines[at + 2] == f"  {rows} rows: medians, the reward's start and end and the curves use every 4th step"
+    last = f"last {(rows - 1) % 7:.3f} (step {rows - 1})"
+    assert line(lines, "eval") == f"eval      best 6.000 (step 6), {last}, {rows} in all"  # exact, not sampled
+    assert line(lines, "reward").startswith("reward    0.050 -> 0.950 (mean of the first and last 10% of the steps)")
+    loaded = reporting.load_run(run)
+    assert all(len(series.steps) <= reporting.SAMPLE for series in loaded.metrics.series.values())
+    assert loaded.series("reward/mean").steps[:3] == [0, 4, 8]  # an even sample: every 4th row
