@@ -67,7 +67,7 @@ from mesh.controller import (  # noqa: E402
 )
 from mesh.controller.samples import SampleRecording  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
-from mesh.fingerprint import topology_fingerprint  # noqa: E402
+from mesh.fingerprint import built_weights, topology_fingerprint  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.interrupts import Interrupted, Stopper, newest_checkpoint  # noqa: E402
 from mesh.plan import RunPlan, model_path_of  # noqa: E402
@@ -169,7 +169,7 @@ async def _run(
             if services.teacher_pool is not None:
                 await board.attach(services.teacher_pool)
             context = RunContext(run_dir, bar, control, stopper, fleet)
-            settings = _loop_settings(plan, episodes, replay)
+            settings = _loop_settings(plan, episodes, replay, Path(model_path))
             collection = _collection(settings, task, services, episodes, replay, bar)
             controller = Controller(settings, services, collection, board, context)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
@@ -416,9 +416,12 @@ def _collection(
     return SampleCollection(settings.collect, task, services)
 
 
-def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Collected] | None) -> LoopSettings:
+def _loop_settings(
+    plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Collected] | None, model_dir: Path
+) -> LoopSettings:
     """What the controller's parts read of the plan, read once. A replay evaluates nothing (it has no
-    generators) and lets its batches be as old as they were recorded."""
+    generators) and lets its batches be as old as they were recorded. ``model_dir``: the policy's base, as
+    built or converted for this run."""
     topology = plan.topology
     loop, loss = topology.loop, topology.actors.trainer.loss
     collect = CollectSettings(
@@ -445,7 +448,7 @@ def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Col
         max_completion_len=topology.actors.generator.max_new_tokens * (episodes.max_turns if episodes else 1),
         reference=plan.reference is not None,
         diloco_interval=topology.diloco.interval if plan.diloco_replica is not None else None,
-        fingerprint=topology_fingerprint(topology).to_json(),
+        fingerprint=built_weights(topology_fingerprint(topology).to_json(), model_dir),
         collect=collect,
         samples=_sample_recording(topology.logging.samples),
     )

@@ -26,7 +26,7 @@ from actors.inner_loops.config import LoRAConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.tasks import TaskConfig
 from mesh.export import export, main
-from mesh.fingerprint import fingerprint
+from mesh.fingerprint import built_weights, fingerprint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
@@ -85,6 +85,7 @@ def state_of(base: Path, lora: LoRAConfig | None, recorded_base: Path | None = N
     (``recorded_base``: the base directory it says instead)."""
     record = {"base": str(recorded_base or base), "lora": asdict(lora) if lora else None}
     fingerprint_ = fingerprint(base, TaskConfig("reverse", {"min_len": 3, "max_len": 5}), lora).to_json()
+    fingerprint_ = built_weights(fingerprint_, base)
     return {"step": STEPS, "version": STEPS, "policy": record, "fingerprint": fingerprint_}
 
 
