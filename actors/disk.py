@@ -32,7 +32,7 @@ def write_cause(error: BaseException, path: Path) -> str:
     if code is None:
         return f"{type(error).__name__}: {error}"
     cause = f"{os.strerror(code)} ({errno.errorcode.get(code, code)}"
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    existing = next((p for p in (path, *path.parents) if _exists(p)), None)
     if code in DISK_FULL and existing is not None:
         cause += f"; {size_text(shutil.disk_usage(existing).free)} free on {existing}"
     return cause + ")"
@@ -43,15 +43,23 @@ def why_not_written(error: BaseException, path: Path, elsewhere: str) -> str:
     the fix that always applies: "free space there" only when the disk is full."""
     code = errno_of(error)
     if code == errno.ENOTDIR:
-        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), path.parent)
+        blocker = next((p for p in path.parents if _exists(p) and not p.is_dir()), path.parent)
         return f"{blocker} is a file, not a directory, so nothing can be written under it; {elsewhere}"
     if code == errno.ENAMETOOLONG:
-        return f"a name in {path} is too long for its filesystem ({write_cause(error, path)}); {elsewhere}, shorter"
+        return f"a name in {path} is too long for its filesystem (ENAMETOOLONG); {elsewhere}, with a shorter name"
     if code in DISK_FULL:
         return f"{write_cause(error, path)}; free space there, or {elsewhere}"
     if code in NOT_ALLOWED:
         return f"{write_cause(error, path)}; make that directory writable, or {elsewhere}"
     return f"{write_cause(error, path)}; {elsewhere}"
+
+
+def _exists(path: Path) -> bool:
+    """``path.exists()``, False where even asking fails (a name too long for its filesystem)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def size_text(count: int) -> str:

@@ -62,14 +62,21 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     from actors.disk import why_not_written
 
     checkpoint, out = Path(checkpoint), Path(out)
-    _check_out(out)
+    partial = out.with_name(out.name + PARTIAL)
+    try:
+        _check_out(out)
+    except OSError as error:  # e.g. a name too long for its filesystem
+        raise ExportError(f"{out} could not be written: {why_not_written(error, out, 'choose another OUT')}") from None
     try:
         weights, state = checkpoint_model(checkpoint)
     except CheckpointError as error:
         raise ExportError(str(error).replace(ANOTHER, EXPORT_ANOTHER)) from None
     policy = _policy(checkpoint, state)
-    partial = out.with_name(out.name + PARTIAL)
-    _clear_leftover(partial)
+    try:
+        _clear_leftover(partial)
+    except OSError as error:  # not ours to remove on the way out, whatever it is
+        cause = why_not_written(error, partial, "choose another OUT")
+        raise ExportError(f"{out} could not be written: {cause}") from None
     try:
         partial.mkdir(parents=True)
         (partial / MARKER).write_text(f"mesh.export of {checkpoint.resolve()}\n")
