@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Awaitable
@@ -69,7 +70,7 @@ from mesh.controller.samples import SampleRecording  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fingerprint import built_weights, topology_fingerprint  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
-from mesh.interrupts import Interrupted, Stopper, newest_checkpoint  # noqa: E402
+from mesh.interrupts import FinalInterrupted, Interrupted, Signalled, Stopper, newest_checkpoint  # noqa: E402
 from mesh.plan import RunPlan, model_path_of  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
 from mesh.replay import oldest_age  # noqa: E402
@@ -184,17 +185,26 @@ async def _run(
     except Exception as error:
         step = controller.step if controller is not None else None
         raise RunFailed(_failure_message(run_dir, error, step, faults)) from error
-    _write_final(run_dir, controller.last_checkpoint)
+    _write_final(run_dir, controller.last_checkpoint, stopper)
     return run_dir
 
 
-def _write_final(run_dir: RunDir, checkpoint: Path) -> None:
+def _write_final(run_dir: RunDir, checkpoint: Path, stopper: Stopper) -> None:
     """The last checkpoint exported (no merge: a LoRA run's is its adapter directory) to ``final/``, once every
-    process has stopped; a stop by a signal leaves none, its checkpoint is for ``--resume``."""
-    from mesh.export import ExportError, export
+    process has stopped; a stop by a signal leaves none, its checkpoint is for ``--resume``. A signal while the
+    meshes stopped, or during the export, stops it at once (``FinalInterrupted``: exit 128 + the signal)."""
+    from mesh.export import PARTIAL, ExportError, export
 
+    if stopper.requested is not None:
+        raise FinalInterrupted(stopper.requested, run_dir.path, checkpoint)
+    final = run_dir.final_dir
     try:
-        export(checkpoint, run_dir.final_dir)
+        with stopper.at_once():
+            export(checkpoint, final)
+    except Signalled as signalled:  # whatever it had written, and final/ itself if the rename was done
+        for written in (final.with_name(final.name + PARTIAL), final):
+            shutil.rmtree(written, ignore_errors=True)
+        raise FinalInterrupted(signalled.signum, run_dir.path, checkpoint) from None
     except ExportError as error:
         raise RunFailed(
             f"run {run_dir.path} trained every step, but its final model could not be written: {error}. Its "
