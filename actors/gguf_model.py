@@ -80,7 +80,9 @@ def gguf_facts(header: GGUFHeader) -> ModelFacts:
             "transformers would fill with random values; use a whole model file"
         )
     shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])  # tied: the state dict names it twice
-    return ModelFacts(shapes["model.layers.0.self_attn.q_proj.weight"][0] // heads, shapes)
+    positions = header.metadata.get(f"{arch}.context_length")
+    positions = positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
+    return ModelFacts(shapes["model.layers.0.self_attn.q_proj.weight"][0] // heads, shapes, positions)
 
 
 def _architecture(header: GGUFHeader) -> str:

@@ -132,14 +132,16 @@ def _byte_symbols() -> list[str]:
 @dataclass(frozen=True)
 class ModelFacts:
     """``head_size``: attention head size (None: the config does not say). ``tensors``: the
-    trainer's state dict, name -> shape (None: the directory has no safetensors weights)."""
+    trainer's state dict, name -> shape (None: the directory has no safetensors weights).
+    ``positions``: the longest sequence (prompt and completion) the model takes (None: unknown)."""
 
     head_size: int | None
     tensors: dict[str, tuple[int, ...]] | None
+    positions: int | None = None
 
     @classmethod
     def of_spec(cls, spec: TinyModelSpec, alphabet: str | None) -> ModelFacts:
-        return cls(spec.head_size, spec.tensors(spec.vocab_size(alphabet)))
+        return cls(spec.head_size, spec.tensors(spec.vocab_size(alphabet)), spec.max_positions)
 
     @classmethod
     def of_directory(cls, directory: Path) -> ModelFacts:
@@ -150,13 +152,18 @@ class ModelFacts:
         if not isinstance(head_size, int):
             hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
             head_size = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
-        return cls(head_size, _safetensors_shapes(directory))
+        positions = config.get("max_position_embeddings")
+        return cls(head_size, _safetensors_shapes(directory), _positive_int(positions))
 
     @property
     def vocabulary_rows(self) -> int | None:
         """The rows of the input embedding (the vocabulary), as far as the files say."""
         shape = (self.tensors or {}).get("model.embed_tokens.weight")
         return shape[0] if shape else None
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
@@ -175,13 +182,13 @@ def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
         return None
     shapes: dict[str, tuple[int, ...]] = {}
     for name in files:
-        shapes |= _header_shapes(directory / name)
+        shapes |= header_shapes(directory / name)
     if "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
         shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return shapes
 
 
-def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """A safetensors file starts with a little-endian u64 header length, then a JSON header
     giving each tensor's dtype, shape and byte offsets."""
     try:

@@ -11,11 +11,16 @@ is a model directory. OUT gets one of two shapes:
   ``adapter_config.json`` naming the base by its absolute path) with the tokenizer and generation
   config, which ``AutoModelForCausalLM.from_pretrained``, ``PeftModel`` and vLLM's LoRA load.
 
-The checkpoint is verified first (checksums, ``state.json``), and a LoRA checkpoint's base must
-still hold the weights the adapters were trained on (``mesh.fingerprint.base_digest``): adapters
-exported onto other weights load without complaint and generate nonsense. OUT is written under a
-temporary name and renamed into place, so a failed export leaves nothing that looks whole; whatever
-stops it (a full disk, a library's own error, SIGINT or SIGTERM) removes that temporary directory.
+The checkpoint is verified first (checksums, ``state.json``, its tensors' names and shapes against
+its base and LoRA config), its base must still hold the config and tokenizer it was trained with
+(the fingerprint), and a LoRA checkpoint's base the weights the adapters were trained on
+(``mesh.fingerprint.base_digest``): adapters exported onto other weights load without complaint and
+generate nonsense. OUT is written as ``OUT.partial``, verified (its config, tokenizer and adapter
+config load, the tokenizer has the vocabulary trained on, the tensors the shapes trained) and only
+then renamed into place, so a failed export leaves nothing that looks whole; whatever stops it (a
+full disk, a library's own error, SIGINT or SIGTERM) removes that ``OUT.partial``. One already there
+is removed only when it is an earlier export's leftover (it holds ``MARKER``, or nothing); a user's
+files there are refused, never deleted.
 Exit codes: 0 written, 2 bad input or an OUT that cannot be written (one paragraph on stderr),
 130 / 143 stopped by SIGINT / SIGTERM (one line).
 """
@@ -35,25 +40,18 @@ from typing import TYPE_CHECKING
 
 from actors.disk import KINDS
 from actors.inner_loops.config import LoRAConfig
+from mesh.interrupts import SIGNALS, Signalled
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 PARTIAL = ".partial"
+MARKER = ".mesh-export"  # in OUT.partial while this module writes it: a leftover of ours, not a user's files
 EXPORT_ANOTHER = "export another checkpoint of that run (it keeps one per save)"
 
 
 class ExportError(ValueError):
     """A checkpoint that cannot be exported, or an OUT that cannot take it; the message names the cause and fix."""
-
-
-class Stopped(BaseException):
-    """SIGINT or SIGTERM during ``main``: unwinds like ``KeyboardInterrupt`` (so ``export`` removes OUT.partial)
-    and ends the program with 128 + the signal's number."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +60,7 @@ class Policy:
 
     base: Path
     lora: LoRAConfig | None
+    trained: dict  # the checkpoint's fingerprint: the model, tokenizer (and adapters) it was trained with
 
 
 def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
@@ -70,34 +69,40 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     from safetensors import SafetensorError  # its writer's own error for a full disk, not an OSError
 
     from actors.checkpoint import ANOTHER, CheckpointError, checkpoint_model  # torch: not for --help
-    from actors.disk import write_cause
+    from actors.disk import why_not_written
 
     checkpoint, out = Path(checkpoint), _out_path(Path(out))
-    _check_out(out)
+    partial = out.with_name(out.name + PARTIAL)
+    try:
+        _check_out(out)
+    except OSError as error:  # e.g. a name too long for its filesystem
+        raise ExportError(f"{out} could not be written: {why_not_written(error, out, 'choose another OUT')}") from None
     try:
         weights, state = checkpoint_model(checkpoint)
     except CheckpointError as error:
         raise ExportError(str(error).replace(ANOTHER, EXPORT_ANOTHER)) from None
     policy = _policy(checkpoint, state)
-    partial = out.with_name(out.name + PARTIAL)
-    shutil.rmtree(partial, ignore_errors=True)
     try:
-        if policy.lora is None:
-            _write_model(weights, policy.base, partial)
-        elif merge:
-            _write_model(_merged(weights, policy), policy.base, partial)
-        else:
-            from actors.adapters import write_adapter
-
-            write_adapter(partial, weights, policy.lora, str(policy.base))
-        _write_tokenizer(policy.base, partial)
+        _clear_leftover(partial)
+        partial.mkdir(parents=True)
+    except OSError as error:  # nothing there is ours to remove on the way out, whatever it is
+        cause = why_not_written(error, partial, "choose another OUT")
+        raise ExportError(f"{out} could not be written: {cause}") from None
+    try:  # from here OUT.partial is this export's own, removed by whatever stops it
+        (partial / MARKER).write_text(f"mesh.export of {checkpoint.resolve()}\n")
+        _write(weights, policy, partial, merge)
+        _verify(partial, policy)
+        (partial / MARKER).unlink()
         if out.exists():
             out.rmdir()  # empty (``_check_out``): taken by the finished directory
         partial.rename(out)
-    except (OSError, SafetensorError) as error:
+    except (OSError, SafetensorError) as error:  # safetensors' writer raises its own error on a full disk
         shutil.rmtree(partial, ignore_errors=True)
-        cause = write_cause(error, out.parent)
-        raise ExportError(f"{out} could not be written: {cause}; free space there or choose another OUT") from None
+        cause = why_not_written(error, partial, "choose another OUT")
+        raise ExportError(f"{out} could not be written: {cause}") from None
+    except ExportError:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     except Exception as error:  # transformers or PEFT refusing the base model's files, in their own words
         shutil.rmtree(partial, ignore_errors=True)
         raise ExportError(
@@ -105,7 +110,7 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
             f"written to {out}; check that the base model in {policy.base} loads with transformers "
             "(AutoConfig and AutoTokenizer.from_pretrained), then export again"
         ) from None
-    except BaseException:  # a signal: never leave a half-written directory behind
+    except BaseException:  # a signal (``Signalled``), or the program's end: never leave half a directory
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out
@@ -124,8 +129,39 @@ def _out_path(out: Path) -> Path:
     return absolute
 
 
+def _write(weights: dict[str, Tensor], policy: Policy, partial: Path, merge: bool) -> None:
+    """The model (or adapter) directory's files, tokenizer included."""
+    if policy.lora is None:
+        _write_model(weights, policy.base, partial)
+    elif merge:
+        _write_model(_merged(weights, policy), policy.base, partial)
+    else:
+        from actors.adapters import write_adapter
+
+        write_adapter(partial, weights, policy.lora, str(policy.base))
+    _write_tokenizer(policy.base, partial)
+
+
+def _clear_leftover(partial: Path) -> None:
+    """Remove an earlier export's leftover ``OUT.partial`` (it holds ``MARKER``, or is empty); refuse anything
+    else there, which is someone's files, not ours to delete."""
+    if not (partial.exists() or partial.is_symlink()):
+        return
+    directory = partial.is_dir() and not partial.is_symlink()
+    ours = directory and ((partial / MARKER).is_file() or not any(partial.iterdir()))
+    if not ours:
+        what = "a link" if partial.is_symlink() else "a directory of files" if partial.is_dir() else "a file"
+        raise ExportError(
+            f"{partial}, where the export is written before it is renamed to its OUT, is already {what} that no "
+            "earlier export left (it holds no marker of one); move it away (or remove it if it is not needed), or "
+            "choose another OUT"
+        )
+    shutil.rmtree(partial)
+
+
 def _policy(checkpoint: Path, state: dict) -> Policy:
-    """The checkpoint's policy record, its base present and, with LoRA, holding the weights it was trained on."""
+    """The checkpoint's policy record, its base present with the config and tokenizer trained on, its tensors
+    the ones that base and its LoRA config give and, with LoRA, the base holding the weights it was trained on."""
     from actors.checkpoint import ANOTHER, CheckpointError, validated
     from mesh.resume import SavedPolicy, recorded_fingerprint
 
@@ -139,7 +175,7 @@ def _policy(checkpoint: Path, state: dict) -> Policy:
     try:
         saved = validated(checkpoint, SavedPolicy, state["policy"], ("policy",))
         lora = None if saved.lora is None else _lora(checkpoint, saved.lora)
-        recorded = recorded_fingerprint(checkpoint, state) if lora is not None else None
+        recorded = recorded_fingerprint(checkpoint, state)
     except CheckpointError as error:
         raise ExportError(str(error).replace(ANOTHER, EXPORT_ANOTHER)) from None
     base = Path(saved.base).expanduser().resolve()
@@ -150,9 +186,94 @@ def _policy(checkpoint: Path, state: dict) -> Policy:
             "there); put that model back where the run read it, then export again"
         )
     _check_files(base)
-    if recorded is not None:
-        _check_base(checkpoint, base, (recorded.get("adapter") or {}).get("base"))
-    return Policy(base, lora)
+    policy = Policy(base, lora, recorded)
+    _check_trained_on(checkpoint, policy)
+    if lora is not None:
+        _check_base(checkpoint, base, recorded.get("adapter") or {})
+    return policy
+
+
+def _check_trained_on(checkpoint: Path, policy: Policy) -> None:
+    """The base's config and tokenizer are the ones the checkpoint records training with, and its tensors are
+    the ones they give (every weight, or the adapters of its LoRA config): a base that lost its tokenizer.json
+    would export a tokenizer of a few special tokens, an adapter of another rank one no loader takes."""
+    from actors.checkpoint import ANOTHER, CheckpointError
+    from mesh.fingerprint import FingerprintError, model_files
+    from mesh.resume import check_tensors
+
+    try:
+        model, tokenizer = model_files(policy.base)
+        tensors = _base_tensors(policy.base)
+    except (FingerprintError, ValueError) as error:
+        raise ExportError(f"{checkpoint}'s base model cannot be read: {error}") from None
+    recorded_tokenizer = policy.trained["tokenizer"]
+    if tokenizer["digest"] != recorded_tokenizer.get("digest"):
+        found = f"{tokenizer['tokens']} tokens" if tokenizer["digest"] else "no tokenizer.json, vocab.json or .model"
+        trained = recorded_tokenizer.get("tokens")
+        raise ExportError(
+            f"{checkpoint} was trained with the tokenizer of {policy.base} ({trained} tokens), but that directory "
+            f"now holds another ({found}), and an export carries its base's tokenizer; put the base model's "
+            "tokenizer files back, then export again"
+        )
+    trained_model = policy.trained["model"]
+    if changed := [f for f in sorted(set(model) | set(trained_model)) if trained_model.get(f) != model.get(f)]:
+        field = changed[0]
+        raise ExportError(
+            f"{checkpoint} was trained on a model whose config.json differs from {policy.base / 'config.json'} now "
+            f"({field}: {trained_model.get(field, 'unset')} then, {model.get(field, 'unset')} now); put the base "
+            "model's config.json back, then export again"
+        )
+    lora = policy.lora
+    trained = tensors if lora is None else lora.adapter_tensors(tensors)
+    what = "its base model" if lora is None else f"its state.json's LoRA config (rank {lora.rank}) on its base"
+    try:
+        check_tensors(checkpoint, trained, what, EXPORT_ANOTHER)
+    except CheckpointError as error:
+        raise ExportError(str(error).replace(ANOTHER, EXPORT_ANOTHER)) from None
+
+
+def _base_tensors(base: Path) -> dict[str, tuple[int, ...]]:
+    from actors.model_config import ModelFacts
+
+    tensors = ModelFacts.of_directory(base).tensors
+    if tensors is None:
+        raise ValueError(f"{base} holds no model.safetensors (or index of them) whose shapes the export is checked by")
+    return tensors
+
+
+def _verify(partial: Path, policy: Policy) -> None:
+    """What was written loads as the checkpoint trained it: its config, its tokenizer with the vocabulary
+    trained on, and its tensors' names and shapes (a model's those of its base, an adapter's those of its LoRA
+    config); raises ``ExportError`` naming the first that does not."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from actors.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from actors.model_config import ModelFacts, header_shapes
+
+    tokens = policy.trained["tokenizer"].get("tokens")
+    found = len(AutoTokenizer.from_pretrained(partial))
+    if tokens is not None and found != tokens:
+        raise ExportError(
+            f"the tokenizer written to {partial} has {found} tokens, but the checkpoint was trained with {tokens}; "
+            "the base's tokenizer files do not load as the run read them: check them, then export again"
+        )
+    expected = _base_tensors(policy.base)
+    if (partial / ADAPTER_CONFIG).is_file():
+        from peft import LoraConfig
+
+        rank = LoraConfig.from_pretrained(partial).r
+        written, expected = header_shapes(partial / ADAPTER_WEIGHTS), policy.lora.adapter_tensors(expected)
+        if rank != policy.lora.rank:
+            raise ExportError(f"{partial / ADAPTER_CONFIG} says rank {rank}, but the adapters have {policy.lora.rank}")
+    else:
+        AutoConfig.from_pretrained(partial)
+        written = ModelFacts.of_directory(partial).tensors
+    if written != expected:
+        name = next(n for n in sorted(set(written) | set(expected)) if written.get(n) != expected.get(n))
+        raise ExportError(
+            f"the export written to {partial} holds {name} as {written.get(name, 'nothing')}, where the checkpoint "
+            f"trained {expected.get(name, 'nothing')}; it would not load as trained, so it is not kept"
+        )
 
 
 def _check_files(base: Path) -> None:
@@ -181,18 +302,30 @@ def _lora(checkpoint: Path, fields: dict) -> LoRAConfig:
         ) from None
 
 
-def _check_base(checkpoint: Path, base: Path, recorded: str | None) -> None:
-    """Refuse adapters whose base weights changed since training: on other weights they mean nothing."""
-    from mesh.fingerprint import FingerprintError, base_digest
+def _check_base(checkpoint: Path, base: Path, recorded: dict) -> None:
+    """Refuse adapters whose base weights changed since training: on other weights they mean nothing. A built
+    tiny base is known by its recipe and the digest of the weights the run built from it (``built_weights``)."""
+    from mesh.fingerprint import RECIPE, FingerprintError, base_digest, weights_digest
 
     try:
-        found = base_digest(base)
+        found, expected = base_digest(base), recorded.get("base")
+        tiny = found == expected and found.startswith(RECIPE)
+        if tiny:
+            found, expected = weights_digest(base), recorded.get("weights")
     except FingerprintError as error:
         raise ExportError(f"{checkpoint}'s base model cannot be read: {error}") from None
-    if found != recorded:
+    if tiny and expected is None:
+        raise ExportError(
+            f"{checkpoint} holds LoRA adapters on the tiny model built in {base}, but records only the recipe it was "
+            "built by, not a digest of its weights (checkpoints written before this version), so whether that "
+            "directory still holds the weights the adapters were trained on cannot be checked; resume it with this "
+            f"version for one more step (python -m mesh.run <its run's topology.yaml> --resume {checkpoint} --set "
+            "loop.steps=<its step + 1>) and export that run's final/"
+        )
+    if found != expected:
         raise ExportError(
             f"{checkpoint} holds LoRA adapters trained on the base model in {base}, whose weights have changed "
-            f"since (weights digest {recorded} recorded, {found} now), and adapters mean nothing on other "
+            f"since (weights digest {expected} recorded, {found} now), and adapters mean nothing on other "
             "weights; put the base model the run trained on back in that directory, then export again"
         )
 
@@ -210,7 +343,6 @@ def _write_model(weights: dict[str, Tensor], base: Path, out: Path) -> None:
 
     config = AutoConfig.from_pretrained(base)
     dtype = _dtype(config, base)
-    out.mkdir(parents=True)
     cast = {name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in weights.items()}
     save_file(cast, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out)
@@ -267,16 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         "directory, pointing at its base); a full-weights checkpoint is the whole model either way",
     )
     args = parser.parse_args(argv)
-    previous = {signum: signal.signal(signum, _stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, _stop) for signum in SIGNALS}
     try:
         out = export(Path(args.checkpoint), Path(args.out), args.merge)
     except ExportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except Stopped as stopped:
-        name = signal.Signals(stopped.signum).name
+    except Signalled as signalled:
+        name = signal.Signals(signalled.signum).name
         print(f"stopped: {name} while exporting; nothing was written to {args.out}", file=sys.stderr)
-        return 128 + stopped.signum
+        return 128 + signalled.signum
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -286,9 +418,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _stop(signum: int, _frame: object) -> None:
     """The first signal stops the export; later ones are ignored, so removing OUT.partial is not cut short."""
-    for each in (signal.SIGINT, signal.SIGTERM):
+    for each in SIGNALS:
         signal.signal(each, signal.SIG_IGN)
-    raise Stopped(signum)
+    raise Signalled(signum)
 
 
 def describe(out: Path) -> str:

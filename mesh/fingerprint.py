@@ -10,12 +10,16 @@ costs nothing next to a run.
 
 The seed is left out on purpose: after a resume the weights come from the checkpoint,
 and the seed only chose the initial weights and the prompt stream, which a user may
-change. Not so with LoRA: a checkpoint then holds only the adapters, which mean nothing
-on another base, so the fingerprint adds the adapters' shape and the base's weights
-(``base_digest``: a digest of its safetensors files, or of a tiny model's recipe, seed
-included; a GGUF file's: the safetensors of the directory it converts into, which ``mesh.export``
-checks too). So are the trainer's settings (optimizer, loss, ``precision``): a checkpoint holds
+change. So are the trainer's settings (optimizer, loss, ``precision``): a checkpoint holds
 fp32 master weights whatever the precision, so a run may resume in another one.
+
+Not so with LoRA: a checkpoint then holds only the adapters, which mean nothing on another
+base, so the fingerprint adds the adapters' shape and the base's weights (``base_digest``: a
+digest of its safetensors files, or of a tiny model's recipe, seed included; a GGUF file's: the
+safetensors of the directory it converts into, which ``mesh.export`` checks too). A recipe says
+how a tiny base was made, not that its directory still holds those weights, so a run also records
+the digest of the weights it built (``built_weights``), which ``mesh.export`` checks; a resume
+builds its base again from the recipe.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ ARCHITECTURE = (
 )
 
 
+RECIPE = "recipe:"  # a base digest that is a tiny model's recipe's
+
+
 class FingerprintError(ValueError):
     """A model directory whose config or tokenizer files cannot be read; the message names the file."""
 
@@ -60,7 +67,8 @@ class Fingerprint:
     model: dict[str, Any]  # the ARCHITECTURE fields config.json has
     tokenizer: dict[str, Any]  # {"tokens": vocabulary size, "digest": xxh3 of the vocabulary}
     task: dict[str, Any]  # {"name", "params", "alphabet"}
-    adapter: dict[str, Any] | None = None  # with LoRA: {"rank", "alpha", "target_modules", "base": base_digest}
+    # with LoRA: {"rank", "alpha", "target_modules", "base": base_digest}; a built tiny base's also "weights"
+    adapter: dict[str, Any] | None = None
 
     def to_json(self) -> dict:
         """As stored in a checkpoint's state.json (and compared after a JSON round trip)."""
@@ -116,10 +124,16 @@ def _adapter_differences(theirs: dict | None, mine: dict | None) -> list[str]:
 
 def fingerprint(model_dir: Path, task: TaskConfig, lora: LoRAConfig | None = None) -> Fingerprint:
     """The fingerprint of a run training the HF model in ``model_dir`` on ``task`` (with ``lora``: its adapters)."""
-    config = _read_json(model_dir / "config.json")
-    model = {field: config[field] for field in ARCHITECTURE if field in config}
+    model, tokenizer = model_files(model_dir)
     adapter = _adapter(lora, base_digest(model_dir)) if lora is not None else None
-    return Fingerprint(model, _tokenizer(model_dir), _task_fingerprint(task), adapter)
+    return Fingerprint(model, tokenizer, _task_fingerprint(task), adapter)
+
+
+def model_files(model_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``model`` and ``tokenizer`` parts of a fingerprint of ``model_dir``: what ``mesh.export`` checks the
+    base still holds."""
+    config = _read_json(model_dir / "config.json")
+    return {field: config[field] for field in ARCHITECTURE if field in config}, _tokenizer(model_dir)
 
 
 def topology_fingerprint(topology: Topology) -> Fingerprint:
@@ -154,11 +168,16 @@ def _adapter(lora: LoRAConfig, base: str) -> dict[str, Any]:
 
 
 def base_digest(model_dir: Path) -> str:
-    """What identifies a base model's weights: a built tiny model's recipe, or else an xxh3 of its
-    safetensors files' bytes (in name order; streamed, so a large model costs a read, not its memory)."""
+    """What identifies a base model's weights: a built tiny model's recipe, or else ``weights_digest``."""
     marker = model_dir / TINY_MODEL_MARKER
     if marker.is_file():
         return _recipe_digest(_read_json(marker))
+    return weights_digest(model_dir)
+
+
+def weights_digest(model_dir: Path) -> str:
+    """An xxh3 of a model directory's safetensors files' bytes (in name order; streamed, so a large model
+    costs a read, not its memory)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FingerprintError(f"{model_dir} holds no *.safetensors weights to fingerprint the base model by")
@@ -174,8 +193,18 @@ def base_digest(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def built_weights(record: dict[str, Any], model_dir: Path) -> dict[str, Any]:
+    """A fingerprint's record (``to_json``) of a LoRA run on a built tiny model in ``model_dir``, with the digest
+    of the weights it built (``adapter.weights``): its recipe says how they were made, not that the directory still
+    holds them, and ``mesh.export`` puts the adapters on that directory's weights. Other records as they are."""
+    adapter = record.get("adapter")
+    if adapter is None or not str(adapter["base"]).startswith(RECIPE):
+        return record
+    return record | {"adapter": adapter | {"weights": weights_digest(model_dir)}}
+
+
 def _recipe_digest(recipe: dict) -> str:
-    return "recipe:" + xxhash.xxh3_128_hexdigest(json.dumps(recipe, sort_keys=True).encode())
+    return RECIPE + xxhash.xxh3_128_hexdigest(json.dumps(recipe, sort_keys=True).encode())
 
 
 def _task_fingerprint(cfg: TaskConfig) -> dict:

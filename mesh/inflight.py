@@ -12,8 +12,13 @@ them: whoever can write a run directory can rewrite state.json and its checksum,
 token id past the vocabulary, logprobs shorter than the completion or a NaN would
 otherwise crash the trainer steps later or be trained on silently. The models are
 strict (JSON's own types, no unknown keys, finite numbers, one logprob and mask value
-per completion token); given a context (``mesh/resume.py``) they also check token ids
-against the policy's vocabulary and versions against the checkpoint's.
+per completion token); given a context (``bounds``, and the checkpoint's version from
+``mesh/resume.py``) they also check token ids against the policy's vocabulary, versions
+against the checkpoint's, and sizes against what the topology can produce: a row no longer
+than the model's positions, a policy's sample no longer than ``max_new_tokens``, no more
+groups or samples than a step samples and no more batches in flight than ``max_policy_lag``.
+Unchecked, a row far longer than any the run samples passes every type check and then
+grows the trainer until the kernel kills it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, Field, Strict, ValidationInfo, field_validator
@@ -33,7 +38,24 @@ from actors.teachers.bindings import TopK
 from mesh.collected import Collected
 from mesh.router import TargetLoad
 
+if TYPE_CHECKING:
+    from mesh.topology import Topology
+
 FORMAT = 2  # 2: rollout groups of tagged rows (1: a flat list of rollouts)
+
+
+def bounds(topology: Topology) -> dict[str, Any]:
+    """The validation context (see the module docstring) of rows sampled by a run of ``topology``. An episode's
+    completion also holds the environment's replies, so only the model's positions bound it."""
+    facts, loop = topology.model_facts(), topology.loop
+    return {
+        "vocabulary": facts.vocabulary_rows,
+        "positions": facts.positions,
+        "max_new_tokens": None if topology.task.episodic else topology.actors.generator.max_new_tokens,
+        "prompts": loop.prompts_per_step,
+        "group_size": loop.group_size,
+        "lag": loop.max_policy_lag,
+    }
 
 
 def collected_to_json(collected: list[Collected]) -> dict[str, Any]:
@@ -201,6 +223,24 @@ class SavedRow(Saved):
     distill: SavedTopK | None = None
     reference_logprobs: list[float] | None = None  # absent in checkpoints written before the reference existed
 
+    @field_validator("trajectory")
+    @classmethod
+    def _no_longer_than_sampled(cls, trajectory: SavedTrajectory, info: ValidationInfo) -> SavedTrajectory:
+        context = info.context or {}
+        prompt, completion = len(trajectory.prompt_ids), len(trajectory.completion_ids)
+        positions, limit = context.get("positions"), context.get("max_new_tokens")
+        if info.data.get("kind") is RowKind.SAMPLE and limit is not None and completion > limit:
+            raise ValueError(
+                f"a policy sample of {completion} completion tokens, but actors.generator.max_new_tokens lets the "
+                f"policy write at most {limit}"
+            )
+        if positions is not None and prompt + completion > positions:
+            raise ValueError(
+                f"{prompt} prompt and {completion} completion tokens, {prompt + completion} in all, past the "
+                f"{positions} positions the model takes"
+            )
+        return trajectory
+
     @field_validator("distill", "reference_logprobs")
     @classmethod
     def _one_per_completion_token(cls, values: SavedTopK | list | None, info: ValidationInfo) -> Any:
@@ -223,10 +263,32 @@ class SavedRow(Saved):
         )
 
 
+def _at_most(count: int, key: str, what: str, info: ValidationInfo) -> None:
+    """Refuse more than the context's ``key`` of ``what`` (``count`` of them)."""
+    limit = (info.context or {}).get(key)
+    if limit is not None and count > limit:
+        raise ValueError(f"{count} {what}, but the topology's run has at most {limit} (loop.{_LOOP_KEYS[key]})")
+
+
+_LOOP_KEYS = {"prompts": "prompts_per_step", "group_size": "group_size", "lag": "max_policy_lag"}
+
+
 class SavedGroup(Saved):
     problem: SavedProblem
     index: int = Field(ge=0)
     rows: list[SavedRow]
+
+    @field_validator("index")
+    @classmethod
+    def _a_prompt_of_the_step(cls, index: int, info: ValidationInfo) -> int:
+        _at_most(index + 1, "prompts", f"prompts in a step for a group at index {index}", info)
+        return index
+
+    @field_validator("rows")
+    @classmethod
+    def _samples_of_one_group(cls, rows: list[SavedRow], info: ValidationInfo) -> list[SavedRow]:
+        _at_most(sum(row.kind is RowKind.SAMPLE for row in rows), "group_size", "policy samples in a group", info)
+        return rows
 
     def decode(self) -> RolloutGroup:
         return RolloutGroup(self.problem.decode(), self.index, tuple(row.decode() for row in self.rows))
@@ -251,6 +313,12 @@ class SavedCollected(Saved):
     generators: list[SavedLoad] = []
     episode_metrics: dict[str, float] = {}
 
+    @field_validator("groups")
+    @classmethod
+    def _prompts_of_one_step(cls, groups: list[SavedGroup], info: ValidationInfo) -> list[SavedGroup]:
+        _at_most(len(groups), "prompts", "prompt groups in a step", info)
+        return groups
+
     def decode(self) -> Collected:
         return Collected(
             [group.decode() for group in self.groups],
@@ -272,6 +340,12 @@ class SavedInFlight(Saved):
         if version != FORMAT:
             raise ValueError(f"in-flight batches of format {version}; this code reads format {FORMAT}")
         return version
+
+    @field_validator("collected")
+    @classmethod
+    def _within_the_lag(cls, collected: list[SavedCollected], info: ValidationInfo) -> list[SavedCollected]:
+        _at_most(len(collected), "lag", "batches in flight", info)
+        return collected
 
     def decode(self) -> list[Collected]:
         return [collected.decode() for collected in self.collected]

@@ -14,9 +14,11 @@ ends the program with one line (``QuietStop`` in ``mesh/run.py``), never a trace
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -46,6 +48,29 @@ class Interrupted(RuntimeError):
                 f"python -m mesh.run {run_path / 'topology.yaml'} --resume {checkpoint}"
             )
         super().__init__(message)
+
+
+class FinalInterrupted(Interrupted):
+    """A signal after the last step, while the meshes stopped or ``final/`` was written: the run leaves no
+    ``final/``, and its last checkpoint (which has nothing left to resume) exports the same model."""
+
+    def __init__(self, signum: int, run_path: Path, checkpoint: Path):
+        super().__init__(signum, run_path, checkpoint)
+        name = signal.Signals(signum).name
+        self.args = (
+            f"{name}: the run in {run_path} trained every step but stopped before its final model was written (no "
+            f"final/); export its last checkpoint with python -m mesh.export {checkpoint} {run_path / 'final'}",
+        )
+
+
+class Signalled(BaseException):
+    """Raised in the main thread by a signal during ``Stopper.at_once`` or ``mesh.export``'s ``main`` (a
+    ``BaseException``, as ``KeyboardInterrupt``: no ``except Exception`` on the way swallows it, and ``finally``
+    and cleanup run as it unwinds)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def newest_checkpoint(run_path: Path, recorded: Path | None, outer_state: str | None) -> Path | None:
@@ -92,6 +117,25 @@ class Stopper:
             loop.remove_signal_handler(signum)
             if self._previous.get(signum) is not None:
                 signal.signal(signum, self._previous[signum])
+
+    @contextlib.contextmanager
+    def at_once(self) -> Iterator[None]:
+        """While work that never yields to the event loop runs (which then runs no signal handler until it
+        returns, so a signal would wait for its end), a signal raises ``Signalled`` in it at once."""
+        loop = asyncio.get_running_loop()
+
+        def received(signum: int, _frame: object) -> None:
+            self.requested = self.requested or signum
+            raise Signalled(signum)
+
+        for signum in SIGNALS:
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, received)
+        try:
+            yield
+        finally:
+            for signum in SIGNALS:
+                loop.add_signal_handler(signum, self._received, signum)
 
     def _received(self, signum: int) -> None:
         if self.requested is None and self.training:

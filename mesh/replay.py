@@ -29,7 +29,7 @@ from actors.disk import is_regular, lines, open_regular
 from actors.rollout import RolloutGroup, Row
 from mesh.collected import Collected
 from mesh.fingerprint import FingerprintError, topology_fingerprint
-from mesh.inflight import Saved, SavedProblem, SavedRow
+from mesh.inflight import Saved, SavedProblem, SavedRow, bounds
 from mesh.plan import RunPlan
 from mesh.rundir import SAMPLES_FILE
 from mesh.topology import Topology, TopologyError, load_topology
@@ -41,11 +41,16 @@ LONGEST_ROW = 1 << 28  # bytes in one line: a long completion with a distill tea
 
 
 class RecordedPlace(Saved):
-    """Where a full samples.jsonl line's row belongs; the row itself is a ``SavedRow``."""
+    """Where a full samples.jsonl line's row belongs (its step, group and place in the step's batch of ``rows``,
+    and its lengths as the summary fields say them); the row itself is a ``SavedRow``."""
 
     model_config = STRICT | ConfigDict(extra="ignore")  # the line's other keys are the row's, read apart
     step: int = Field(ge=0)
     group: int = Field(ge=0)
+    row: int = Field(ge=0)
+    rows: int = Field(ge=1)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
     problem: SavedProblem
     distill_teacher: str | None
 
@@ -54,8 +59,8 @@ def recorded_batches(run_dir: Path, plan: RunPlan) -> list[Collected]:
     """The batches of steps 0 .. ``loop.steps`` - 1 that the run in ``run_dir`` trained on, for ``plan``'s
     trainer; a ``TopologyError`` says what is wrong with them and how to fix it."""
     topology = plan.topology
-    _check_recorded(run_dir, topology)
-    steps = _read(run_dir / SAMPLES_FILE, topology.model_facts().vocabulary_rows)
+    recorded = _check_recorded(run_dir, topology)
+    steps = _read(run_dir / SAMPLES_FILE, bounds(recorded))
     if sorted(steps) != list(range(len(steps))):
         raise TopologyError(
             f"{run_dir / SAMPLES_FILE} holds steps {min(steps)} to {max(steps)} with gaps or a late start (a resumed "
@@ -82,8 +87,9 @@ def oldest_age(batches: list[Collected]) -> int:
     return max(step - row.version for step, collected in enumerate(batches) for row in collected.rows())
 
 
-def _check_recorded(run_dir: Path, topology: Topology) -> None:
-    """``run_dir`` is a fully recorded run of this topology's model, tokenizer and task."""
+def _check_recorded(run_dir: Path, topology: Topology) -> Topology:
+    """``run_dir`` is a fully recorded run of this topology's model, tokenizer and task; returns the topology
+    it was recorded with (which bounds what its rows can hold: ``mesh.inflight.bounds``)."""
     written = run_dir / "topology.yaml"
     if not is_regular(run_dir / SAMPLES_FILE) or not is_regular(written):
         raise TopologyError(
@@ -110,21 +116,27 @@ def _check_recorded(run_dir: Path, topology: Topology) -> None:
             f"--replay {run_dir}: it was recorded for another job: {'; '.join(differences)}. Replay it with a topology "
             f"of the same model, tokenizer and task (its own is {written})"
         )
+    return recorded
 
 
-def _read(path: Path, vocabulary: int | None) -> dict[int, Collected]:
-    """samples.jsonl's rows, each validated, as one ``Collected`` per step."""
+def _read(path: Path, context: dict[str, Any]) -> dict[int, Collected]:
+    """samples.jsonl's rows, each validated against ``context``, as one ``Collected`` per step: each step with
+    exactly the rows it recorded, in order."""
     rows: dict[int, dict[int, list[Row]]] = defaultdict(lambda: defaultdict(list))
+    places: dict[int, list[tuple[int, RecordedPlace]]] = defaultdict(list)
     problems, distill_teachers = {}, {}
     try:
         with open_regular(path) as file:
             for number, line in enumerate(lines(file, LONGEST_ROW), 1):
-                place, row = _row(path, number, line, vocabulary)
+                place, row = _row(path, number, line, context)
                 rows[place.step][place.group].append(row)
+                places[place.step].append((number, place))
                 problems[place.step, place.group] = place.problem.decode()
                 distill_teachers[place.step] = place.distill_teacher
     except OSError as error:  # a line too long (``lines``), or the file replaced since it was checked
         raise TopologyError(f"{path} cannot be read: {error}; {RECORD_AGAIN}") from None
+    for step, recorded in places.items():
+        _check_whole(path, step, recorded)
     return {
         step: Collected(
             [RolloutGroup(problems[step, index], index, tuple(group)) for index, group in groups.items()],
@@ -136,6 +148,27 @@ def _read(path: Path, vocabulary: int | None) -> dict[int, Collected]:
     }
 
 
+def _check_whole(path: Path, step: int, recorded: list[tuple[int, RecordedPlace]]) -> None:
+    """Step ``step``'s lines (number, place) are its rows 0 .. rows - 1, each once and in order: a line deleted,
+    repeated or moved, or a file cut short, would train on another batch than the run did."""
+    number, first = recorded[0]
+    for expected, (number, place) in enumerate(recorded):
+        if place.rows != first.rows:
+            problem = f"says step {step} has {place.rows} rows where line {recorded[0][0]} says {first.rows}"
+        elif place.row < expected:
+            problem = f"holds row {place.row} of step {step} again (or out of order)"
+        elif place.row > expected:
+            problem = f"holds row {place.row} of step {step}, but its row {expected} is missing before it"
+        else:
+            continue
+        raise TopologyError(f"{path} line {number} {problem}; {RECORD_AGAIN}")
+    if len(recorded) < first.rows:
+        raise TopologyError(
+            f"{path} holds {len(recorded)} of the {first.rows} rows step {step} recorded (the last, line {number}, is "
+            f"row {len(recorded) - 1}): the rest were deleted or the file was cut short; {RECORD_AGAIN}"
+        )
+
+
 def _not_recorded(path: Path, number: int, problem: str) -> str:
     return (
         f"{path} line {number}, at {problem} It is not a row the recorder wrote with logging.samples.full (or it "
@@ -143,7 +176,7 @@ def _not_recorded(path: Path, number: int, problem: str) -> str:
     )
 
 
-def _row(path: Path, number: int, line: bytes, vocabulary: int | None) -> tuple[RecordedPlace, Row]:
+def _row(path: Path, number: int, line: bytes, context: dict[str, Any]) -> tuple[RecordedPlace, Row]:
     try:
         record: Any = json.loads(line)  # UTF-8 only: a byte that is not is a ValueError
     except (ValueError, RecursionError) as error:  # RecursionError: nested past Python's stack
@@ -157,7 +190,14 @@ def _row(path: Path, number: int, line: bytes, vocabulary: int | None) -> tuple[
     saved = {key: record[key] for key in ROW_KEYS if key in record}
     saved["reward"] = {key: record[name] for key, name in reward.items() if name in record}
     try:
-        row = SavedRow.model_validate(saved, context={"vocabulary": vocabulary})
+        row = SavedRow.model_validate(saved, context=context)
     except ValidationError as error:
         raise TopologyError(_not_recorded(path, number, first_problem(error, saved))) from None
+    lengths = len(row.trajectory.prompt_ids), len(row.trajectory.completion_ids)
+    if lengths != (place.prompt_tokens, place.completion_tokens):
+        problem = (
+            f"trajectory: {lengths[0]} prompt and {lengths[1]} completion tokens, but the row recorded "
+            f"prompt_tokens {place.prompt_tokens} and completion_tokens {place.completion_tokens} (cut short?)."
+        )
+        raise TopologyError(_not_recorded(path, number, problem))
     return place, row.decode()

@@ -5,8 +5,9 @@ can rewrite state.json and its checksum. So everything in it is validated by the
 here (``actors/checkpoint.py``'s for the optimizer's param groups, ``mesh/inflight.py``'s
 for the batches in flight) against the topology that resumes it: token ids below the
 policy's vocabulary, one logprob and mask value per completion token, finite numbers,
-JSON's own types, versions not after the step. A failure is a ``CheckpointError`` naming
-the checkpoint and the field's path in state.json.
+JSON's own types, versions not after the step, rows and batches no larger than the topology
+samples (``mesh.inflight.bounds``); and model.safetensors holds the tensors it trains. A
+failure is a ``CheckpointError`` naming the checkpoint and the field's path in state.json.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from actors.checkpoint import FiniteJson, validated
-from mesh.inflight import Saved, SavedInFlight
+from actors.checkpoint import ANOTHER, MODEL_FILE, CheckpointError, FiniteJson, validated
+from actors.model_config import header_shapes
+from mesh.inflight import Saved, SavedInFlight, bounds
 
 if TYPE_CHECKING:
     from mesh.topology import Topology
@@ -77,5 +79,41 @@ def recorded_fingerprint(checkpoint: Path, state: dict) -> dict:
 def check_state(checkpoint: Path, state: dict, topology: Topology) -> SavedState:
     """The whole of ``state`` (from ``checkpoint_state``) validated against ``topology``; token ids are
     checked where the policy's files give its vocabulary."""
-    context = {"vocabulary": topology.model_facts().vocabulary_rows, "version": state.get("version")}
+    context = bounds(topology) | {"version": state.get("version")}
     return validated(checkpoint, SavedState, state, (), context)
+
+
+def check_tensors(checkpoint: Path, trained: dict[str, tuple[int, ...]], what: str, fix: str = ANOTHER) -> None:
+    """Refuse a checkpoint whose tensors are not, by name and shape, the ones ``what`` trains (``trained``):
+    whoever can write a run directory can rewrite model.safetensors and its checksum, and a tensor of
+    another shape fails its load after the run started (or an export that no loader takes)."""
+    try:
+        found = header_shapes(checkpoint / MODEL_FILE)
+    except ValueError as error:
+        raise CheckpointError(f"checkpoint {checkpoint}: {error}; {fix}") from None
+    wrong = [name for name in trained if name in found and found[name] != trained[name]]
+    missing, extra = sorted(set(trained) - set(found)), sorted(set(found) - set(trained))
+    if wrong:
+        name = wrong[0]
+        detail = f"{name} has shape {list(found[name])} where {what} gives {list(trained[name])}"
+    elif missing:
+        detail = f"it lacks {missing[0]} ({len(missing)} of the {len(trained)} tensors {what} gives are missing)"
+    elif extra:
+        detail = f"it holds {extra[0]}, which {what} has no tensor for ({len(extra)} such)"
+    else:
+        return
+    raise CheckpointError(
+        f"checkpoint {checkpoint}: its {MODEL_FILE} does not hold the weights {what} trains: {detail}; {fix}"
+    )
+
+
+def check_weights(checkpoint: Path, topology: Topology) -> None:
+    """The checkpoint's tensors are the ones ``topology`` trains (where the model's files give their shapes):
+    every weight, or with LoRA its adapters."""
+    lora, tensors = topology.actors.trainer.lora, topology.model_facts().tensors
+    if tensors is None:
+        return
+    if lora is None:
+        check_tensors(checkpoint, tensors, "the topology's model")
+    else:
+        check_tensors(checkpoint, lora.adapter_tensors(tensors), f"the topology's LoRA (rank {lora.rank})")

@@ -258,7 +258,7 @@ def check_resume(topology: Topology, checkpoint: Path) -> None:
     does not write (``mesh/resume.py``): exit 2, like a bad topology."""
     from actors.checkpoint import CheckpointError, checkpoint_state  # torch: only a resume reads a checkpoint
     from mesh.fingerprint import FingerprintError, topology_fingerprint
-    from mesh.resume import check_state, recorded_fingerprint
+    from mesh.resume import check_state, check_weights, recorded_fingerprint
 
     try:
         state = checkpoint_state(checkpoint)
@@ -286,6 +286,7 @@ def check_resume(topology: Topology, checkpoint: Path) -> None:
         )
     try:
         check_state(checkpoint, state, topology)  # once it is known to be this job's: its vocabulary
+        check_weights(checkpoint, topology)
     except CheckpointError as error:
         raise TopologyError(str(error)) from None
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Awaitable
@@ -68,9 +69,9 @@ from mesh.controller import (  # noqa: E402
 )
 from mesh.controller.samples import SampleRecording  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
-from mesh.fingerprint import topology_fingerprint  # noqa: E402
+from mesh.fingerprint import built_weights, topology_fingerprint  # noqa: E402
 from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
-from mesh.interrupts import Interrupted, Stopper, newest_checkpoint  # noqa: E402
+from mesh.interrupts import FinalInterrupted, Interrupted, Signalled, Stopper, newest_checkpoint  # noqa: E402
 from mesh.plan import RunPlan, model_path_of  # noqa: E402
 from mesh.progress import Progress  # noqa: E402
 from mesh.replay import oldest_age  # noqa: E402
@@ -170,7 +171,7 @@ async def _run(
             if services.teacher_pool is not None:
                 await board.attach(services.teacher_pool)
             context = RunContext(run_dir, bar, control, stopper, fleet)
-            settings = _loop_settings(plan, episodes, replay)
+            settings = _loop_settings(plan, episodes, replay, Path(model_path))
             collection = _collection(settings, task, services, episodes, replay, bar)
             controller = Controller(settings, services, collection, board, context)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
@@ -185,18 +186,27 @@ async def _run(
     except Exception as error:
         step = controller.step if controller is not None else None
         raise RunFailed(_failure_message(run_dir, error, step, faults)) from error
-    _write_final(run_dir, controller.last_checkpoint, faults)
+    _write_final(run_dir, controller.last_checkpoint, faults, stopper)
     return run_dir
 
 
-def _write_final(run_dir: RunDir, checkpoint: Path, faults: _FaultLog) -> None:
+def _write_final(run_dir: RunDir, checkpoint: Path, faults: _FaultLog, stopper: Stopper) -> None:
     """The last checkpoint exported (no merge: a LoRA run's is its adapter directory) to ``final/``, once every
-    process has stopped; a stop by a signal leaves none, its checkpoint is for ``--resume``. A failure is the
-    run's end in error.log, as any other: ``mesh.report`` calls the run failed, not finishing forever."""
+    process has stopped; a stop by a signal leaves none, its checkpoint is for ``--resume``. A signal while the
+    meshes stopped, or during the export, stops it at once (``FinalInterrupted``: exit 128 + the signal). Any
+    other failure ends the run in error.log, as a failed step does: ``mesh.report`` calls the run failed, not
+    finishing forever. ``export`` itself removes the ``final.partial`` it wrote, whatever stopped it."""
     from mesh.export import ExportError, export
 
+    if stopper.requested is not None:
+        raise FinalInterrupted(stopper.requested, run_dir.path, checkpoint)
+    final = run_dir.final_dir
     try:
-        export(checkpoint, run_dir.final_dir)
+        with stopper.at_once():
+            export(checkpoint, final)
+    except Signalled as signalled:  # after the rename, final/ is whole but the run says it wrote none
+        shutil.rmtree(final, ignore_errors=True)
+        raise FinalInterrupted(signalled.signum, run_dir.path, checkpoint) from None
     except ExportError as error:  # ``export`` turns every failure into one (a full disk, a library's refusal)
         with contextlib.suppress(OSError):  # the same full disk: the message below still says it all
             cause = f"final/ was not written: {paragraph(str(error))}"
@@ -421,9 +431,12 @@ def _collection(
     return SampleCollection(settings.collect, task, services)
 
 
-def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Collected] | None) -> LoopSettings:
+def _loop_settings(
+    plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Collected] | None, model_dir: Path
+) -> LoopSettings:
     """What the controller's parts read of the plan, read once. A replay evaluates nothing (it has no
-    generators) and lets its batches be as old as they were recorded."""
+    generators) and lets its batches be as old as they were recorded. ``model_dir``: the policy's base, as
+    built or converted for this run."""
     topology = plan.topology
     loop, loss = topology.loop, topology.actors.trainer.loss
     collect = CollectSettings(
@@ -450,7 +463,7 @@ def _loop_settings(plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Col
         max_completion_len=topology.actors.generator.max_new_tokens * (episodes.max_turns if episodes else 1),
         reference=plan.reference is not None,
         diloco_interval=topology.diloco.interval if plan.diloco_replica is not None else None,
-        fingerprint=topology_fingerprint(topology).to_json(),
+        fingerprint=built_weights(topology_fingerprint(topology).to_json(), model_dir),
         collect=collect,
         samples=_sample_recording(topology.logging.samples),
     )

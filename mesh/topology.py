@@ -494,7 +494,7 @@ class Topology(Section):
             )
 
     def _check_lora(self) -> None:
-        """LoRA's named layers must be the model's (as far as its files tell)."""
+        """LoRA's named layers must be the model's, and its rank below their widths (as far as its files tell)."""
         lora, tensors = self.actors.trainer.lora, self._facts.tensors
         if lora is None or tensors is None:
             return
@@ -504,6 +504,15 @@ class Topology(Section):
                 f"actors.trainer.lora.target_modules names {', '.join(unknown)}, which the model has no linear layer "
                 f"called; its linear layers are {', '.join(names)}: name some of those, or use target_modules: "
                 "all-linear"
+            )
+        widths = {module: inner for module, (_, inner) in lora.adapted(tensors).items()}
+        narrowest = min(widths, key=widths.get, default=None)
+        if narrowest is not None and lora.rank > widths[narrowest]:
+            raise ValueError(
+                f"actors.trainer.lora.rank is {lora.rank}, above the width of the narrowest layer it adapts "
+                f"({narrowest} reads {widths[narrowest]} features): an adapter's update (B A) has a rank of at most "
+                f"its layer's width, so a larger rank adds parameters and memory but nothing it can learn; set rank "
+                f"to at most {widths[narrowest]} (e.g. {min(16, widths[narrowest])})"
             )
 
     def _read_model(self) -> ModelFacts:

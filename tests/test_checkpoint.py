@@ -229,8 +229,13 @@ def resume_error(capsys, checkpoint: Path, *overrides: str) -> str:
 
 
 def tiny_checkpoint(directory: Path, step: int = 5, *overrides: str) -> Path:
-    fp = topology_fingerprint(load_topology(TINY, list(overrides))).to_json()
-    return small_checkpoint(directory, {"step": step, "version": step, "fingerprint": fp})
+    """A checkpoint of tiny.yaml's model (every tensor in its shape: --resume checks them), as a trainer saves it."""
+    topology = load_topology(TINY, list(overrides))
+    weights = {name: torch.nn.Parameter(torch.zeros(shape)) for name, shape in topology.model_facts().tensors.items()}
+    optimizer = torch.optim.AdamW(weights.values())
+    state = {"step": step, "version": step, "fingerprint": topology_fingerprint(topology).to_json()}
+    save_checkpoint(directory, weights, optimizer.state_dict(), state)
+    return directory
 
 
 def test_resume_of_another_task_alphabet_or_model_is_refused_with_what_differs(tmp_path, capsys):

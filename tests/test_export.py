@@ -31,7 +31,7 @@ from actors.tasks import TaskConfig
 from mesh import export as exporting
 from mesh import report
 from mesh.export import export, main
-from mesh.fingerprint import fingerprint
+from mesh.fingerprint import built_weights, fingerprint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
@@ -90,6 +90,7 @@ def state_of(base: Path, lora: LoRAConfig | None, recorded_base: Path | None = N
     (``recorded_base``: the base directory it says instead)."""
     record = {"base": str(recorded_base or base), "lora": asdict(lora) if lora else None}
     fingerprint_ = fingerprint(base, TaskConfig("reverse", {"min_len": 3, "max_len": 5}), lora).to_json()
+    fingerprint_ = built_weights(fingerprint_, base)
     return {"step": STEPS, "version": STEPS, "policy": record, "fingerprint": fingerprint_}
 
 
@@ -298,3 +299,72 @@ def test_a_base_model_transformers_refuses_or_a_pipe_in_it_is_one_paragraph(full
     os.mkfifo(copy / "tokenizer.json")  # transformers would wait on it forever
     err = refused([checkpoint, tmp_path / "out"], capsys)
     assert f"{copy / 'tokenizer.json'}, in the base model's directory, is a named pipe (FIFO)" in err
+
+
+# ----------------------------------------------------------------------------- issue 37: wrong output, rc 0
+
+
+def test_a_base_that_lost_its_tokenizer_is_refused_not_exported_with_a_few_tokens(full, base, tmp_path, capsys):
+    copy = Path(shutil.copytree(base, tmp_path / "base"))
+    checkpoint = tmp_path / "ckpt"
+    full.loop.save(checkpoint, state_of(copy, None))
+    (copy / "tokenizer.json").unlink()
+    err = refused([checkpoint, tmp_path / "out"], capsys)
+    assert f"was trained with the tokenizer of {copy} (12 tokens), but that directory now holds another (no " in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+def test_adapters_of_another_rank_than_state_json_says_are_refused(lora, base, tmp_path, capsys, merge):
+    """The checkpoint's own writer sealed it: state.json says rank 8, its tensors are rank 4."""
+    checkpoint = tmp_path / "ckpt"
+    lora.loop.save(checkpoint, state_of(base, LoRAConfig(rank=8, alpha=8)))
+    err = refused([checkpoint, tmp_path / "out", *["--merge"] * merge], capsys)
+    assert "its model.safetensors does not hold the weights its state.json's LoRA config (rank 8) on its base" in err
+    assert "lora_A.weight has shape [4, " in err and "export another checkpoint" in err
+
+
+def test_a_tiny_base_with_other_weights_under_its_recipe_is_refused(lora, base, tmp_path, capsys):
+    """A built tiny base is known by its recipe; the weights in its directory are checked too."""
+    copy = Path(shutil.copytree(base, tmp_path / "base"))
+    checkpoint = tmp_path / "ckpt"
+    lora.loop.save(checkpoint, state_of(copy, LORA))
+    other = build_tiny_model(tmp_path / "other", SPEC, TASK.alphabet, seed=1)
+    shutil.copy(other / "model.safetensors", copy / "model.safetensors")  # its recipe file still says seed 0
+    assert "whose weights have changed since" in refused([checkpoint, tmp_path / "out"], capsys)
+
+
+# ----------------------------------------------------------------------------- issue 37: OUT.partial, causes
+
+
+def test_an_out_partial_of_user_files_is_refused_and_kept(full, tmp_path, capsys):
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    (partial / "notes.txt").write_text("mine")
+    assert main([str(full.checkpoint), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{partial}, where the export is written before it is renamed to its OUT, is already a directory" in err
+    assert (partial / "notes.txt").read_text() == "mine" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("leftover", ["marked", "empty"])
+def test_an_earlier_exports_leftover_is_replaced(full, tmp_path, leftover):
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    if leftover == "marked":
+        (partial / ".mesh-export").write_text("mesh.export of an earlier checkpoint\n")
+        (partial / "model.safetensors").write_bytes(b"half")
+    assert export(full.checkpoint, tmp_path / "out").is_dir()
+    assert not partial.exists() and not (tmp_path / "out" / ".mesh-export").exists()
+
+
+@pytest.mark.parametrize("where", ["under a file", "a name too long"])
+def test_a_write_that_fails_names_its_real_cause(full, tmp_path, capsys, where):
+    if where == "under a file":
+        (tmp_path / "file").write_text("")
+        out, expected = tmp_path / "file" / "out", f"{tmp_path / 'file'} is a file, not a directory"
+    else:
+        out, expected = tmp_path / ("x" * 250), "is too long for its filesystem"
+    assert main([str(full.checkpoint), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "free space" not in err and err.count("\n") == 1

@@ -161,21 +161,44 @@ def test_the_documented_maxima_themselves_are_accepted():
 # ----------------------------------------------------------------- LoRA settings no loop can train
 
 LORA = "actors.trainer.lora={rank: 4}"
+NOT_A_RANK = "lora.rank: rank must be a positive integer (the adapters' inner size), got"
 
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
         (["actors.trainer.inner_loop=torchtitan", LORA], "which inner_loop 'torchtitan' does not wire in"),
-        (["actors.trainer.lora={rank: 0}"], "lora: rank must be a positive integer"),
-        (["actors.trainer.lora={rank: -4}"], "lora: rank must be a positive integer"),
+        (["actors.trainer.lora={rank: 0}"], "lora.rank: rank must be a positive integer"),
+        (["actors.trainer.lora={rank: -4}"], "lora.rank: rank must be a positive integer"),
+        (["actors.trainer.lora={rank: true}"], f"{NOT_A_RANK} True"),
+        (["actors.trainer.lora={rank: '8'}"], f"{NOT_A_RANK} '8'"),
+        (["actors.trainer.lora={rank: 65}"], "lora.rank is 65, above the width of the narrowest layer it adapts"),
+        (["actors.trainer.lora={rank: 1000000000}"], "set rank to at most 64 (e.g. 16)"),
+        (["actors.trainer.lora={alpha: true}"], "lora.alpha: expected a number, got True"),
+        (["actors.trainer.inner_loop=trl", "actors.trainer.lora={target_modules: [q_proj, lm_head]}"],
+         "inner_loop 'trl' takes its logprobs from the head's weight alone"),
         (["actors.trainer.lora={target_modules: [lm_head], dropout: 0.1}"], "names lm_head with dropout 0.1"),
         (["actors.trainer.lora={target_modules: [q_proj, embed_tokens]}"], "names embed_tokens, an embedding"),
         (["actors.trainer.lora={target_modules: [q_proj, qkv]}"], "names qkv, which the model has no linear"),
         (["actors.trainer.lora={dropout: 1.5}"], "lora: dropout must be in [0, 1), got 1.5"),
         (["actors.trainer.lora={alpha: 0}"], "lora: alpha must be > 0"),
     ],
-    ids=["torchtitan", "rank_0", "rank_negative", "lm_head_dropout", "embed_tokens", "unknown", "dropout", "alpha"],
+    ids=[
+        "torchtitan",
+        "rank_0",
+        "rank_negative",
+        "rank_true",
+        "rank_string",
+        "rank_above_width",
+        "rank_huge",
+        "alpha_true",
+        "lm_head_trl",
+        "lm_head_dropout",
+        "embed_tokens",
+        "unknown",
+        "dropout",
+        "alpha",
+    ],
 )
 def test_lora_settings_no_loop_can_train_are_refused_naming_the_fix(overrides, expected):
     message = refused(TINY, overrides)
@@ -187,6 +210,20 @@ def test_lora_on_the_torchtitan_loop_exits_2_naming_the_loops_that_train_adapter
     done = mesh_run([str(TINY), *sets, "--dry-run", "--run-root", str(tmp_path)])
     assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1
     assert "Use inner_loop native, trl, prime_rl, or remove lora" in done.stderr
+
+
+def test_tiny_lora_with_the_trl_loop_exits_2_at_check_time_not_after_start_up(tmp_path):
+    """tiny_lora.yaml adapts the head; TRL refused it only once the trainer had started."""
+    tiny_lora = ROOT / "topologies" / "tiny_lora.yaml"
+    done = mesh_run([str(tiny_lora), "--set", "actors.trainer.inner_loop=trl", "--run-root", str(tmp_path)])
+    assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+    assert "use inner_loop native or prime_rl, which fold the head's adapter" in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_huge_rank_is_blamed_on_the_rank_not_on_the_batch():
+    message = refused(TINY, ["actors.trainer.lora={rank: 1000000000}"])
+    assert "group_size" not in message and "prompts_per_step" not in message
 
 
 def test_lora_on_every_loop_that_trains_adapters_is_accepted():

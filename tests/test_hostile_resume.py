@@ -77,6 +77,21 @@ def test_the_checkpoint_as_written_resumes_and_its_batches_decode_back_to_the_sa
     assert json.loads(json.dumps(collected_to_json(collected_from_json(saved)))) == saved
 
 
+def lengthened(rows: Callable[[dict], dict], tokens: int) -> Callable[[dict], None]:
+    """A change that writes ``tokens`` more completion tokens (with their logprobs and mask) into a row."""
+
+    def change(state: dict) -> None:
+        path = rows(state)["trajectory"]
+        for key, value in (("completion_ids", 1), ("logprobs", -1.0), ("loss_mask", True)):
+            path[key] += [value] * tokens
+
+    return change
+
+
+def warm_start_row(state: dict) -> dict:
+    return state["inflight"]["collected"][0]["groups"][0]["rows"][-1]
+
+
 HOSTILE = {  # what the issue reproduced, then what else a writer could put there; {n}: the completion's length
     "a token id equal to the vocabulary size": (
         lambda s: trajectory(s)["completion_ids"].__setitem__(0, 7),
@@ -143,6 +158,33 @@ HOSTILE = {  # what the issue reproduced, then what else a writer could put ther
         lambda s: s["inflight"].__setitem__("format", 1),
         "inflight.format: in-flight batches of format 1; this code reads format 2",
     ),
+    # issue 37: sizes the run could never have sampled, which grew the trainer until it was OOM-killed
+    "a policy sample longer than max_new_tokens": (
+        lengthened(row, 1_000_000),
+        "{row}.trajectory: a policy sample of {longer} completion tokens, but actors.generator.max_new_tokens lets "
+        "the policy write at most 5",
+    ),
+    "a teacher's trace past the model's positions": (
+        lengthened(warm_start_row, 64),
+        "groups[0].rows[2].trajectory: ",
+    ),
+    "more prompt groups than a step samples": (
+        lambda s: s["inflight"]["collected"][0]["groups"].extend(s["inflight"]["collected"][0]["groups"] * 16),
+        "inflight.collected[0].groups: 34 prompt groups in a step, but the topology's run has at most 32 "
+        "(loop.prompts_per_step)",
+    ),
+    "a group index past the step's prompts": (
+        lambda s: s["inflight"]["collected"][0]["groups"][0].__setitem__("index", 10**12),
+        "groups[0].index: 1000000000001 prompts in a step for a group at index 1000000000000",
+    ),
+    "more samples in a group than group_size": (
+        lambda s: s["inflight"]["collected"][0]["groups"][0]["rows"].extend([row(s)] * 7),
+        "groups[0].rows: 9 policy samples in a group, but the topology's run has at most 8 (loop.group_size)",
+    ),
+    "more batches in flight than max_policy_lag": (
+        lambda s: s["inflight"]["collected"].append(s["inflight"]["collected"][0]),
+        "inflight.collected: 2 batches in flight, but the topology's run has at most 1 (loop.max_policy_lag)",
+    ),
     "a TAID schedule past its end": (
         lambda s: s.__setitem__("taid", {"t": 2.0, "steps_done": 1, "momentum": 0.0, "previous_loss": None}),
         "taid.t: Input should be less than or equal to 1 (got 2.0)",
@@ -154,7 +196,8 @@ HOSTILE = {  # what the issue reproduced, then what else a writer could put ther
 def test_a_hostile_state_is_refused_naming_the_field(checkpoint, case):
     change, expected = HOSTILE[case]
     n = len(trajectory(json.loads((checkpoint / "state.json").read_text()))["completion_ids"])
-    assert expected.format(row=ROW, n=n, shorter=n - 2) in refusal(tampered(checkpoint, change))
+    expected = expected.format(row=ROW, n=n, shorter=n - 2, longer=n + 1_000_000)
+    assert expected in refusal(tampered(checkpoint, change))
 
 
 @pytest.mark.parametrize(
@@ -204,3 +247,27 @@ def test_resume_exits_2_before_anything_starts(checkpoint, tmp_path, capsys, cha
     assert err.startswith(f"error: checkpoint {checkpoint}: state.json at ") and err.count("\n") == 1
     assert "Traceback" not in err and NOT_WRITTEN_SO in err
     assert not runs.exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda w: w.__setitem__("lm_head.weight", w["lm_head.weight"][:, :3]), "lm_head.weight has shape [7, 3]"),
+        (lambda w: w.pop("model.norm.weight"), "it lacks model.norm.weight (1 of the"),
+        (lambda w: w.__setitem__("extra.weight", w["model.norm.weight"].clone()), "it holds extra.weight, which"),
+    ],
+    ids=["shape", "missing", "extra"],
+)
+def test_weights_of_another_shape_are_refused_before_anything_starts(checkpoint, capsys, change, expected):
+    """model.safetensors rewritten (checksum recomputed) with tensors the topology does not train: before, the
+    trainer's load failed after the run had started."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(checkpoint / "model.safetensors")
+    change(weights)
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, checkpoint / "model.safetensors")
+    reseal(checkpoint)
+    assert main([str(TINY), "--resume", str(checkpoint), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: checkpoint {checkpoint}: its model.safetensors does not hold the weights the ")
+    assert expected in err and err.count("\n") == 1 and "resume from another checkpoint" in err

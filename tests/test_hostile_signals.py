@@ -134,8 +134,28 @@ def test_signals_while_the_program_exits_after_its_run_end_it_in_one_line(tmp_pa
         time.sleep(0.01)
     out, err = process.communicate()
     assert process.returncode in (0, 130) and "Traceback" not in err and "Exception ignored" not in err, err
-    assert out.strip().splitlines()[-2] == f"run directory: {only_run(tmp_path)}"
-    assert out.strip().splitlines()[-1].startswith(f"trained model: {only_run(tmp_path) / 'final'}, a whole model")
+    run = only_run(tmp_path)
+    if not (run / "final").is_dir():  # a signal came while final/ was written: it stopped that (issue 37)
+        assert process.returncode == 130 and "stopped before its final model was written (no final/)" in err, err
+        return
+    assert out.strip().splitlines()[-2] == f"run directory: {run}"
+    assert out.strip().splitlines()[-1].startswith(f"trained model: {run / 'final'}, a whole model")
+
+
+def test_a_signal_while_the_final_model_is_written_stops_it_with_130_and_leaves_no_final(tmp_path):
+    """The end-of-run export runs without yielding to the event loop, whose handlers then waited for its end:
+    the run exited 0 with final/ written. Now the export stops at once and names its checkpoint."""
+    process = start(tmp_path, "loop.steps=2")
+    wait_for(lambda: (run := only_run(tmp_path)) is not None and (run / "final.partial").is_dir(), "final.partial")
+    process.send_signal(signal.SIGINT)
+    lines = stopped(process, signal.SIGINT)
+    run = only_run(tmp_path)
+    checkpoint = run / "checkpoints" / "step_000002"
+    assert lines[-1] == (
+        f"stopped: SIGINT: the run in {run} trained every step but stopped before its final model was written (no "
+        f"final/); export its last checkpoint with python -m mesh.export {checkpoint} {run / 'final'}"
+    )
+    assert not (run / "final").exists() and not (run / "final.partial").exists() and stores_of(run) == []
 
 
 # ----------------------------------------------------------------------------- a second signal

@@ -103,6 +103,36 @@ def set_samples(run_dir: Path, samples: dict | None) -> None:
     path.write_text(yaml.safe_dump(written, sort_keys=False))
 
 
+def lines_of(run_dir: Path) -> list[str]:
+    return (run_dir / "samples.jsonl").read_text().splitlines(keepends=True)
+
+
+def write_lines(run_dir: Path, lines: list[str]) -> None:
+    (run_dir / "samples.jsonl").write_text("".join(lines))
+
+
+def longer(tokens: int):
+    """A change that gives a row ``tokens`` more completion tokens, consistently (logprobs, mask, summary)."""
+
+    def edit(record: dict) -> None:
+        trajectory = record["trajectory"]
+        for key, value in (("completion_ids", 1), ("logprobs", -1.0), ("loss_mask", True)):
+            trajectory[key] += [value] * tokens
+        record["completion_tokens"] += tokens
+
+    return edit
+
+
+def cut(tokens: int):
+    """A change that drops a row's last ``tokens`` completion tokens (logprobs and mask with them)."""
+
+    def edit(record: dict) -> None:
+        for key in ("completion_ids", "logprobs", "loss_mask"):
+            record["trajectory"][key] = record["trajectory"][key][:-tokens]
+
+    return edit
+
+
 CASES = {
     "not a run": (lambda d: shutil.rmtree(d), [], "not a run directory with a recording (it needs topology.yaml"),
     "not full": (
@@ -158,6 +188,32 @@ CASES = {
         ),
         [],
         "holds steps 0 to 2 with gaps or a late start",
+    ),
+    # issue 37: a step's rows as recorded, no more, no fewer, none longer than the run could sample
+    "a row deleted": (
+        lambda d: write_lines(d, lines_of(d)[:1] + lines_of(d)[2:]),
+        [],
+        "samples.jsonl line 2 holds row 2 of step 0, but its row 1 is missing before it",
+    ),
+    "a row duplicated": (
+        lambda d: write_lines(d, lines_of(d)[:2] + lines_of(d)[1:]),
+        [],
+        "samples.jsonl line 3 holds row 1 of step 0 again (or out of order)",
+    ),
+    "the file cut short": (
+        lambda d: write_lines(d, lines_of(d)[:-3]),
+        [],
+        "rows step 2 recorded (the last, line ",
+    ),
+    "a row cut short": (
+        lambda d: rewrite_line(d, 2, edit_row(cut(2))),
+        [],
+        "completion tokens, but the row recorded prompt_tokens ",
+    ),
+    "a sample far longer than max_new_tokens": (
+        lambda d: rewrite_line(d, 2, edit_row(longer(100_000))),
+        [],
+        "samples.jsonl line 2, at trajectory: a policy sample of ",
     ),
     "more steps than recorded": (lambda d: None, ["loop.steps=5"], "recorded 3 steps and the topology trains 5"),
     "another model": (

@@ -65,6 +65,7 @@ async def test_a_full_recording_holds_every_row_of_every_step_with_its_tokens(tm
     assert [len(rows) for rows in steps.values()] == [3 * 5, 3 * 4, 3 * 4]  # step 0: an oracle trace per group
     metrics = {r["step"]: r for r in read_metrics(run_dir.metrics_file)}
     for step, rows in steps.items():
+        assert [(r["row"], r["rows"]) for r in rows] == [(i, len(rows)) for i in range(len(rows))]  # each in place
         samples = [r for r in rows if r["kind"] == "sample"]
         assert sum(r["reward"] for r in samples) / len(samples) == pytest.approx(metrics[step]["reward/mean"])
         for r in rows:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator
 
 from actors import registry
 from losses.config import COVARIANCE, LossConfig
@@ -12,6 +14,7 @@ from losses.config import COVARIANCE, LossConfig
 DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 Precision = Literal["auto", "bf16", "fp32"]
 LORA_LOOPS = ("native", "trl", "prime_rl")  # the loops that train PEFT adapters
+HEAD_LORA_LOOPS = ("native", "prime_rl")  # of those, the ones that fold an adapter on the LM head into its weight
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -37,6 +40,20 @@ class OptimizerConfig:
             )
 
 
+def _positive_rank(rank: Any) -> int:
+    """``rank`` itself, a positive int: checked before pydantic, whose lax mode reads ``true`` or ``"8"`` as one."""
+    if isinstance(rank, bool) or not (isinstance(rank, int) and rank > 0):
+        raise ValueError(f"rank must be a positive integer (the adapters' inner size), got {rank!r}; e.g. rank: 16")
+    return rank
+
+
+def _a_number(value: Any) -> Any:
+    """``value`` unless it is a bool, which pydantic's lax mode would read as the number 1 or 0."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    return value
+
+
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 OUTPUT_HEAD, EMBEDDING = "lm_head", "embed_tokens"
 
@@ -50,16 +67,15 @@ class LoRAConfig:
     or ``all-linear`` (every linear layer but the LM head, as in PEFT); ``alpha / rank`` scales the adapter's
     output, as in PEFT."""
 
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
+    rank: Annotated[int, BeforeValidator(_positive_rank)] = 16
+    alpha: Annotated[float, BeforeValidator(_a_number)] = 32.0
+    dropout: Annotated[float, BeforeValidator(_a_number)] = 0.0
     target_modules: str | tuple[str, ...] = ALL_LINEAR
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.rank, int) and self.rank > 0):
-            raise ValueError(
-                f"rank must be a positive integer (the adapters' inner size), got {self.rank!r}; e.g. rank: 16"
-            )
+        _positive_rank(self.rank)
+        _a_number(self.alpha)
+        _a_number(self.dropout)
         if not self.alpha > 0:
             raise ValueError(
                 f"alpha must be > 0 (the adapter's output is scaled by alpha / rank), got {self.alpha}"
@@ -193,6 +209,13 @@ class TrainerConfig:
                 "0.3.0 has a LoRA converter of its own, but its adapters have no dropout and are named and "
                 "sharded its own way, so the weights the generators and checkpoints receive would not be PEFT's. "
                 f"Use inner_loop {', '.join(LORA_LOOPS)}, or remove lora"
+            )
+        if self.lora is not None and OUTPUT_HEAD in self.lora.targets and self.inner_loop == "trl":
+            raise ValueError(
+                f"lora.target_modules names {OUTPUT_HEAD}, but inner_loop 'trl' takes its logprobs from the head's "
+                "weight alone, where an adapter would never train (TRL's GRPOTrainer refuses it once started); use "
+                f"inner_loop {' or '.join(HEAD_LORA_LOOPS)}, which fold the head's adapter into that weight, or leave "
+                f"{OUTPUT_HEAD} out of target_modules"
             )
 
     def precision_on(self, on_gpu: bool) -> Literal["bf16", "fp32"]:

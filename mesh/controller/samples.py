@@ -10,8 +10,9 @@ One line per recorded row, in batch order (a prompt's whole group before the nex
 wrote a teacher's trace, ``version`` the policy that sampled it and ``age`` the trainer's version minus
 that when it trained on it. A full recording (``logging.samples.full``) holds every row of every step,
 each with what training reads of it besides (``trajectory``: its token ids, the sampler's logprobs and the
-loss mask; ``distill``: the distill teacher's top-k; ``reference_logprobs``; ``problem``: the whole prompt), so that
-``--replay`` (``mesh/replay.py``) can rebuild each step's batch exactly.
+loss mask; ``distill``: the distill teacher's top-k; ``reference_logprobs``; ``problem``: the whole prompt; ``row``
+and ``rows``: its place in the step's batch and how many rows that has), so that ``--replay`` (``mesh/replay.py``)
+can rebuild each step's batch exactly, and tell a row deleted, repeated or cut short.
 
 The rows are built from the step's ``Collected`` on the run directory's logging thread (``RunDir.record``),
 never on the training loop's critical path: the loop only decides whether a step is recorded.
@@ -48,6 +49,7 @@ def sample_records(
     ``advantages`` and ``ages`` hold one value per row of ``collected.rows()``)."""
     records = []
     advantage = advantages.tolist()
+    rows = sum(len(group.rows) for group in collected.groups)
     for group in collected.groups:
         for row in group.rows:
             i = len(records)
@@ -71,7 +73,8 @@ def sample_records(
                 "hint": reward.hint,
                 "advantage": advantage[i],
             }
-            if recording.full:
+            if recording.full:  # ``row``, ``rows``: its place in the step's batch, and the batch's size
+                record |= {"row": i, "rows": rows}
                 saved = encode_row(row)
                 record |= {key: saved[key] for key in ("trajectory", "distill", "reference_logprobs")}
                 record |= {"problem": dataclasses.asdict(group.problem), "distill_teacher": collected.distill_teacher}
