@@ -66,8 +66,6 @@ class Policy:
 def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     """Write the policy of ``checkpoint`` as a Hugging Face directory ``out`` (new, or empty); with LoRA
     and ``merge`` the adapters merged into the base, else PEFT's adapter directory. Returns ``out``."""
-    from safetensors import SafetensorError  # its writer's own error for a full disk, not an OSError
-
     from actors.checkpoint import ANOTHER, CheckpointError, checkpoint_model  # torch: not for --help
     from actors.disk import why_not_written
 
@@ -96,24 +94,33 @@ def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
         if out.exists():
             out.rmdir()  # empty (``_check_out``): taken by the finished directory
         partial.rename(out)
-    except (OSError, SafetensorError) as error:  # safetensors' writer raises its own error on a full disk
-        shutil.rmtree(partial, ignore_errors=True)
-        cause = why_not_written(error, partial, "choose another OUT")
-        raise ExportError(f"{out} could not be written: {cause}") from None
     except ExportError:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    except Exception as error:  # transformers or PEFT refusing the base model's files, in their own words
+    except Exception as error:  # the filesystem's refusal, or transformers' or PEFT's of the base model's files
         shutil.rmtree(partial, ignore_errors=True)
-        raise ExportError(
-            f"{checkpoint} could not be exported: {type(error).__name__}: {' '.join(str(error).split())}. Nothing was "
-            f"written to {out}; check that the base model in {policy.base} loads with transformers "
-            "(AutoConfig and AutoTokenizer.from_pretrained), then export again"
-        ) from None
+        raise _failed(checkpoint, out, policy.base, error) from None
     except BaseException:  # a signal (``Signalled``), or the program's end: never leave half a directory
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return out
+
+
+def _failed(checkpoint: Path, out: Path, base: Path, error: Exception) -> ExportError:
+    """Why writing ``out`` failed. An OS error number (safetensors' writer raises its own SafetensorError on a full
+    disk, with the number only in its message) is the filesystem's refusal, and its fix is another place or free
+    space; without one it is transformers or PEFT refusing the base model's files (their OSError for a damaged
+    generation_config.json included), and the fix is in the base."""
+    from actors.disk import errno_of, why_not_written
+
+    if errno_of(error) is not None:
+        cause = why_not_written(error, out.with_name(out.name + PARTIAL), "choose another OUT")
+        return ExportError(f"{out} could not be written: {cause}")
+    return ExportError(
+        f"{checkpoint} could not be exported: {type(error).__name__}: {' '.join(str(error).split())}. Nothing was "
+        f"written to {out}; check that the base model in {base} loads with transformers (AutoConfig and "
+        "AutoTokenizer.from_pretrained), then export again"
+    )
 
 
 def _out_path(out: Path) -> Path:

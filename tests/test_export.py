@@ -10,6 +10,7 @@ attention needs a head size of 32 or more, hence the wider tiny model.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -239,8 +240,12 @@ def test_a_full_disk_is_one_paragraph_and_leaves_nothing(full, tmp_path, capsys)
 def test_a_run_whose_final_model_does_not_fit_fails_and_the_report_says_so(full, tmp_path):
     """The end-of-run export onto a full disk: RunFailed (exit 1, not a traceback), no final.partial, and the
     failure in error.log, so ``mesh.report`` calls the run failed rather than "finishing?" forever."""
+    from mesh.interrupts import Stopper
     from mesh.rundir import RunDir
     from mesh.runtime import RunFailed, _FaultLog, _write_final
+
+    async def write_final(run: Path) -> None:  # the Stopper takes the signals from the run's event loop
+        _write_final(RunDir(run, tensorboard=False), full.checkpoint, _FaultLog(run, bar=None), Stopper())
 
     with tmpfs(tmp_path / "disk", size="2m") as disk:
         run = disk / "tiny-20261127-000000"
@@ -249,7 +254,7 @@ def test_a_run_whose_final_model_does_not_fit_fails_and_the_report_says_so(full,
         (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(STEPS)))
         fill(disk, leave=64 * 1024)
         with pytest.raises(RunFailed) as failed:
-            _write_final(RunDir(run, tensorboard=False), full.checkpoint, _FaultLog(run, bar=None))
+            asyncio.run(write_final(run))
         said = str(failed.value)
         assert "trained every step, but its final model could not be written" in said and "ENOSPC" in said
         assert left_nothing(run / "final")
@@ -292,9 +297,12 @@ def test_a_base_model_transformers_refuses_or_a_pipe_in_it_is_one_paragraph(full
     copy = Path(shutil.copytree(base, tmp_path / "base"))
     checkpoint = tmp_path / "ckpt"
     full.loop.save(checkpoint, state_of(copy, None))
-    (copy / "tokenizer.json").write_text("{")
-    err = refused([checkpoint, tmp_path / "out"], capsys)
-    assert f"{checkpoint} could not be exported: " in err and f"check that the base model in {copy} loads" in err
+    for name in ("tokenizer_config.json", "generation_config.json"):  # tokenizer.json: the fingerprint checks
+        whole = (copy / name).read_text()
+        (copy / name).write_text("{")  # a JSONDecodeError; transformers' OSError without an errno for the second
+        err = refused([checkpoint, tmp_path / "out"], capsys)
+        assert f"{checkpoint} could not be exported: " in err and f"check that the base model in {copy} loads" in err
+        (copy / name).write_text(whole)
     (copy / "tokenizer.json").unlink()
     os.mkfifo(copy / "tokenizer.json")  # transformers would wait on it forever
     err = refused([checkpoint, tmp_path / "out"], capsys)
