@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors.disk import open_regular
+
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 # The bpe tokenizer's: padding, the end of a turn (its EOS), the start of a turn. Padding and EOS
 # keep the ids the character tokenizer gives them (0 and 1), which ``causal_lm`` writes to the config.
@@ -190,9 +192,11 @@ def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
 
 def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """A safetensors file starts with a little-endian u64 header length, then a JSON header
-    giving each tensor's dtype, shape and byte offsets."""
+    giving each tensor's dtype, shape and byte offsets. Read through ``open_regular``: a checkpoint's
+    model.safetensors is read by ``--resume`` and ``mesh.export``, and a pipe in its place would hang them
+    (a link is followed: a Hugging Face cache's files are links)."""
     try:
-        with path.open("rb") as file:
+        with open_regular(path, follow_links=True) as file:
             (length,) = struct.unpack("<Q", file.read(8))
             if length > SAFETENSORS_HEADER_LIMIT:
                 raise ValueError(f"a header of {length} bytes")

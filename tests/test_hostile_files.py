@@ -21,6 +21,7 @@ from tiny_runs import TINY
 
 from actors.checkpoint import CheckpointError, checkpoint_state, save_checkpoint
 from actors.disk import RefusedFile, lines, open_regular, read_regular
+from actors.model_config import header_shapes
 from mesh import ctl, export, report
 from mesh.commands import MAX_PID
 from mesh.run import dry_run
@@ -78,6 +79,12 @@ def test_the_helper_opens_regular_files_only_and_reads_within_its_bound(tmp_path
             read_regular(path)
     with pytest.raises(RefusedFile, match="a character device, not a regular file"):  # a link is followed when asked
         read_regular(cases["a link to /dev/zero"], follow_links=True)
+
+
+def test_a_safetensors_header_is_read_from_a_regular_file_only(tmp_path):
+    """``--resume`` and ``mesh.export`` check a checkpoint's tensors (and a base's) by their safetensors headers."""
+    with pytest.raises(ValueError, match=r"a named pipe \(FIFO\), not a regular file"):
+        header_shapes(fifo(tmp_path / "model.safetensors"))
 
 
 # ----------------------------------------------------------------------------- checkpoints: export, resume
