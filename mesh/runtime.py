@@ -201,11 +201,13 @@ def _write_final(run_dir: RunDir, checkpoint: Path, faults: _FaultLog, stopper: 
     if stopper.requested is not None:
         raise FinalInterrupted(stopper.requested, run_dir.path, checkpoint)
     final = run_dir.final_dir
+    theirs = os.path.lexists(final)  # not the export's to write over, nor the runtime's to remove
     try:
         with stopper.at_once():
             export(checkpoint, final)
-    except Signalled as signalled:  # after the rename, final/ is whole but the run says it wrote none
-        shutil.rmtree(final, ignore_errors=True)
+    except Signalled as signalled:
+        if not theirs:  # renamed into place before the signal: whole, but the run says it wrote none
+            shutil.rmtree(final, ignore_errors=True)
         raise FinalInterrupted(signalled.signum, run_dir.path, checkpoint) from None
     except ExportError as error:  # ``export`` turns every failure into one (a full disk, a library's refusal)
         with contextlib.suppress(OSError):  # the same full disk: the message below still says it all

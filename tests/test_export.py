@@ -263,6 +263,36 @@ def test_a_run_whose_final_model_does_not_fit_fails_and_the_report_says_so(full,
         assert state.startswith("state     failed: final/ was not written: ") and "ENOSPC" in state
 
 
+@pytest.mark.parametrize("users", [False, True], ids=["renamed", "a user's final"])
+def test_a_signal_during_the_end_of_run_export_removes_its_final_but_not_a_users(tmp_path, monkeypatch, users):
+    """A signal just after the rename: the whole final/ is removed, as the run says it wrote none. A final/ there
+    before the export (which refuses to write over it) is not the run's to remove, whenever the signal comes."""
+    from mesh.interrupts import FinalInterrupted, Signalled, Stopper
+    from mesh.rundir import RunDir
+    from mesh.runtime import _FaultLog, _write_final
+
+    run = tmp_path / "tiny-20261127-000000"
+    run.mkdir()
+    if users:
+        (run / "final").mkdir()
+        (run / "final" / "notes.txt").write_text("mine")
+
+    def renamed_then_signalled(checkpoint: Path, out: Path) -> Path:
+        out.mkdir(exist_ok=True)
+        (out / "model.safetensors").write_bytes(b"whole")
+        raise Signalled(signal.SIGINT)
+
+    async def write_final() -> None:
+        checkpoint = run / "checkpoints" / "step_000003"
+        _write_final(RunDir(run, tensorboard=False), checkpoint, _FaultLog(run, None), Stopper())
+
+    monkeypatch.setattr(exporting, "export", renamed_then_signalled)
+    with pytest.raises(FinalInterrupted) as stopped:
+        asyncio.run(write_final())
+    assert stopped.value.exit_code == 130
+    assert (run / "final" / "notes.txt").read_text() == "mine" if users else not (run / "final").exists()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_midway_is_one_line_its_exit_code_and_leaves_nothing(full, tmp_path, capsys, monkeypatch, signum):
     write_tokenizer, out = exporting._write_tokenizer, tmp_path / "out"
