@@ -385,6 +385,21 @@ def test_an_out_partial_of_user_files_is_refused_and_kept(full, tmp_path, capsys
     assert (partial / "notes.txt").read_text() == "mine" and not (tmp_path / "out").exists()
 
 
+def test_a_signal_before_out_partial_is_the_exports_keeps_a_users_files(full, tmp_path, capsys, monkeypatch):
+    """A signal before ``_clear_leftover`` has looked (here while the base is checked) removes nothing there."""
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    (partial / "notes.txt").write_text("mine")
+
+    def signalled(checkpoint: Path, state: dict) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(exporting, "_policy", signalled)
+    assert main([str(full.checkpoint), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.startswith("stopped: SIGINT while exporting")
+    assert (partial / "notes.txt").read_text() == "mine" and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("leftover", ["marked", "empty"])
 def test_an_earlier_exports_leftover_is_replaced(full, tmp_path, leftover):
     partial = tmp_path / "out.partial"
