@@ -16,7 +16,8 @@ per completion token); given a context (``bounds``, and the checkpoint's version
 ``mesh/resume.py``) they also check token ids against the policy's vocabulary, versions
 against the checkpoint's, and sizes against what the topology can produce: a row no longer
 than the model's positions, a policy's sample no longer than ``max_new_tokens``, no more
-groups or samples than a step samples and no more batches in flight than ``max_policy_lag``.
+groups or samples than a step samples and no more batches in flight than the controller
+collects ahead (``max_policy_lag`` + 1).
 Unchecked, a row far longer than any the run samples passes every type check and then
 grows the trainer until the kernel kills it.
 """
@@ -54,7 +55,7 @@ def bounds(topology: Topology) -> dict[str, Any]:
         "max_new_tokens": None if topology.task.episodic else topology.actors.generator.max_new_tokens,
         "prompts": loop.prompts_per_step,
         "group_size": loop.group_size,
-        "lag": loop.max_policy_lag,
+        "in_flight": loop.max_policy_lag + 1,  # the controller collects up to L+1 batches ahead
     }
 
 
@@ -270,7 +271,7 @@ def _at_most(count: int, key: str, what: str, info: ValidationInfo) -> None:
         raise ValueError(f"{count} {what}, but the topology's run has at most {limit} (loop.{_LOOP_KEYS[key]})")
 
 
-_LOOP_KEYS = {"prompts": "prompts_per_step", "group_size": "group_size", "lag": "max_policy_lag"}
+_LOOP_KEYS = {"prompts": "prompts_per_step", "group_size": "group_size", "in_flight": "max_policy_lag + 1"}
 
 
 class SavedGroup(Saved):
@@ -344,7 +345,7 @@ class SavedInFlight(Saved):
     @field_validator("collected")
     @classmethod
     def _within_the_lag(cls, collected: list[SavedCollected], info: ValidationInfo) -> list[SavedCollected]:
-        _at_most(len(collected), "lag", "batches in flight", info)
+        _at_most(len(collected), "in_flight", "batches in flight", info)
         return collected
 
     def decode(self) -> list[Collected]:

@@ -229,7 +229,8 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly
     assert not (path / "control" / "pid").exists() and (path / "reward.png").is_file() and not stores_of(path)
 
     resumed = start_run(tmp_path / "resumed", "--resume", str(checkpoint))
-    assert resumed.wait(timeout=180) == 0
+    _, resumed_err = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, resumed_err[-2000:]
     assert learning(records(path)) + learning(records(only_run(tmp_path / "resumed"))) == baseline
 
 

@@ -181,9 +181,9 @@ HOSTILE = {  # what the issue reproduced, then what else a writer could put ther
         lambda s: s["inflight"]["collected"][0]["groups"][0]["rows"].extend([row(s)] * 7),
         "groups[0].rows: 9 policy samples in a group, but the topology's run has at most 8 (loop.group_size)",
     ),
-    "more batches in flight than max_policy_lag": (
-        lambda s: s["inflight"]["collected"].append(s["inflight"]["collected"][0]),
-        "inflight.collected: 2 batches in flight, but the topology's run has at most 1 (loop.max_policy_lag)",
+    "more batches in flight than the controller collects ahead": (
+        lambda s: s["inflight"]["collected"].extend(s["inflight"]["collected"] * 2),
+        "inflight.collected: 3 batches in flight, but the topology's run has at most 2 (loop.max_policy_lag + 1)",
     ),
     "a TAID schedule past its end": (
         lambda s: s.__setitem__("taid", {"t": 2.0, "steps_done": 1, "momentum": 0.0, "previous_loss": None}),
