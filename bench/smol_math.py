@@ -3,6 +3,8 @@
     python bench/smol_math.py                   # every configuration, one after another (hours on 2 cores)
     python bench/smol_math.py --only dapo all   # some of them
     python bench/smol_math.py --quick           # 2 steps each, to check that it runs
+    python bench/smol_math.py --only sdpo --add dapo=RUN_DIR   # with a run of an earlier invocation
+    python bench/smol_math.py --only --add dapo=RUN_DIR ...    # only the summary and plot of earlier runs
 
 SmolLM2-135M-Instruct on the shipped arithmetic word problems, each configuration from the same
 weights with the same seed, so every run sees the same prompts and draws the same number of
@@ -12,6 +14,7 @@ channels switched off:
 
 - ``dapo``: the policy loss alone (no teachers, no warm start);
 - ``sdpo``: plus hint self-distillation, the policy reading the worked solution as its teacher;
+- ``sdpo_rkl``: the same with KL(student || teacher) as the divergence instead of the default JSD;
 - ``replay``: plus the task oracle's worked solution against the policy's samples (SimPO pairs);
 - ``all``: the three channels;
 - ``warm``: the three channels and the warm start (the oracle's solution in each group for the
@@ -33,6 +36,7 @@ import statistics
 import time
 from pathlib import Path
 
+import yaml
 from common import machine  # bench/ is on sys.path when this runs as a script
 
 from mesh.preflight import load_plan
@@ -45,9 +49,11 @@ RUNS = OUT / "smol_math"
 TOPOLOGY = ROOT / "topologies" / "smol_math.yaml"
 PLOT = ROOT / "bench" / "smol_math_accuracy.png"
 NO_WARM_START = "loop.warm_start.steps=0"
+DAPO_AND_SDPO = ["actors.trainer.loss.beta_replay=0", "actors.teachers.bindings={hint: {kind: self_hint, use: [distill]}}"]
 CONFIGS = {
     "dapo": ["actors.trainer.loss.alpha_sdpo=0", "actors.trainer.loss.beta_replay=0", "actors.teachers=null"],
-    "sdpo": ["actors.trainer.loss.beta_replay=0", "actors.teachers.bindings={hint: {kind: self_hint, use: [distill]}}"],
+    "sdpo": DAPO_AND_SDPO,
+    "sdpo_rkl": [*DAPO_AND_SDPO, "actors.trainer.loss.distill.divergence=kl_student_teacher"],
     "replay": ["actors.trainer.loss.alpha_sdpo=0", "actors.teachers.bindings={oracle: {kind: task_oracle, use: [replay]}}"],
     "all": [],
     "warm": [],
@@ -55,6 +61,7 @@ CONFIGS = {
 LABELS = {
     "dapo": "DAPO alone",
     "sdpo": "+ SDPO (worked-solution hint)",
+    "sdpo_rkl": "+ SDPO, reverse KL (the SDPO paper's divergence)",
     "replay": "+ replay (oracle's solution, SimPO)",
     "all": "DAPO + SDPO + replay",
     "warm": "all three + warm start (smol_math.yaml)",
@@ -75,12 +82,28 @@ async def one_run(config: str, root: Path, quick: bool, extra: list[str]) -> dic
     plan = load_plan(TOPOLOGY, [*overrides(config, root, quick), *extra], convert=True)
     start = time.perf_counter()
     run_dir = await run(plan, progress=False)
-    wall = time.perf_counter() - start
-    rows = read_metrics(run_dir.metrics_file)
-    per_step = plan.topology.loop.prompts_per_step * plan.topology.loop.group_size
+    return result_of(run_dir.path, time.perf_counter() - start)
+
+
+def result_of(run_dir: Path, wall_s: float) -> dict:
+    """A finished run's accuracy curve (policy samples drawn -> accuracy) and median step time."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    loop = yaml.safe_load((run_dir / "topology.yaml").read_text())["loop"]
+    per_step = loop["prompts_per_step"] * loop["group_size"]
     curve = [((r["step"] + 1) * per_step, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     steps = [r["time/step"] for r in rows if r["step"] >= 0 and "time/step" in r]
-    return {"curve": curve, "wall_s": wall, "step_s": statistics.median(steps), "run_dir": str(run_dir.path)}
+    return {"curve": curve, "wall_s": wall_s, "step_s": statistics.median(steps), "run_dir": str(run_dir)}
+
+
+def earlier_run(text: str) -> tuple[str, dict]:
+    """``CONFIG=RUN_DIR`` of an earlier invocation; its wall time from the run directory's files
+    (plan written at the start, metrics last at the end): the process start before it is left out."""
+    config, _, path = text.partition("=")
+    if config not in CONFIGS or not (Path(path) / "metrics.jsonl").is_file():
+        raise SystemExit(f"--add {text}: expected CONFIG=RUN_DIR, CONFIG one of {list(CONFIGS)}, a finished run")
+    run_dir = Path(path)
+    wall = (run_dir / "metrics.jsonl").stat().st_mtime - (run_dir / "plan.yaml").stat().st_mtime
+    return config, result_of(run_dir, wall)
 
 
 def samples_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
@@ -120,16 +143,20 @@ def plot(results: dict[str, dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--quick", action="store_true", help="2 steps each, 4 evaluation prompts")
     parser.add_argument("--set", action="append", default=[], help="another override for every run (key=value)")
+    parser.add_argument("--add", action="append", default=[], help="CONFIG=RUN_DIR: an earlier run in the summary")
     args = parser.parse_args()
     print(f"machine: {machine()}\ndate: {datetime.date.today()}")
-    results = {}
+    results = dict(earlier_run(text) for text in args.add)
+    if args.add:
+        args.only = [config for config in args.only if config not in results]
     for config in args.only:
         results[config] = asyncio.run(one_run(config, RUNS / config, args.quick, args.set))
         curve = ", ".join(f"{samples}: {accuracy:.3f}" for samples, accuracy in results[config]["curve"])
         print(f"{config:7s} wall {results[config]['wall_s']:.0f} s; accuracy by samples drawn: {curve}", flush=True)
+    results = {config: results[config] for config in CONFIGS if config in results}
     summary = summarize(results)
     print(json.dumps(summary, indent=1))
     OUT.mkdir(exist_ok=True)

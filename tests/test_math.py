@@ -160,3 +160,25 @@ def test_math_small_trains_from_the_command_line_on_prompts_its_chat_template_re
     rendered = render(tokenizer, group["problem"]["prompt"], "Solve it.")
     assert rendered.startswith("<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n")
     assert tokenizer.decode(group["rows"][0]["trajectory"]["prompt_ids"]) == rendered
+
+
+@pytest.mark.slow  # the real model through the CLI: its conversion, then vLLM's start
+def test_smol_math_trains_the_packaged_real_model_with_every_channel_from_the_command_line(tmp_path):
+    """topologies/smol_math.yaml for one short step: SmolLM2 converted from its packaged GGUF file, evaluated
+    greedily before training, its samples trained with DAPO, SDPO on the worked solution and SimPO replay of
+    the oracle's solution (in the group too: warm start), and the trained model written to final/."""
+    short = ["loop.steps=1", "loop.prompts_per_step=2", "loop.group_size=2", "actors.generator.max_new_tokens=8"]
+    short += ["loop.evaluation.prompts=2", f"logging.root={tmp_path}"]
+    command = [sys.executable, "-m", "mesh.run", str(ROOT / "topologies" / "smol_math.yaml")]
+    command += [arg for setting in short for arg in ("--set", setting)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MESH_MODEL_CACHE": str(tmp_path / "models")}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model: converting SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout
+    (run_dir,) = [path for path in tmp_path.iterdir() if path.name.startswith("smol_math-")]
+    at_start, step = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert at_start["step"] == -1 and 0 <= at_start["eval/accuracy"] <= 1
+    assert step["warm_start"] == 1 and 0 <= step["eval/accuracy"] <= 1
+    assert [step[f"train/{channel}/skipped"] for channel in ("policy", "distill", "preference")] == [0, 0, 0]
+    config = json.loads((run_dir / "final" / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"]) == ("llama", 30)

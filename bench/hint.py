@@ -1,0 +1,119 @@
+"""Benchmark: what a self-hinting teacher knows that its student does not, per hint wording (no training).
+
+    python bench/hint.py               # smol_math.yaml's model and prompts, 32 problems x 4 samples
+    python bench/hint.py --problems 8
+
+SDPO's teacher is the policy itself re-reading the student's completion with a hint in its
+context (``actors/teachers/bindings/self_hint.py``); the student learns toward the teacher's
+distribution at each of its own tokens. That only helps where the hinted model knows better. For
+each wrong completion of the policy (sampled as the generator samples), after its own tokens up to
+where its final number starts (the one the verifier reads), this compares the probability of the
+right number there under the student (no hint) and under the teacher with each hint wording, and
+the mean divergence KL(student || teacher) per token over the whole completion: most of the
+distillation signal, and not about the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+from pathlib import Path
+
+import torch
+from common import machine  # bench/ is on sys.path when this runs as a script
+
+from actors.engines import sampling_seeds
+from actors.engines.hf import HFEngine
+from actors.prompts import render
+from actors.tasks import Problem, build_task
+from actors.tasks.math import NUMBER
+from mesh.preflight import load_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGY = ROOT / "topologies" / "smol_math.yaml"
+SAMPLES = 4
+HINTS = {  # wording -> where it goes (after the question, as the runtime renders a hint; or the system turn)
+    "worked solution, after the question": ("user", "Here is a worked solution:\n{solution}"),
+    "the answer, after the question": ("user", "The answer is {answer}."),
+    "worked solution, system turn": ("system", "{system}\nA worked solution of the problem:\n{solution}"),
+}
+
+
+def teacher_context(tokenizer, problem: Problem, where: str, wording: str) -> str:
+    text = wording.format(solution=problem.solution, answer=problem.answer, system=problem.system_prompt)
+    if where == "user":
+        return render(tokenizer, problem.prompt, problem.system_prompt, text)
+    return render(tokenizer, problem.prompt, text)
+
+
+@torch.no_grad()
+def logprobs(model, context_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+    """log p(. | context, completion[:t]) at every completion position t: [T, V]."""
+    ids = torch.tensor([context_ids + completion_ids])
+    logits = model(input_ids=ids).logits[0, len(context_ids) - 1 : -1]
+    return logits.float().log_softmax(-1)
+
+
+def right_answer_after(tokenizer, problem: Problem, completion_ids: list[int]) -> tuple[list[int], list[int]] | None:
+    """(the completion's tokens before the one where its last number starts, that token's text up to the
+    number followed by the right answer, as tokens); None without a number."""
+    text, spans = "", []
+    for token in completion_ids:
+        piece = tokenizer.decode([token])
+        spans.append((len(text), len(text) + len(piece)))
+        text += piece
+    matches = list(NUMBER.finditer(text))
+    if not matches:
+        return None
+    start = matches[-1].start(2)
+    at = next(i for i, (a, b) in enumerate(spans) if a <= start < b)
+    lead = text[spans[at][0] : start]
+    return completion_ids[:at], tokenizer(lead + problem.answer, add_special_tokens=False).input_ids
+
+
+def answer_probability(model, context_ids: list[int], prefix_ids: list[int], answer_ids: list[int]) -> float:
+    scores = logprobs(model, context_ids, prefix_ids + answer_ids)[len(prefix_ids) :]
+    return scores.gather(1, torch.tensor(answer_ids)[:, None]).sum().exp().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", type=int, default=32)
+    args = parser.parse_args()
+    plan = load_plan(TOPOLOGY, convert=True)
+    topology = plan.topology
+    task = build_task(topology.task.config)
+    engine = HFEngine(str(plan.models["model.path"].directory()), topology.actors.generator.sampling)
+    model, tokenizer = engine.model, engine.tokenizer
+    problems = task.problems(topology.seed, 0, args.problems)
+    prompts = [render(tokenizer, p.prompt, p.system_prompt) for p in problems]
+    groups = engine.generate_now(prompts, SAMPLES, sampling_seeds(topology.seed, "hint bench", len(prompts)))
+    right = {name: [] for name in ["student (no hint)", *HINTS]}
+    divergence = {name: [] for name in HINTS}
+    wrong = 0
+    for problem, prompt, group in zip(problems, prompts, groups):
+        for sample in group:
+            if task.reward(problem, sample.text) >= 1.0 or (cut := right_answer_after(tokenizer, problem, sample.completion_ids)) is None:
+                continue
+            wrong += 1
+            context = tokenizer(prompt, add_special_tokens=False).input_ids
+            student = logprobs(model, context, sample.completion_ids)
+            right["student (no hint)"].append(answer_probability(model, context, *cut))
+            for name, (where, wording) in HINTS.items():
+                hinted = tokenizer(teacher_context(tokenizer, problem, where, wording), add_special_tokens=False).input_ids
+                teacher = logprobs(model, hinted, sample.completion_ids)
+                right[name].append(answer_probability(model, hinted, *cut))
+                kl = (student.exp() * (student - teacher)).sum(-1)  # KL(student || teacher) per position
+                divergence[name].append(kl.mean().item())
+    print(f"machine: {machine()}\ndate: {datetime.date.today()}")
+    print(f"{wrong} wrong completions with a final number, of {len(problems) * SAMPLES} sampled")
+    print("| context | P(right number) where the final number starts, median | mean | KL(student \\|\\| teacher) per token, median |")
+    print("|---|---:|---:|---:|")
+    for name, values in right.items():
+        kl = f"{statistics.median(divergence[name]):.3f}" if name in divergence else ""
+        print(f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | {kl} |")
+
+
+if __name__ == "__main__":
+    main()
