@@ -159,5 +159,6 @@ def test_vllm_holds_an_adapter_in_its_smallest_rank_that_fits(rank, max_rank):
 
 
 def test_an_adapter_rank_vllm_cannot_load_is_refused_at_check_time():
-    message = error_of(ROOT / "topologies" / "tiny_vllm.yaml", ["actors.trainer.lora={rank: 1024}"])
+    wide = ["model.init.hidden_size=2048", "model.init.intermediate_size=2048"]  # rank 1024 fits its layers
+    message = error_of(ROOT / "topologies" / "tiny_vllm.yaml", [*wide, "actors.trainer.lora={rank: 1024}"])
     assert "lora.rank is 1024" in message and "at most 512" in message and "engine: hf" in message
