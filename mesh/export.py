@@ -250,8 +250,8 @@ def _base_tensors(base: Path) -> dict[str, tuple[int, ...]]:
 
 def _verify(partial: Path, policy: Policy) -> None:
     """What was written loads as the checkpoint trained it: its config, its tokenizer with the vocabulary
-    trained on, and its tensors' names and shapes (a model's those of its base, an adapter's those of its LoRA
-    config); raises ``ExportError`` naming the first that does not."""
+    trained on, its tensors' names and shapes (a model's those of its base, an adapter's those of its LoRA
+    config) and their values (``_read_back``); raises ``ExportError`` naming the first that does not."""
     from transformers import AutoConfig, AutoTokenizer
 
     from actors.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -281,6 +281,24 @@ def _verify(partial: Path, policy: Policy) -> None:
             f"the export written to {partial} holds {name} as {written.get(name, 'nothing')}, where the checkpoint "
             f"trained {expected.get(name, 'nothing')}; it would not load as trained, so it is not kept"
         )
+    _read_back(partial / (ADAPTER_WEIGHTS if (partial / ADAPTER_CONFIG).is_file() else "model.safetensors"))
+
+
+def _read_back(file: Path) -> None:
+    """Every tensor of the written ``file`` reads back whole and finite, one at a time: a write cut short fails
+    here, not in whoever loads the export, and a policy that diverged (a NaN weight) is not exported as a model."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as tensors:
+        for name in tensors.keys():
+            tensor = tensors.get_tensor(name)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ExportError(
+                    f"the checkpoint's {name} holds NaN or infinite values: the policy had diverged by that step, so "
+                    "no model is exported from it; export an earlier checkpoint (its metrics.jsonl row shows when "
+                    "the loss went non-finite)"
+                )
 
 
 def _check_files(base: Path) -> None:

@@ -21,12 +21,17 @@ transformers runtime (``RUNTIME_BYTES``).
 
 And for a step's batch (``BatchPlan``): its rows (``prompts_per_step x group_size``, plus
 the teachers' traces) of at least ``max_new_tokens + 1`` tokens each, held by the
-controller and the trainer; on CPU meshes also the ``hf`` generators' KV cache and
+controller (up to ``max_policy_lag + 1`` batches collected ahead, as many as a resume loads
+from its checkpoint) and the trainer; on CPU meshes also the ``hf`` generators' KV cache and
 next-token logits of every row (each samples its share of a step as one padded batch;
 vLLM's cache is a fixed size), and each trainer process's saved activations and logits
-chunk. Each is a lower bound (a prompt's own length is not known before the
-run), so a batch refused here cannot fit. A run that starts DiLoCo replicas on this
+chunk. Each is a lower bound (a prompt's own length is not known before the run), so a
+batch refused here cannot fit. A run that starts DiLoCo replicas on this
 machine gives each its share of it.
+
+A replay (``--replay``) knows its rows before it starts: its recording's size is checked before
+it is read (``check_recording``: the controller holds every step), and its largest step against
+the trainer after (``check_replayed_steps``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors.disk import is_regular
 from actors.model_config import ModelFacts
 from actors.model_source import ModelSource
 from actors.reference_config import REFERENCE_KEY
@@ -49,6 +55,7 @@ TRAINER_COPIES = 4  # weights, gradients, AdamW's two moments (the last three of
 RUNTIME_BYTES = 512 * 2**20  # a process with torch and transformers loaded, before any model
 TOKEN_BYTES = 12  # a token id (int64) and its logprob (float32): the least a holder of the batch keeps per token
 FLOAT_BYTES = 4  # CPU meshes compute in float32
+LOADED_PER_JSON_BYTE = 2  # a row's token ids and logprobs as Python lists, per byte of their JSON text
 PROCS_PER_CORE = 4
 DEV = Path("/dev")
 
@@ -230,7 +237,8 @@ class BatchPlan:
         loop, cfg = topology.loop, topology.actors
         tokens = cfg.generator.max_new_tokens + 1
         trainer_rows = loop.group_size + _traces_per_prompt(plan)
-        per_prompt = 2 * trainer_rows * tokens * TOKEN_BYTES  # the controller's copy and the trainer ranks' shards
+        held = min(loop.max_policy_lag + 1, loop.steps) + 1  # collected ahead (a resume loads as many), the trainer's
+        per_prompt = held * trainer_rows * tokens * TOKEN_BYTES
         shape = _Shape.of(plan.model)
         fixed = 0
         if shape is not None and cfg.generator.engine == "hf" and not topology.meshes[cfg.generator.mesh].gpus:
@@ -354,6 +362,43 @@ def _check_batch(topology: Topology, plan: StorePlan, batch: BatchPlan, free: Fr
         f"{size(plan.ram_margin + store)} must stay for the run's {plan.processes} processes, the trainer's weights "
         f"and the smallest weight store; {fix}"
     )
+
+
+def check_recording(run: RunPlan, recording: Path, free: FreeMemory) -> None:
+    """Refuse, before it is read, a replay's recording whose rows would not fit in RAM beside the replay
+    (``run``: the trainer alone, ``RunPlan.replaying``): the controller holds every recorded step, read from
+    JSON lines into Python lists of about ``LOADED_PER_JSON_BYTE`` times the file's size."""
+    if not run.topology.launcher.one_machine or free.ram is None or not is_regular(recording):
+        return  # the recording's reader refuses what is not a regular file, saying why
+    plan = StorePlan.of(run)
+    loaded = LOADED_PER_JSON_BYTE * recording.stat().st_size
+    room = free.ram - plan.ram_margin - (plan.slots * plan.slot_bytes if plan.slot_bytes else 0)
+    if loaded > room:
+        raise ValueError(
+            f"--replay reads every step of {recording} ({size(recording.stat().st_size)}) into about {size(loaded)} "
+            f"of RAM, but RAM has {size(free.ram)} available, of which {size(free.ram - max(room, 0))} must stay for "
+            "the trainer; replay on a machine with more memory, or a recording of fewer steps"
+        )
+
+
+def check_replayed_steps(run: RunPlan, rows: int, tokens: int, free: FreeMemory) -> None:
+    """Refuse a replay whose largest recorded step (``rows`` rows, the longest of ``tokens`` tokens, prompt
+    and completion) the trainer cannot hold: its shards and each rank's micro-batch of such rows, counted as
+    ``BatchPlan`` counts a run's."""
+    shape, trainer = _Shape.of(run.model), run.topology.meshes[run.topology.actors.trainer.mesh]
+    if not run.topology.launcher.one_machine or free.ram is None or shape is None or trainer.gpus:
+        return
+    plan, cfg = StorePlan.of(run), run.topology.actors.trainer
+    micro = min(cfg.micro_batch_size, -(-rows // trainer.size))
+    step = rows * tokens * TOKEN_BYTES + trainer.size * shape.training_bytes(micro * tokens, cfg.loss.chunk_tokens)
+    room = free.ram - plan.ram_margin - (plan.slots * plan.slot_bytes if plan.slot_bytes else 0)
+    if step > room:
+        raise ValueError(
+            f"the recording's largest step has {rows} rows and its longest row {tokens} tokens, which the trainer "
+            f"needs at least {size(step)} of RAM to train on, but RAM has {size(free.ram)} available, of which "
+            f"{size(free.ram - max(room, 0))} must stay for the trainer's processes and weights; replay on a machine "
+            "with more memory, or lower actors.trainer.micro_batch_size"
+        )
 
 
 def _shared(runs: int) -> str:

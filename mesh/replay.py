@@ -87,6 +87,13 @@ def oldest_age(batches: list[Collected]) -> int:
     return max(step - row.version for step, collected in enumerate(batches) for row in collected.rows())
 
 
+def largest_step(batches: list[Collected]) -> tuple[int, int]:
+    """The most rows of one recorded step, and the most tokens of one row (its prompt and completion): what
+    the replay's trainer must hold at once (``mesh.preflight.check_replayed_steps``)."""
+    rows = [row.trajectory for collected in batches for row in collected.rows()]
+    return max(len(c.rows()) for c in batches), max(len(t.prompt_ids) + len(t.completion_ids) for t in rows)
+
+
 def _check_recorded(run_dir: Path, topology: Topology) -> Topology:
     """``run_dir`` is a fully recorded run of this topology's model, tokenizer and task; returns the topology
     it was recorded with (which bounds what its rows can hold: ``mesh.inflight.bounds``)."""

@@ -23,7 +23,6 @@ end with their replica as a single run's do. Each keeps the last checkpoint it w
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -37,7 +36,7 @@ from typing import IO
 from tqdm import tqdm
 
 from mesh.interrupts import SIGNALS
-from mesh.rundir import METRICS_FILE, REWARD_KEY, RunDir, draw, plot_replica_rewards
+from mesh.rundir import METRICS_FILE, REWARD_KEY, RunDir, RunDirError, draw, plot_replica_rewards, read_rows
 from mesh.topology import Topology
 
 POLL_S = 0.5
@@ -55,6 +54,7 @@ class Replica:
     runs: Path  # where its run directory appears
     name: str
     records: list[dict] = field(default_factory=list)
+    unreadable: bool = False  # its metrics.jsonl could not be read (``read``)
     _run: Path | None = None
     _read_to: tuple[int, int] = (0, 0)  # (inode, offset) of metrics.jsonl read so far
 
@@ -66,19 +66,21 @@ class Replica:
 
     def read(self) -> None:
         """Add the metrics lines written since the last read; all of them again when the file was
-        replaced (a restarted trainer's run rewinds it to its checkpoint)."""
-        metrics = self.run_dir / METRICS_FILE if self.run_dir is not None else None
-        if metrics is None or not metrics.exists():
+        replaced (a restarted trainer's run rewinds it to its checkpoint). A file that cannot be read
+        is said once and no longer followed: the replica trains on, its progress unseen here."""
+        if self.run_dir is None or self.unreadable:
             return
         inode, offset = self._read_to
-        with metrics.open("rb") as f:
-            if os.fstat(f.fileno()).st_ino != inode:
-                inode, offset, self.records = os.fstat(f.fileno()).st_ino, 0, []
-            f.seek(offset)
-            data = f.read()
-        whole = data[: data.rfind(b"\n") + 1]  # a line being written waits for the next read
-        self.records += [json.loads(line) for line in whole.splitlines() if line.strip()]
-        self._read_to = (inode, offset + len(whole))
+        try:
+            rows = read_rows(self.run_dir / METRICS_FILE, inode, offset)
+        except RunDirError as error:
+            self.unreadable = True
+            print(f"warning: replica {self.index}'s progress is no longer shown: {error}", file=sys.stderr)
+            return
+        if rows.inode != inode:
+            self.records = []
+        self.records += rows.records
+        self._read_to = (rows.inode, rows.end)
 
     @property
     def step(self) -> int:

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         replay = None
         if args.replay:
-            plan, replay = replaying(plan, args.replay, args.resume)
+            plan, replay = replaying(plan, args.replay, args.resume, placed_here=True)
         if args.resume:
             check_resume(topology, Path(args.resume))
     except TopologyError as error:
@@ -203,7 +203,7 @@ def dry_run(path: str, overrides: list[str], resume: str | None, replay: str | N
     try:
         plan = load_plan(path, overrides, placed_here=False)
         if replay:
-            plan, _ = replaying(plan, replay, resume)
+            plan, _ = replaying(plan, replay, resume, placed_here=False)
         if resume:
             check_resume(plan.topology, Path(resume))
     except TopologyError as error:
@@ -211,7 +211,9 @@ def dry_run(path: str, overrides: list[str], resume: str | None, replay: str | N
         return 2
     print(describe(plan))
     try:
-        load_plan(path, overrides)
+        here = load_plan(path, overrides)
+        if replay:
+            replaying(here, replay, resume, placed_here=True)
     except TopologyError as error:
         print(f"\n# this machine\ncannot run it: {error}")
     return 0
@@ -237,9 +239,13 @@ def render(path: str, overrides: list[str], directory: Path) -> int:
     return 0
 
 
-def replaying(plan: RunPlan, run_dir: str, resume: str | None) -> tuple[RunPlan, list]:
-    """The plan of a replay of ``run_dir``'s recording and its batches, checked (``mesh/replay.py``)."""
-    from mesh.replay import recorded_batches  # reads the recording with the strict models (pydantic, numpy)
+def replaying(plan: RunPlan, run_dir: str, resume: str | None, placed_here: bool) -> tuple[RunPlan, list]:
+    """The plan of a replay of ``run_dir``'s recording and its batches, checked (``mesh/replay.py``); when the
+    replay runs here (``placed_here``), also that this machine can hold them: before the recording is read, and
+    its largest step after."""
+    from mesh.preflight import FreeMemory, check_recording, check_replayed_steps
+    from mesh.replay import largest_step, recorded_batches  # the strict models (pydantic, numpy)
+    from mesh.rundir import SAMPLES_FILE
 
     topology = plan.topology
     if topology.diloco is not None or resume:
@@ -248,8 +254,16 @@ def replaying(plan: RunPlan, run_dir: str, resume: str | None) -> tuple[RunPlan,
             f"--replay trains one trainer on one recorded run from its first step, and this command also has {given}; "
             "replay without it"
         )
-    batches = recorded_batches(Path(run_dir), plan)
-    return plan.replaying(str(Path(run_dir).resolve())), batches
+    replay, free = plan.replaying(str(Path(run_dir).resolve())), FreeMemory.now()
+    try:
+        if placed_here:
+            check_recording(replay, Path(run_dir) / SAMPLES_FILE, free)
+        batches = recorded_batches(Path(run_dir), plan)
+        if placed_here:
+            check_replayed_steps(replay, *largest_step(batches), free)
+    except ValueError as error:
+        raise TopologyError(f"--replay {run_dir}: {error}") from None
+    return replay, batches
 
 
 def check_resume(topology: Topology, checkpoint: Path) -> None:

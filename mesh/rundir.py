@@ -34,12 +34,13 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
-from actors.disk import DISK_FULL, errno_of, write_cause
+from actors.disk import DISK_FULL, errno_of, lines, open_regular, write_cause
 from mesh import events
 from mesh.logthread import LogThread
 from mesh.sinks import Tracker, TrackerError, cause, json_line, open_trackers, sample_table, scalars
@@ -55,6 +56,7 @@ ERROR_LOG = "error.log"
 PLAN_FILE = "plan.yaml"
 ROOT_HINT = "--run-root (or the topology's logging.root)"
 TIMELINE_FILE = "timeline.png"
+LONGEST_ROW = 1 << 24  # a samples.jsonl row holds a whole completion; a metrics row is a few kilobytes
 
 
 class RunDirError(RuntimeError):
@@ -288,10 +290,55 @@ def _fix(error: OSError) -> str:
     return f"point {ROOT_HINT} at a directory you can write"
 
 
+@dataclass
+class Rows:
+    """What ``read_rows`` read of a JSON-lines file: its whole lines' objects, and where the next read goes on."""
+
+    records: list[dict]
+    inode: int  # a file replaced since (a rewound run's) has another: read it again from the start
+    end: int  # the offset after the last whole line: a line being written waits for the next read
+
+
+def read_rows(path: Path, inode: int = 0, offset: int = 0) -> Rows:
+    """The rows of ``metrics.jsonl`` or ``samples.jsonl`` written after ``offset`` of file ``inode`` (all of
+    them when the file is another one now), read as ``mesh.report`` reads: a regular file only, never
+    through a link, a line at a time within ``LONGEST_ROW``. A file that is missing has no rows. Anything
+    else (a pipe, a line too long, one that is not a JSON object) is a RunDirError naming the file."""
+    records = []
+    try:
+        with open_regular(path) as file:
+            if (found := os.fstat(file.fileno()).st_ino) != inode:
+                inode, offset = found, 0
+            file.seek(offset)
+            for line in lines(file, LONGEST_ROW):
+                if not line.endswith(b"\n"):
+                    break
+                if line.strip():
+                    records.append(_row(path, offset, line))
+                offset += len(line)
+    except FileNotFoundError:
+        return Rows([], 0, 0)
+    except OSError as error:
+        raise RunDirError(f"cannot read {path}: {error}; {_DAMAGED}") from None
+    return Rows(records, inode, offset)
+
+
+_DAMAGED = "the run wrote none such: it was edited or replaced, so restore it from a copy or start a new run"
+
+
+def _row(path: Path, offset: int, line: bytes) -> dict:
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict):
+        raise RunDirError(f"{path}: the line at byte {offset} is not a JSON object; {_DAMAGED}")
+    return record
+
+
 def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every whole row of ``path`` (``read_rows``)."""
+    return read_rows(path).records
 
 
 def plot_reward(records: list[dict], out: Path) -> None:

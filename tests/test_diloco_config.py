@@ -3,6 +3,7 @@ in one paragraph (exit 2) before anything starts."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,15 @@ def test_the_parent_reads_only_new_metrics_lines_and_rereads_a_rewound_file(tmp_
     rewound.replace(metrics)
     replica.read()
     assert [r["step"] for r in replica.records] == [0]
+
+
+def test_a_replica_whose_metrics_cannot_be_read_is_said_once_and_not_followed(tmp_path, capsys):
+    run = tmp_path / "replicas" / "tiny-diloco-r0-20261123-000000"
+    run.mkdir(parents=True)
+    os.mkfifo(run / "metrics.jsonl")  # a pipe would hang a plain read
+    replica = Replica(0, None, tmp_path / "replica_0.log", tmp_path / "replicas", "tiny-diloco-r0")
+    replica.read()
+    replica.read()
+    err = capsys.readouterr().err
+    assert err.count("replica 0's progress is no longer shown") == 1 and "named pipe" in err
+    assert replica.records == [] and replica.step == 0

@@ -421,3 +421,20 @@ def test_a_write_that_fails_names_its_real_cause(full, tmp_path, capsys, where):
     assert main([str(full.checkpoint), str(out)]) == 2
     err = capsys.readouterr().err
     assert expected in err and "free space" not in err and err.count("\n") == 1
+
+
+def test_a_policy_that_diverged_is_not_exported(full, base, tmp_path, capsys):
+    checkpoint = tmp_path / "ckpt"
+    weight = next(p for name, p in full.loop.model.named_parameters() if name.endswith("mlp.up_proj.weight"))
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    try:
+        full.loop.save(checkpoint, state_of(base, None))
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
+    err = refused([checkpoint, tmp_path / "out"], capsys)
+    assert "mlp.up_proj.weight holds NaN or infinite values: the policy had diverged by that step" in err
+    assert "export an earlier checkpoint" in err and not (tmp_path / "out").exists()
+    assert not (tmp_path / "out.partial").exists()

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh.preflight import FreeMemory, StorePlan, check_recording, check_replayed_steps, load_plan
+from mesh.replay import largest_step
 from mesh.rundir import read_metrics
-from mesh.run import main
+from mesh.run import main, replaying
 from tiny_runs import ROOT, TINY
 from tiny_runs import SHORT as TINY_SHORT
 
@@ -250,3 +252,19 @@ def test_a_dry_run_shows_the_replay_plan(recorded, capsys):
     assert [line for line in placement.splitlines() if "mesh " in line] == ["  mesh trainer: 1 host x 1 proc <- trainer"]
     assert f"each step's batch as {recorded.resolve()}/samples.jsonl recorded it" in graph
     assert "no generator, rewarder or teacher starts" in graph and "generator ->" not in graph
+
+
+def test_a_replay_this_machine_cannot_hold_is_refused_before_its_rows_are_read_or_trained(recorded):
+    plan = load_plan(TINY, SHORT, placed_here=False)
+    replay, batches = replaying(plan, str(recorded), None, placed_here=False)
+    samples = recorded / "samples.jsonl"
+    margin = StorePlan.of(replay).ram_margin + StorePlan.of(replay).slots * StorePlan.of(replay).slot_bytes
+    check_recording(replay, samples, FreeMemory(None, margin + 3 * samples.stat().st_size))
+    with pytest.raises(ValueError, match=r"--replay reads every step of .*samples\.jsonl .* into about") as refused:
+        check_recording(replay, samples, FreeMemory(None, margin + samples.stat().st_size))
+    assert "replay on a machine with more memory, or a recording of fewer steps" in str(refused.value)
+    rows, tokens = largest_step(batches)
+    assert rows == max(len(b.rows()) for b in batches) and tokens > 5  # a prompt and its completion (max_new_tokens: 5)
+    check_replayed_steps(replay, rows, tokens, FreeMemory(None, margin + 2**30))
+    with pytest.raises(ValueError, match=f"largest step has {rows} rows and its longest row 1000000 tokens"):
+        check_replayed_steps(replay, rows, 10**6, FreeMemory(None, margin + 2**30))

@@ -3,6 +3,7 @@ is spawned, and a full disk fails with its own message, never a second one from 
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from tmpfs import fill, tmpfs
 
 from mesh import rundir
 from mesh.run import main
-from mesh.rundir import RunDir, RunDirError, read_metrics
+from mesh.rundir import LONGEST_ROW, RunDir, RunDirError, read_metrics
 
 TINY = Path(__file__).resolve().parent.parent / "topologies" / "tiny.yaml"
 
@@ -107,3 +108,28 @@ def test_a_run_directory_that_cannot_be_written_is_one_clear_error_and_leaves_no
         with pytest.raises(RunDirError, match="No space left on device.*free space there or point --run-root"):
             RunDir.create(disk / "runs", "tiny", {"name": "tiny"}, tensorboard=True)
         assert list((disk / "runs").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda path: os.mkfifo(path), "named pipe"),
+        (lambda path: path.symlink_to("/dev/zero"), "symbolic link"),
+        (lambda path: path.write_bytes(b'{"step": 0}\n[1, 2]\n'), "the line at byte 12 is not a JSON object"),
+        (lambda path: path.write_bytes(b"[" * 100_000 + b"\n"), "the line at byte 0 is not a JSON object"),
+        (lambda path: path.write_bytes(b"1" * (LONGEST_ROW + 2)), "longer than"),
+    ],
+)
+def test_a_rewind_refuses_a_metrics_file_the_run_did_not_write(tmp_path, damage, said):
+    run = RunDir.create(tmp_path, "tiny", {}, tensorboard=False)
+    damage(run.metrics_file)
+    with pytest.raises(RunDirError, match=said) as refused:
+        run.rewind(1)
+    assert str(run.metrics_file) in str(refused.value) and "restore it from a copy" in str(refused.value)
+
+
+def test_a_rewind_keeps_earlier_rows_and_drops_a_line_cut_by_a_kill(tmp_path):
+    run = RunDir.create(tmp_path, "tiny", {}, tensorboard=False)
+    run.metrics_file.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rew')
+    assert run.rewind(1) == [{"step": 1}]
+    assert read_metrics(run.metrics_file) == [{"step": 0}]
