@@ -17,6 +17,7 @@ another version waits until they finish, then the weights change (see ``VersionG
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,6 +30,7 @@ from actors import registry
 from actors.compute import Placement
 from actors.engines import sampling_seeds
 from actors.environments import Environments
+from actors.environments.agent_task import AgentSpec, Agents
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
 from actors.environments.tokens import ChatFrame, TokenPolicy
@@ -163,6 +165,8 @@ class Generator(Actor):
         self.gate = VersionGate()
         self._clients: dict[OpenEnvConfig, Environments] = {}  # environment clients, by the environment they play
         self._frame: ChatFrame | None = None  # how the chat template frames an observation, read once
+        self._agent_code: Agents | None = None  # an agent task's code and endpoint (``_agents``), made once
+        self._server = None
 
     @concurrent_endpoint
     async def start(self) -> ProcInfo:
@@ -214,21 +218,26 @@ class Generator(Actor):
 
     @concurrent_endpoint
     async def play(
-        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], spec: EpisodeSpec
+        self,
+        problems: list[Problem],
+        group_size: int,
+        weights: WeightVersion,
+        seeds: list[int],
+        spec: EpisodeSpec | AgentSpec,
     ) -> Generation:
-        """``group_size`` episodes of each problem's environment seed, all played at once (the
-        environment bounds how many hold a session), each one trajectory with the environment's
-        tokens masked out of the loss; ``seeds`` fix each episode's sampling, turn by turn (with
-        ``spec.greedy`` every turn is the argmax continuation instead)."""
+        """``group_size`` episodes of each problem, all played at once: against its environment seed (the
+        environment bounds how many hold a session), or by the agent through this process's endpoint.
+        Each is one trajectory with the environment's (or the agent's) tokens masked out of the loss;
+        ``seeds`` fix each episode's sampling, turn by turn (with ``spec.greedy`` every turn is the argmax
+        continuation instead)."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
-            environments = self._environments(spec)
+            if isinstance(spec, AgentSpec):
+                one = functools.partial(self._act_one, await self._agents(spec), spec, weights.version)
+            else:
+                one = functools.partial(self._play_one, self._environments(spec), spec)
             played = await asyncio.gather(
-                *(
-                    self._play_one(environments, spec, problem, seed, j)
-                    for problem, seed in zip(problems, seeds)
-                    for j in range(group_size)
-                )
+                *(one(problem, seed, j) for problem, seed in zip(problems, seeds) for j in range(group_size))
             )
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         trajectories, outcomes = zip(*played)
@@ -253,6 +262,37 @@ class Generator(Actor):
             system_prompt=spec.system_prompt,
         )
         return policy.trajectory(), EpisodeOutcome(episode.reward, episode.turns, episode.done, episode.failure)
+
+    async def _act_one(
+        self, agents: Agents, spec: AgentSpec, version: int, problem: Problem, seed: int, j: int
+    ) -> tuple[Trajectory, EpisodeOutcome]:
+        """One run of the agent on ``problem``, its turns sampled through this process's endpoint with seeds of
+        (``seed``, ``j``), recorded as the tokens sampled (``actors/environments/chat_tokens.py``)."""
+        turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
+        async with self._server.episode(f"{seed}-{j}", turn_seeds, spec.greedy, version) as record:
+            outcome = await agents.run(self._server.endpoint(record.episode_id), problem)
+        failure = record.failure or outcome.failure
+        if failure is None and record.turns == 0:
+            failure = "the agent returned without calling the endpoint: send its requests to the base_url it is given"
+        reward = 0.0
+        if failure is None:
+            reward = outcome.reward if outcome.reward is not None else agents.score(problem, record.last_reply)
+        first, *split = record.trajectories() or [Trajectory([], [], [], [], "")]
+        return first, EpisodeOutcome(reward, record.turns, failure is None, failure, tuple(split))
+
+    async def _agents(self, spec: AgentSpec) -> Agents:
+        """The agent code, loaded once, and this process's endpoint, started once."""
+        if self._agent_code is None:
+            from transformers import AutoConfig
+
+            from actors.environments.endpoint import ChatServer
+
+            positions = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
+            sample = lambda ids, seed, greedy: self.engine.continue_from(ids, seed, greedy)
+            self._server = ChatServer(self.tokenizer, sample, positions, self.cfg.max_new_tokens)
+            await self._server.start()
+            self._agent_code = Agents(spec)
+        return self._agent_code
 
     def _environments(self, spec: EpisodeSpec) -> Environments:
         """One client per environment, kept across calls: it holds the session limit."""

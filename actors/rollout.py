@@ -71,6 +71,9 @@ class EpisodeOutcome:
     turns: int
     done: bool
     failure: str | None = None
+    # an agent's requests that could not be stitched into the episode's one sequence (it edited its
+    # history): each its own trajectory, trained with the episode's reward (``actors/environments/chat_tokens.py``)
+    split: tuple[Trajectory, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -172,7 +172,7 @@ async def _run(
                 await board.attach(services.teacher_pool)
             context = RunContext(run_dir, bar, control, stopper, fleet)
             settings = _loop_settings(plan, episodes, replay, Path(model_path))
-            collection = _collection(settings, task, services, episodes, replay, bar)
+            collection = _collection(settings, task, services, episodes, replay, faults.episodes)
             controller = Controller(settings, services, collection, board, context)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
     except Interrupted:
@@ -299,6 +299,14 @@ class _FaultLog:
         with (self.run_path / EVENTS).open("a") as f:
             f.write(json.dumps(event) + "\n")
 
+    def episodes(self, step: int, failures: list[str]) -> None:
+        """A step's failed episodes (an environment or an agent that failed them): one line, an event each."""
+        self.bar.note(f"step {step}: {len(failures)} episodes failed; the first: {failures[0]}")
+        with (self.run_path / EVENTS).open("a") as f:
+            for cause in failures:
+                event = {"time": time.time(), "event": "fault", "actor": "episode", "endpoint": f"step {step}"}
+                f.write(json.dumps(event | {"cause": cause, "restart": None, "seconds": 0.0}) + "\n")
+
     def monarch(self, failure) -> None:
         """Monarch's unhandled-fault hook: keep its report; the default hook would exit the program."""
         self.write(f"monarch: mesh {failure.mesh_name} failed", failure.report(), None)
@@ -422,14 +430,14 @@ def _collection(
     services: Services,
     episodes: EpisodeSpec | None,
     replay: list[Collected] | None,
-    bar: Progress,
+    failed: Callable[[int, list[str]], None],
 ) -> Collection:
     """Where each step's batch comes from: the recording a replay trains on, the environment's episodes, or
     the generators' samples."""
     if replay is not None:
         return RecordedCollection(replay)
     if episodes is not None:
-        return EpisodeCollection(settings.collect, task, services, episodes, bar.note)
+        return EpisodeCollection(settings.collect, task, services, episodes, failed)
     return SampleCollection(settings.collect, task, services)
 
 

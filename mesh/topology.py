@@ -127,6 +127,14 @@ class TaskSection(Section):
         """The run starts its environment server."""
         return self._serves
 
+    @model_validator(mode="before")
+    @classmethod
+    def _agent(cls, data: object) -> object:
+        """``task: {agent: package.module:attr, ...}`` is the ``agent`` task (``actors/environments/agent_task.py``)."""
+        if isinstance(data, dict) and "agent" in data and "name" not in data:
+            return {"name": "agent", **data}
+        return data
+
     @model_validator(mode="after")
     def _builds(self) -> TaskSection:
         task = build_task(self.config)

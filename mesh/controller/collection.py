@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from actors.engines import sampling_seeds
+from actors.environments.agent_task import AgentSpec
 from actors.environments.openenv_task import EpisodeSpec
 from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem, Task
@@ -283,12 +284,13 @@ class EpisodeCollection(_Collection):
         settings: CollectSettings,
         task: Task,
         services: Services,
-        episodes: EpisodeSpec,
-        note: Callable[[str], None],
+        episodes: EpisodeSpec | AgentSpec,
+        failed: Callable[[int, list[str]], None],
     ):
-        """``episodes``: how to play the task's episodes (its server's url resolved); ``note``: reports a line."""
+        """``episodes``: how to play the task's episodes (its server's url resolved, or its agent);
+        ``failed``: reports a step's failed episodes, by cause."""
         super().__init__(settings, task, services)
-        self.episodes, self.note = episodes, note
+        self.episodes, self.failed = episodes, failed
 
     async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
         """Step ``step``'s episodes: each prompt's group is its episodes that did not fail, each row
@@ -303,7 +305,7 @@ class EpisodeCollection(_Collection):
                 f"every episode of step {step} failed, so there is nothing to train on; the first: {failures[0]}"
             )
         if failures:
-            self.note(f"step {step}: {len(failures)} of {len(outcomes)} episodes failed; the first: {failures[0]}")
+            self.failed(step, failures)
         rows, reference_seconds = await self.services.reference.score(
             [_episode_rows(played.trajectories[i], played.outcomes[i], played.version) for i in range(len(problems))]
         )
@@ -324,6 +326,7 @@ class EpisodeCollection(_Collection):
                 "episodes/failed": len(failures),
                 "episodes/turns": sum(o.turns for o in finished) / len(finished),
                 "episodes/ended_by_environment": sum(o.done for o in finished) / len(finished),
+                "episodes/split": sum(len(o.split) for o in finished),
             },
         )
 
@@ -377,9 +380,11 @@ def _sampled_rows(i: int, sampled: Routed) -> list[Row]:
 
 
 def _episode_rows(trajectories: list[Trajectory], outcomes: list[EpisodeOutcome], version: int) -> list[Row]:
-    """A prompt's episodes as rows, rewarded with the environment's return; the failed ones left out."""
+    """A prompt's episodes as rows, rewarded with the environment's return (an agent's requests that could not
+    be stitched into one sequence are rows of their own, with the same reward); the failed ones left out."""
     return [
-        Row(RowKind.SAMPLE, trajectory, version, reward=Reward(outcome.reward))
+        Row(RowKind.SAMPLE, part, version, reward=Reward(outcome.reward))
         for trajectory, outcome in zip(trajectories, outcomes)
         if outcome.failure is None
+        for part in (trajectory, *outcome.split)
     ]

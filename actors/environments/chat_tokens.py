@@ -1,0 +1,185 @@
+"""An agent's episode as the tokens the policy really sampled, whatever its messages re-tokenize to.
+
+An agent talks to the run in OpenAI messages (``actors.environments.endpoint``). Rendering each
+request's messages with the chat template and tokenizing them would train on tokens the engine
+never produced: a reply's text can tokenize differently from the ids sampled, most visibly
+where a tokenizer merges characters across the end of the reply and the next turn's header.
+So an episode keeps the token ids it has so far (``Segment``) and each request that extends
+the conversation (the same messages, the reply the server gave, then new ones) adds only the
+new messages' tokens after the sampled ids: the model's tokens are kept byte for byte and train
+(loss mask 1); the system, user and tool tokens around them do not.
+
+The new messages' tokens come from the template itself: the conversation up to the reply is
+rendered without a generation prompt, the whole one with it, and the difference (the new
+turns and the next assistant header) is tokenized alone, after what the template writes to
+close an assistant turn behind its end-of-sequence token (``"\\n"`` in ChatML). A request that
+does not extend the conversation (the agent edited or dropped earlier messages, or answered
+with another reply than the one it was given) starts a new segment: its own row in the batch,
+counted, never stitched into wrong tokens. A tokenizer without a chat template writes a
+conversation as its messages' texts, each reply closed by the end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.prompts import has_chat_template
+from actors.rollout import Trajectory
+
+Message = dict[str, Any]
+
+
+class TemplateError(ValueError):
+    """The chat template cannot render what a request holds (a tool call, a tool result, tools)."""
+
+
+@dataclass
+class Segment:
+    """One stitched sequence of an episode: the opening prompt, then every reply as sampled and the
+    messages between them. ``messages`` is the conversation it covers, ending with the last reply."""
+
+    prompt_ids: list[int]
+    messages: list[Message]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
+    ended_with_eos: bool = True
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def add_context(self, ids: list[int]) -> None:
+        """Tokens the model reads but did not write: they do not train."""
+        self.completion_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [False] * len(ids)
+
+    def add_reply(self, reply: Trajectory, message: Message, eos_id: int | None) -> None:
+        """The model's reply as sampled (these train) and the message the server answered with."""
+        self.completion_ids += reply.completion_ids
+        self.logprobs += reply.logprobs
+        self.loss_mask += [True] * len(reply.completion_ids)
+        self.replies.append(reply.text)
+        self.messages.append(message)
+        self.ended_with_eos = bool(reply.completion_ids) and reply.completion_ids[-1] == eos_id
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory(self.prompt_ids, self.completion_ids, self.logprobs, self.loss_mask, "\n".join(self.replies))
+
+
+@dataclass
+class ChatTokens:
+    """Renders an episode's requests into token ids, keeping every sampled token; see the module docstring."""
+
+    tokenizer: Any
+    segments: list[Segment] = field(default_factory=list)
+
+    def prompt(self, messages: list[Message], tools: list[dict] | None = None) -> Segment:
+        """The segment the next reply continues: the current one extended by the new messages when
+        ``messages`` extends its conversation, else a new one."""
+        current = self.segments[-1] if self.segments else None
+        if current is not None and self._extends(current, messages):
+            before = self.render(messages[: len(current.messages)], tools, generation=False)
+            now = self.render(messages, tools, generation=True)
+            if now.startswith(before):
+                eos = self.tokenizer.eos_token or ""
+                closing = ("" if current.ended_with_eos else eos) + self._after_eos(current, before, tools)
+                current.add_context(self._encode(closing + now[len(before) :]))
+                current.messages = list(messages)
+                return current
+        segment = Segment(self._encode(self.render(messages, tools, generation=True)), list(messages))
+        self.segments.append(segment)
+        return segment
+
+    def render(self, messages: list[Message], tools: list[dict] | None, generation: bool) -> str:
+        if not has_chat_template(self.tokenizer):
+            return _plain(messages, self.tokenizer.eos_token or "")
+        try:
+            return self.tokenizer.apply_chat_template(
+                [_for_template(m) for m in messages], tools=tools or None, tokenize=False,
+                add_generation_prompt=generation,
+            )
+        except Exception as error:  # jinja's own errors: a template that cannot render a role or a field
+            raise TemplateError(
+                f"the model's chat template cannot render these messages ({type(error).__name__}: {error}); send "
+                "only the roles and fields this model's template knows (system, user, assistant, and tool only "
+                "where its template renders tool calls)"
+            ) from None
+
+    @property
+    def split(self) -> int:
+        """Segments past the first: requests that could not be stitched into the episode's sequence."""
+        return max(len(self.segments) - 1, 0)
+
+    def _extends(self, segment: Segment, messages: list[Message]) -> bool:
+        """``messages`` is the segment's conversation (its reply as the server gave it) and more."""
+        known = len(segment.messages)
+        return len(messages) > known and all(
+            same_message(a, b) for a, b in zip(messages[:known], segment.messages, strict=True)
+        )
+
+    def _after_eos(self, segment: Segment, history: str, tools: list[dict] | None) -> str:
+        """What the template writes after the end-of-sequence token that closes the last reply."""
+        eos = self.tokenizer.eos_token or ""
+        if not has_chat_template(self.tokenizer) or not eos:
+            return ""
+        head = self.render(segment.messages[:-1], tools, generation=True)
+        reply = history[len(head) :] if history.startswith(head) else history
+        end = reply.rfind(eos)
+        return reply[end + len(eos) :] if end >= 0 else ""
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def same_message(a: Message, b: Message) -> bool:
+    """The same message whatever optional fields a client adds (``None`` values, ids of tool calls)."""
+    return _essence(a) == _essence(b)
+
+
+def _essence(message: Message) -> tuple:
+    calls = tuple((c["function"]["name"], _arguments(c["function"].get("arguments"))) for c in _calls(message))
+    return message.get("role"), message.get("content") or "", calls, message.get("tool_call_id"), message.get("name")
+
+
+def _calls(message: Message) -> list[dict]:
+    return [c for c in message.get("tool_calls") or [] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+
+
+def _arguments(arguments: Any) -> str:
+    """Tool-call arguments as canonical JSON: OpenAI sends a JSON string, templates read an object."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True)
+
+
+def _for_template(message: Message) -> Message:
+    """A message as Hugging Face templates read it: tool-call arguments as objects, no ``None`` fields."""
+    out = {k: v for k, v in message.items() if v is not None}
+    if "tool_calls" in out:
+        out["tool_calls"] = [
+            {"type": "function", "id": c.get("id"), "function": {"name": c["function"]["name"],
+             "arguments": json.loads(_arguments(c["function"].get("arguments")))}}
+            for c in _calls(message)
+        ]
+    return out
+
+
+def _plain(messages: list[Message], eos: str) -> str:
+    """A conversation without a chat template: the system prompt on its own line, each other message's
+    text in order, each reply closed by EOS (``actors.prompts.render`` for the first turn)."""
+    parts = []
+    for message in messages:
+        text = message.get("content") or ""
+        if message.get("role") == "system":
+            parts.append(f"{text}\n")
+        else:
+            parts.append(text + (eos if message.get("role") == "assistant" else ""))
+    return "".join(parts)

