@@ -167,6 +167,7 @@ class Generator(Actor):
         self._frame: ChatFrame | None = None  # how the chat template frames an observation, read once
         self._agent_code: Agents | None = None  # an agent task's code and endpoint (``_agents``), made once
         self._server = None
+        self._newest: WeightVersion | None = None  # the newest version requested or pushed: agents' turns use it
 
     @concurrent_endpoint
     async def start(self) -> ProcInfo:
@@ -231,15 +232,15 @@ class Generator(Actor):
         ``seeds`` fix each episode's sampling, turn by turn (with ``spec.greedy`` every turn is the argmax
         continuation instead)."""
         start = time.perf_counter()
-        async with self.gate.use(weights, self._switch) as load_seconds:
-            if isinstance(spec, AgentSpec):
-                one = functools.partial(self._act_one, await self._agents(spec), spec, weights.version)
-            else:
+        if isinstance(spec, AgentSpec):  # each turn takes the gate, with the newest weights (``_turn``)
+            self._follow(weights)
+            one = functools.partial(self._act_one, await self._agents(spec), spec)
+            played, load_seconds = await self._played(one, problems, seeds, group_size), 0.0
+        else:
+            async with self.gate.use(weights, self._switch) as load_seconds:
                 one = functools.partial(self._play_one, self._environments(spec), spec)
-            played = await asyncio.gather(
-                *(one(problem, seed, j) for problem, seed in zip(problems, seeds) for j in range(group_size))
-            )
-            await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
+                played = await self._played(one, problems, seeds, group_size)
+                await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         trajectories, outcomes = zip(*played)
         seconds = time.perf_counter() - start
         return Generation.of(list(trajectories), group_size, weights.version, seconds, load_seconds, list(outcomes))
@@ -263,13 +264,19 @@ class Generator(Actor):
         )
         return policy.trajectory(), EpisodeOutcome(episode.reward, episode.turns, episode.done, episode.failure)
 
+    @staticmethod
+    async def _played(one: Callable, problems: list[Problem], seeds: list[int], group_size: int) -> list:
+        return await asyncio.gather(
+            *(one(problem, seed, j) for problem, seed in zip(problems, seeds) for j in range(group_size))
+        )
+
     async def _act_one(
-        self, agents: Agents, spec: AgentSpec, version: int, problem: Problem, seed: int, j: int
+        self, agents: Agents, spec: AgentSpec, problem: Problem, seed: int, j: int
     ) -> tuple[Trajectory, EpisodeOutcome]:
         """One run of the agent on ``problem``, its turns sampled through this process's endpoint with seeds of
         (``seed``, ``j``), recorded as the tokens sampled (``actors/environments/chat_tokens.py``)."""
         turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
-        async with self._server.episode(f"{seed}-{j}", turn_seeds, spec.greedy, version) as record:
+        async with self._server.episode(f"{seed}-{j}", turn_seeds, spec.greedy) as record:
             outcome = await agents.run(self._server.endpoint(record.episode_id), problem)
         failure = record.failure or outcome.failure
         if failure is None and record.turns == 0:
@@ -278,7 +285,23 @@ class Generator(Actor):
         if failure is None:
             reward = outcome.reward if outcome.reward is not None else agents.score(problem, record.last_reply)
         first, *split = record.trajectories() or [Trajectory([], [], [], [], "")]
-        return first, EpisodeOutcome(reward, record.turns, failure is None, failure, tuple(split))
+        oldest = min((version for _, version in record.turn_versions), default=None)
+        updated = sum(tokens for tokens, version in record.turn_versions if version != oldest)
+        return first, EpisodeOutcome(reward, record.turns, failure is None, failure, tuple(split), oldest, updated)
+
+    async def _turn(self, ids: list[int], seed: int, greedy: bool) -> tuple[Trajectory, int]:
+        """One turn of an agent's episode, sampled with the newest weights this process knows: an episode in
+        flight when new weights land goes on with them from its next turn; the version each turn used is kept."""
+        weights = self._newest
+        async with self.gate.use(weights, self._switch):
+            reply = await self.engine.continue_from(ids, seed, greedy)
+            await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
+        return reply, weights.version
+
+    def _follow(self, weights: WeightVersion) -> None:
+        """Agents' turns use ``weights`` from now on, unless a newer version is known already."""
+        if self._newest is None or weights.version > self._newest.version:
+            self._newest = weights
 
     async def _agents(self, spec: AgentSpec) -> Agents:
         """The agent code, loaded once, and this process's endpoint, started once."""
@@ -288,8 +311,7 @@ class Generator(Actor):
             from actors.environments.endpoint import ChatServer
 
             positions = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
-            sample = lambda ids, seed, greedy: self.engine.continue_from(ids, seed, greedy)
-            self._server = ChatServer(self.tokenizer, sample, positions, self.cfg.max_new_tokens)
+            self._server = ChatServer(self.tokenizer, self._turn, positions, self.cfg.max_new_tokens)
             await self._server.start()
             self._agent_code = Agents(spec)
         return self._agent_code
@@ -317,6 +339,7 @@ class Generator(Actor):
     async def hold(self, weights: WeightVersion) -> float:
         """Adopt ``weights`` once the requests in flight finish (the trainer's push of a new
         version, so a generator is ready before its next request); the seconds it took."""
+        self._follow(weights)
         async with self.gate.use(weights, self._switch) as load_seconds:
             return load_seconds
 

@@ -74,6 +74,8 @@ class EpisodeOutcome:
     # an agent's requests that could not be stitched into the episode's one sequence (it edited its
     # history): each its own trajectory, trained with the episode's reward (``actors/environments/chat_tokens.py``)
     split: tuple[Trajectory, ...] = ()
+    version: int | None = None  # an agent's episode: the oldest version that sampled a turn (None: the request's)
+    updated_tokens: int = 0  # of the model's tokens, those a newer version sampled (the episode went on with it)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ async def direct(engine: HFEngine, seed: int) -> float:
 
 
 async def through_endpoint(server: ChatServer, client, seed: int, name: str) -> float:
-    async with server.episode(name, [seed], False, version=0):
+    async with server.episode(name, [seed], False):
         start = time.perf_counter()
         await client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, logprobs=True, user=name)
         return time.perf_counter() - start
@@ -54,7 +54,10 @@ async def measure(engine: HFEngine, requests: int) -> dict:
     from openai import AsyncOpenAI
 
     tokens = engine.sampling.max_new_tokens
-    server = ChatServer(engine.tokenizer, engine.continue_from, positions=2048, max_new_tokens=tokens)
+    async def sample(ids: list[int], seed: int, greedy: bool):
+        return await engine.continue_from(ids, seed, greedy), 0
+
+    server = ChatServer(engine.tokenizer, sample, positions=2048, max_new_tokens=tokens)
     await server.start()
     base_url = f"http://127.0.0.1:{server.port}/v1"  # the episode rides in the user field: one client for all
     client = AsyncOpenAI(base_url=base_url, api_key=server.key, max_retries=0)

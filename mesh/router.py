@@ -120,17 +120,19 @@ class _Target:
         seconds, self.pushed_load_seconds = self.pushed_load_seconds, 0.0
         return seconds
 
-    def serves(self, version: int) -> bool:
-        return self.in_flight == 0 or self.version == version
+    def serves(self, version: int, mixes_versions: bool) -> bool:
+        return mixes_versions or self.in_flight == 0 or self.version == version
 
 
 Call = Callable[["ActorMesh", slice], Awaitable[Generation]]
 
 
 class Router:
-    def __init__(self, handles: list[ActorMesh], policy: str):
+    def __init__(self, handles: list[ActorMesh], policy: str, mixes_versions: bool = False):
         """``handles``: one single-actor generator handle per target, in target order;
-        ``policy``: ``round_robin`` or ``least_loaded``."""
+        ``policy``: ``round_robin`` or ``least_loaded``; ``mixes_versions``: a target takes requests for any
+        version at once (an agent task's generator switches weights between turns, not requests)."""
+        self.mixes_versions = mixes_versions
         pickers = {"round_robin": self._in_turn, "least_loaded": self._least_loaded}
         self._pick = pickers[policy]
         self.policy = policy
@@ -270,13 +272,14 @@ class Router:
 
     def _in_turn(self, version: int) -> int | None:
         i = self._turn % len(self.targets)
-        if not self.targets[i].serves(version):
+        if not self.targets[i].serves(version, self.mixes_versions):
             return None
         self._turn += 1
         return i
 
     def _least_loaded(self, version: int) -> int | None:
-        open_ = [i for i, t in enumerate(self.targets) if t.in_flight < DEPTH and t.serves(version)]
+        mixes = self.mixes_versions
+        open_ = [i for i, t in enumerate(self.targets) if t.in_flight < DEPTH and t.serves(version, mixes)]
         return min(open_, key=lambda i: self.targets[i].rows, default=None)
 
     # --------------------------------------------------------------------------- pushes

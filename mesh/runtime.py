@@ -67,6 +67,7 @@ from mesh.controller import (  # noqa: E402
     SampleCollection,
     Services,
 )
+from mesh.controller.groups import GroupPool  # noqa: E402
 from mesh.controller.samples import SampleRecording  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fingerprint import built_weights, topology_fingerprint  # noqa: E402
@@ -412,7 +413,7 @@ def _services(plan: RunPlan, fleet: Fleet) -> Services:
         for name in plan.generator_meshes
         for proc in range(plan.meshes[name].size)
     ]
-    router = Router(targets, cfg.generator.router)
+    router = Router(targets, cfg.generator.router, mixes_versions=plan.topology.task.name == "agent")
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
     rewarding: Rewarding = RewardedInGenerators()
     if plan.runs("rewarder"):
@@ -437,7 +438,8 @@ def _collection(
     if replay is not None:
         return RecordedCollection(replay)
     if episodes is not None:
-        return EpisodeCollection(settings.collect, task, services, episodes, failed)
+        pool = GroupPool(settings.max_policy_lag) if settings.collect.by_group else None
+        return EpisodeCollection(settings.collect, task, services, episodes, failed, pool)
     return SampleCollection(settings.collect, task, services)
 
 
@@ -460,6 +462,7 @@ def _loop_settings(
         warm_start_steps=loop.warm_start.steps,
         replay=loss.beta_replay > 0,
         distill=loss.alpha_sdpo > 0,
+        by_group=loop.collect == "group",
     )
     lag = loop.max_policy_lag if replay is None else oldest_age(replay)
     return LoopSettings(

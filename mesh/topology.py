@@ -192,6 +192,9 @@ class LoopSection(Section):
     prompts_per_step: int = Field(ge=1)
     group_size: int = Field(ge=2)
     max_policy_lag: int = Field(0, ge=0, description="0 = synchronous")
+    collect: Literal["step", "group"] = Field(
+        "step", description="episode tasks: a step trains on its own groups, or on the first to finish"
+    )
     warm_start: WarmStart = WarmStart()
     evaluation: Evaluation = Evaluation()
 
@@ -482,6 +485,12 @@ class Topology(Section):
         """An episode task's reward is the environment's, and a teacher's trace is one reply to a
         prompt, not a played episode: neither the Rewarder's functions nor the teachers apply."""
         if not self.task.episodic:
+            if self.loop.collect == "group":
+                raise ValueError(
+                    f"loop.collect is group, which takes episode tasks (task openenv or agent), but task "
+                    f"{self.task.name!r} samples one reply per prompt, which every step collects whole; remove "
+                    "loop.collect"
+                )
             return
         loss = self.actors.trainer.loss
         conflicts = {

@@ -23,7 +23,8 @@ TURNS = 4
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> HFEngine:
-    return HFEngine(str(build_tiny_model(tmp_path_factory.mktemp("bpe"), BPE, None, seed=0)), Sampling(max_new_tokens=8))
+    model = build_tiny_model(tmp_path_factory.mktemp("bpe"), BPE, None, seed=0)
+    return HFEngine(str(model), Sampling(max_new_tokens=8))
 
 
 class Recording:
@@ -35,7 +36,7 @@ class Recording:
     async def __call__(self, ids, seed, greedy):
         reply = await self.engine.continue_from(ids, seed, greedy)
         self.replies.append(reply)
-        return reply
+        return reply, len(self.replies) // 2  # a new policy version every other turn
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ async def converse(client, turns: int, edit_at: int | None = None) -> list[dict]
 
 
 async def test_an_episode_trains_on_the_tokens_sampled_not_its_text_retokenized(server, engine):
-    async with server.episode("e1", sampling_seeds(0, "e1", TURNS), False, version=3) as record:
+    async with server.episode("e1", sampling_seeds(0, "e1", TURNS), False) as record:
         messages = await converse(client_of(server, "e1"), TURNS)
     (trajectory,) = record.trajectories()
     replies = server.sampler.replies
@@ -83,10 +84,11 @@ async def test_an_episode_trains_on_the_tokens_sampled_not_its_text_retokenized(
     rendered = tokenizer.apply_chat_template(messages[:-1], tokenize=False)
     assert stitched.replace("<|im_end|>", "") .strip() == rendered.replace("<|im_end|>", "").strip()
     assert record.turns == TURNS and record.tokens.split == 0
+    assert record.turn_versions == [(len(r.completion_ids), (i + 1) // 2) for i, r in enumerate(replies)]
 
 
 async def test_an_agent_that_edits_its_history_gets_a_row_of_its_own_not_wrong_tokens(server):
-    async with server.episode("e2", sampling_seeds(0, "e2", TURNS), False, version=0) as record:
+    async with server.episode("e2", sampling_seeds(0, "e2", TURNS), False) as record:
         await converse(client_of(server, "e2"), 3, edit_at=2)
     first, second = record.trajectories()
     assert record.tokens.split == 1
@@ -95,7 +97,7 @@ async def test_an_agent_that_edits_its_history_gets_a_row_of_its_own_not_wrong_t
 
 
 async def test_streaming_and_completions_give_the_reply_and_its_logprobs(server, engine):
-    async with server.episode("e3", sampling_seeds(0, "e3", TURNS), True, version=0):
+    async with server.episode("e3", sampling_seeds(0, "e3", TURNS), True):
         client = client_of(server, "e3")
         chunks = [c async for c in await client.chat.completions.create(
             model=SERVED_MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True, logprobs=True
@@ -106,11 +108,12 @@ async def test_streaming_and_completions_give_the_reply_and_its_logprobs(server,
         completion = await client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7], logprobs=1, max_tokens=2)
         cut = server.sampler.replies[-1]
         assert completion.choices[0].logprobs.token_logprobs == cut.logprobs[:2]
-        assert completion.usage.prompt_tokens == 3 and completion.usage.completion_tokens == min(2, len(cut.completion_ids))
+        assert completion.usage.prompt_tokens == 3
+        assert completion.usage.completion_tokens == min(2, len(cut.completion_ids))
 
 
 async def test_bad_requests_are_refused_in_openais_shape_saying_what_to_send(server):
-    async with server.episode("e4", sampling_seeds(0, "e4", 1), False, version=0):
+    async with server.episode("e4", sampling_seeds(0, "e4", 1), False):
         base = f"http://127.0.0.1:{server.port}"
         good = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}]}
         auth = {"Authorization": f"Bearer {server.key}"}
@@ -126,6 +129,9 @@ async def test_bad_requests_are_refused_in_openais_shape_saying_what_to_send(ser
             for path, body, headers, status, said in cases:
                 answer = await http.post(path, json=body, headers=headers)
                 assert answer.status_code == status and said in answer.json()["error"]["message"], path
+            assert server.episodes["e4"].tokens.segments == []  # nothing refused is recorded
+            models = (await http.get("/episodes/e4/v1/models", headers=auth)).json()["data"]
+            assert [(m["id"], m["max_model_len"]) for m in models] == [(SERVED_MODEL, BPE.max_positions)]
             assert (await http.post("/episodes/e4/v1/chat/completions", json=good, headers=auth)).status_code == 200
             over = await http.post("/episodes/e4/v1/chat/completions", json=good, headers=auth)
             assert over.status_code == 400 and "past the task's max_turns (1)" in over.json()["error"]["message"]

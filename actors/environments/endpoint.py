@@ -16,8 +16,10 @@ a message that says what to send instead.
 
 Each turn samples with the engine the run trains (its sampling settings: a request's
 ``temperature`` or ``top_p`` does not change what the trainer assumes; ``max_tokens`` cuts the
-reply, which keeps what was sampled exact), with the episode's seed for that turn, and records
-the prompt ids, the sampled ids, their logprobs and the policy version (``ChatTokens``). A reply
+reply, which keeps what was sampled exact), with the episode's seed for that turn and the newest
+weights the generator holds, and records the prompt ids, the sampled ids, their logprobs
+(``ChatTokens``) and the policy version that sampled them (an episode goes on across a weight
+update; the answer's ``system_fingerprint`` names the version). A reply
 that writes ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format that
 Qwen's and SmolLM's templates teach) is answered as OpenAI tool calls when the request offered
 tools. The whole reply is sampled before it is sent: a streamed answer is that reply in one chunk.
@@ -39,8 +41,9 @@ from typing import Any
 from actors.environments.chat_tokens import ChatTokens, Segment, TemplateError
 from actors.rollout import Trajectory
 
-# Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone.
-Sample = Callable[[list[int], int, bool], Awaitable[Trajectory]]
+# Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone and the policy
+# version that sampled it.
+Sample = Callable[[list[int], int, bool], Awaitable[tuple[Trajectory, int]]]
 SERVED_MODEL = "policy"
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -69,10 +72,10 @@ class EpisodeRecord:
     positions: int  # the model's context: a turn's prompt and reply must fit in it
     max_new_tokens: int
     tokens: ChatTokens
-    version: int
     failure: str | None = None
     turns: int = 0
     last_reply: str = ""
+    turn_versions: list[tuple[int, int]] = field(default_factory=list)  # each reply's tokens and the version
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # an agent's concurrent requests take turns
 
     def trajectories(self) -> list[Trajectory]:
@@ -132,11 +135,10 @@ class ChatServer:
         return Endpoint(f"http://127.0.0.1:{self.port}/episodes/{episode_id}/v1", self.key)
 
     @asynccontextmanager
-    async def episode(self, episode_id: str, seeds: list[int], greedy: bool, version: int) -> AsyncIterator[EpisodeRecord]:
+    async def episode(self, episode_id: str, seeds: list[int], greedy: bool) -> AsyncIterator[EpisodeRecord]:
         """An episode open for requests while the body runs (the agent's run)."""
-        record = EpisodeRecord(
-            episode_id, seeds, greedy, self.positions, self.max_new_tokens, ChatTokens(self.tokenizer), version
-        )
+        tokens = ChatTokens(self.tokenizer)
+        record = EpisodeRecord(episode_id, seeds, greedy, self.positions, self.max_new_tokens, tokens)
         self.episodes[episode_id] = record
         try:
             yield record
@@ -158,7 +160,8 @@ class ChatServer:
             self._check_key(request)
         except ApiError as error:
             return _error(error)
-        return web.json_response({"object": "list", "data": [{"id": SERVED_MODEL, "object": "model", "owned_by": "mesh"}]})
+        model = {"id": SERVED_MODEL, "object": "model", "owned_by": "mesh", "max_model_len": self.positions}
+        return web.json_response({"object": "list", "data": [model]})
 
     async def _serve(self, request, turn: Callable[[EpisodeRecord, dict], Awaitable[dict]]) -> Any:
         from aiohttp import web
@@ -216,22 +219,23 @@ class ChatServer:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "invalid_messages", "messages must be a non-empty list of {role, content} objects")
         try:
+            if tools and record.tokens.render(messages, None, True) == record.tokens.render(messages, tools, True):
+                raise ApiError(
+                    400, "tools_not_rendered",
+                    "the request offers tools, but this model's chat template does not render them, so the model "
+                    "would never see them; describe the tool in the system prompt and read its calls from the "
+                    "reply, or train a model whose template renders tools",
+                )
             segment = record.tokens.prompt(messages, tools)
         except TemplateError as error:
             raise ApiError(400, "template_error", str(error)) from None
-        if tools and record.tokens.render(messages, None, True) == record.tokens.render(messages, tools, True):
-            raise ApiError(
-                400, "tools_not_rendered",
-                "the request offers tools, but this model's chat template does not render them, so the model "
-                "would never see them; describe the tool in the system prompt and read its calls from the reply, "
-                "or train a model whose template renders tools",
-            )
         reply = await self._sample(record, segment, body)
         content, calls = _tool_calls(reply.text) if tools else (reply.text, [])
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         segment.add_reply(reply, message, self.tokenizer.eos_token_id)
         record.last_reply = reply.text
-        choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else _finish(reply, body, self)}
+        finish = "tool_calls" if calls else _finish(reply, self.tokenizer.eos_token_id)
+        choice = {"index": 0, "message": message, "finish_reason": finish}
         if body.get("logprobs"):
             choice["logprobs"] = {"content": self._token_logprobs(reply)}
         return _completion("chat.completion", record, choice, segment, reply)
@@ -249,7 +253,7 @@ class ChatServer:
         reply = await self._sample(record, segment, body)
         segment.add_reply(reply, {"role": "assistant", "content": reply.text}, self.tokenizer.eos_token_id)
         record.last_reply = reply.text
-        choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, body, self)}
+        choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, self.tokenizer.eos_token_id)}
         if body.get("logprobs") is not None:
             tokens = [self.tokenizer.decode([t]) for t in reply.completion_ids]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": reply.logprobs, "top_logprobs": None}
@@ -261,8 +265,10 @@ class ChatServer:
         except EpisodeOver as error:
             record.failure = str(error)
             raise ApiError(400, "context_length_exceeded", f"episode {record.episode_id} has ended: {error}") from None
-        reply = await self.sample(segment.ids, seed, record.greedy)
-        return _cut(reply, _max_tokens(body), self.tokenizer)
+        reply, version = await self.sample(segment.ids, seed, record.greedy)
+        reply = _cut(reply, _max_tokens(body), self.tokenizer)
+        record.turn_versions.append((len(reply.completion_ids), version))
+        return reply
 
     def _token_logprobs(self, reply: Trajectory) -> list[dict]:
         tokens = [self.tokenizer.decode([t]) for t in reply.completion_ids]
@@ -308,9 +314,9 @@ def _cut(reply: Trajectory, limit: int | None, tokenizer: Any) -> Trajectory:
     return Trajectory(reply.prompt_ids, ids, reply.logprobs[:limit], reply.loss_mask[:limit], tokenizer.decode(ids))
 
 
-def _finish(reply: Trajectory, body: dict, server: ChatServer) -> str:
-    ended = bool(reply.completion_ids) and reply.completion_ids[-1] == server.tokenizer.eos_token_id
-    return "stop" if ended else "length"
+def _finish(reply: Trajectory, eos_id: int | None) -> str:
+    """``stop`` when the reply ended itself (EOS), ``length`` when a token limit cut it."""
+    return "stop" if reply.completion_ids and reply.completion_ids[-1] == eos_id else "length"
 
 
 def _tool_calls(text: str) -> tuple[str, list[dict]]:
@@ -337,6 +343,7 @@ def _tool_calls(text: str) -> tuple[str, list[dict]]:
 
 
 def _completion(kind: str, record: EpisodeRecord, choice: dict, segment: Segment, reply: Trajectory) -> dict:
+    """The answer to a turn; its ``system_fingerprint`` names the policy version that sampled it."""
     prompt_tokens = len(segment.ids) - len(reply.completion_ids)
     return {
         "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
@@ -349,7 +356,7 @@ def _completion(kind: str, record: EpisodeRecord, choice: dict, segment: Segment
             "completion_tokens": len(reply.completion_ids),
             "total_tokens": prompt_tokens + len(reply.completion_ids),
         },
-        "system_fingerprint": f"policy-v{record.version}",
+        "system_fingerprint": f"policy-v{record.turn_versions[-1][1]}",
     }
 
 

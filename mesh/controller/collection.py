@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -34,6 +35,7 @@ from actors.tasks import Problem, Task
 from actors.teachers.bindings import TopK, TopKRequest
 from actors.weights import WeightVersion
 from mesh.collected import Collected
+from mesh.controller.groups import GroupPool, PlayedGroup
 from mesh.controller.metrics import teacher_metrics
 from mesh.controller.services import Rows, Services
 from mesh.controller.settings import CollectSettings
@@ -61,6 +63,10 @@ class Collection(Protocol):
 
     async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
         """How ``weights`` do on the held-out prompts (after step ``step``; -1: the initial weights)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop what is still collecting once the run ends (groups no step took)."""
         ...
 
 
@@ -125,6 +131,9 @@ class PolicyTrace:
 class _Collection:
     def __init__(self, settings: CollectSettings, task: Task, services: Services):
         self.settings, self.task, self.services = settings, task, services
+
+    async def close(self) -> None:
+        """Nothing runs between steps: each step's collection is the scheduler's."""
 
     def _prompts(self, step: int) -> tuple[list[Problem], list[int]]:
         """Step ``step``'s prompts, seeded by (seed, step), and their sampling seeds."""
@@ -286,49 +295,31 @@ class EpisodeCollection(_Collection):
         services: Services,
         episodes: EpisodeSpec | AgentSpec,
         failed: Callable[[int, list[str]], None],
+        pool: GroupPool | None = None,
     ):
         """``episodes``: how to play the task's episodes (its server's url resolved, or its agent);
-        ``failed``: reports a step's failed episodes, by cause."""
+        ``failed``: reports a step's failed episodes, by cause; ``pool``: collect by group (``groups.py``)."""
         super().__init__(settings, task, services)
-        self.episodes, self.failed = episodes, failed
+        self.episodes, self.failed, self.pool = episodes, failed, pool
 
     async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
         """Step ``step``'s episodes: each prompt's group is its episodes that did not fail, each row
-        rewarded with the environment's return. Failures are reported and counted, not trained on;
-        a step where every episode failed stops the run (the environment is down). No teacher is asked."""
+        rewarded with the environment's return (or the agent's reward). Failures are reported and counted,
+        not trained on; a step where every episode failed stops the run (the environment is down). No
+        teacher is asked. By group, the step trains on the first groups to finish (``groups.py``)."""
         problems, seeds = self._prompts(step)
-        played = await self.services.generators.play(problems, self.settings.group_size, weights, seeds, self.episodes)
-        outcomes = [outcome for per_prompt in played.outcomes for outcome in per_prompt]
-        failures = [outcome.failure for outcome in outcomes if outcome.failure is not None]
-        if len(failures) == len(outcomes):
-            raise EnvironmentDown(
-                f"every episode of step {step} failed, so there is nothing to train on; the first: {failures[0]}"
-            )
-        if failures:
-            self.failed(step, failures)
-        rows, reference_seconds = await self.services.reference.score(
-            [_episode_rows(played.trajectories[i], played.outcomes[i], played.version) for i in range(len(problems))]
-        )
-        finished = [outcome for outcome in outcomes if outcome.failure is None]
-        return Collected(
-            groups=_joined(problems, rows),
-            distill_teacher=None,
-            seconds={
-                "generate": played.sampling_seconds,
-                "load": played.load_seconds,
-                "reward": 0.0,
-                "teachers": 0.0,
-                "reference": reference_seconds,
-            },
-            teacher_metrics={},
-            generators=played.loads,
-            episode_metrics={
-                "episodes/failed": len(failures),
-                "episodes/turns": sum(o.turns for o in finished) / len(finished),
-                "episodes/ended_by_environment": sum(o.done for o in finished) / len(finished),
-                "episodes/split": sum(len(o.split) for o in finished),
-            },
-        )
+        if self.pool is None:
+            played, routed = await self._play(problems, seeds, weights, 0)
+            return await self._batch(step, played, routed.loads, routed.sampling_seconds, routed.load_seconds)
+        start = time.perf_counter()
+        for i, problem in enumerate(problems):
+            self.pool.start(self._play_one(problem, seeds[i], weights, i))
+        async with self.pool.in_order:
+            played, dropped = await self.pool.take(step, len(problems))
+        loads = [sum(per, TargetLoad()) for per in zip(*(group.loads for group in played))]
+        collected = await self._batch(step, played, loads, time.perf_counter() - start, 0.0)
+        collected.episode_metrics["groups/dropped"] = dropped
+        return collected
 
     async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
         """Mean return of one episode per held-out prompt (every turn greedy with ``evaluation_greedy``); a
@@ -338,6 +329,59 @@ class EpisodeCollection(_Collection):
         played = await self.services.generators.play(problems, 1, weights, seeds, spec)
         returns = sum(o.reward for per in played.outcomes for o in per if o.failure is None)
         return Evaluated(returns / len(problems), accuracy=None)
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.cancel()
+
+    async def _play(
+        self, problems: list[Problem], seeds: list[int], weights: WeightVersion, first: int
+    ) -> tuple[list[PlayedGroup], Routed]:
+        """``group_size`` episodes of each problem (the step's prompts ``first`` on), in one routed call."""
+        routed = await self.services.generators.play(problems, self.settings.group_size, weights, seeds, self.episodes)
+        return [
+            PlayedGroup(problem, first + i, routed.trajectories[i], routed.outcomes[i], routed.version)
+            for i, problem in enumerate(problems)
+        ], routed
+
+    async def _play_one(self, problem: Problem, seed: int, weights: WeightVersion, index: int) -> PlayedGroup:
+        """One group, its own request: what collection by group starts."""
+        (group,), routed = await self._play([problem], [seed], weights, index)
+        return replace(group, loads=routed.loads)
+
+    async def _batch(
+        self, step: int, played: list[PlayedGroup], loads: list[TargetLoad], generate: float, load: float
+    ) -> Collected:
+        """The step's batch of ``played`` groups, their reference logprobs scored; ``loads``, ``generate`` and
+        ``load``: what playing them took (per target, seconds sampling, seconds adopting weights)."""
+        outcomes = [outcome for group in played for outcome in group.outcomes]
+        failures = [outcome.failure for outcome in outcomes if outcome.failure is not None]
+        if len(failures) == len(outcomes):
+            first = failures[0] if failures else "no group finished"
+            raise EnvironmentDown(
+                f"every episode of step {step} failed, so there is nothing to train on; the first: {first}"
+            )
+        if failures:
+            self.failed(step, failures)
+        rows, reference_seconds = await self.services.reference.score(
+            [_episode_rows(group.trajectories, group.outcomes, group.version) for group in played]
+        )
+        finished = [outcome for outcome in outcomes if outcome.failure is None]
+        return Collected(
+            groups=[RolloutGroup(g.problem, g.index, tuple(r)) for g, r in zip(played, rows) if r],
+            distill_teacher=None,
+            seconds={"generate": generate, "load": load, "reward": 0.0, "teachers": 0.0}
+            | {"reference": reference_seconds},
+            teacher_metrics={},
+            generators=loads,
+            episode_metrics={
+                "episodes/failed": len(failures),
+                "episodes/turns": sum(o.turns for o in finished) / len(finished),
+                "episodes/ended_by_environment": sum(o.done for o in finished) / len(finished),
+                "episodes/split": sum(len(o.split) for o in finished),
+                "episodes/tokens_after_update": sum(o.updated_tokens for o in finished),
+            },
+        )
 
 
 class RecordedCollection:
@@ -349,6 +393,9 @@ class RecordedCollection:
 
     async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
         return self.batches[step]
+
+    async def close(self) -> None:
+        """Nothing runs: the batches were read before the run started."""
 
 
 def _joined(problems: list[Problem], rows: Rows) -> list[RolloutGroup]:
@@ -383,8 +430,14 @@ def _episode_rows(trajectories: list[Trajectory], outcomes: list[EpisodeOutcome]
     """A prompt's episodes as rows, rewarded with the environment's return (an agent's requests that could not
     be stitched into one sequence are rows of their own, with the same reward); the failed ones left out."""
     return [
-        Row(RowKind.SAMPLE, part, version, reward=Reward(outcome.reward))
+        Row(RowKind.SAMPLE, part, _oldest(outcome, version), reward=Reward(outcome.reward))
         for trajectory, outcome in zip(trajectories, outcomes)
         if outcome.failure is None
         for part in (trajectory, *outcome.split)
     ]
+
+
+def _oldest(outcome: EpisodeOutcome, requested: int) -> int:
+    """The version a row counts its policy age from: the oldest its turns used (an agent's turns take the
+    newest weights), else the request's."""
+    return requested if outcome.version is None else outcome.version

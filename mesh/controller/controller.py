@@ -136,6 +136,7 @@ class Controller:
             await self.services.generators.settle()  # every generator ends holding the final version
         finally:
             await self.scheduler.cancel()
+            await self.collection.close()
             await self.services.generators.close()
         return history
 
