@@ -1,8 +1,9 @@
 """``task: {agent: package.module:attr, problems: {...}}``: agent code written for the OpenAI API, trained as it is.
 
 An agent is ``async def agent(endpoint, problem, **params) -> float | None`` (or a class built once
-with ``params`` whose instances are called so): it gets an ``Endpoint`` (an OpenAI base URL, a key
-and the model name: ``openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)``)
+with ``params`` whose instances are called so; a class whose constructor takes ``problems`` is also
+given the ``problems`` task, to read a problem's own data): it gets an ``Endpoint`` (an OpenAI base
+URL, a key and the model name: ``openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)``)
 and one ``Problem`` of the ``problems`` task, talks to the model through the endpoint as often
 as it likes (up to ``max_turns`` replies), calls its own tools, and returns the episode's reward;
 or ``None``, and the ``problems`` task's reward scores the model's last reply. Every token the
@@ -101,11 +102,11 @@ class Agents:
 
     def __init__(self, spec: AgentSpec):
         target = registry.load("agent", spec.agent)
-        self.call = target(**spec.params) if inspect.isclass(target) else target
+        self.task: Task = build_task(spec.task)
+        self.call = _built(target, spec.params, self.task) if inspect.isclass(target) else target
         self.params = {} if inspect.isclass(target) else spec.params
         if not callable(self.call):
             raise TypeError(f"agent {spec.agent!r} is a {type(target).__name__}, not an async function or a class")
-        self.task: Task = build_task(spec.task)
         self.timeout_s = spec.timeout_s
 
     async def run(self, endpoint: Any, problem: Problem) -> AgentOutcome:
@@ -130,6 +131,13 @@ class Agents:
 
     def score(self, problem: Problem, last_reply: str) -> float:
         return float(self.task.reward(problem, last_reply))
+
+
+def _built(cls: type, params: dict, problems: Task) -> Any:
+    """An agent class built with ``params``, and the ``problems`` task when its constructor takes one."""
+    if "problems" in inspect.signature(cls).parameters:
+        return cls(**params, problems=problems)
+    return cls(**params)
 
 
 def _in_thread(call: Callable[[], Awaitable[Any]]) -> asyncio.Future:

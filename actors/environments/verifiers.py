@@ -26,11 +26,9 @@ controller's evaluation set, reads the head).
 A problem carries its verifiers task data as JSON (``Problem.data``), so the
 Rewarder rebuilds the task in its own process without loading the taskset's rows.
 
-Not used here: verifiers' full rollout (``vf.make_agent(...).run(task)``), where a
-harness program drives the model through an OpenAI endpoint. It needs a streaming
-chat endpoint (the generator has none) and ``uv``: when ``uv`` is missing, verifiers
-runs ``pip install --user uv`` itself, then ``uv sync --script`` fetches the harness
-program's dependencies from PyPI on first use.
+Scored here offline; verifiers' full rollout (``vf.make_agent(...).run(task)``), where a
+harness program drives the model through the run's OpenAI endpoint, is the agent
+``actors.environments.verifiers_agent:VerifiersAgent`` over these problems.
 """
 
 from __future__ import annotations
@@ -136,7 +134,7 @@ class VerifiersTask:
     async def areward_parts(self, problem: Problem, completion: str) -> dict[str, float]:
         """Each reward's score times its weight, by reward name (a reward verifiers could not compute
         without a runtime is absent)."""
-        task = self._task(problem)
+        task = self.task_of(problem)
         messages = [*chat_messages(task.data), {"role": "assistant", "content": completion}]
         trace = vf.Trace(
             agent=vf.AgentInfo(config=vf.AgentConfig()),
@@ -158,7 +156,8 @@ class VerifiersTask:
             data=task.data.model_dump_json(),
         )
 
-    def _task(self, problem: Problem) -> vf.Task:
+    def task_of(self, problem: Problem) -> vf.Task:
+        """The verifiers task ``problem`` was made from, rebuilt from its data (no rows are read)."""
         if problem.data is None:
             raise TypeError(
                 f"verifiers taskset {self.name!r} scores only the problems it made (with their task data), "

@@ -1,0 +1,74 @@
+"""A verifiers taskset through verifiers' own rollout (``actors/environments/verifiers_agent.py``): its harness program
+runs as a subprocess of this interpreter, its model calls reach the run's endpoint on a tiny BPE model, the tokens
+sampled are what the episode trains on, and the trace's rubric reward is the episode's."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("verifiers.v1", reason="verifiers is installed with the envs extra")
+
+from actors.engines import Sampling, sampling_seeds  # noqa: E402
+from actors.engines.hf import HFEngine  # noqa: E402
+from actors.environments.agent_task import Agents, AgentTask  # noqa: E402
+from actors.environments.endpoint import ChatServer  # noqa: E402
+from actors.model import TinyModelSpec, build_tiny_model  # noqa: E402
+
+BPE = TinyModelSpec(hidden_size=64, heads=4, kv_heads=2, max_positions=512, tokenizer="bpe")
+ARITH = "actors.environments.examples.vf_arith:ArithTaskset"
+AGENT = "actors.environments.verifiers_agent:VerifiersAgent"
+TURNS = 4
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> HFEngine:
+    model = build_tiny_model(tmp_path_factory.mktemp("bpe"), BPE, None, seed=0)
+    return HFEngine(str(model), Sampling(max_new_tokens=8))
+
+
+@pytest.fixture
+async def server(engine):
+    replies = []
+
+    async def sample(ids, seed, greedy):
+        replies.append(await engine.continue_from(ids, seed, greedy))
+        return replies[-1]
+
+    server = ChatServer(engine.tokenizer, sample, positions=BPE.max_positions, max_new_tokens=8)
+    server.replies = replies
+    await server.start()
+    yield server
+    await server.stop()
+
+
+def arith_agents(**params) -> tuple[AgentTask, Agents]:
+    task = AgentTask(AGENT, {"name": "verifiers", "taskset": ARITH, "config": {"count": 3}}, TURNS, 60.0, params)
+    return task, Agents(task.episodes())
+
+
+async def test_verifiers_rollout_goes_through_the_endpoint_and_its_reward_is_the_rubrics(server):
+    task, agents = arith_agents(harness=None)  # YAML's `harness: null`: verifiers' null harness, a chat loop
+    problem = task.problems(0, 0, 1)[0]
+    async with server.episode("v1", sampling_seeds(0, "v1", TURNS), False, version=0) as record:
+        outcome = await agents.run(server.endpoint("v1"), problem)
+    assert outcome.failure is None and isinstance(outcome.reward, float)
+    assert 0.0 <= outcome.reward <= 1.1  # the rubric: correct (weight 1) + brief (weight 0.1)
+    assert outcome.reward == pytest.approx(task.inner.reward(problem, record.last_reply))  # as scored offline
+    assert record.turns >= 1 and record.tokens.split == 0
+    (trajectory,) = record.trajectories()
+    trained = [t for t, m in zip(trajectory.completion_ids, trajectory.loss_mask, strict=True) if m]
+    assert trained == [t for reply in server.replies for t in reply.completion_ids]
+
+
+async def test_a_rollout_the_endpoint_refuses_fails_its_episode_with_the_endpoints_message(server):
+    task, agents = arith_agents(harness="bash")  # offers tools, which the tiny model's template does not render
+    async with server.episode("v2", sampling_seeds(0, "v2", TURNS), False, version=0):
+        outcome = await agents.run(server.endpoint("v2"), task.problems(0, 0, 1)[0])
+    assert outcome.reward is None and "upstream 400" in outcome.failure and "tools_not_rendered" in outcome.failure
+
+
+def test_only_verifiers_problems_and_harnesses_that_run_outside_a_container_are_taken():
+    with pytest.raises(ValueError, match="installs its program into a container runtime"):
+        arith_agents(harness="codex")
+    with pytest.raises(TypeError, match="plays verifiers tasksets"):
+        Agents(AgentTask(AGENT, {"name": "reverse"}).episodes())
