@@ -167,6 +167,7 @@ class Generator(Actor):
         self._frame: ChatFrame | None = None  # how the chat template frames an observation, read once
         self._agent_code: Agents | None = None  # an agent task's code and endpoint (``_agents``), made once
         self._server = None
+        self._starting_agents = asyncio.Lock()
         self._newest: WeightVersion | None = None  # the newest version requested or pushed: agents' turns use it
 
     @concurrent_endpoint
@@ -304,16 +305,17 @@ class Generator(Actor):
             self._newest = weights
 
     async def _agents(self, spec: AgentSpec) -> Agents:
-        """The agent code, loaded once, and this process's endpoint, started once."""
-        if self._agent_code is None:
-            from transformers import AutoConfig
+        """The agent code, loaded once, and this process's endpoint, started once (concurrent requests wait for it)."""
+        async with self._starting_agents:
+            if self._agent_code is None:
+                from transformers import AutoConfig
 
-            from actors.environments.endpoint import ChatServer
+                from actors.environments.endpoint import ChatServer
 
-            positions = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
-            self._server = ChatServer(self.tokenizer, self._turn, positions, self.cfg.max_new_tokens)
-            await self._server.start()
-            self._agent_code = Agents(spec)
+                positions = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
+                server = ChatServer(self.tokenizer, self._turn, positions, self.cfg.max_new_tokens)
+                await server.start()
+                self._server, self._agent_code = server, Agents(spec)
         return self._agent_code
 
     def _environments(self, spec: EpisodeSpec) -> Environments:

@@ -112,6 +112,8 @@ def resolve(kind: str, name: str) -> Backend | None:
     if kind not in BACKENDS:
         raise BackendError(f"unknown backend kind {kind!r}; kinds are {sorted(BACKENDS)}")
     if not is_import_path(name):
+        if not BACKENDS[kind]:  # user code only: there is no registered name to suggest
+            raise BackendError(f"{kind} {name!r} is not an import path of the form 'package.module:attr'")
         if name not in BACKENDS[kind]:
             known = ", ".join(sorted(BACKENDS[kind]))
             raise BackendError(

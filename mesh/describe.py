@@ -59,6 +59,20 @@ def _replay_graph(plan: RunPlan) -> list[str]:
     return graph
 
 
+def _episodes(topology) -> str:
+    if topology.task.name == "agent":
+        agent = (topology.task.model_extra or {}).get("agent")
+        return (
+            f"generator <-> agent ({agent}, a thread per episode): its requests to the generator's OpenAI endpoint "
+            "(loopback, per-process key), each turn sampled with the newest weights; one trajectory per episode of "
+            "the tokens sampled, the agent's messages masked out of the loss"
+        )
+    return (
+        f"generator <-> environment ({topology.task.name}): episodes turn by turn, each one trajectory "
+        "with the environment's tokens masked out of the loss"
+    )
+
+
 def _graph(plan: RunPlan) -> list[str]:
     topology = plan.topology
     lag = topology.loop.max_policy_lag
@@ -71,9 +85,9 @@ def _graph(plan: RunPlan) -> list[str]:
         ),
         *(
             [
-                f"generator <-> environment ({topology.task.name}): episodes turn by turn, each one trajectory "
-                "with the environment's tokens masked out of the loss",
-                "generator -> controller: episodes and their returns -> group advantages -> TrainBatch",
+                _episodes(topology),
+                "generator -> controller: episodes and their returns -> group advantages -> TrainBatch"
+                + (", each step taking the first groups to finish" if topology.loop.collect == "group" else ""),
             ]
             if topology.task.episodic
             else [

@@ -63,6 +63,7 @@ class AgentTask:
         max_turns: int = 4,
         timeout_s: float = 120.0,
         params: dict | None = None,
+        alphabet: str = OBSERVATION_ALPHABET,
     ):
         registry.resolve("agent", agent)  # the module must be findable; nothing runs
         if not isinstance(problems, dict) or not isinstance(problems.get("name"), str):
@@ -78,8 +79,8 @@ class AgentTask:
         inner = TaskConfig(problems["name"], {k: v for k, v in problems.items() if k != "name"})
         self.inner: Task = build_task(inner)
         self.spec = AgentSpec(agent, inner, max_turns, timeout_s, dict(params or {}))
-        alphabet = getattr(self.inner, "alphabet", None)
-        self.alphabet = "".join(dict.fromkeys(alphabet + OBSERVATION_ALPHABET)) if isinstance(alphabet, str) else None
+        inner_alphabet = getattr(self.inner, "alphabet", None)  # a tiny model's tokenizer also reads the agent's text
+        self.alphabet = "".join(dict.fromkeys(inner_alphabet + alphabet)) if isinstance(inner_alphabet, str) else None
         self.serve = None
 
     def problems(self, seed: int, step: int, count: int) -> list[Problem]:

@@ -1,0 +1,32 @@
+"""Agents that misbehave, one way per target number of ``MakeNumber`` (``tests/test_agents.py``); the other targets
+get the shipped ``make_number`` agent. Loaded by the generators as ``tests.agent_faults:agent``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from actors.environments.examples.tool_agents import make_number
+
+
+async def agent(endpoint, problem, always: str | None = None):
+    way = always or {"0": "raise", "1": "hang", "2": "silent", "3": "block", "4": "word", "5": "greedy"}.get(
+        problem.answer
+    )
+    if way == "raise":
+        raise ValueError("the agent's tool exploded")
+    if way == "hang":
+        await asyncio.sleep(1000)
+    if way == "silent":
+        return 1.0
+    if way == "block":
+        time.sleep(1000)
+    if way == "word":
+        return "yes"
+    if way == "greedy":  # more turns than task.max_turns allows
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+            for _ in range(3):
+                await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": "5="}])
+    return await make_number(endpoint, problem)

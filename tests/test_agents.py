@@ -1,0 +1,88 @@
+"""Agents written for the OpenAI API, trained through the generators' endpoint (``task: {agent: ...}``):
+whole runs of topologies/agent_tools.yaml from the command line, with real Monarch meshes, the hf engine,
+the official ``openai`` client and the sandboxed python tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mesh.topology import TopologyError, load_topology
+
+pytest.importorskip("openai", reason="the example agents use the openai client (pip install -e .[agents])")
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPOLOGY = ROOT / "topologies" / "agent_tools.yaml"
+FAULTS = "tests.agent_faults:agent"
+
+
+def run_cli(tmp_path: Path, *settings: str) -> tuple[subprocess.CompletedProcess, Path | None]:
+    command = [sys.executable, "-m", "mesh.run", str(TOPOLOGY), "--no-progress"]
+    command += [arg for setting in (*settings, f"logging.root={tmp_path}") for arg in ("--set", setting)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    runs = [path for path in tmp_path.iterdir() if path.name.startswith("agent_tools-")]
+    return result, runs[0] if runs else None
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_agents_that_misbehave_fail_only_their_episodes_and_say_why(tmp_path):
+    """One agent per way to misbehave (tests/agent_faults.py), collected by group at lag 1: the run goes on."""
+    settings = [f"task.agent={FAULTS}", "task.timeout_s=3", "loop.steps=3", "loop.collect=group"]
+    result, run_dir = run_cli(tmp_path, *settings, "loop.prompts_per_step=10", "loop.evaluation.every=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [row["step"] for row in rows] == [0, 1, 2] and all(row["episodes/failed"] > 0 for row in rows)
+    assert all("groups/dropped" in row for row in rows)
+    causes = {json.loads(line)["cause"] for line in (run_dir / "events.jsonl").read_text().splitlines()}
+    expected = [
+        "the agent raised ValueError: the agent's tool exploded",
+        "the agent did not finish within task.timeout_s (3 s)",
+        "the agent returned without calling the endpoint",
+        "the agent returned 'yes', not a reward (a number) or None",
+        "the agent asked for a turn past the task's max_turns (2)",
+    ]
+    for said in expected:
+        assert any(said in cause for cause in causes), (said, causes)
+    assert "Traceback" not in result.stderr
+
+
+def test_a_step_whose_every_agent_fails_stops_the_run_with_the_agents_own_error(tmp_path):
+    result, _ = run_cli(tmp_path, f"task.agent={FAULTS}", "task.params={always: raise}", "loop.steps=2")
+    assert result.returncode == 1
+    message = " ".join(result.stderr.split())
+    assert "every episode of step 0 failed, so there is nothing to train on" in message
+    assert "the agent raised ValueError: the agent's tool exploded" in message and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # 12 steps of a whole CLI run (~45 s on 2 cores)
+def test_agent_tools_learns_through_the_endpoint(tmp_path):
+    result, run_dir = run_cli(tmp_path, "loop.steps=12", "loop.evaluation.every=0", "checkpointing.every=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rewards = [row["reward/mean"] for row in metrics(run_dir)]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
+    assert all(row["episodes/failed"] == 0 and row["episodes/turns"] >= 1 for row in metrics(run_dir))
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["task.agent=no_such_package.agents:run"], "cannot import module 'no_such_package.agents'"),
+        (["task.agent=not a path"], "is not an import path of the form 'package.module:attr'"),
+        (["task.problems=math"], "name the task whose problems the agent works"),
+        (["task.timeout_s=0"], "timeout_s in (0, 86400] seconds"),
+        (["task={name: reverse}", "loop.collect=group"], "loop.collect is group, which takes episode tasks"),
+    ],
+)
+def test_an_agent_task_refuses_what_it_cannot_run_at_check_time(overrides, said):
+    with pytest.raises(TopologyError) as refused:
+        load_topology(TOPOLOGY, overrides)
+    assert said in " ".join(str(refused.value).split())
