@@ -67,7 +67,6 @@ from mesh.controller import (  # noqa: E402
     SampleCollection,
     Services,
 )
-from mesh.controller.groups import GroupPool  # noqa: E402
 from mesh.controller.samples import SampleRecording  # noqa: E402
 from mesh.faults import explain, paragraph  # noqa: E402
 from mesh.fingerprint import built_weights, topology_fingerprint  # noqa: E402
@@ -438,8 +437,8 @@ def _collection(
     if replay is not None:
         return RecordedCollection(replay)
     if episodes is not None:
-        pool = GroupPool(settings.max_policy_lag) if settings.collect.by_group else None
-        return EpisodeCollection(settings.collect, task, services, episodes, failed, pool)
+        lag = settings.max_policy_lag if settings.collect.by_group else None
+        return EpisodeCollection(settings.collect, task, services, episodes, failed, lag)
     return SampleCollection(settings.collect, task, services)
 
 

@@ -484,13 +484,19 @@ class Topology(Section):
     def _check_episodes(self) -> None:
         """An episode task's reward is the environment's, and a teacher's trace is one reply to a
         prompt, not a played episode: neither the Rewarder's functions nor the teachers apply."""
+        if self.loop.collect == "group" and not self.task.episodic:
+            raise ValueError(
+                f"loop.collect is group, which takes episode tasks (task openenv or agent), but task "
+                f"{self.task.name!r} samples one reply per prompt, which every step collects whole; remove "
+                "loop.collect"
+            )
+        if self.loop.collect == "group" and self.loop.max_policy_lag == 0:
+            raise ValueError(
+                "loop.collect is group, whose groups run while the trainer trains, but loop.max_policy_lag is 0, "
+                "where each step samples with the weights it trains; set loop.max_policy_lag to 1 or more, or "
+                "remove loop.collect"
+            )
         if not self.task.episodic:
-            if self.loop.collect == "group":
-                raise ValueError(
-                    f"loop.collect is group, which takes episode tasks (task openenv or agent), but task "
-                    f"{self.task.name!r} samples one reply per prompt, which every step collects whole; remove "
-                    "loop.collect"
-                )
             return
         loss = self.actors.trainer.loss
         conflicts = {

@@ -5,29 +5,22 @@ the official ``openai`` client and the sandboxed python tool."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tiny_runs import ROOT, run_topology
 
 from mesh.topology import TopologyError, load_topology
 
 pytest.importorskip("openai", reason="the example agents use the openai client (pip install -e .[agents])")
 
-ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = ROOT / "topologies" / "agent_tools.yaml"
 FAULTS = "tests.agent_faults:agent"
 
 
 def run_cli(tmp_path: Path, *settings: str) -> tuple[subprocess.CompletedProcess, Path | None]:
-    command = [sys.executable, "-m", "mesh.run", str(TOPOLOGY), "--no-progress"]
-    command += [arg for setting in (*settings, f"logging.root={tmp_path}") for arg in ("--set", setting)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    runs = [path for path in tmp_path.iterdir() if path.name.startswith("agent_tools-")]
-    return result, runs[0] if runs else None
+    return run_topology(TOPOLOGY, tmp_path, *settings)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -55,6 +48,7 @@ def test_agents_that_misbehave_fail_only_their_episodes_and_say_why(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a whole CLI run to its failure (~20 s); the default tier runs the misbehaving agents above
 def test_a_step_whose_every_agent_fails_stops_the_run_with_the_agents_own_error(tmp_path):
     result, _ = run_cli(tmp_path, f"task.agent={FAULTS}", "task.params={always: raise}", "loop.steps=2")
     assert result.returncode == 1

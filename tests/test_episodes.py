@@ -9,16 +9,15 @@ uvicorn in a subprocess, and topologies/env_multiturn.yaml through the command l
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-import sys
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from monarch.actor import this_host
+from tiny_runs import run_topology
 
 from actors.compute import Placement
 from actors.engines import sampling_seeds
@@ -229,12 +228,7 @@ def test_an_episode_task_refuses_what_it_cannot_do_and_names_the_fix(overrides, 
 
 
 def run_cli(tmp_path: Path, *settings: str) -> tuple[subprocess.CompletedProcess, Path | None]:
-    command = [sys.executable, "-m", "mesh.run", str(TOPOLOGY), "--no-progress"]
-    command += [arg for setting in (*settings, f"logging.root={tmp_path}") for arg in ("--set", setting)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    runs = [path for path in tmp_path.iterdir() if path.name.startswith("env_multiturn-")]
-    return result, runs[0] if runs else None
+    return run_topology(TOPOLOGY, tmp_path, *settings)
 
 
 @pytest.mark.slow  # a whole CLI run; the default run plays served episodes in test_a_generator_plays_episodes_...

@@ -3,71 +3,113 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import pytest
 
 from actors.rollout import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
-from mesh.controller.groups import GroupPool, PlayedGroup
+from mesh.controller.groups import DOWN_AFTER, GroupPool, PlayedGroup
 
 
-def group(index: int, version: int, oldest: int | None = None) -> PlayedGroup:
-    outcome = EpisodeOutcome(1.0, 1, True, version=oldest)
-    return PlayedGroup(Problem(f"p{index}", "a"), index, [Trajectory([1], [2], [0.0], [True], "x")], [outcome], version)
+@dataclass(frozen=True)
+class Weights:
+    version: int
 
 
-async def finishing(release: asyncio.Event, played: PlayedGroup) -> PlayedGroup:
-    await release.wait()
-    return played
+class Stream:
+    """Group n of the prompt stream finishes when ``finish(n)`` says so (``oldest``: its first turn's version)."""
+
+    def __init__(self):
+        self.gates: dict[int, asyncio.Event] = {}
+        self.started: list[tuple[int, int]] = []  # (n, version)
+        self.oldest: dict[int, int] = {}
+        self.broken: set[int] = set()
+
+    async def play(self, n: int, weights: Weights) -> PlayedGroup:
+        self.started.append((n, weights.version))
+        await self.gates.setdefault(n, asyncio.Event()).wait()
+        if n in self.broken:
+            raise RuntimeError(f"generator target 0 died in group {n}")
+        outcome = EpisodeOutcome(1.0, 1, True, version=self.oldest.get(n))
+        return PlayedGroup(Problem(f"p{n}", "a"), n, [Trajectory([1], [2], [0.0], [True], "x")], [outcome], weights.version)
+
+    async def finish(self, *groups: int) -> None:
+        for n in groups:
+            self.gates.setdefault(n, asyncio.Event()).set()
+        for _ in range(4):  # the groups return, their callbacks start the next ones, which begin to run
+            await asyncio.sleep(0)
 
 
-async def test_steps_take_the_first_groups_to_finish_in_step_order():
-    pool = GroupPool(max_policy_lag=1)
-    gates = [asyncio.Event() for _ in range(4)]
-    for i, gate in enumerate(gates):  # step 0 started groups 0 and 1, step 1 groups 2 and 3
-        pool.start(finishing(gate, group(i, version=i // 2)))
-    first, second = (asyncio.ensure_future(take(pool, step)) for step in (0, 1))
-    for i in (3, 2, 0):  # group 1 is slow
-        gates[i].set()
-        await asyncio.sleep(0)
-    assert [g.index for g in (await first)[0]] == [3, 2]  # step 0 did not wait for its slow group
-    gates[1].set()
-    assert [g.index for g in (await second)[0]] == [0, 1]
-
-
-async def take(pool: GroupPool, step: int, count: int = 2):
+async def take(pool: GroupPool, step: int):
     async with pool.in_order:
-        return await pool.take(step, count)
+        return await pool.take(step)
+
+
+async def test_groups_run_continuously_and_a_step_takes_the_first_to_finish():
+    stream = Stream()
+    pool = GroupPool(max_policy_lag=1, per_step=2, play=stream.play)
+    pool.follow(Weights(0))
+    await asyncio.sleep(0)
+    assert [n for n, _ in stream.started] == [0, 1, 2, 3]  # (lag + 1) x per_step running
+    await stream.finish(3, 1)
+    assert [n for n, _ in stream.started] == [0, 1, 2, 3, 4, 5]  # each finish started the next group
+    taken, dropped = await take(pool, 0)
+    assert [g.index for g in taken] == [3, 1] and dropped == 0  # step 0 did not wait for groups 0 and 2
+    pool.follow(Weights(1))
+    await stream.finish(0, 4)
+    assert stream.started[-2:] == [(6, 1), (7, 1)]  # new groups start with the newest weights
+    assert [g.index for g in (await take(pool, 1))[0]] == [0, 4]
 
 
 async def test_a_group_older_than_the_lag_is_dropped_and_the_step_waits_for_a_fresh_one():
-    pool = GroupPool(max_policy_lag=1)
-    late = asyncio.Event()
-    pool.start(_done(group(0, version=0)))
-    pool.start(_done(group(1, version=3, oldest=1)))
-    pool.start(finishing(late, group(2, version=3)))
-    taking = asyncio.ensure_future(take(pool, step=3, count=2))
-    await asyncio.sleep(0.01)
-    assert not taking.done()  # version 0 is 3 behind: dropped; version 1 (its oldest turn) is 2 behind: dropped
-    late.set()
+    stream = Stream()
+    pool = GroupPool(max_policy_lag=1, per_step=1, play=stream.play)
+    pool.follow(Weights(0))
+    await asyncio.sleep(0)
+    pool.follow(Weights(2))
+    stream.oldest[1] = 0  # its first turn used version 0, though it was asked with 0 too
+    await stream.finish(0, 1)  # both version 0: at step 2 they are 2 behind
+    taking = asyncio.ensure_future(take(pool, 2))
+    await asyncio.sleep(0)
+    assert not taking.done()
+    await stream.finish(2)  # started with version 2 when group 0 finished
     taken, dropped = await taking
-    assert [g.index for g in taken] == [2] and dropped == 2  # nothing left to wait for: the step takes what there is
-
-
-async def _done(played: PlayedGroup) -> PlayedGroup:
-    return played
+    assert [g.index for g in taken] == [2] and dropped == 2
 
 
 async def test_a_failed_group_fails_the_step_that_takes_and_cancel_stops_the_rest():
-    pool = GroupPool(max_policy_lag=0)
-
-    async def broken() -> PlayedGroup:
-        raise RuntimeError("generator target 0 died")
-
-    pool.start(broken())
-    hanging = asyncio.Event()
-    pool.start(finishing(hanging, group(1, version=0)))
-    with pytest.raises(RuntimeError, match="generator target 0 died"):
-        await take(pool, step=0)
+    stream = Stream()
+    stream.broken.add(0)
+    pool = GroupPool(max_policy_lag=1, per_step=1, play=stream.play)
+    pool.follow(Weights(0))
+    await asyncio.sleep(0)
+    await stream.finish(0)
+    with pytest.raises(RuntimeError, match="generator target 0 died in group 0"):
+        await take(pool, 0)
+    assert len(stream.started) == 2  # after a failure no group starts
     await pool.cancel()
     assert not pool.running and not pool.finished
+
+
+async def test_failed_groups_do_not_fill_a_batch_until_so_many_fail_in_a_row_that_the_task_is_down():
+    stream = Stream()
+    failing = lambda n, weights: _failed(n, weights)  # noqa: E731
+    pool = GroupPool(max_policy_lag=1, per_step=1, play=failing)
+    pool.follow(Weights(0))
+    groups, dropped = await take(pool, 0)
+    assert len(groups) == DOWN_AFTER * pool.budget and all(g.failed for g in groups) and dropped == 0
+    await pool.cancel()
+    mixed = GroupPool(max_policy_lag=1, per_step=1, play=lambda n, w: _failed(n, w) if n % 2 else stream.play(n, w))
+    mixed.follow(Weights(0))
+    await asyncio.sleep(0)
+    await stream.finish(0)
+    groups, _ = await take(mixed, 0)
+    assert groups[0].index == 0 and not groups[0].failed  # the batch is the good group, however many failed first
+    assert all(g.failed for g in groups[1:])
+    await mixed.cancel()
+
+
+async def _failed(n: int, weights: Weights) -> PlayedGroup:
+    outcome = EpisodeOutcome(0.0, 0, False, failure="the agent raised ValueError: boom")
+    return PlayedGroup(Problem(f"p{n}", "a"), n, [Trajectory([], [], [], [], "")], [outcome], weights.version)

@@ -27,3 +27,14 @@ def finished_tiny_run(root: Path, settings: list[str]) -> Path:
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = root.glob("tiny-*")
     return run
+
+
+def run_topology(topology: Path, root: Path, *settings: str) -> tuple[subprocess.CompletedProcess, Path | None]:
+    """``python -m mesh.run topology`` with ``settings`` (``key=value``) and its runs under ``root`` (also its
+    working directory); the finished process and its run directory (None if it made none)."""
+    command = [sys.executable, "-m", "mesh.run", str(topology), "--no-progress"]
+    command += [arg for setting in (*settings, f"logging.root={root}") for arg in ("--set", setting)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    runs = [path for path in root.iterdir() if path.name.startswith(f"{topology.stem}-")]
+    return result, runs[0] if runs else None

@@ -295,12 +295,15 @@ class EpisodeCollection(_Collection):
         services: Services,
         episodes: EpisodeSpec | AgentSpec,
         failed: Callable[[int, list[str]], None],
-        pool: GroupPool | None = None,
+        group_lag: int | None = None,
     ):
         """``episodes``: how to play the task's episodes (its server's url resolved, or its agent);
-        ``failed``: reports a step's failed episodes, by cause; ``pool``: collect by group (``groups.py``)."""
+        ``failed``: reports a step's failed episodes, by cause; ``group_lag``: collect by group, no group older
+        than this (``groups.py``), else (None) by step."""
         super().__init__(settings, task, services)
-        self.episodes, self.failed, self.pool = episodes, failed, pool
+        self.episodes, self.failed = episodes, failed
+        self.pool = None if group_lag is None else GroupPool(group_lag, settings.prompts_per_step, self._streamed)
+        self._step_prompts: tuple[int, list[Problem], list[int]] | None = None  # the last step the stream read
 
     async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
         """Step ``step``'s episodes: each prompt's group is its episodes that did not fail, each row
@@ -312,10 +315,9 @@ class EpisodeCollection(_Collection):
             played, routed = await self._play(problems, seeds, weights, 0)
             return await self._batch(step, played, routed.loads, routed.sampling_seconds, routed.load_seconds)
         start = time.perf_counter()
-        for i, problem in enumerate(problems):
-            self.pool.start(self._play_one(problem, seeds[i], weights, i))
+        self.pool.follow(weights)
         async with self.pool.in_order:
-            played, dropped = await self.pool.take(step, len(problems))
+            played, dropped = await self.pool.take(step)
         loads = [sum(per, TargetLoad()) for per in zip(*(group.loads for group in played))]
         collected = await self._batch(step, played, loads, time.perf_counter() - start, 0.0)
         collected.episode_metrics["groups/dropped"] = dropped
@@ -344,9 +346,14 @@ class EpisodeCollection(_Collection):
             for i, problem in enumerate(problems)
         ], routed
 
-    async def _play_one(self, problem: Problem, seed: int, weights: WeightVersion, index: int) -> PlayedGroup:
-        """One group, its own request: what collection by group starts."""
-        (group,), routed = await self._play([problem], [seed], weights, index)
+    async def _streamed(self, n: int, weights: WeightVersion) -> PlayedGroup:
+        """Group ``n`` of the prompt stream (prompt ``n % P`` of step ``n // P``'s), its own request: what
+        collection by group starts."""
+        step, index = divmod(n, self.settings.prompts_per_step)
+        if self._step_prompts is None or self._step_prompts[0] != step:
+            self._step_prompts = (step, *self._prompts(step))
+        _, problems, seeds = self._step_prompts
+        (group,), routed = await self._play([problems[index]], [seeds[index]], weights, index)
         return replace(group, loads=routed.loads)
 
     async def _batch(

@@ -1,34 +1,38 @@
-"""Collection by group (``loop.collect: group``): a step trains on the first groups to finish, not its own.
+"""Collection by group (``loop.collect: group``): groups run continuously and a step takes the first to finish.
 
 An episode task's groups take very different times (an agent that calls its tools ten times, one
-that answers at once). Collected by step, every step waits for its slowest episode. Collected by
-group, each step's collection still starts its own prompts' groups, with the newest weights, each
-group its own request; but it takes the first ``prompts_per_step`` groups to finish, whichever
-collection started them, and the steps take in step order::
+that answers at once). Collected by step, every step waits for its slowest group, and a new step's
+groups start only when the trainer takes a batch. Collected by group, the pool keeps
+``(max_policy_lag + 1) x prompts_per_step`` groups running at all times, each its own request with
+the newest weights: when one finishes, the next group of the prompt stream starts. A step takes
+the first ``prompts_per_step`` finished groups, the steps in step order::
 
-    started:   step k: g0 g1 g2 g3        step k+1: g0' g1' g2' g3'     (each group one request)
-    finished:  g1 g3 g0' g2 g1' ...       (in the pool, in the order they finish)
-    take(k):   the first 4 that are fresh enough; take(k+1) the next 4; a slow g0 waits for a later step
+    running:   g0 g1 ... g15                  (group n: prompt n % P of step n // P's prompts)
+    finished:  g3 g1 g7 g0 g12 ...            each finish starts the next group, g16, g17, ...
+    take(k):   the first P fresh enough; a slow group is taken by a later step, or dropped
 
-The scheduler's step window stays the budget (at most ``max_policy_lag + 1`` steps' groups in
-flight) and becomes a staleness rule on groups: a group whose oldest token is more than
+``max_policy_lag`` becomes a staleness rule on groups: a group whose oldest token is more than
 ``max_policy_lag`` versions behind the step that takes it is dropped (``groups/dropped``), never
-trained on. With ``max_policy_lag: 0`` only one step's groups are ever in flight, so each step
-takes its own, as by step. Which groups a step takes depends on timing: a run collected by group
-is not reproduced exactly by a rerun or a resume (its checkpoint keeps the batches taken, not the
-pool).
+trained on. Which groups a step takes depends on timing, so a run collected by group is not
+reproduced exactly by a rerun or a resume (its checkpoint keeps the batches taken, not the pool).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from actors.rollout import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
+from actors.weights import WeightVersion
 from mesh.router import TargetLoad
+
+# A down environment fails every group at once, over and over; a task where some problems fail fast and the rest
+# take long also fails many in a row at first (the fast failures come back before any success), but not this many.
+DOWN_AFTER = 4
+Play = Callable[[int, WeightVersion], Awaitable["PlayedGroup"]]  # (group n of the stream, weights) -> it, played
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,16 @@ class PlayedGroup:
     """One prompt's episodes as a generator played them."""
 
     problem: Problem
-    index: int  # the prompt's place in the step that started it (its sampling seed)
+    index: int  # the prompt's place in the step whose prompts it is (its sampling seed)
     trajectories: list[Trajectory]
     outcomes: list[EpisodeOutcome]
     version: int  # the weights of the request (an agent's turns may have used newer ones)
     loads: list[TargetLoad] = field(default_factory=list)  # by generator target: its own request's, by group
+
+    @property
+    def failed(self) -> bool:
+        """Every episode of it failed: it has no row to train on."""
+        return all(o.failure is not None for o in self.outcomes)
 
     @property
     def oldest(self) -> int:
@@ -49,46 +58,62 @@ class PlayedGroup:
 
 
 class GroupPool:
-    """Groups in flight and finished, taken by the steps in the order they ask (see the module docstring)."""
+    """The groups running and finished, taken by the steps in the order they ask (see the module docstring)."""
 
-    def __init__(self, max_policy_lag: int):
-        self.max_policy_lag = max_policy_lag
+    def __init__(self, max_policy_lag: int, per_step: int, play: Play):
+        self.max_policy_lag, self.per_step, self.play = max_policy_lag, per_step, play
+        self.budget = (max_policy_lag + 1) * per_step  # groups running at once
+        self.streamed = 0  # the next group of the prompt stream
+        self.weights: WeightVersion | None = None  # the newest: what groups start with
         self.finished: deque[PlayedGroup] = deque()
         self.running: set[asyncio.Future] = set()
         self.changed = asyncio.Event()
         self.in_order = asyncio.Lock()  # fair: the steps take in the order their collections began
         self.error: BaseException | None = None
+        self.failing = 0  # groups in a row whose every episode failed
 
-    def start(self, playing: Awaitable[PlayedGroup]) -> None:
-        group = asyncio.ensure_future(playing)
-        self.running.add(group)
-        group.add_done_callback(self._arrived)
+    def follow(self, weights: WeightVersion) -> None:
+        """Groups start with ``weights`` from now on (a newer version than any before), and the pool is full."""
+        if self.weights is None or weights.version > self.weights.version:
+            self.weights = weights
+        self._refill()
 
-    async def take(self, step: int, count: int) -> tuple[list[PlayedGroup], int]:
-        """The first ``count`` finished groups fresh enough for ``step``, once finished (fewer when no group is
-        left to wait for), and how many stale ones were dropped on the way."""
-        taken, dropped = [], 0
+    async def take(self, step: int) -> tuple[list[PlayedGroup], int]:
+        """The first ``per_step`` finished groups fresh enough for ``step`` that have rows to train on, with
+        the failed groups met on the way (their failures are the step's to report), and how many stale groups
+        were dropped. Failed groups do not fill the batch, or fast failures would crowd out every episode
+        that takes longer; once ``DOWN_AFTER`` times as many groups as run at once have failed in a row, the
+        failed ones are the step's whole batch (every episode failed: the environment or the agent is down)."""
+        good, failed, dropped = [], [], 0
         while True:
             if self.error is not None:
                 raise self.error
-            while self.finished and len(taken) < count:
+            while self.finished and len(good) < self.per_step:
                 group = self.finished.popleft()
                 if step - group.oldest > self.max_policy_lag:
                     dropped += 1
                 else:
-                    taken.append(group)
-            if len(taken) == count or not self.running:
-                return taken, dropped
+                    (failed if group.failed else good).append(group)
+            if len(good) == self.per_step or (not good and self.failing >= DOWN_AFTER * self.budget):
+                return good + failed, dropped
             self.changed.clear()
             await self.changed.wait()
 
     async def cancel(self) -> None:
-        """Stop every group in flight and forget the finished ones (a failed step, a trainer restart)."""
+        """Stop every group running and forget the finished ones (the run's end); none starts after."""
+        self.budget = 0
         for group in self.running:
             group.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
         self.running.clear()
         self.finished.clear()
+
+    def _refill(self) -> None:
+        while len(self.running) < self.budget and self.error is None:
+            group = asyncio.ensure_future(self.play(self.streamed, self.weights))
+            self.streamed += 1
+            self.running.add(group)
+            group.add_done_callback(self._arrived)
 
     def _arrived(self, group: asyncio.Future) -> None:
         self.running.discard(group)
@@ -98,4 +123,6 @@ class GroupPool:
             self.error = self.error or group.exception()
         else:
             self.finished.append(group.result())
+            self.failing = self.failing + 1 if group.result().failed else 0
+        self._refill()
         self.changed.set()

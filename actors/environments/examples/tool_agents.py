@@ -58,7 +58,7 @@ async def make_number(endpoint, problem: Problem, tries: int = 2, retry_reward: 
         for attempt in range(tries):
             reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
             expression = reply.choices[0].message.content or ""
-            value = await _computed(expression)
+            value = await computed(expression)
             if value is not None:
                 closeness = max(0.0, 1.0 - abs(value - target) / 10)
                 best = max(best, closeness * (1.0 if attempt == 0 else retry_reward))
@@ -69,7 +69,7 @@ async def make_number(endpoint, problem: Problem, tries: int = 2, retry_reward: 
     return best
 
 
-async def _computed(expression: str) -> int | None:
+async def computed(expression: str) -> int | None:
     """The integer the python tool prints for ``expression``; None when it prints none."""
     computed = await run_python(f"print(int({expression}))", TOOL_LIMITS)
     text = computed.output.strip()

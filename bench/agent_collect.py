@@ -1,0 +1,72 @@
+"""Benchmark: an agent task whose groups vary 10x in length, collected by group against by step.
+
+    python bench/agent_collect.py            # lags 1 and 2, one run per mode each, 16 steps (~8 min on 2 cores)
+    python bench/agent_collect.py --quick    # lag 1, 8 steps
+
+topologies/agent_tools.yaml with ``varied`` (bench/varied_agent.py) as its agent: ``make_number``'s two
+tries, each tool call taking 0.5 s to 5 s more (10x apart, fixed per problem: a group's episodes take
+as long as each other). Collected by step, a step waits for its slowest group; collected by group
+(``loop.collect: group``), groups run continuously and a step takes the first to finish, dropping
+those older than the lag. Reported per mode and lag: trained samples/s (the steps' samples over
+their time, the first two steps and the last left out), the groups dropped as stale, and the share of
+the model's tokens sampled by a newer version than their episode started on (episodes that went on
+across a weight update), with the runs' median mismatch KL (trainer against sampler, all tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import machine  # bench/ is on sys.path when this runs as a script
+from varied_agent import LONGEST_S, SHORTEST_S
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+TOPOLOGY = ROOT / "topologies" / "agent_tools.yaml"
+def run(mode: str, lag: int, steps: int, root: Path) -> dict:
+    settings = [f"loop.collect={mode}", f"loop.max_policy_lag={lag}", f"loop.steps={steps}"]
+    settings += ["loop.evaluation.every=0", "checkpointing.every=0", "task.agent=bench.varied_agent:varied"]
+    command = [sys.executable, "-m", "mesh.run", str(TOPOLOGY), "--no-progress", "--set", f"logging.root={root}"]
+    command += [arg for setting in settings for arg in ("--set", setting)]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    (run_dir,) = root.glob("agent_tools-*")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[2:-1]
+    tokens = sum(row["completion_len/mean"] * row["generator/0/rows"] for row in rows)  # the model's, every row
+    return {
+        "samples_per_s": sum(row["generator/0/rows"] for row in steady) / sum(row["time/step"] for row in steady),
+        "dropped": sum(row.get("groups/dropped", 0) for row in rows),
+        "after_update": sum(row["episodes/tokens_after_update"] for row in rows) / tokens,
+        "mismatch_k1": statistics.median(row["train/policy/mismatch_k1"] for row in rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="lag 1 only, 8 steps")
+    args = parser.parse_args()
+    lags, steps = ((1,), 8) if args.quick else ((1, 2), 16)
+    print(machine())
+    results = {}
+    for lag in lags:
+        for mode in ("step", "group"):
+            results[f"{mode} lag {lag}"] = run(mode, lag, steps, Path(tempfile.mkdtemp(prefix=f"agents-{mode}-")))
+            print(f"{mode} lag {lag}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[f"{mode} lag {lag}"].items()))
+    for lag in lags:
+        ratio = results[f"group lag {lag}"]["samples_per_s"] / results[f"step lag {lag}"]["samples_per_s"]
+        print(f"lag {lag}: trained samples/s by group / by step {ratio:.2f}x (groups {SHORTEST_S:g}-{LONGEST_S:g} s)")
+    OUT.mkdir(exist_ok=True)
+    record = {"machine": machine(), "date": datetime.date.today().isoformat(), "runs": results}
+    (OUT / "agent_collect.json").write_text(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
