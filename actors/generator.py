@@ -292,8 +292,14 @@ class Generator(Actor):
 
     async def _turn(self, ids: list[int], seed: int, greedy: bool) -> tuple[Trajectory, int]:
         """One turn of an agent's episode, sampled with the newest weights this process knows: an episode in
-        flight when new weights land goes on with them from its next turn; the version each turn used is kept."""
-        weights = self._newest
+        flight when new weights land goes on with them from its next turn; the version each turn used is kept.
+        The sampling runs to its end even when its request is abandoned, holding the weights it uses until then:
+        no weight change may reach the engine under a request it still runs."""
+        return await asyncio.shield(asyncio.ensure_future(self._sample_turn(ids, seed, greedy, self._newest)))
+
+    async def _sample_turn(
+        self, ids: list[int], seed: int, greedy: bool, weights: WeightVersion
+    ) -> tuple[Trajectory, int]:
         async with self.gate.use(weights, self._switch):
             reply = await self.engine.continue_from(ids, seed, greedy)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check

@@ -265,7 +265,11 @@ class ChatServer:
         except EpisodeOver as error:
             record.failure = str(error)
             raise ApiError(400, "context_length_exceeded", f"episode {record.episode_id} has ended: {error}") from None
-        reply, version = await self.sample(segment.ids, seed, record.greedy)
+        try:
+            reply, version = await self.sample(segment.ids, seed, record.greedy)
+        except Exception as error:  # the generator's own failure (a weight switch, the engine): the episode ends
+            record.failure = f"the generator could not sample turn {record.turns}: {type(error).__name__}: {error}"
+            raise ApiError(500, "server_error", record.failure) from None
         reply = _cut(reply, _max_tokens(body), self.tokenizer)
         record.turn_versions.append((len(reply.completion_ids), version))
         return reply
