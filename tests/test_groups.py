@@ -9,7 +9,7 @@ import pytest
 
 from actors.rollout import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
-from mesh.controller.groups import DOWN_AFTER, GroupPool, PlayedGroup
+from mesh.controller.groups import GroupPool, PlayedGroup
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,13 @@ async def test_a_failed_group_fails_the_step_that_takes_and_cancel_stops_the_res
     assert not pool.running and not pool.finished
 
 
-async def test_failed_groups_do_not_fill_a_batch_until_so_many_fail_in_a_row_that_the_task_is_down():
+async def test_failed_groups_do_not_fill_a_batch_until_a_run_of_the_stream_fails_and_the_task_is_down():
     stream = Stream()
     failing = lambda n, weights: _failed(n, weights)  # noqa: E731
     pool = GroupPool(max_policy_lag=1, per_step=1, play=failing)
     pool.follow(Weights(0))
     groups, dropped = await take(pool, 0)
-    assert len(groups) == DOWN_AFTER * pool.budget and all(g.failed for g in groups) and dropped == 0
+    assert len(groups) >= pool.budget and all(g.failed for g in groups) and dropped == 0
     await pool.cancel()
     mixed = GroupPool(max_policy_lag=1, per_step=1, play=lambda n, w: _failed(n, w) if n % 2 else stream.play(n, w))
     mixed.follow(Weights(0))

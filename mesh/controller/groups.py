@@ -29,9 +29,6 @@ from actors.tasks import Problem
 from actors.weights import WeightVersion
 from mesh.router import TargetLoad
 
-# A down environment fails every group at once, over and over; a task where some problems fail fast and the rest
-# take long also fails many in a row at first (the fast failures come back before any success), but not this many.
-DOWN_AFTER = 4
 Play = Callable[[int, WeightVersion], Awaitable["PlayedGroup"]]  # (group n of the stream, weights) -> it, played
 
 
@@ -70,7 +67,7 @@ class GroupPool:
         self.changed = asyncio.Event()
         self.in_order = asyncio.Lock()  # fair: the steps take in the order their collections began
         self.error: BaseException | None = None
-        self.failing = 0  # groups in a row whose every episode failed
+        self.failed_since_success = 0  # groups whose every episode failed, since one did not
 
     def follow(self, weights: WeightVersion) -> None:
         """Groups start with ``weights`` from now on (a newer version than any before), and the pool is full."""
@@ -82,8 +79,7 @@ class GroupPool:
         """The first ``per_step`` finished groups fresh enough for ``step`` that have rows to train on, with
         the failed groups met on the way (their failures are the step's to report), and how many stale groups
         were dropped. Failed groups do not fill the batch, or fast failures would crowd out every episode
-        that takes longer; once ``DOWN_AFTER`` times as many groups as run at once have failed in a row, the
-        failed ones are the step's whole batch (every episode failed: the environment or the agent is down)."""
+        that takes longer. Once the pool is ``down``, the failed ones are the step's whole batch."""
         good, failed, dropped = [], [], 0
         while True:
             if self.error is not None:
@@ -94,7 +90,7 @@ class GroupPool:
                     dropped += 1
                 else:
                     (failed if group.failed else good).append(group)
-            if len(good) == self.per_step or (not good and self.failing >= DOWN_AFTER * self.budget):
+            if len(good) == self.per_step or (not good and self.down):
                 return good + failed, dropped
             self.changed.clear()
             await self.changed.wait()
@@ -109,7 +105,9 @@ class GroupPool:
         self.finished.clear()
 
     def _refill(self) -> None:
-        while len(self.running) < self.budget and self.error is None:
+        """Start groups until ``budget`` run; a group that failed keeps its place until one succeeds, so fast
+        failures cannot cycle without end while slower groups run."""
+        while len(self.running) + self.failed_since_success < self.budget and self.error is None:
             group = asyncio.ensure_future(self.play(self.streamed, self.weights))
             self.streamed += 1
             self.running.add(group)
@@ -123,6 +121,11 @@ class GroupPool:
             self.error = self.error or group.exception()
         else:
             self.finished.append(group.result())
-            self.failing = self.failing + 1 if group.result().failed else 0
+            self.failed_since_success = self.failed_since_success + 1 if group.result().failed else 0
         self._refill()
         self.changed.set()
+
+    @property
+    def down(self) -> bool:
+        """Every place's last group failed and none runs: the environment or the agent fails every episode."""
+        return not self.running and self.failed_since_success >= self.budget
