@@ -81,7 +81,8 @@ def main() -> None:
         "step_s": [row["time/step"] for row in trained],
         "wall_s": wall,
     }
-    print(f"held-out greedy episode reward {evals[0]:.3f} -> {evals[-1]:.3f} in {len(trained)} steps, {wall / 60:.1f} min")
+    steps = len(trained)
+    print(f"held-out greedy episode reward {evals[0]:.3f} -> {evals[-1]:.3f} in {steps} steps, {wall / 60:.1f} min")
     print(f"training reward per step: {' '.join(f'{r:.2f}' for r in record['reward'])}")
     print(f"turns per episode: {' '.join(f'{t:.2f}' for t in record['turns'])}; failed episodes {record['failed']}")
     OUT.mkdir(exist_ok=True)

@@ -32,7 +32,8 @@ class Stream:
         if n in self.broken:
             raise RuntimeError(f"generator target 0 died in group {n}")
         outcome = EpisodeOutcome(1.0, 1, True, version=self.oldest.get(n))
-        return PlayedGroup(Problem(f"p{n}", "a"), n, [Trajectory([1], [2], [0.0], [True], "x")], [outcome], weights.version)
+        rows = [Trajectory([1], [2], [0.0], [True], "x")]
+        return PlayedGroup(Problem(f"p{n}", "a"), n, rows, [outcome], weights.version)
 
     async def finish(self, *groups: int) -> None:
         for n in groups:

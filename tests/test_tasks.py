@@ -62,7 +62,8 @@ def test_user_tasks_plug_in_by_import_path():
 
 def test_registry_names_every_backend_kind_and_explains_misses():
     assert registry.load("task", "reverse") is Reverse
-    with pytest.raises(registry.BackendError, match="registered tasks are agent, dataset, math, openenv, reverse, sort"):
+    registered = "registered tasks are agent, dataset, math, openenv, reverse, sort"
+    with pytest.raises(registry.BackendError, match=registered):
         registry.load("task", "rev")
     with pytest.raises(registry.BackendError, match="has no attribute 'Nope'"):
         registry.load("task", "actors.tasks.strings:Nope")
