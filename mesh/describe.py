@@ -60,8 +60,7 @@ def _replay_graph(plan: RunPlan) -> list[str]:
 
 
 def _episodes(topology) -> str:
-    if topology.task.name == "agent":
-        agent = (topology.task.model_extra or {}).get("agent")
+    if (agent := topology.task.agent) is not None:
         return (
             f"generator <-> agent ({agent}, a thread per episode): its requests to the generator's OpenAI endpoint "
             "(loopback, per-process key), each turn sampled with the newest weights; one trajectory per episode of "

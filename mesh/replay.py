@@ -31,13 +31,12 @@ from mesh.collected import Collected
 from mesh.fingerprint import FingerprintError, topology_fingerprint
 from mesh.inflight import Saved, SavedProblem, SavedRow, bounds
 from mesh.plan import RunPlan
-from mesh.rundir import SAMPLES_FILE
+from mesh.rundir import LONGEST_ROW, SAMPLES_FILE
 from mesh.topology import Topology, TopologyError, load_topology
 
 RECORD_AGAIN = "record the run again with --set logging.samples.full=true"
 ROW_KEYS = ("kind", "trajectory", "version", "teacher", "distill", "reference_logprobs")  # as a SavedRow's
 NO_SECONDS = {"generate": 0.0, "load": 0.0, "reward": 0.0, "teachers": 0.0}  # nothing was collected
-LONGEST_ROW = 1 << 28  # bytes in one line: a long completion with a distill teacher's top-k is megabytes
 
 
 class RecordedPlace(Saved):

@@ -123,6 +123,11 @@ class TaskSection(Section):
         return self._episodic
 
     @property
+    def agent(self) -> str | None:
+        """The agent's import path of an agent task (``actors/environments/agent_task.py``), else None."""
+        return (self.model_extra or {}).get("agent") if self.name == "agent" else None
+
+    @property
     def serves(self) -> bool:
         """The run starts its environment server."""
         return self._serves

@@ -129,6 +129,10 @@ async def test_bad_requests_are_refused_in_openais_shape_saying_what_to_send(ser
             for path, body, headers, status, said in cases:
                 answer = await http.post(path, json=body, headers=headers)
                 assert answer.status_code == status and said in answer.json()["error"]["message"], path
+            deep = "[" * 100_000 + "]" * 100_000  # nested past Python's stack
+            headers = auth | {"Content-Type": "application/json"}
+            answer = await http.post("/episodes/e4/v1/chat/completions", content=deep, headers=headers)
+            assert answer.status_code == 400 and "not JSON" in answer.json()["error"]["message"]
             assert server.episodes["e4"].tokens.segments == []  # nothing refused is recorded
             models = (await http.get("/episodes/e4/v1/models", headers=auth)).json()["data"]
             assert [(m["id"], m["max_model_len"]) for m in models] == [(SERVED_MODEL, BPE.max_positions)]

@@ -285,8 +285,8 @@ class ChatServer:
 async def _json_body(request) -> dict:
     try:
         body = await request.json()
-    except ValueError:
-        raise ApiError(400, "invalid_json", "the request body is not JSON") from None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than any request is
+        raise ApiError(400, "invalid_json", "the request body is not JSON (or is nested too deeply)") from None
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_json", "the request body must be a JSON object")
     return body
