@@ -167,6 +167,33 @@ async def test_vllm_samples_a_prompt_by_its_own_seed_whatever_else_is_in_the_bat
     assert ids(alone[0]) == ids(together[0][1])
 
 
+async def test_vllm_samples_seeded_prompts_whose_prefills_overflow_an_engine_step(vllm_engine):
+    """More prompt tokens than one engine step takes (a multi-turn agent's prompts arriving together): on CPU a
+    prefill split across steps would fail every seeded request ("CPU Generator does not use offset"); whole
+    prefills wait for the next step, and each prompt samples as it does alone."""
+    from actors.engines.vllm import CPU_STEP_TOKENS
+
+    prompts = [("abcdef" * 10)[i % 6 :][:55] + "=" for i in range(CPU_STEP_TOKENS // 50 + 8)]
+    together = await vllm_engine.generate(prompts, 1, seeds_for(prompts))
+    alone = await vllm_engine.generate(prompts[-1:], 1, seeds_for(prompts)[-1:])
+    assert together[-1][0].completion_ids == alone[0][0].completion_ids
+
+
+async def test_a_failing_vllm_step_fails_its_requests_and_takes_them_out_of_vllm(vllm_engine, monkeypatch):
+    step = vllm_engine.engine.step
+
+    def broken():
+        monkeypatch.setattr(vllm_engine.engine, "step", step)  # once
+        raise RuntimeError("the engine step broke")
+
+    monkeypatch.setattr(vllm_engine.engine, "step", broken)
+    with pytest.raises(RuntimeError, match="the engine step broke"):
+        await vllm_engine.generate(["abc=", "fed="], 4, seeds_for(["abc=", "fed="]))
+    assert not vllm_engine.engine.has_unfinished_requests()
+    assert vllm_engine.llm.reset_prefix_cache()  # what a weight reload needs
+    assert len((await vllm_engine.generate(["abc="], 2, seeds_for(["abc="])))[0]) == 2
+
+
 async def test_vllm_reloads_weights_in_place_and_forgets_cached_prefixes(vllm_engine, vllm_path):
     model, _ = load_policy(vllm_path)
     original = {k: v.clone() for k, v in model.state_dict().items()}

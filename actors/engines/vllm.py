@@ -63,6 +63,17 @@ except ImportError as error:
     ) from None
 
 CPU_KV_CACHE_BYTES = 1 << 30  # explicit on CPU: vLLM's estimate subtracts the whole process's memory from a share
+CPU_STEP_TOKENS = 4096  # vLLM's own default token budget of an engine step on CPU (LLM class)
+
+
+def _without_chunking_warning(record: logging.LogRecord) -> bool:
+    """vLLM warns that turning chunked prefill off "may cause the engine to crash or produce incorrect outputs" for
+    any model whose default has it on; on CPU this engine turns it off (``_cpu_engine_args``), and tests/test_engine.py
+    checks the outputs against transformers'."""
+    return "disabling chunked prefill" not in record.getMessage()
+
+
+logging.getLogger("vllm.engine.arg_utils").addFilter(_without_chunking_warning)
 
 
 class VLLMEngine:
@@ -70,8 +81,6 @@ class VLLMEngine:
         self, model_path: str, sampling: Sampling, place: Placement = Placement(), adapter: LoRAConfig | None = None
     ):
         on_cpu = not place.gpus
-        if on_cpu:
-            _check_cpu_head_size(model_path)
         # Engine steps run on this one thread, with the generator's share of the cores: a fresh
         # thread would start with OpenMP's default instead, which vLLM's CPU attention rejects
         # when it differs from the count its metadata was planned for. Made before the engine,
@@ -86,7 +95,7 @@ class VLLMEngine:
                 seed=0,  # every request carries its own seed (``generate``)
                 enforce_eager=on_cpu,  # torch.compile would take minutes on CPU for little gain
                 **(
-                    {"kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+                    _cpu_engine_args(model_path)
                     if on_cpu
                     else {
                         "gpu_memory_utilization": place.memory_share or VLLM_OWN_GPU_SHARE,
@@ -218,7 +227,7 @@ class VLLMEngine:
 
     async def _drive(self) -> None:
         """Step the engine while it has work; requests only enter between steps, so vLLM is
-        touched by one thread at a time. A failing step fails every request in flight."""
+        touched by one thread at a time. A failing step fails every request in flight and takes them out of vLLM."""
         try:
             while True:
                 for request_id, prompt, params in self._arrivals:
@@ -233,6 +242,10 @@ class VLLMEngine:
                     if output.finished:
                         self._waiting.pop(output.request_id).set_result(output)
         except BaseException as error:
+            # out of vLLM too: a request left in it would run on in the next driver's steps, for no one, and
+            # block the next weight reload ("a request is still running")
+            self.engine.abort_request(list(self._waiting))
+            self._arrivals.clear()
             for future in self._waiting.values():
                 if not future.done():
                     future.set_exception(error if isinstance(error, Exception) else RuntimeError("engine stopped"))
@@ -265,9 +278,14 @@ def context_proxies_hidden() -> Iterator[None]:
         sys.modules.update(hidden)
 
 
-def _check_cpu_head_size(model_path: str) -> None:
-    """vLLM's CPU attention has kernels for a few head sizes only; without this check a
-    model with another one fails deep inside the first engine step."""
+def _cpu_engine_args(model_path: str) -> dict:
+    """vLLM's arguments on CPU, after checking the model's head size: vLLM's CPU attention has kernels for a few
+    head sizes only, and without the check a model with another one fails deep inside the first engine step.
+
+    Prefills are never split across engine steps on CPU. A split prefill samples a token it then discards and
+    rewinds the request's generator, which a seeded request's CPU generator cannot do ("CPU Generator does not use
+    offset"): long multi-turn prompts arriving together would fail the engine step. A step's token budget then
+    has to hold the longest prompt, so it is at least the model's context."""
     from transformers import AutoConfig
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
@@ -280,3 +298,8 @@ def _check_cpu_head_size(model_path: str) -> None:
             f"kernels support {supported}. For a tiny model pick hidden_size / heads among those (e.g. model.init: "
             "{hidden_size: 128, heads: 4}, as topologies/tiny_vllm.yaml does), or use actors.generator.engine: hf"
         )
+    return {
+        "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES,
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(CPU_STEP_TOKENS, config.max_position_embeddings),
+    }
