@@ -40,7 +40,8 @@ import yaml
 from common import machine  # bench/ is on sys.path when this runs as a script
 
 from mesh.preflight import load_plan
-from mesh.rundir import pyplot, read_metrics
+from mesh.figures import pyplot
+from mesh.rundir import read_metrics
 from mesh.runtime import run
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -49,7 +49,8 @@ from pathlib import Path
 from actors.disk import RefusedFile, lines, open_regular, read_regular
 from mesh.commands import CONTROL, EVENTS, ControlError, read_owner
 from mesh.interrupts import CHECKPOINT_NAME
-from mesh.rundir import ERROR_LOG, METRICS_FILE, REWARD_KEY, draw, pyplot
+from mesh.figures import pyplot
+from mesh.rundir import ERROR_LOG, METRICS_FILE, REWARD_KEY, draw
 from mesh.topology import MAX_FILE_BYTES, TopologyError, parse_yaml
 
 REPORT_PNG = "report.png"

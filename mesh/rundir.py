@@ -42,6 +42,7 @@ import yaml
 
 from actors.disk import DISK_FULL, errno_of, lines, open_regular, write_cause
 from mesh import events
+from mesh.figures import pyplot
 from mesh.logthread import LogThread
 from mesh.sinks import Tracker, TrackerError, cause, json_line, open_trackers, sample_table, scalars
 
@@ -374,16 +375,6 @@ def plot_replica_rewards(curves: dict[str, list[dict]], out: Path) -> None:
         ax.plot([r["step"] for r in synced], [r[REWARD_KEY] for r in synced], "o", color=line.get_color(), ms=3)
     ax.plot([], [], "o", color="gray", ms=3, label="after a sync")
     _save(plt, fig, ax, out)
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend: runs draw on machines without a display."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _save(plt, fig, ax, out: Path) -> None:

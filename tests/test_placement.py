@@ -13,8 +13,7 @@ import cloudpickle
 import pytest
 from monarch.actor import Actor, endpoint, this_host
 
-from mesh.launchers import spawn_procs
-from mesh.placement import proc_starts, visible_devices_command
+from mesh.placement import proc_starts, spawn_procs, visible_devices_command
 from mesh.plan import ProcStart, RunPlan
 from mesh.preflight import load_plan
 from mesh.topology import TopologyError

@@ -10,7 +10,7 @@ without loading either. The controller never knows where its processes run.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -19,12 +19,6 @@ from actors import registry
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
-
-    from mesh.plan import ProcStart, RunPlan
-
-# Every proc starts with these: quiet HF progress bars, and no tokenizer thread pools
-# fighting the trainer's threads on a small machine.
-PROC_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
 
 # launcher.kind -> the options model of its ``launcher:`` section (which names its Launcher)
 LAUNCHERS: dict[str, str] = {
@@ -35,8 +29,20 @@ LAUNCHERS: dict[str, str] = {
 }
 
 
+class LaunchPlan(Protocol):
+    """What a launcher reads of the run's plan; ``mesh.plan.RunPlan`` is the one there is. A protocol rather than
+    that class: the topology holds its launcher's options and the plan is made from the topology, so the options
+    cannot depend on the plan (each launcher's own file, which the topology does not import, names ``RunPlan``)."""
+
+    @property
+    def topology(self) -> Any: ...
+
+    @property
+    def meshes(self) -> Mapping[str, Any]: ...
+
+
 class Launcher(Protocol):
-    def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
+    def start(self, plan: LaunchPlan) -> dict[str, ProcMesh]:
         """One ProcMesh per launched mesh (``plan.meshes``: the generator's copies included), keyed by
         mesh name."""
 
@@ -65,11 +71,11 @@ class LauncherOptions(BaseModel):
     one_machine: ClassVar[bool] = True
     kind: str = "local"
 
-    def check(self, plan: RunPlan) -> None:
+    def check(self, plan: LaunchPlan) -> None:
         """Refuse, with the fix, a plan this launcher cannot place (``ValueError``); whether it fits this
         machine is ``mesh/preflight.py``'s to check."""
 
-    def describe(self, plan: RunPlan) -> list[str]:
+    def describe(self, plan: LaunchPlan) -> list[str]:
         """Lines ``--dry-run`` adds about what the launcher would submit or create."""
         return []
 
@@ -105,23 +111,3 @@ def _options_model(kind: str) -> type[LauncherOptions]:
         )
     registry.resolve("launcher", kind)  # found, not run
     return LauncherOptions
-
-
-def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
-    """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK
-    from it), each seeing exactly its GPUs and with its libraries imported (``mesh/placement.py``)."""
-    from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
-    from monarch.actor import default_bootstrap_cmd  # only a launch needs Monarch, not a check
-
-    from actors.lifecycle import import_libraries
-    from mesh.placement import visible_devices_command
-
-    proc = default_bootstrap_cmd()
-
-    def command(point) -> object:
-        # through sh, so the GPUs are chosen on the proc's own host, from what its worker sees
-        script = f'{visible_devices_command(start.gpus[point.rank])}; exec "$0" "$@"'
-        return BootstrapCommand("/bin/sh", None, ["-c", script, proc.program, *proc.args], PROC_ENV)
-
-    setup = functools.partial(import_libraries, start.libraries) if start.libraries else None
-    return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap=setup, bootstrap_command=command)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from actors import registry
 from mesh.launchers import Launcher, LauncherOptions
 from mesh.launchers.grammars import DNS_LABEL, DNS_SUBDOMAIN, IMAGE, LABEL_KEY, LABEL_VALUE, positive_quantity
 from mesh.preflight import StorePlan
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 # "<name>-<10-character revision hash>", a label value of at most 63 characters.
 NAME_MAX = 52
 INSTALL_HINT = "pip install -e .[k8s]"
+K8S_LAUNCHER = "mesh.launchers.k8s_launcher:K8sLauncher"
 MONARCH_API = "monarch.pytorch.org/v1alpha1"
 MONARCH_PORT = 26600  # every mesh has pods of its own, so one port serves all
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -168,9 +170,9 @@ class K8sOptions(LauncherOptions):
         return controller_objects(plan.topology, self, topology_text, overrides) + meshes
 
     def launcher(self) -> Launcher:
-        from mesh.launchers.k8s_launcher import K8sLauncher  # imports kubernetes and Monarch
-
-        return K8sLauncher(self)
+        # named by import path, as a user's launcher is: that file drives a cluster through this one's objects,
+        # and imports the kubernetes client and Monarch, which a topology check never needs
+        return registry.load_target("launcher", self.kind, K8S_LAUNCHER)(self)
 
 
 def k8s_name(name: str) -> str:

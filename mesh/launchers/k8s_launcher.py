@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from mesh.launchers import spawn_procs
 from mesh.launchers.k8s import (
     INSTALL_HINT,
     WORKER_LABELS,
@@ -30,6 +29,7 @@ from mesh.launchers.k8s import (
     worker_pod_template,
 )
 from mesh.launchers.k8s_pods import not_ready_pods, readiness_fix
+from mesh.placement import proc_starts, spawn_procs
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
@@ -67,8 +67,6 @@ class K8sLauncher:
         self.meshes: dict[str, ProcMesh] = {}
 
     def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
-        from mesh.placement import proc_starts
-
         self.specs, self.starts = plan.meshes, proc_starts(plan)
         self.names, self.plan, self.topology = mesh_names(plan), plan, plan.topology
         self.provision()

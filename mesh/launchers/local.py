@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers import LauncherOptions, spawn_procs
+from mesh.launchers import LauncherOptions
+from mesh.placement import proc_starts, spawn_procs
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
@@ -34,8 +35,6 @@ class LocalLauncher:
 
     def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
         from monarch.job import LocalJob
-
-        from mesh.placement import proc_starts
 
         self.specs, self.starts = plan.meshes, proc_starts(plan)
         self.job = LocalJob(hosts=tuple(self.specs))

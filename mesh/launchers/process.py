@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers import LauncherOptions, spawn_procs
+from mesh.launchers import LauncherOptions
+from mesh.placement import proc_starts, spawn_procs
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
@@ -30,8 +31,6 @@ class ProcessLauncher:
 
     def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
         from monarch.job import ProcessJob
-
-        from mesh.placement import proc_starts
 
         self.specs, self.starts = plan.meshes, proc_starts(plan)
         self.job = ProcessJob({name: m.hosts for name, m in self.specs.items()})

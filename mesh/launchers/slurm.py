@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import BeforeValidator, NonNegativeInt, PositiveInt
 
-from mesh.launchers import LauncherOptions, spawn_procs
+from mesh.launchers import LauncherOptions
 from mesh.launchers.grammars import (
     SBATCH_OPTION,
     SBATCH_PATH,
@@ -40,6 +40,7 @@ from mesh.launchers.grammars import (
     SLURM_NAMES,
     SLURM_TIME,
 )
+from mesh.placement import proc_starts, spawn_procs
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
@@ -246,8 +247,6 @@ class SlurmLauncher:
         enable_transport(ChannelTransport.TcpWithLocalhost if loopback else ChannelTransport.TcpWithHostname)
 
     def start(self, plan: RunPlan) -> dict[str, ProcMesh]:
-        from mesh.placement import proc_starts
-
         topology = plan.topology
         self.specs, self.starts = plan.meshes, proc_starts(plan)
         base, offsets = random.randrange(*PORTS), first_ports(self.specs)
