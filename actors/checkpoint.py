@@ -9,7 +9,7 @@ write and the same checksums.
 
 Checksums catch damage, not intent: whoever can write the run directory can rewrite
 state.json and its checksum. So what state.json holds is read through strict pydantic
-models (``STRICT``; the optimizer's param groups here, the rest in ``mesh/resume.py``),
+models (``STRICT``; the optimizer's param groups here, the rest in ``mesh/checkpoints/resume.py``),
 and a value this version never writes is refused naming its path in the file.
 """
 

@@ -1,6 +1,6 @@
 """What one actor computes with: its CPU threads, its GPUs and its share of their memory.
 
-``mesh/placement.py`` decides, for the whole topology, which GPUs each process sees and
+``mesh/topology/gpus.py`` decides, for the whole topology, which GPUs each process sees and
 what share of their memory each actor may take; this module holds the result one actor
 receives. It is named after what it holds, not ``placement.py``, so that the deciding
 module and the decided record are not two modules of one name in two layers.
@@ -16,7 +16,7 @@ import torch
 @dataclass(frozen=True)
 class Placement:
     """Where one actor's process computes: its CPU threads, and the GPUs it sees. The launcher
-    starts each process seeing exactly its GPUs (``mesh/placement.py``), so they are always
+    starts each process seeing exactly its GPUs (``mesh/topology/gpus.py``), so they are always
     ``cuda:0`` .. ``cuda:gpus-1`` here. ``memory_share``: the share of each GPU's memory the
     actor may take when another process holds the rest (None: all of it)."""
 

@@ -55,7 +55,7 @@ class GeneratorConfig:
     copies: int = 1  # generator meshes, each shaped like ``mesh`` and holding the whole model, behind one router
     router: str = "round_robin"  # or "least_loaded"
     # vllm on GPUs: its share of each GPU (weights, activations, KV cache); None: VLLM_OWN_GPU_SHARE
-    # of GPUs of its own; required when it shares the trainer's GPUs (``mesh/placement.py``)
+    # of GPUs of its own; required when it shares the trainer's GPUs (``mesh/topology/gpus.py``)
     gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ def this_proc() -> ProcInfo:
 
 
 def import_libraries(names: tuple[str, ...]) -> None:
-    """A process's bootstrap: import ``names`` before any of its actors runs (``mesh/placement.py``
+    """A process's bootstrap: import ``names`` before any of its actors runs (``mesh/topology/gpus.py``
     says which: libraries whose first import races in the threads of actors sharing the process)."""
     for name in names:
         importlib.import_module(name)

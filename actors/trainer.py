@@ -60,7 +60,7 @@ class StepReport:
 
 @dataclass(frozen=True)
 class TrainerSetup:
-    """The trainer's slice of the run plan (``mesh/plan.py``): what it trains, and how it publishes."""
+    """The trainer's slice of the run plan (``mesh/topology/plan.py``): what it trains, and how it publishes."""
 
     model_path: str
     config: TrainerConfig

@@ -42,8 +42,8 @@ from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from mesh.rundir import REWARD_KEY, read_metrics
-from mesh.topology import load_topology
+from mesh.records.rundir import REWARD_KEY, read_metrics
+from mesh.topology.schema import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"

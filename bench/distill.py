@@ -28,9 +28,9 @@ from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from mesh.rundir import read_metrics
-from mesh.runtime import run
-from mesh.topology import load_topology
+from mesh.records.rundir import read_metrics
+from mesh.runtime.run import run
+from mesh.topology.schema import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine())
     if args.smol:
-        from mesh.topology import load_topology
+        from mesh.topology.schema import load_topology
 
         model, requests, tokens = str(load_topology(SMOL).model.source.directory()), 20, 32  # converted once, cached
     else:

@@ -35,7 +35,7 @@ from actors.model import TinyModelSpec, build_tiny_model
 from actors.prompts import render
 from actors.tasks import build_task
 from actors.tasks.strings import Reverse
-from mesh.topology import load_topology
+from mesh.topology.schema import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

@@ -5,7 +5,7 @@
 
 Two figures, each against a baseline measured in the same run:
 
-1. **Per-step cost.** Every actor call of a run goes through ``mesh.fleet`` (a timeout,
+1. **Per-step cost.** Every actor call of a run goes through ``mesh.runtime.fleet`` (a timeout,
    supervision handling, a handle lookup). A no-op endpoint called through the fleet vs
    called directly on its Monarch actor mesh, calls interleaved: the extra time per call,
    times the calls a synchronous ``tiny.yaml`` step makes, as a share of that step's
@@ -35,11 +35,11 @@ from common import machine  # bench/ is on sys.path when this runs as a script
 from monarch.actor import Actor, endpoint, this_host
 
 from actors.lifecycle import ProcInfo, this_proc
-from mesh.faults import FaultTolerance
-from mesh.fleet import Fleet, Role
-from mesh.rundir import read_metrics
-from mesh.runtime import run
-from mesh.preflight import load_plan
+from mesh.records.rundir import read_metrics
+from mesh.runtime.fleet import Fleet, Role
+from mesh.runtime.run import run
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import FaultTolerance
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "topologies" / "tiny.yaml"

@@ -28,7 +28,7 @@ from actors.engines.hf import HFEngine
 from actors.prompts import render
 from actors.tasks import Problem, build_task
 from actors.tasks.math import NUMBER
-from mesh.preflight import load_plan
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "topologies" / "smol_math.yaml"

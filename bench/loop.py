@@ -37,6 +37,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -45,18 +46,16 @@ from monarch.actor import Actor, endpoint, this_host
 
 from actors.lifecycle import ProcInfo
 from actors.train_batch import row_advantages
-from functools import partial
-
 from actors.weights import WeightPublisher, WeightSubscriber, WeightVersion
 from mesh.controller.samples import SampleRecording, sample_records
-from mesh.logthread import LogThread
-from mesh.preflight import load_plan
-from mesh.replay import recorded_batches
-from mesh.rundir import read_metrics
-from mesh.runtime import run
-from mesh.sinks import json_line
-from mesh.topology import Logging
-from mesh.trace import TRACE_FILE, Tracer, at_step
+from mesh.records.logthread import LogThread
+from mesh.records.rundir import read_metrics
+from mesh.records.sinks import json_line
+from mesh.records.trace import TRACE_FILE, Tracer, at_step
+from mesh.runtime.replay import recorded_batches
+from mesh.runtime.run import run
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import Logging
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

@@ -35,7 +35,7 @@ from actors.inner_loops.config import LoRAConfig
 from actors.model import causal_lm
 from actors.model_config import TinyModelSpec
 from actors.weights import WeightFollower, WeightPublisher, create_store, remove_store
-from mesh.topology import load_topology
+from mesh.topology.schema import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"

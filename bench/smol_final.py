@@ -22,9 +22,8 @@ from vs_trl_smol import accuracy  # bench/ is on sys.path when this runs as a sc
 
 from actors.prompts import render
 from actors.tasks import build_task
-from mesh.rundir import read_metrics
-from mesh.topology import Topology, load_topology
-
+from mesh.records.rundir import read_metrics
+from mesh.topology.schema import Topology, load_topology
 
 
 def vllm_accuracy(model: Path, topology: Topology, count: int) -> float:

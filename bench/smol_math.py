@@ -39,10 +39,10 @@ from pathlib import Path
 import yaml
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from mesh.preflight import load_plan
-from mesh.figures import pyplot
-from mesh.rundir import read_metrics
-from mesh.runtime import run
+from mesh.records.figures import pyplot
+from mesh.records.rundir import read_metrics
+from mesh.runtime.run import run
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

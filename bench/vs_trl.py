@@ -44,7 +44,7 @@ from trl import GRPOConfig  # noqa: E402
 from actors.model import build_tiny_model  # noqa: E402
 from actors.prompts import render  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
-from mesh.topology import Topology, load_topology  # noqa: E402
+from mesh.topology.schema import Topology, load_topology  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

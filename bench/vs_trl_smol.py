@@ -10,7 +10,7 @@ once, before either side starts; ``--model-dir`` puts a directory there instead)
 ``prompts_per_step``, ``group_size``, ``max_new_tokens`` and trainer. Each side runs in a process of its own,
 one after the other:
 
-- Ours: ``mesh.runtime.run`` on the topology's plan, its meshes and engine as written, without in-run
+- Ours: ``mesh.runtime.run.run`` on the topology's plan, its meshes and engine as written, without in-run
   evaluation; the trained model is the run directory's ``final/``.
 - TRL: ``GRPOTrainer`` (``bench/vs_trl.py``'s ``trl_trainer``) with every core's thread: the same model
   directory, each step's prompts as the runtime draws them (``problems(seed, step, prompts_per_step)``, in
@@ -67,9 +67,9 @@ from vs_trl import trl_trainer  # noqa: E402
 from actors.engines import Sampling  # noqa: E402
 from actors.prompts import render  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
-from mesh.plan import RunPlan  # noqa: E402
-from mesh.preflight import load_plan  # noqa: E402
-from mesh.topology import Topology, load_topology  # noqa: E402
+from mesh.topology.plan import RunPlan  # noqa: E402
+from mesh.topology.preflight import load_plan  # noqa: E402
+from mesh.topology.schema import Topology, load_topology  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -121,9 +121,9 @@ def steady(rates: list[float]) -> float:
 
 
 def train_ours(plan: RunPlan) -> dict:
-    from mesh.rundir import read_metrics
+    from mesh.records.rundir import read_metrics
     from mesh.run import shut_down_monarch
-    from mesh.runtime import run
+    from mesh.runtime.run import run
 
     run_dir = asyncio.run(run(plan, progress=False))
     done_at = time.time()

@@ -11,7 +11,7 @@ process that is still the run's (``actors.procs.alive_since``) is live (``live?`
 host); an ``error.log`` entry for the end of the run is failed; every step trained but no ``final/`` yet is
 ``finishing?`` (the run exports it after closing its channel; an export that fails is the run's end in
 error.log, so this is an export under way, or one a kill cut short);
-anything else stopped (a signal, or a kill). A DiLoCo parent (``replicas/``, see ``mesh/replicas.py``) gets
+anything else stopped (a signal, or a kill). A DiLoCo parent (``replicas/``, see ``mesh/runtime/replicas.py``) gets
 a row per replica and each replica's curves in ``report.png``.
 
 A live run may be writing a line of ``metrics.jsonl`` as it is read: a last line that is not whole is
@@ -47,11 +47,11 @@ from functools import cached_property
 from pathlib import Path
 
 from actors.disk import RefusedFile, lines, open_regular, read_regular
-from mesh.commands import CONTROL, EVENTS, ControlError, read_owner
-from mesh.interrupts import CHECKPOINT_NAME
-from mesh.figures import pyplot
-from mesh.rundir import ERROR_LOG, METRICS_FILE, REWARD_KEY, draw
-from mesh.topology import MAX_FILE_BYTES, TopologyError, parse_yaml
+from mesh.records.figures import pyplot
+from mesh.records.rundir import ERROR_LOG, METRICS_FILE, REWARD_KEY, draw
+from mesh.runtime.commands import CONTROL, EVENTS, ControlError, read_owner
+from mesh.runtime.interrupts import CHECKPOINT_NAME
+from mesh.topology.schema import MAX_FILE_BYTES, TopologyError, parse_yaml
 
 REPORT_PNG = "report.png"
 REPLICAS = "replicas"

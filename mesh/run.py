@@ -14,7 +14,7 @@ import sys
 
 
 class QuietStop:
-    """Until a run's ``Stopper`` takes over (``mesh/interrupts.py``), and after it lets go, SIGINT or SIGTERM
+    """Until a run's ``Stopper`` takes over (``mesh/runtime/interrupts.py``), and after it lets go, SIGINT or SIGTERM
     prints one line saying the program stopped ``doing`` and exits 128 + the signal's number, instead of a
     traceback from whatever import or check it landed in.
 
@@ -56,11 +56,11 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from mesh.describe import describe  # noqa: E402
 from mesh.launchers.k8s import write_objects  # noqa: E402
-from mesh.plan import RunPlan  # noqa: E402
-from mesh.preflight import load_plan  # noqa: E402
-from mesh.topology import Topology, TopologyError, load_topology  # noqa: E402
+from mesh.topology.describe import describe  # noqa: E402
+from mesh.topology.plan import RunPlan  # noqa: E402
+from mesh.topology.preflight import load_plan  # noqa: E402
+from mesh.topology.schema import Topology, TopologyError, load_topology  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from mesh.rundir import RunDirError
+    from mesh.records.rundir import RunDirError
 
     if plan.starts_replicas:
-        from mesh.replicas import run_replicas
+        from mesh.runtime.replicas import run_replicas
 
-        # while it watches them, signals go on to the replicas (``mesh/replicas.py``)
+        # while it watches them, signals go on to the replicas (``mesh/runtime/replicas.py``)
         QUIET.doing = (
             "while starting the DiLoCo replicas or after they ended; each replica_<i>.log in the run directory "
             "says where it stopped"
@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
 
-    from mesh.interrupts import Interrupted
-    from mesh.runtime import RunFailed, run
+    from mesh.runtime.interrupts import Interrupted
+    from mesh.runtime.run import RunFailed, run
 
     QUIET.ended("while exiting; the run had stopped everything it started")  # the run's Stopper is in between
     try:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as stopped:
         print(f"stopped: {stopped}", file=sys.stderr)
         return stopped.exit_code
-    from mesh.export import describe
+    from mesh.checkpoints.export import describe
 
     # one write: a signal as the program exits (``QuietStop``) cuts the output after it, not between its lines
     print(f"run directory: {run_dir.path}\ntrained model: {run_dir.final_dir}, {describe(run_dir.final_dir)}")
@@ -240,12 +240,12 @@ def render(path: str, overrides: list[str], directory: Path) -> int:
 
 
 def replaying(plan: RunPlan, run_dir: str, resume: str | None, placed_here: bool) -> tuple[RunPlan, list]:
-    """The plan of a replay of ``run_dir``'s recording and its batches, checked (``mesh/replay.py``); when the
+    """The plan of a replay of ``run_dir``'s recording and its batches, checked (``mesh/runtime/replay.py``); when the
     replay runs here (``placed_here``), also that this machine can hold them: before the recording is read, and
     its largest step after."""
-    from mesh.preflight import FreeMemory, check_recording, check_replayed_steps
-    from mesh.replay import largest_step, recorded_batches  # the strict models (pydantic, numpy)
-    from mesh.rundir import SAMPLES_FILE
+    from mesh.records.rundir import SAMPLES_FILE
+    from mesh.runtime.replay import largest_step, recorded_batches  # the strict models (pydantic, numpy)
+    from mesh.topology.preflight import FreeMemory, check_recording, check_replayed_steps
 
     topology = plan.topology
     if topology.diloco is not None or resume:
@@ -269,10 +269,10 @@ def replaying(plan: RunPlan, run_dir: str, resume: str | None, placed_here: bool
 def check_resume(topology: Topology, checkpoint: Path) -> None:
     """Refuse, before anything starts, a checkpoint that is damaged, was trained for another
     model, tokenizer or task, has nothing left to train, or holds a state.json this version
-    does not write (``mesh/resume.py``): exit 2, like a bad topology."""
+    does not write (``mesh/checkpoints/resume.py``): exit 2, like a bad topology."""
     from actors.checkpoint import CheckpointError, checkpoint_state  # torch: only a resume reads a checkpoint
-    from mesh.fingerprint import FingerprintError, topology_fingerprint
-    from mesh.resume import check_state, check_weights, recorded_fingerprint
+    from mesh.checkpoints.fingerprint import FingerprintError, topology_fingerprint
+    from mesh.checkpoints.resume import check_state, check_weights, recorded_fingerprint
 
     try:
         state = checkpoint_state(checkpoint)

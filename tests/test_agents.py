@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tiny_runs import ROOT, run_topology
 
-from mesh.topology import TopologyError, load_topology
+from mesh.topology.schema import TopologyError, load_topology
 
 pytest.importorskip("openai", reason="the example agents use the openai client (pip install -e .[agents])")
 

@@ -25,8 +25,8 @@ import pytest
 
 from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights_config import store_root
-from mesh.runtime import run
-from mesh.preflight import load_plan
+from mesh.runtime.run import run
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

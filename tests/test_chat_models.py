@@ -22,8 +22,8 @@ from actors.model import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_to
 from actors.model_config import BPE_VOCAB_SIZE
 from actors.prompts import render
 from actors.tasks.dataset import PRINTABLE
-from mesh.fingerprint import fingerprint, topology_fingerprint
-from mesh.topology import load_topology
+from mesh.checkpoints.fingerprint import fingerprint, topology_fingerprint
+from mesh.topology.schema import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 BPE = TinyModelSpec(

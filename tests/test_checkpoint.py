@@ -27,9 +27,9 @@ from actors.model import TinyModelSpec, build_tiny_model
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
 from actors.train_batch import build_train_batch
-from mesh.fingerprint import fingerprint, topology_fingerprint
+from mesh.checkpoints.fingerprint import fingerprint, topology_fingerprint
 from mesh.run import check_resume, main
-from mesh.topology import load_topology
+from mesh.topology.schema import load_topology
 
 TINY = Path(__file__).resolve().parent.parent / "topologies" / "tiny.yaml"
 
@@ -212,7 +212,8 @@ def test_a_tiny_model_is_fingerprinted_from_the_topology_as_from_its_directory(t
 def test_fingerprinting_a_model_directory_needs_neither_torch_nor_transformers(model_dir):
     code = (
         "import sys; from pathlib import Path; from actors.tasks import TaskConfig; "
-        f"from mesh.fingerprint import fingerprint; fingerprint(Path({model_dir!r}), TaskConfig('reverse')); "
+        "from mesh.checkpoints.fingerprint import fingerprint; "
+        f"fingerprint(Path({model_dir!r}), TaskConfig('reverse')); "
         "print(sorted({'torch', 'transformers'} & {m.split('.')[0] for m in sys.modules}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -21,7 +21,6 @@ from actors.tasks.strings import Reverse
 from actors.teachers.bindings.config import BindingConfig
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
-from mesh.collected import Collected
 from mesh.controller import (
     CollectSettings,
     ReferenceInTrainer,
@@ -31,12 +30,13 @@ from mesh.controller import (
     Services,
     StalenessError,
 )
+from mesh.controller.collected import Collected
 from mesh.controller.collection import Evaluated, SampleCollection
 from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.metrics import step_metrics, teacher_metrics
+from mesh.controller.router import Router, TargetLoad
 from mesh.controller.scheduler import Scheduler, policy_ages
-from mesh.router import Router, TargetLoad
-from mesh.teachers import TeacherBinding
+from mesh.controller.teacher_board import TeacherBinding
 
 TASK = Reverse()
 REWARDS = RewardFunctions(TaskConfig("reverse"), RewarderConfig("generator"))

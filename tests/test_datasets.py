@@ -10,7 +10,7 @@ import pytest
 
 from actors.tasks import Problem, TaskConfig, build_task
 from actors.tasks.dataset import DatasetError, DatasetSource, DatasetTask
-from mesh.topology import TopologyError, load_topology
+from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"q": f"What is {i} + 1?", "a": i + 1, "note": "x"} for i in range(10)]

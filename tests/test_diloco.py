@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mesh.runtime import run as run_topology
-from mesh.preflight import load_plan
+from mesh.runtime.run import run as run_topology
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_DILOCO = ROOT / "topologies" / "tiny_diloco.yaml"

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mesh.replicas import Replica
 from mesh.run import main
-from mesh.describe import describe
-from mesh.preflight import load_plan
-from mesh.topology import TopologyError, load_topology
+from mesh.runtime.replicas import Replica
+from mesh.topology.describe import describe
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY, TINY_DILOCO = ROOT / "topologies" / "tiny.yaml", ROOT / "topologies" / "tiny_diloco.yaml"

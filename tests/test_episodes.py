@@ -30,7 +30,7 @@ from actors.generator import Generator, GeneratorConfig
 from actors.model import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
 from actors.rollout import Trajectory
 from actors.weights import WeightPublisher
-from mesh.topology import TopologyError, load_topology
+from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = ROOT / "topologies" / "env_multiturn.yaml"

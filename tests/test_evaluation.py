@@ -15,9 +15,9 @@ from actors.engines.hf import HFEngine
 from actors.prompts import render
 from actors.reward_functions import RewardFunctions
 from actors.tasks import build_task
-from mesh.progress import Progress
 from mesh.report import main
-from mesh.topology import Topology, load_topology
+from mesh.runtime.progress import Progress
+from mesh.topology.schema import Topology, load_topology
 
 PROMPTS = 16
 SETTINGS = [

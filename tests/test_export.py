@@ -29,10 +29,11 @@ from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.config import LoRAConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.tasks import TaskConfig
-from mesh import export as exporting
 from mesh import report
-from mesh.export import export, main
-from mesh.fingerprint import built_weights, fingerprint
+from mesh.checkpoints import export as exporting
+from mesh.checkpoints.export import export
+from mesh.checkpoints.fingerprint import built_weights, fingerprint
+from mesh.export import main
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
@@ -240,9 +241,9 @@ def test_a_full_disk_is_one_paragraph_and_leaves_nothing(full, tmp_path, capsys)
 def test_a_run_whose_final_model_does_not_fit_fails_and_the_report_says_so(full, tmp_path):
     """The end-of-run export onto a full disk: RunFailed (exit 1, not a traceback), no final.partial, and the
     failure in error.log, so ``mesh.report`` calls the run failed rather than "finishing?" forever."""
-    from mesh.interrupts import Stopper
-    from mesh.rundir import RunDir
-    from mesh.runtime import RunFailed, _FaultLog, _write_final
+    from mesh.records.rundir import RunDir
+    from mesh.runtime.interrupts import Stopper
+    from mesh.runtime.run import RunFailed, _FaultLog, _write_final
 
     async def write_final(run: Path) -> None:  # the Stopper takes the signals from the run's event loop
         _write_final(RunDir(run, tensorboard=False), full.checkpoint, _FaultLog(run, bar=None), Stopper())
@@ -267,9 +268,9 @@ def test_a_run_whose_final_model_does_not_fit_fails_and_the_report_says_so(full,
 def test_a_signal_during_the_end_of_run_export_removes_its_final_but_not_a_users(tmp_path, monkeypatch, users):
     """A signal just after the rename: the whole final/ is removed, as the run says it wrote none. A final/ there
     before the export (which refuses to write over it) is not the run's to remove, whenever the signal comes."""
-    from mesh.interrupts import FinalInterrupted, Signalled, Stopper
-    from mesh.rundir import RunDir
-    from mesh.runtime import _FaultLog, _write_final
+    from mesh.records.rundir import RunDir
+    from mesh.runtime.interrupts import FinalInterrupted, Signalled, Stopper
+    from mesh.runtime.run import _FaultLog, _write_final
 
     run = tmp_path / "tiny-20261127-000000"
     run.mkdir()

@@ -12,14 +12,14 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from gguf_files import SMOLLM2, TinyGGUF, write_gguf
+from tmpfs import FILLER, fill, tmpfs
 
 from actors import gguf_model
 from actors.gguf_header import GGML_TYPES, ArrayOf, read_header
 from actors.model_config import ModelFacts, TinyModelSpec
 from actors.model_source import CACHE_ENV, MARKER, ModelSource, ModelSourceError
-from gguf_files import SMOLLM2, TinyGGUF, write_gguf
-from mesh.topology import TopologyError, load_topology
-from tmpfs import FILLER, fill, tmpfs
+from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = ROOT / "topologies" / "math_small.yaml"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from actors.tasks.dataset import DatasetError, DatasetSource
-from mesh.commands import ControlChannel
 from mesh.ctl import main as ctl_main
-from mesh.preflight import BatchPlan, FreeMemory, StorePlan, check_memory, load_plan
-from mesh.topology import TopologyError, load_topology
+from mesh.runtime.commands import ControlChannel
+from mesh.topology.preflight import BatchPlan, FreeMemory, StorePlan, check_memory, load_plan
+from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

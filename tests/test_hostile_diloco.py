@@ -17,9 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from actors.diloco.object_store import ObjectStoreTransport, RefusedEntry, checksum, encode_delta
-from mesh.topology import TopologyError, load_topology
 from test_diloco import SMALL, start, wait_for_run, wait_for_step
 from test_diloco_config import TINY_DILOCO
 from test_diloco_object_store import (
@@ -27,9 +24,12 @@ from test_diloco_object_store import (
     float32_mean,
     make_delta,
     run_round,
-    store,  # noqa: F401  (the fixture)
     s3_endpoint,  # noqa: F401  (the fixture)
+    store,  # noqa: F401  (the fixture)
 )
+
+from actors.diloco.object_store import ObjectStoreTransport, RefusedEntry, checksum, encode_delta
+from mesh.topology.schema import TopologyError, load_topology
 
 SECRET = b"shared between the replicas"
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -177,7 +177,7 @@ def test_a_set_secret_env_passes_the_check(monkeypatch) -> None:
 
 PARENT = """
 import sys, time
-from mesh.replicas import start_child
+from mesh.runtime.replicas import start_child
 child = start_child([sys.executable, "-c", "import time; time.sleep(120)"], sys.stderr.buffer)
 print(child.pid, flush=True)
 time.sleep(120)

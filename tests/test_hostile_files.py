@@ -23,8 +23,8 @@ from actors.checkpoint import CheckpointError, checkpoint_state, save_checkpoint
 from actors.disk import RefusedFile, lines, open_regular, read_regular
 from actors.model_config import header_shapes
 from mesh import ctl, export, report
-from mesh.commands import MAX_PID
 from mesh.run import dry_run
+from mesh.runtime.commands import MAX_PID
 
 HANG_S = 20  # each of these answers in well under a second; an open or read that waits is what fails
 

@@ -18,8 +18,8 @@ from tmpfs import fill, tmpfs
 from mesh.launchers.grammars import QUANTITY
 from mesh.launchers.slurm import sbatch_script
 from mesh.run import main
-from mesh.preflight import load_plan
-from mesh.topology import TopologyError
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

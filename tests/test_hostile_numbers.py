@@ -29,7 +29,7 @@ from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
 from losses import LossConfig, policy_config
-from mesh.rundir import RunDir
+from mesh.records.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

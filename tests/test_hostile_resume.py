@@ -19,10 +19,10 @@ from test_checkpoint import reseal
 from tiny_runs import TINY, finished_tiny_run
 
 from actors.checkpoint import CheckpointError, checkpoint_state
-from mesh.inflight import collected_from_json, collected_to_json
-from mesh.resume import check_state
+from mesh.checkpoints.resume import check_state
+from mesh.controller.inflight import collected_from_json, collected_to_json
 from mesh.run import check_resume, main
-from mesh.topology import load_topology
+from mesh.topology.schema import load_topology
 
 SHORT = ["loop.steps=2", "loop.prompts_per_step=2", "loop.group_size=2", "checkpointing.every=1"]
 ROW = "inflight.collected[0].groups[0].rows[0]"  # a policy sample

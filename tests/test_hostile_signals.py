@@ -19,8 +19,8 @@ import pytest
 
 from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights_config import store_root
-from mesh.interrupts import Interrupted, newest_checkpoint
 from mesh.run import main
+from mesh.runtime.interrupts import Interrupted, newest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

@@ -15,8 +15,8 @@ from kubernetes.client.rest import RESTClientObject
 from monarch._rust_bindings.monarch_hyperactor.config import clear_runtime_config
 
 from mesh.launchers.k8s_launcher import K8sError, K8sLauncher, cluster_config
-from mesh.preflight import load_plan
-from mesh.topology import TopologyError
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import TopologyError
 
 TINY = Path(__file__).resolve().parents[1] / "topologies" / "tiny.yaml"
 MESHES = ["tinytrainer", "tinygenerator", "tinyservice"]

@@ -24,7 +24,7 @@ from monarch._src.job.service_identity import SERVICE_PROC_IDS_ENV, SERVICE_PROC
 from monarch.job.kubernetes import ImageSpec, KubeConfig, KubernetesJob
 
 from mesh.launchers.k8s import GPU, MONARCH_PORT, mesh_names
-from mesh.preflight import load_plan
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "registry.example/composer-mesh:0.1.0"

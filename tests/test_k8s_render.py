@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from mesh.launchers.k8s import GPU, SHM_BASE_BYTES, mebibytes, mesh_names
-from mesh.preflight import StorePlan, load_plan
 from mesh.run import main
-from mesh.topology import TopologyError
+from mesh.topology.preflight import StorePlan, load_plan
+from mesh.topology.schema import TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGIES = sorted((ROOT / "topologies").glob("*.yaml"))

@@ -75,7 +75,8 @@ def test_every_shipped_topology_is_checked_without_importing_a_backend():
     assert {name for name, _ in CHECKED} == {p.name for p in topologies.glob("*.yaml")}
     for name, overrides in CHECKED:
         statement = (
-            "from mesh.describe import describe\nfrom mesh.preflight import load_plan\n"  # GPU ones as on a GPU machine
+            # GPU ones as on a GPU machine
+            "from mesh.topology.describe import describe\nfrom mesh.topology.preflight import load_plan\n"
             f"describe(load_plan({str(topologies / name)!r}, {overrides!r}, placed_here={not name.startswith('gpu')}))"
         )
         assert loaded_after(statement, HEAVY) == [], (name, overrides)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_actors import TASK, a_batch
 from safetensors.torch import load_file
+from test_actors import TASK, a_batch
 from test_checkpoint import TINY, resume_error, small_checkpoint
 from test_runtime import ROOT, records
 
@@ -24,12 +24,12 @@ from actors.inner_loops.config import LoRAConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.reference import ReferenceModel
 from actors.weights_config import slot_bytes
-from mesh.describe import describe
-from mesh.fingerprint import base_digest, fingerprint, topology_fingerprint
-from mesh.plan import RunPlan
-from mesh.preflight import StorePlan, load_plan
-from mesh.runtime import run
-from mesh.topology import load_topology
+from mesh.checkpoints.fingerprint import base_digest, fingerprint, topology_fingerprint
+from mesh.runtime.run import run
+from mesh.topology.describe import describe
+from mesh.topology.plan import RunPlan
+from mesh.topology.preflight import StorePlan, load_plan
+from mesh.topology.schema import load_topology
 
 LORA = "actors.trainer.lora={rank: 8, alpha: 16, target_modules: [q_proj, v_proj, down_proj]}"
 

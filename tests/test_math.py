@@ -20,7 +20,7 @@ from actors.tasks.arithmetic_data import DATA_DIR, SIZES, generate
 from actors.tasks.math import SOLUTION_HINT, Math, extract_answer, numeric_reward
 from actors.teachers.bindings.config import BindingConfig
 from actors.teachers.bindings.task_oracle import TaskOracle
-from mesh.inflight import SavedProblem
+from mesh.controller.inflight import SavedProblem
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -78,7 +78,7 @@ def test_unreadable_weights_are_explained_and_missing_ones_are_unknown(tmp_path,
 
 
 def test_a_model_path_without_safetensors_skips_the_pre_flight(tmp_path, tied):
-    from mesh.preflight import describe_store, load_plan
+    from mesh.topology.preflight import describe_store, load_plan
 
     tied.save_pretrained(tmp_path / "model")
     (tmp_path / "model" / "model.safetensors").unlink()

@@ -13,10 +13,11 @@ import cloudpickle
 import pytest
 from monarch.actor import Actor, endpoint, this_host
 
-from mesh.placement import proc_starts, spawn_procs, visible_devices_command
-from mesh.plan import ProcStart, RunPlan
-from mesh.preflight import load_plan
-from mesh.topology import TopologyError
+from mesh.launchers.procs import spawn_procs
+from mesh.topology.gpus import proc_starts, visible_devices_command
+from mesh.topology.plan import ProcStart, RunPlan
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import TopologyError
 
 cloudpickle.register_pickle_by_value(
     sys.modules[__name__]
@@ -193,7 +194,7 @@ async def test_each_process_starts_seeing_exactly_its_gpus(monkeypatch):
 async def test_actors_sharing_a_process_import_transformers_at_once():
     """The co-located layout's crash at its root: ``from transformers import X`` in several
     actors' threads at once raises ImportError unless the process imported it first (it did
-    here, as every process holding a model does: ``mesh/placement.py`` MODEL_LIBRARIES)."""
+    here, as every process holding a model does: ``mesh/topology/gpus.py`` MODEL_LIBRARIES)."""
     procs = spawn_procs(this_host(), 1, ProcStart(((),), ("transformers",)))
     wanted = [
         ["AutoModelForCausalLM", "AutoTokenizer"],

@@ -1,4 +1,4 @@
-"""The RunPlan: every decision a run makes from its topology, resolved once (``mesh/plan.py``)."""
+"""The RunPlan: every decision a run makes from its topology, resolved once (``mesh/topology/plan.py``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mesh.plan import ReferencePlan, RunPlan
-from mesh.preflight import FreeMemory, Machine, load_plan, preflight
-from mesh.topology import load_topology
+from mesh.topology.plan import ReferencePlan, RunPlan
+from mesh.topology.preflight import FreeMemory, Machine, load_plan, preflight
+from mesh.topology.schema import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

@@ -11,7 +11,7 @@ import yaml
 
 from losses.config import POLICIES, LossConfig, policy_config, policy_fields
 from mesh.run import main
-from mesh.topology import TopologyError, load_topology
+from mesh.topology.schema import TopologyError, load_topology
 
 TOPOLOGIES = Path(__file__).resolve().parents[1] / "topologies"
 TINY = TOPOLOGIES / "tiny.yaml"

@@ -16,11 +16,11 @@ from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.reference import ReferenceMismatch, ReferenceModel
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from mesh.controller import Collected
-from mesh.inflight import collected_from_json, collected_to_json
-from mesh.plan import ReferencePlan
-from mesh.preflight import load_plan
-from mesh.runtime import run
-from mesh.topology import TopologyError, load_topology
+from mesh.controller.inflight import collected_from_json, collected_to_json
+from mesh.runtime.run import run
+from mesh.topology.plan import ReferencePlan
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import TopologyError, load_topology
 
 KL = "actors.trainer.loss.policy.kl_coef=0.05"
 PLACED = {"trainer": ["actors.reference.placement=in_trainer"], "service": ["actors.reference.mesh=service"]}

@@ -1,4 +1,5 @@
-"""``--replay RUN_DIR``: the trainer alone, on the batches a fully recorded run trained on (``mesh/replay.py``)."""
+"""``--replay RUN_DIR``: the trainer alone, on the batches a fully recorded run trained on
+(``mesh/runtime/replay.py``)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from mesh.preflight import FreeMemory, StorePlan, check_recording, check_replayed_steps, load_plan
-from mesh.replay import largest_step
-from mesh.rundir import read_metrics
-from mesh.run import main, replaying
 from tiny_runs import ROOT, TINY
 from tiny_runs import SHORT as TINY_SHORT
+
+from mesh.records.rundir import read_metrics
+from mesh.run import main, replaying
+from mesh.runtime.replay import largest_step
+from mesh.topology.preflight import FreeMemory, StorePlan, check_recording, check_replayed_steps, load_plan
 
 SHORT = [*TINY_SHORT, "loop.evaluation.every=2"]
 

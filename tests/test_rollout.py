@@ -17,8 +17,8 @@ from actors.teachers.bindings import TopK
 from actors.train_batch import build_train_batch, row_advantages
 from losses import group_advantages
 from mesh.controller import Collected
-from mesh.inflight import collected_from_json, collected_to_json
-from mesh.router import TargetLoad
+from mesh.controller.inflight import collected_from_json, collected_to_json
+from mesh.controller.router import TargetLoad
 
 PROBLEM = Problem("p", "a")
 

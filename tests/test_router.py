@@ -13,10 +13,10 @@ from actors.generator import Generation
 from actors.rollout import Trajectory
 from actors.tasks.strings import Reverse
 from actors.weights import WeightVersion
-from mesh import runtime
 from mesh.controller import Controller
-from mesh.router import REQUESTS_PER_TARGET, PushFailed, Router
-from mesh.preflight import load_plan
+from mesh.controller.router import REQUESTS_PER_TARGET, PushFailed, Router
+from mesh.runtime import run as runtime
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 COPIES = ROOT / "topologies" / "tiny_copies.yaml"

@@ -12,9 +12,9 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tmpfs import fill, tmpfs
 
-from mesh import rundir
+from mesh.records import rundir
+from mesh.records.rundir import RunDir, RunDirError, read_metrics
 from mesh.run import main
-from mesh.rundir import RunDir, RunDirError, read_metrics
 
 TINY = Path(__file__).resolve().parent.parent / "topologies" / "tiny.yaml"
 

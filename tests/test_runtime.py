@@ -8,17 +8,17 @@ import os
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from actors.model import TinyModelSpec, build_tiny_model
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
 from mesh.controller import Collected, StalenessError
 from mesh.controller.scheduler import Scheduler
-from mesh.runtime import RunFailed, run
-from mesh.preflight import load_plan
+from mesh.runtime.run import RunFailed, run
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

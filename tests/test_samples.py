@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from mesh.logthread import LogThread
-from mesh.preflight import load_plan
-from mesh.rundir import RunDir, RunDirError, read_metrics
-from mesh.runtime import run
-from mesh.sinks import SAMPLE_COLUMNS
-from mesh.topology import TopologyError, load_topology
 from tiny_runs import SHORT as TINY_SHORT
 from tiny_runs import TINY
 from tmpfs import tmpfs
+
+from mesh.records.logthread import LogThread
+from mesh.records.rundir import RunDir, RunDirError, read_metrics
+from mesh.records.sinks import SAMPLE_COLUMNS
+from mesh.runtime.run import run
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import TopologyError, load_topology
 
 SHORT = [*TINY_SHORT, "loop.evaluation.every=0"]
 

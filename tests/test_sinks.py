@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from mesh import topology as topology_module
-from mesh.interrupts import Interrupted
+from mesh.records.rundir import RunDir, RunDirError, read_metrics
+from mesh.records.sinks import SAMPLE_COLUMNS, TRACKERS_FILE, TrackerError, WandbTracker, sample_table, scalars
 from mesh.run import main
-from mesh.rundir import RunDir, RunDirError, read_metrics
-from mesh.sinks import SAMPLE_COLUMNS, TRACKERS_FILE, TrackerError, WandbTracker, sample_table, scalars
-from mesh.topology import Logging, TopologyError, load_topology
+from mesh.runtime.interrupts import Interrupted
+from mesh.topology import schema as topology_module
+from mesh.topology.schema import Logging, TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

@@ -16,11 +16,11 @@ import pytest
 from slurm_cluster import node2_shm, start_cluster, stop_cluster
 
 from mesh.launchers.slurm import SlurmOptions, sbatch_script
-from mesh.rundir import RunDir
-from mesh.runtime import RunFailed, run
-from mesh.describe import describe
-from mesh.preflight import load_plan
-from mesh.topology import MeshSpec, TopologyError
+from mesh.records.rundir import RunDir
+from mesh.runtime.run import RunFailed, run
+from mesh.topology.describe import describe
+from mesh.topology.preflight import load_plan
+from mesh.topology.schema import MeshSpec, TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

@@ -20,8 +20,8 @@ from actors.teachers.bindings.config import BindingConfig
 from actors.teachers.config import TeachersConfig
 from actors.teachers.pool import TeacherPool
 from losses.config import LossConfig
-from mesh.commands import Command
-from mesh.teachers import TeacherBoard
+from mesh.controller.teacher_board import TeacherBoard
+from mesh.runtime.commands import Command
 
 ORACLE = "actors.teachers.bindings.task_oracle:TaskOracle"  # a registered binding, named by its import path
 

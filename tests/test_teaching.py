@@ -17,8 +17,8 @@ from actors.rewarder import Rewarder, RewarderConfig
 from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
 from mesh import ctl
-from mesh.runtime import run
-from mesh.preflight import load_plan
+from mesh.runtime.run import run
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTILL = ROOT / "topologies" / "tiny_distill.yaml"

@@ -16,10 +16,11 @@ from actors.checkpoint import save_checkpoint
 from actors.generator_config import VLLM_CPU_HEAD_SIZES
 from actors.inner_loops import TrainerConfig
 from actors.weights_config import slot_bytes
-from mesh import preflight
-from mesh.fingerprint import topology_fingerprint
-from mesh.describe import describe
-from mesh.preflight import (
+from mesh.checkpoints.fingerprint import topology_fingerprint
+from mesh.run import main
+from mesh.topology import preflight
+from mesh.topology.describe import describe
+from mesh.topology.preflight import (
     RUNTIME_BYTES,
     BatchPlan,
     FreeMemory,
@@ -29,8 +30,7 @@ from mesh.preflight import (
     load_plan,
     size,
 )
-from mesh.run import main
-from mesh.topology import TopologyError, load_topology
+from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -514,7 +514,7 @@ def test_gpu_count_agrees_with_cuda(visible):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    code = "import torch\nfrom mesh.preflight import gpu_count\nprint(gpu_count(), torch.cuda.device_count())"
+    code = "import torch\nfrom mesh.topology.preflight import gpu_count\nprint(gpu_count(), torch.cuda.device_count())"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # keeps where deps live
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     ours, cuda = out.stdout.split()

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from actors.lifecycle import ProcInfo
-from mesh import runtime
-from mesh.logthread import LogThread
-from mesh.preflight import load_plan
-from mesh.rundir import TIMELINE_FILE, RunDir
+from mesh.records.logthread import LogThread
+from mesh.records.rundir import TIMELINE_FILE, RunDir
+from mesh.records.trace import STEP, TRACE_FILE, Tracer, at_step, in_step, plot_timeline
 from mesh.run import main
-from mesh.trace import STEP, TRACE_FILE, Tracer, at_step, in_step, plot_timeline
+from mesh.runtime import run as runtime
+from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"

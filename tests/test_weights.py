@@ -40,7 +40,7 @@ from actors.weights import (
 )
 from actors.weights.checksum import DEVICE_CHUNK_WORDS
 from actors.weights.transports import in_place
-from mesh.preflight import load_plan
+from mesh.topology.preflight import load_plan
 
 cloudpickle.register_pickle_by_value(
     sys.modules[__name__]

@@ -3,7 +3,7 @@
 ``EnvironmentServer(app, params, log)`` starts ``python -m actors.environments.serve``,
 which loads ``app`` (``package.module:factory``), calls it with ``params`` and runs the
 result under uvicorn on ``127.0.0.1``. A run whose task says ``serve:`` holds one for its
-whole length (``mesh/runtime.py``); tests start theirs the same way. The child's output
+whole length (``mesh/runtime/run.py``); tests start theirs the same way. The child's output
 goes to ``log`` (a pipe nobody reads would fill and block it), and a server that exits or
 never answers ``/health`` is reported with the end of that log.
 """

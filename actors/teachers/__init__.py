@@ -8,6 +8,6 @@ bindings/          one module per teacher kind implementing ``Binding`` (binding
   config.py        BindingConfig with the registered kinds' static checks (no torch)
 ```
 
-The controller's side (which binding serves which channel, now) is ``mesh/teachers.py``.
+The controller's side (which binding serves which channel, now) is ``mesh/controller/teacher_board.py``.
 This file imports nothing, so reading a config never loads the pool's Monarch and torch.
 """

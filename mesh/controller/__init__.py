@@ -1,6 +1,6 @@
 """The controller and its parts (``controller.py`` draws them)."""
 
-from mesh.collected import Collected
+from mesh.controller.collected import Collected
 from mesh.controller.collection import (
     Collection,
     EnvironmentDown,

@@ -15,7 +15,7 @@ pairs. ``EpisodeCollection`` (an environment task, ``task: {name: openenv}``) is
 collection: the generators play each prompt's G episodes against the environment
 (``Generator.play``), each episode one trajectory whose reward is the environment's return, a
 failed episode left out of its group; no teacher and no Rewarder are asked. ``RecordedCollection``
-(``--replay``, ``mesh/replay.py``) asks no one: each step's batch is the one a recorded run trained on.
+(``--replay``, ``mesh/runtime/replay.py``) asks no one: each step's batch is the one a recorded run trained on.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, T
 from actors.tasks import Problem, Task
 from actors.teachers.bindings import TopK, TopKRequest
 from actors.weights import WeightVersion
-from mesh.collected import Collected
+from mesh.controller.collected import Collected
 from mesh.controller.groups import GroupPool, PlayedGroup
 from mesh.controller.metrics import teacher_metrics
+from mesh.controller.router import Routed, TargetLoad
 from mesh.controller.services import Rows, Services
 from mesh.controller.settings import CollectSettings
-from mesh.router import Routed, TargetLoad
-from mesh.teachers import Snapshot, TeacherBinding
+from mesh.controller.teacher_board import Snapshot, TeacherBinding
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,13 @@ it trains on it minus the version that sampled it, and no sample older than L is
 trained on. Teachers change only at step boundaries (``mesh.ctl``), for the collections
 started from then on.
 
-Every actor call goes through the fleet (``mesh/fleet.py``), which replaces a generator,
+Every actor call goes through the fleet (``mesh/runtime/fleet.py``), which replaces a generator,
 rewarder or teacher process that dies or hangs and retries the call; a lost trainer
 comes back here (``TrainerLost``): the trainer mesh restarts from the last checkpoint and
 the steps after it are trained again. Prompts are seeded by (seed, step) and sampling by
 (seed, step, prompt), and a checkpoint keeps the batches already collected for the steps
 after it, so a retried call, a restarted trainer and a resumed run all train on exactly
-the samples the uninterrupted run would have. A signal (``mesh/interrupts.py``) stops the
+the samples the uninterrupted run would have. A signal (``mesh/runtime/interrupts.py``) stops the
 loop at the next step boundary, with a checkpoint.
 """
 
@@ -57,22 +57,22 @@ from actors.rollout import RowKind
 from actors.train_batch import build_train_batch, row_advantages
 from actors.trainer import StepReport
 from actors.weights import WeightVersion
-from mesh.collected import Collected
-from mesh.commands import ControlChannel
+from mesh.controller.collected import Collected
 from mesh.controller.collection import Collection
 from mesh.controller.diloco import DiLoCoHook
+from mesh.controller.inflight import collected_from_json, collected_to_json
 from mesh.controller.metrics import step_metrics
 from mesh.controller.samples import sample_records
 from mesh.controller.scheduler import Scheduler
 from mesh.controller.services import Services
 from mesh.controller.settings import LoopSettings
-from mesh.fleet import Fleet, TrainerLost
-from mesh.inflight import collected_from_json, collected_to_json
-from mesh.interrupts import Interrupted, Stopper
-from mesh.progress import Progress
-from mesh.rundir import RunDir
-from mesh.teachers import TeacherBoard
-from mesh.trace import at_step, in_step
+from mesh.controller.teacher_board import TeacherBoard
+from mesh.records.rundir import RunDir
+from mesh.records.trace import at_step, in_step
+from mesh.runtime.commands import ControlChannel
+from mesh.runtime.fleet import Fleet, TrainerLost
+from mesh.runtime.interrupts import Interrupted, Stopper
+from mesh.runtime.progress import Progress
 
 
 @dataclass(frozen=True)

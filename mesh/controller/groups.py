@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from actors.rollout import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
 from actors.weights import WeightVersion
-from mesh.router import TargetLoad
+from mesh.controller.router import TargetLoad
 
 Play = Callable[[int, WeightVersion], Awaitable["PlayedGroup"]]  # (group n of the stream, weights) -> it, played
 

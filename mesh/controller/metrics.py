@@ -10,8 +10,8 @@ import torch
 
 from actors.rollout import RolloutGroup, RowKind
 from actors.trainer import StepReport
-from mesh.collected import Collected
-from mesh.teachers import TeacherBinding
+from mesh.controller.collected import Collected
+from mesh.controller.teacher_board import TeacherBinding
 
 
 def step_metrics(collected: Collected, report: StepReport, ages: list[int], reference: bool) -> dict:

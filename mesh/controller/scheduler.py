@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from mesh.collected import Collected
+from mesh.controller.collected import Collected
 
 Collect = Callable[[int], Coroutine[Any, Any, Collected]]  # step -> its collection, started with the newest weights
 

@@ -9,7 +9,7 @@ as an actor of their own, each behind one interface so the collection never asks
   ``ReferenceInTrainer``: the trainer's ranks compute them (or the run has no reference), nothing to
   do here. ``RemoteReference``: the Reference actor scores them in one call.
 
-Which implementation a run uses is chosen once, where its services are built (``mesh/runtime.py``).
+Which implementation a run uses is chosen once, where its services are built (``mesh/runtime/run.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from actors.rollout import Row
 from actors.tasks import Problem
-from mesh.router import Router
+from mesh.controller.router import Router
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
     from monarch._src.actor.actor_mesh import ActorMesh

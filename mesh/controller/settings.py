@@ -1,4 +1,4 @@
-"""The few settings the controller's parts read, taken once at construction (``mesh/runtime.py`` builds
+"""The few settings the controller's parts read, taken once at construction (``mesh/runtime/run.py`` builds
 them from the run's configuration), so no part reaches into the topology."""
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pydantic import AfterValidator
 
 SHOWN_CHARS = 80
-# the longest string a topology holds (``mesh.topology.MAX_TEXT``): the limit of a grammar that has none of its own
+# the longest string a topology holds (``mesh.topology.schema.MAX_TEXT``): the limit of a grammar with none of its
+# own
 TEXT_CHARS = 4096
 
 

@@ -39,13 +39,13 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from actors import registry
-from mesh.launchers import Launcher, LauncherOptions
 from mesh.launchers.grammars import DNS_LABEL, DNS_SUBDOMAIN, IMAGE, LABEL_KEY, LABEL_VALUE, positive_quantity
-from mesh.preflight import StorePlan
+from mesh.topology.launcher import Launcher, LauncherOptions
+from mesh.topology.preflight import StorePlan
 
 if TYPE_CHECKING:
-    from mesh.plan import RunPlan
-    from mesh.topology import Topology
+    from mesh.topology.plan import RunPlan
+    from mesh.topology.schema import Topology
 
 # The operator names a StatefulSet after the mesh and labels each of its pods
 # "<name>-<10-character revision hash>", a label value of at most 63 characters.
@@ -124,7 +124,7 @@ class K8sOptions(LauncherOptions):
     writes and a run creates is what a cluster takes."""
 
     kind: Literal["k8s"] = "k8s"
-    one_machine: ClassVar[bool] = False  # each pod is a host of its own: GPUs are numbered per pod (mesh/placement.py)
+    one_machine: ClassVar[bool] = False  # each pod is a host of its own: GPUs numbered per pod (mesh/topology/gpus.py)
     namespace: Annotated[str, DNS_LABEL.field] = "default"
     image: Annotated[str, IMAGE.field] | None = None
     queue: LabelValue | None = None  # the value of the kueue.x-k8s.io/queue-name label

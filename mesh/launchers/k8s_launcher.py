@@ -29,14 +29,15 @@ from mesh.launchers.k8s import (
     worker_pod_template,
 )
 from mesh.launchers.k8s_pods import not_ready_pods, readiness_fix
-from mesh.placement import proc_starts, spawn_procs
+from mesh.launchers.procs import spawn_procs
+from mesh.topology.gpus import proc_starts
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
     from monarch.job.kubernetes import KubernetesJob
 
-    from mesh.plan import RunPlan
-    from mesh.topology import Topology
+    from mesh.topology.plan import RunPlan
+    from mesh.topology.schema import Topology
 
 # A pod is ready once its node has pulled the image, which for a CUDA image of several GB on
 # a fresh node takes minutes; a pod still not ready after this is reported, named.

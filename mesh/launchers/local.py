@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers import LauncherOptions
-from mesh.placement import proc_starts, spawn_procs
+from mesh.launchers.procs import spawn_procs
+from mesh.topology.gpus import proc_starts
+from mesh.topology.launcher import LauncherOptions
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
 
-    from mesh.plan import RunPlan
+    from mesh.topology.plan import RunPlan
 
 
 class LocalOptions(LauncherOptions):
     kind: Literal["local"] = "local"
 
     def check(self, plan: RunPlan) -> None:
-        """Every mesh on this one host (which it must fit: ``mesh/preflight.py``)."""
+        """Every mesh on this one host (which it must fit: ``mesh/topology/preflight.py``)."""
         for name, mesh in plan.topology.meshes.items():
             if mesh.hosts != 1:
                 raise ValueError(

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers import LauncherOptions
-from mesh.placement import proc_starts, spawn_procs
+from mesh.launchers.procs import spawn_procs
+from mesh.topology.gpus import proc_starts
+from mesh.topology.launcher import LauncherOptions
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
     from monarch.job import ProcessJob
 
-    from mesh.plan import RunPlan
+    from mesh.topology.plan import RunPlan
 
 
 class ProcessOptions(LauncherOptions):

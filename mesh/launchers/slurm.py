@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import BeforeValidator, NonNegativeInt, PositiveInt
 
-from mesh.launchers import LauncherOptions
 from mesh.launchers.grammars import (
     SBATCH_OPTION,
     SBATCH_PATH,
@@ -40,13 +39,15 @@ from mesh.launchers.grammars import (
     SLURM_NAMES,
     SLURM_TIME,
 )
-from mesh.placement import proc_starts, spawn_procs
+from mesh.launchers.procs import spawn_procs
+from mesh.topology.gpus import proc_starts
+from mesh.topology.launcher import LauncherOptions
 
 if TYPE_CHECKING:
     from monarch.actor import ProcMesh
 
-    from mesh.plan import RunPlan
-    from mesh.topology import MeshSpec, Topology
+    from mesh.topology.plan import RunPlan
+    from mesh.topology.schema import MeshSpec, Topology
 
 WORKER = (
     "import os, socket; from monarch.actor import run_worker_loop_forever; "

@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from mesh.runtime import run  # noqa: E402
-from mesh.preflight import load_plan  # noqa: E402
+from mesh.runtime.run import run  # noqa: E402
+from mesh.topology.preflight import load_plan  # noqa: E402
 
 TINY = ROOT / "topologies" / "tiny.yaml"
 HERE = Path(__file__).resolve().parent

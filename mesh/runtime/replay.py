@@ -8,7 +8,7 @@ trainer on it, step by step. Nothing is sampled, rewarded, traced or scored: onl
 starts (``RunPlan.replaying``), no weights are pushed and nothing is evaluated; the batches' policy
 ages are the recorded ones.
 
-samples.jsonl is read back as strictly as a checkpoint's batches in flight (``mesh/inflight.py``'s
+samples.jsonl is read back as strictly as a checkpoint's batches in flight (``mesh/controller/inflight.py``'s
 models): whoever can write a run directory can write it, and a token id past the vocabulary, logprobs
 shorter than the completion or a NaN would otherwise crash the trainer steps later or be trained on
 silently. Every mistake is a ``TopologyError`` (exit 2) naming the file, the line and the fix, before
@@ -27,12 +27,12 @@ from pydantic import ConfigDict, Field, ValidationError
 from actors.checkpoint import STRICT, first_problem
 from actors.disk import is_regular, lines, open_regular
 from actors.rollout import RolloutGroup, Row
-from mesh.collected import Collected
-from mesh.fingerprint import FingerprintError, topology_fingerprint
-from mesh.inflight import Saved, SavedProblem, SavedRow, bounds
-from mesh.plan import RunPlan
-from mesh.rundir import LONGEST_ROW, SAMPLES_FILE
-from mesh.topology import Topology, TopologyError, load_topology
+from mesh.checkpoints.fingerprint import FingerprintError, topology_fingerprint
+from mesh.controller.collected import Collected
+from mesh.controller.inflight import Saved, SavedProblem, SavedRow, bounds
+from mesh.records.rundir import LONGEST_ROW, SAMPLES_FILE
+from mesh.topology.plan import RunPlan
+from mesh.topology.schema import Topology, TopologyError, load_topology
 
 RECORD_AGAIN = "record the run again with --set logging.samples.full=true"
 ROW_KEYS = ("kind", "trajectory", "version", "teacher", "distill", "reference_logprobs")  # as a SavedRow's
@@ -88,14 +88,14 @@ def oldest_age(batches: list[Collected]) -> int:
 
 def largest_step(batches: list[Collected]) -> tuple[int, int]:
     """The most rows of one recorded step, and the most tokens of one row (its prompt and completion): what
-    the replay's trainer must hold at once (``mesh.preflight.check_replayed_steps``)."""
+    the replay's trainer must hold at once (``mesh.topology.preflight.check_replayed_steps``)."""
     rows = [row.trajectory for collected in batches for row in collected.rows()]
     return max(len(c.rows()) for c in batches), max(len(t.prompt_ids) + len(t.completion_ids) for t in rows)
 
 
 def _check_recorded(run_dir: Path, topology: Topology) -> Topology:
     """``run_dir`` is a fully recorded run of this topology's model, tokenizer and task; returns the topology
-    it was recorded with (which bounds what its rows can hold: ``mesh.inflight.bounds``)."""
+    it was recorded with (which bounds what its rows can hold: ``mesh.controller.inflight.bounds``)."""
     written = run_dir / "topology.yaml"
     if not is_regular(run_dir / SAMPLES_FILE) or not is_regular(written):
         raise TopologyError(

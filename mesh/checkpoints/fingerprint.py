@@ -40,7 +40,7 @@ from actors.tasks import TaskConfig, build_task
 
 if TYPE_CHECKING:
     from actors.model import TinyModelSpec
-    from mesh.topology import Topology
+    from mesh.topology.schema import Topology
 
 ARCHITECTURE = (
     "model_type",
@@ -144,7 +144,7 @@ def topology_fingerprint(topology: Topology) -> Fingerprint:
         return fingerprint(_model_directory(topology.model.source), topology.task.config, lora)
     task, spec = _task_fingerprint(topology.task.config), topology.model.init
     vocab = _bpe_vocabulary() if spec.tokenizer == "bpe" else char_vocabulary(task["alphabet"])
-    recipe = tiny_recipe(spec, task["alphabet"], topology.seed)  # as the run builds it (``mesh/runtime.py``)
+    recipe = tiny_recipe(spec, task["alphabet"], topology.seed)  # as the run builds it (``mesh/runtime/run.py``)
     adapter = _adapter(lora, _recipe_digest(recipe)) if lora is not None else None
     return Fingerprint(_tiny_architecture(spec, len(vocab)), _digest(vocab), task, adapter)
 

@@ -3,7 +3,7 @@
 ```
 runs/<name>-<time>/
   topology.yaml        the resolved topology (after --set), what the user asked for
-  plan.yaml            what the run did with it: meshes, services, weight transport, slots (mesh/plan.py)
+  plan.yaml            what the run did with it: meshes, services, weight transport, slots (mesh/topology/plan.py)
   model/               the policy's starting point (a built tiny model, or a note of the path)
   metrics.jsonl        one JSON object per step (strict JSON: a number that is not finite is null)
   samples.jsonl        recorded rows: prompt, completion, reward, advantage, policy age (logging.samples)
@@ -11,7 +11,7 @@ runs/<name>-<time>/
   wandb/               logging.wandb: W&B's files (offline: the whole run, for wandb sync)
   trackers.json        the W&B and trackio runs it logs to, which a --resume of it continues
   reward.png           the reward curve, written at the end
-  trace.json           every actor call of the last logging.trace.steps steps, for Perfetto (mesh/trace.py)
+  trace.json           every actor call of the last logging.trace.steps steps, for Perfetto (mesh/records/trace.py)
   timeline.png         a Gantt chart of the last steps' calls, written at the end
   report.png           the curves python -m mesh.report draws (mesh/report.py)
   checkpoints/step_N/  policy + optimizer state (safetensors), checksummed
@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING
 import yaml
 
 from actors.disk import DISK_FULL, errno_of, lines, open_regular, write_cause
-from mesh import events
-from mesh.figures import pyplot
-from mesh.logthread import LogThread
-from mesh.sinks import Tracker, TrackerError, cause, json_line, open_trackers, sample_table, scalars
+from mesh.records import events
+from mesh.records.figures import pyplot
+from mesh.records.logthread import LogThread
+from mesh.records.sinks import Tracker, TrackerError, cause, json_line, open_trackers, sample_table, scalars
 
 if TYPE_CHECKING:
-    from mesh.topology import Logging
-    from mesh.trace import Tracer
+    from mesh.records.trace import Tracer
+    from mesh.topology.schema import Logging
 
 REWARD_KEY, REWARD_STD_KEY = "reward/mean", "reward/std"
 METRICS_FILE = "metrics.jsonl"
@@ -94,7 +94,7 @@ class RunDir:
         also got: the directory is made without ``exist_ok`` and a taken name gets a suffix.
 
         ``logging``: the trackers it names (W&B, trackio) are started, continuing those of the run
-        directory ``resumed_from`` (``mesh/sinks.py``); one that cannot start leaves no directory."""
+        directory ``resumed_from`` (``mesh/records/sinks.py``); one that cannot start leaves no directory."""
         root = Path(root)
         try:
             root.mkdir(parents=True, exist_ok=True)

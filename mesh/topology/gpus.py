@@ -1,4 +1,4 @@
-"""Which GPUs each process sees, checked and started: the plan's layout (``mesh/plan.py``) put to use.
+"""Which GPUs each process sees, checked and started: the plan's layout (``mesh/topology/plan.py``) put to use.
 
 The layout is data, computed from the topology alone (no torch, no CUDA): the launcher
 starts every process with ``CUDA_VISIBLE_DEVICES`` naming exactly its GPUs, so inside a
@@ -18,24 +18,17 @@ first leaves the other its share.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
-from mesh.plan import MODEL_ACTORS, ProcStart
+from mesh.topology.plan import MODEL_ACTORS, ProcStart
 
 if TYPE_CHECKING:
-    from monarch.actor import ProcMesh
-
-    from mesh.plan import RunPlan
+    from mesh.topology.plan import ProcGpus, RunPlan
 
 # Imported by a process before any of its actors runs: a first ``import transformers`` is not
 # thread-safe (a ``from transformers import X`` racing it raises ImportError), and actors
 # sharing a process run in threads of their own.
 MODEL_LIBRARIES = ("transformers",)
-
-# Every proc starts with these: quiet HF progress bars, and no tokenizer thread pools
-# fighting the trainer's threads on a small machine.
-PROC_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def proc_starts(plan: RunPlan) -> dict[str, ProcStart]:
@@ -125,22 +118,3 @@ def describe_memory(plan: RunPlan) -> str | None:
     elif gen.mesh == plan.topology.actors.trainer.mesh:
         line += "; the trainer, in the same processes, what is left"
     return line
-
-
-def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
-    """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK
-    from it), each seeing exactly its GPUs and with its libraries imported."""
-    from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
-    from monarch.actor import default_bootstrap_cmd  # only a launch needs Monarch, not a check
-
-    from actors.lifecycle import import_libraries
-
-    proc = default_bootstrap_cmd()
-
-    def command(point) -> object:
-        # through sh, so the GPUs are chosen on the proc's own host, from what its worker sees
-        script = f'{visible_devices_command(start.gpus[point.rank])}; exec "$0" "$@"'
-        return BootstrapCommand("/bin/sh", None, ["-c", script, proc.program, *proc.args], PROC_ENV)
-
-    setup = functools.partial(import_libraries, start.libraries) if start.libraries else None
-    return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap=setup, bootstrap_command=command)

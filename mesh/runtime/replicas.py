@@ -35,9 +35,9 @@ from typing import IO
 
 from tqdm import tqdm
 
-from mesh.interrupts import SIGNALS
-from mesh.rundir import METRICS_FILE, REWARD_KEY, RunDir, RunDirError, draw, plot_replica_rewards, read_rows
-from mesh.topology import Topology
+from mesh.records.rundir import METRICS_FILE, REWARD_KEY, RunDir, RunDirError, draw, plot_replica_rewards, read_rows
+from mesh.runtime.interrupts import SIGNALS
+from mesh.topology.schema import Topology
 
 POLL_S = 0.5
 LIGHTHOUSE_FILE = "lighthouse"

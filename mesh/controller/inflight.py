@@ -13,7 +13,7 @@ token id past the vocabulary, logprobs shorter than the completion or a NaN woul
 otherwise crash the trainer steps later or be trained on silently. The models are
 strict (JSON's own types, no unknown keys, finite numbers, one logprob and mask value
 per completion token); given a context (``bounds``, and the checkpoint's version from
-``mesh/resume.py``) they also check token ids against the policy's vocabulary, versions
+``mesh/checkpoints/resume.py``) they also check token ids against the policy's vocabulary, versions
 against the checkpoint's, and sizes against what the topology can produce: a row no longer
 than the model's positions, a policy's sample no longer than ``max_new_tokens``, no more
 groups or samples than a step samples and no more batches in flight than the controller
@@ -36,11 +36,11 @@ from actors.checkpoint import STRICT
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
 from actors.teachers.bindings import TopK
-from mesh.collected import Collected
-from mesh.router import TargetLoad
+from mesh.controller.collected import Collected
+from mesh.controller.router import TargetLoad
 
 if TYPE_CHECKING:
-    from mesh.topology import Topology
+    from mesh.topology.schema import Topology
 
 FORMAT = 2  # 2: rollout groups of tagged rows (1: a flat list of rollouts)
 

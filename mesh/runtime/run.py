@@ -7,9 +7,9 @@ A run ends in one of three ways, and each keeps everything written so far:
 - a fault the run cannot absorb (an actor's endpoint raised, or more processes died than
   ``fault_tolerance.max_restarts`` allows): :class:`RunFailed`, one paragraph naming the
   actor, the step and the original exception; the remote traceback goes to ``error.log``;
-- a signal: :class:`~mesh.interrupts.Interrupted` after a final checkpoint (see ``mesh/interrupts.py``).
+- a signal: :class:`~mesh.runtime.interrupts.Interrupted` after a final checkpoint (see ``mesh/runtime/interrupts.py``).
 
-Processes that die or hang along the way are replaced by the fleet (``mesh/fleet.py``).
+Processes that die or hang along the way are replaced by the fleet (``mesh/runtime/fleet.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from actors.tasks import build_task  # noqa: E402
 from actors.teachers.bindings import Student  # noqa: E402
 from actors.teachers.pool import TeacherPool  # noqa: E402
 from actors.trainer import Trainer, TrainerSetup  # noqa: E402
-from mesh.commands import EVENTS, ControlChannel  # noqa: E402
+from mesh.checkpoints.fingerprint import built_weights, topology_fingerprint  # noqa: E402
 from mesh.controller import (  # noqa: E402
     Collected,
     Collection,
@@ -67,20 +67,20 @@ from mesh.controller import (  # noqa: E402
     SampleCollection,
     Services,
 )
+from mesh.controller.router import Router  # noqa: E402
 from mesh.controller.samples import SampleRecording  # noqa: E402
-from mesh.faults import explain, paragraph  # noqa: E402
-from mesh.fingerprint import built_weights, topology_fingerprint  # noqa: E402
-from mesh.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
-from mesh.interrupts import FinalInterrupted, Interrupted, Signalled, Stopper, newest_checkpoint  # noqa: E402
-from mesh.plan import RunPlan, model_path_of  # noqa: E402
-from mesh.progress import Progress  # noqa: E402
-from mesh.replay import oldest_age  # noqa: E402
-from mesh.replicas import serve_lighthouse  # noqa: E402
-from mesh.router import Router  # noqa: E402
-from mesh.rundir import ERROR_LOG, RunDir  # noqa: E402
-from mesh.teachers import TeacherBoard  # noqa: E402
-from mesh.topology import SamplesLogging  # noqa: E402
-from mesh.trace import Tracer  # noqa: E402
+from mesh.controller.teacher_board import TeacherBoard  # noqa: E402
+from mesh.records.rundir import ERROR_LOG, RunDir  # noqa: E402
+from mesh.records.trace import Tracer  # noqa: E402
+from mesh.runtime.commands import EVENTS, ControlChannel  # noqa: E402
+from mesh.runtime.faults import explain, paragraph  # noqa: E402
+from mesh.runtime.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
+from mesh.runtime.interrupts import FinalInterrupted, Interrupted, Signalled, Stopper, newest_checkpoint  # noqa: E402
+from mesh.runtime.progress import Progress  # noqa: E402
+from mesh.runtime.replay import oldest_age  # noqa: E402
+from mesh.runtime.replicas import serve_lighthouse  # noqa: E402
+from mesh.topology.plan import RunPlan, model_path_of  # noqa: E402
+from mesh.topology.schema import SamplesLogging  # noqa: E402
 
 if TYPE_CHECKING:  # monarch does not export these types publicly
     from monarch._src.actor.actor_mesh import ActorMesh
@@ -105,7 +105,7 @@ async def run(
 
     ``resume``: a checkpoint directory of an earlier run of this topology; training goes
     on from its step with its policy, optimizer, loss state and in-flight batches.
-    ``replay``: the recorded batches to train on, one per step (``mesh/replay.py``; ``plan``
+    ``replay``: the recorded batches to train on, one per step (``mesh/runtime/replay.py``; ``plan``
     is then ``RunPlan.replaying``'s: only the trainer starts).
     """
     stopper = Stopper()
@@ -196,7 +196,7 @@ def _write_final(run_dir: RunDir, checkpoint: Path, faults: _FaultLog, stopper: 
     meshes stopped, or during the export, stops it at once (``FinalInterrupted``: exit 128 + the signal). Any
     other failure ends the run in error.log, as a failed step does: ``mesh.report`` calls the run failed, not
     finishing forever. ``export`` itself removes the ``final.partial`` it wrote, whatever stopped it."""
-    from mesh.export import ExportError, export
+    from mesh.checkpoints.export import ExportError, export
 
     if stopper.requested is not None:
         raise FinalInterrupted(stopper.requested, run_dir.path, checkpoint)

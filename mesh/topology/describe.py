@@ -1,6 +1,6 @@
 """What ``--dry-run`` prints: the resolved topology, then the plan (placement, services, actor graph).
 
-It reads the ``RunPlan`` (``mesh/plan.py``), so what it prints is what the run would do; it
+It reads the ``RunPlan`` (``mesh/topology/plan.py``), so what it prints is what the run would do; it
 imports no backend and starts nothing.
 """
 
@@ -11,9 +11,9 @@ import math
 import yaml
 
 from actors.model_source import ModelSource
-from mesh.placement import describe_gpus, describe_memory
-from mesh.plan import ReferencePlan, RunPlan
-from mesh.preflight import describe_store
+from mesh.topology.gpus import describe_gpus, describe_memory
+from mesh.topology.plan import ReferencePlan, RunPlan
+from mesh.topology.preflight import describe_store
 
 TRANSPORT_WORDS = {"shm": "shared memory", "rdma": "RDMA buffers", "cuda_ipc": "CUDA IPC"}
 

@@ -35,12 +35,13 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ProcMesh
 
 from actors.lifecycle import ProcInfo
-from mesh.faults import Cause, FaultTolerance, explain, explain_report, name_actor
+from mesh.runtime.faults import Cause, explain, explain_report, name_actor
+from mesh.topology.schema import FaultTolerance
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
     from monarch._src.actor.actor_mesh import ActorMesh
 
-    from mesh.trace import Tracer
+    from mesh.records.trace import Tracer
 
 T = TypeVar("T")
 STOP_TIMEOUT_S = 10.0  # waited for a stop: a broken mesh's is best effort (its processes are already killed)
@@ -102,7 +103,7 @@ class Fleet:
         tracer: Tracer | None = None,
     ):
         """``roles``: mesh name -> the roles placed on it, in the order they start; ``tracer``: told of every
-        call that is answered (``mesh/trace.py``), None for no trace."""
+        call that is answered (``mesh/records/trace.py``), None for no trace."""
         self.launcher, self.tolerance, self.trainer_mesh, self.tracer = launcher, tolerance, trainer_mesh, tracer
         self.meshes = {name: _Mesh(name, mesh_roles) for name, mesh_roles in roles.items()}
         self.on_fault = on_fault

@@ -1,4 +1,5 @@
-"""What went wrong, in words a user can act on, and how much failure a run absorbs.
+"""What went wrong, in words a user can act on (how much failure a run absorbs: the topology's
+``fault_tolerance``, ``FaultTolerance`` in ``mesh/topology/schema.py``).
 
 A failed actor call reaches the controller as one of Monarch's errors: an ``ActorError``
 (the endpoint raised; ``.exception`` is the actor's own exception and
@@ -11,43 +12,10 @@ The user never reads only "the actor ... has failed:".
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 TRACEBACK = "Traceback (most recent call last):"
 _FRAME_NOISE = ("Traceback", "During handling", "The above exception", "File ")
-# Past these a run would never end on its own: a day for one actor call (a step, a checkpoint of
-# a large model), and a thousand replaced processes (a fault loop, not bad luck).
-MAX_CALL_TIMEOUT_S = 86_400
-MAX_RESTARTS = 1000
-
-
-@dataclass(frozen=True)
-class FaultTolerance:
-    """The topology's ``fault_tolerance`` section: how much failure a run absorbs.
-
-    ``max_restarts``: processes the run may replace in all (a generator, rewarder or
-    teacher process that died or hung, or the trainer mesh, restarted from its last
-    checkpoint); one more failure ends the run. ``call_timeout``: seconds any call to an
-    actor may take before its process counts as hung and is replaced; it must exceed the
-    slowest normal step (a long generation, a checkpoint of a large model).
-    """
-
-    max_restarts: int = 3
-    call_timeout: float = 600.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_restarts, int) or not 0 <= self.max_restarts <= MAX_RESTARTS:
-            raise ValueError(
-                f"max_restarts must be an integer in [0, {MAX_RESTARTS}] (0: never restart), got {self.max_restarts!r}"
-            )
-        if not math.isfinite(self.call_timeout) or not 0 < self.call_timeout <= MAX_CALL_TIMEOUT_S:
-            raise ValueError(
-                f"call_timeout must be a number of seconds in (0, {MAX_CALL_TIMEOUT_S}] (a day), "
-                f"got {self.call_timeout!r}"
-            )
-
-
 @dataclass(frozen=True)
 class Cause:
     """Why a call failed: ``summary`` is one paragraph (``ExceptionType: message``),

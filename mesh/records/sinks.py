@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from actors.disk import read_regular
-from mesh.topology import MAX_FILE_BYTES, Logging, TrackioLogging, WandbLogging, install_hint
+from mesh.topology.schema import MAX_FILE_BYTES, Logging, TrackioLogging, WandbLogging, install_hint
 
 TRACKERS_FILE = "trackers.json"
 # a recorded row's columns in a tracker's table (``mesh/controller/samples.py``); its reward parts stay in samples.jsonl

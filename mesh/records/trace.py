@@ -259,7 +259,7 @@ def plot_timeline(spans: list[Span], out: Path, steps: int = TIMELINE_STEPS) -> 
         return
     from matplotlib.patches import Patch
 
-    from mesh.figures import pyplot
+    from mesh.records.figures import pyplot
 
     plt = pyplot()
 

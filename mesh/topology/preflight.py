@@ -46,9 +46,9 @@ from actors.model_config import ModelFacts
 from actors.model_source import ModelSource
 from actors.reference_config import REFERENCE_KEY
 from actors.weights_config import SHM, slot_bytes
-from mesh.placement import check_gpus, gpus_needed
-from mesh.plan import RunPlan
-from mesh.topology import Topology, TopologyError, load_topology, one_line
+from mesh.topology.gpus import check_gpus, gpus_needed
+from mesh.topology.plan import RunPlan
+from mesh.topology.schema import Topology, TopologyError, load_topology, one_line
 
 MEMINFO = Path("/proc/meminfo")
 TRAINER_COPIES = 4  # weights, gradients, AdamW's two moments (the last three of the trained weights only)

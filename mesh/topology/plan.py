@@ -8,7 +8,7 @@ Every decision the run makes from its topology is taken here, once, and read fro
 which meshes the launcher starts (the generator's copies included) and how large each is,
 which actors run on each, whether rewarding and reference scoring run in-process or as actors
 of their own, how weights travel and in which dtype, how many store slots a version needs, and
-which DiLoCo replica this run is. ``--dry-run`` prints it (``mesh/describe.py``) and the run
+which DiLoCo replica this run is. ``--dry-run`` prints it (``mesh/topology/describe.py``) and the run
 directory keeps it as ``plan.yaml``; the actors receive their own slices of it.
 
 Checking builds the plan without importing any backend, as checking the topology does.
@@ -24,7 +24,7 @@ from actors.model_config import ModelFacts
 from actors.model_source import ModelSource
 from actors.reference_config import REFERENCE_KEY
 from actors.weights_config import choose_transport
-from mesh.topology import MeshSpec, Topology
+from mesh.topology.schema import MeshSpec, Topology
 
 RewarderPlacement = Literal["in_generator", "own_mesh"]
 ReferencePlacement = Literal["in_trainer", "own_mesh", "adapter_off"]  # adapter_off: LoRA's base, on the trainer
@@ -80,7 +80,7 @@ class RunPlan:
     diloco_replica: int | None  # which replica this run trains; None: not DiLoCo, or it starts the replicas
     runs_here: int  # the runs this one starts, each with all of its meshes: diloco.replicas, else 1
     prompt_seed: int  # each DiLoCo replica draws a prompt stream of its own
-    gpus: dict[str, ProcGpus]  # launched mesh -> each process's GPUs (``mesh/placement.py``)
+    gpus: dict[str, ProcGpus]  # launched mesh -> each process's GPUs (``mesh/topology/gpus.py``)
     trainer_shares_generator_gpus: bool
     vllm_share: float | None  # a vLLM generator's share of each of its GPUs
     trainer_memory_share: float | None  # the share of each GPU the trainer's allocator may take; None: all
@@ -122,7 +122,7 @@ class RunPlan:
         )
 
     def replaying(self, run_dir: str) -> RunPlan:
-        """This plan training on the batches recorded in ``run_dir`` (``mesh/replay.py``): only the trainer's
+        """This plan training on the batches recorded in ``run_dir`` (``mesh/runtime/replay.py``): only the trainer's
         mesh starts, with the trainer alone on it (a reference on its ranks stays: it scores in the train
         step); the generators, rewarder, teachers and a reference of its own are not started, since the
         recording holds what they gave. The trainer then computes with every core the run may use."""
@@ -138,7 +138,8 @@ class RunPlan:
 
     @property
     def starts_replicas(self) -> bool:
-        """This run starts the DiLoCo replicas, each its own run (``mesh/replicas.py``), rather than being one."""
+        """This run starts the DiLoCo replicas, each its own run (``mesh/runtime/replicas.py``), rather than being
+        one."""
         return self.runs_here > 1
 
     @property
@@ -237,7 +238,7 @@ def _transport(topology: Topology, devices: dict[str, _Devices], generator_meshe
     apart (``process``: a worker process of its own, standing in for a machine), so a follower
     shares the trainer's host only on the trainer's own single-host mesh. CUDA IPC opens the
     trainer's GPU memory in place, so it needs every follower on the trainer's publishing GPU
-    (``mesh/placement.py``); followers on other GPUs get shm.
+    (``mesh/topology/gpus.py``); followers on other GPUs get shm.
     """
     cfg = topology.actors
     followers = [*generator_meshes] + ([cfg.teachers.mesh] if cfg.teachers else [])

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from actors.disk import RefusedFile, open_regular, read_regular
 from actors.procs import alive_since
-from mesh.topology import MAX_FILE_BYTES, TopologyError, check_bounded
+from mesh.topology.schema import MAX_FILE_BYTES, TopologyError, check_bounded
 
 CONTROL = "control"
 EVENTS = "events.jsonl"
@@ -197,7 +197,7 @@ class ControlChannel:
             )
         try:
             request = json.loads(text)
-            check_bounded(request, "the request")  # the limits of a topology file (mesh/topology.py)
+            check_bounded(request, "the request")  # the limits of a topology file (mesh/topology/schema.py)
         except TopologyError as error:
             raise _Refused(f"{error}; send commands with python -m mesh.ctl") from None
         except (ValueError, RecursionError) as error:

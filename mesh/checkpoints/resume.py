@@ -2,11 +2,11 @@
 
 A checkpoint's checksums catch damage, not intent: whoever can write the run directory
 can rewrite state.json and its checksum. So everything in it is validated by the models
-here (``actors/checkpoint.py``'s for the optimizer's param groups, ``mesh/inflight.py``'s
+here (``actors/checkpoint.py``'s for the optimizer's param groups, ``mesh/controller/inflight.py``'s
 for the batches in flight) against the topology that resumes it: token ids below the
 policy's vocabulary, one logprob and mask value per completion token, finite numbers,
 JSON's own types, versions not after the step, rows and batches no larger than the topology
-samples (``mesh.inflight.bounds``); and model.safetensors holds the tensors it trains. A
+samples (``mesh.controller.inflight.bounds``); and model.safetensors holds the tensors it trains. A
 failure is a ``CheckpointError`` naming the checkpoint and the field's path in state.json.
 """
 
@@ -19,14 +19,14 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from actors.checkpoint import ANOTHER, MODEL_FILE, CheckpointError, FiniteJson, validated
 from actors.model_config import header_shapes
-from mesh.inflight import Saved, SavedInFlight, bounds
+from mesh.controller.inflight import Saved, SavedInFlight, bounds
 
 if TYPE_CHECKING:
-    from mesh.topology import Topology
+    from mesh.topology.schema import Topology
 
 
 class SavedFingerprint(Saved):
-    """``mesh/fingerprint.py``'s record, compared with the topology's key by key."""
+    """``mesh/checkpoints/fingerprint.py``'s record, compared with the topology's key by key."""
 
     model: dict[str, FiniteJson]
     tokenizer: dict[str, FiniteJson]

@@ -3,7 +3,7 @@
 The schema is pydantic over the actors' own config dataclasses, so a knob is declared
 once, where it is used. A ``Topology`` is what the user asked for; what the run will do
 (meshes, services, transport, slots) is resolved from it once, as a ``RunPlan``
-(``mesh/plan.py``), and checked against this machine by ``mesh/preflight.py``. Loading is
+(``mesh/topology/plan.py``), and checked against this machine by ``mesh/topology/preflight.py``. Loading is
 all-or-nothing: any mistake (an unknown key, a wrong type, a value that would fail later,
 an unknown backend, an actor on an undefined mesh, a missing model directory) raises
 ``TopologyError`` with one paragraph naming the file, the key path and the fix, before
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -48,8 +49,7 @@ from actors.reference_config import REFERENCE_KEY, ReferenceConfig
 from actors.rewarder_config import RewarderConfig
 from actors.tasks import TaskConfig, build_task
 from actors.teachers.config import TeachersConfig, check_weighted
-from mesh.faults import FaultTolerance
-from mesh.launchers import LauncherOptions, launcher_options
+from mesh.topology.launcher import LauncherOptions, launcher_options
 
 # A run's name goes into its directory's name, runs/<name>-<YYYYmmdd-HHMMSS>-<n>. 64 keeps it far
 # below NAME_MAX (255 bytes on every Linux file system) and a name still reads whole on a terminal line.
@@ -63,6 +63,36 @@ MAX_STEPS = 10**9
 # The trace keeps its steps' events in memory (up to hundreds a step on a large run) and writes them all every that
 # many steps: a thousand steps is already tens of megabytes, more than a timeline is read for.
 MAX_TRACE_STEPS = 1000
+# Past these a run would never end on its own: a day for one actor call (a step, a checkpoint of
+# a large model), and a thousand replaced processes (a fault loop, not bad luck).
+MAX_CALL_TIMEOUT_S = 86_400
+MAX_RESTARTS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultTolerance:
+    """The topology's ``fault_tolerance`` section: how much failure a run absorbs.
+
+    ``max_restarts``: processes the run may replace in all (a generator, rewarder or
+    teacher process that died or hung, or the trainer mesh, restarted from its last
+    checkpoint); one more failure ends the run. ``call_timeout``: seconds any call to an
+    actor may take before its process counts as hung and is replaced; it must exceed the
+    slowest normal step (a long generation, a checkpoint of a large model).
+    """
+
+    max_restarts: int = 3
+    call_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_restarts, int) or not 0 <= self.max_restarts <= MAX_RESTARTS:
+            raise ValueError(
+                f"max_restarts must be an integer in [0, {MAX_RESTARTS}] (0: never restart), got {self.max_restarts!r}"
+            )
+        if not math.isfinite(self.call_timeout) or not 0 < self.call_timeout <= MAX_CALL_TIMEOUT_S:
+            raise ValueError(
+                f"call_timeout must be a number of seconds in (0, {MAX_CALL_TIMEOUT_S}] (a day), "
+                f"got {self.call_timeout!r}"
+            )
 
 
 class TopologyError(Exception):
@@ -212,7 +242,7 @@ TRACKERS = {"wandb": "wandb==0.31.0", "trackio": "trackio==0.43.0"}  # as pyproj
 
 
 def install_hint(key: str) -> str:
-    """How to get the tracker ``logging.<key>`` names (``mesh/sinks.py`` drives it), or do without it."""
+    """How to get the tracker ``logging.<key>`` names (``mesh/records/sinks.py`` drives it), or do without it."""
     return (
         f"install it with pip install -e '.[logging]' (or pip install {TRACKERS[key]}), or remove logging.{key} "
         "to log to metrics.jsonl and TensorBoard only"
@@ -230,7 +260,7 @@ def _check_installed(key: str, section: Section, info: ValidationInfo) -> Sectio
 
 
 class WandbLogging(Section):
-    """``logging.wandb``: the run's scalars also go to a Weights & Biases run (``mesh/sinks.py``)."""
+    """``logging.wandb``: the run's scalars also go to a Weights & Biases run (``mesh/records/sinks.py``)."""
 
     project: str = Field(min_length=1)
     entity: str | None = None
@@ -244,7 +274,7 @@ class WandbLogging(Section):
 
 
 class TrackioLogging(Section):
-    """``logging.trackio``: the run's scalars also go to a local trackio project (``mesh/sinks.py``)."""
+    """``logging.trackio``: the run's scalars also go to a local trackio project (``mesh/records/sinks.py``)."""
 
     project: str = Field(min_length=1)
 
@@ -278,7 +308,7 @@ class SamplesLogging(Section):
 
 class TraceLogging(Section):
     """``logging.trace``: trace.json (every actor call, for Perfetto) and timeline.png of the run's last
-    ``steps`` steps (``mesh/trace.py``); ``logging.trace: null`` traces nothing."""
+    ``steps`` steps (``mesh/records/trace.py``); ``logging.trace: null`` traces nothing."""
 
     steps: int = Field(20, ge=1, le=MAX_TRACE_STEPS)
 

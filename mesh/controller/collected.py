@@ -1,5 +1,5 @@
 """One step's collected rollout groups: what the controller's collection hands the trainer, and what a
-checkpoint keeps of a bounded-async run's batches in flight (``mesh/inflight.py``)."""
+checkpoint keeps of a bounded-async run's batches in flight (``mesh/controller/inflight.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from actors.rollout import RolloutGroup, Row, RowKind
-from mesh.router import TargetLoad
+from mesh.controller.router import TargetLoad
 
 
 @dataclass

@@ -1,0 +1,36 @@
+"""Starting a launched mesh's processes, each seeing exactly its GPUs (``mesh/topology/gpus.py``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from mesh.topology.gpus import visible_devices_command
+
+if TYPE_CHECKING:
+    from monarch.actor import ProcMesh
+
+    from mesh.topology.plan import ProcStart
+
+# Every proc starts with these: quiet HF progress bars, and no tokenizer thread pools
+# fighting the trainer's threads on a small machine.
+PROC_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
+    """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK
+    from it), each seeing exactly its GPUs and with its libraries imported."""
+    from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
+    from monarch.actor import default_bootstrap_cmd  # only a launch needs Monarch, not a check
+
+    from actors.lifecycle import import_libraries
+
+    proc = default_bootstrap_cmd()
+
+    def command(point) -> object:
+        # through sh, so the GPUs are chosen on the proc's own host, from what its worker sees
+        script = f'{visible_devices_command(start.gpus[point.rank])}; exec "$0" "$@"'
+        return BootstrapCommand("/bin/sh", None, ["-c", script, proc.program, *proc.args], PROC_ENV)
+
+    setup = functools.partial(import_libraries, start.libraries) if start.libraries else None
+    return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap=setup, bootstrap_command=command)
