@@ -5,6 +5,7 @@ subprocess per command), so a renamed key or flag fails here in seconds instead 
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ def _project_commands(script: str) -> list[tuple[str, list[str]]]:
     result = []
     for line in script.replace("\\\n", " ").splitlines():
         for part in _chain(shlex.split(line, comments=True)):
-            if part[:2] == ["python", "-m"] and part[2].startswith("mesh."):
+            if part[:2] == ["python", "-m"] and len(part) > 2 and part[2].startswith("mesh."):
                 result.append((part[2], part[3:]))
     return result
 
@@ -143,7 +144,7 @@ def check_run(args: list[str]) -> None:
     schema's, and the topology loads with its overrides (``placed_here=False``: a GPU node's or a cluster's job is
     described on any machine). A ``--set`` whose value is a placeholder (``<image>``) is checked by its key alone; a
     run directory or checkpoint (``--resume``, ``--replay``) is only parsed: it does not exist here."""
-    parsed = run._parser().parse_args(args)
+    parsed = parse(run._parser(), args)
     concrete = [item for item in parsed.set if not PLACEHOLDER.search(item)]
     unknown = [item for item in parsed.set if not known_key(item.partition("=")[0])]
     assert not unknown, f"--set names keys the schema does not have: {unknown}"
@@ -151,6 +152,14 @@ def check_run(args: list[str]) -> None:
     if parsed.replica is not None:
         concrete = run.replica_overrides(str(topology), concrete, parsed.replica)
     load_plan(topology, concrete, placed_here=False)
+
+
+def parse(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespace:
+    """``args`` as ``parser`` reads them; argparse exits on a flag it does not know, which fails the test instead."""
+    try:
+        return parser.parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{parser.prog} refuses {shlex.join(args)} (argparse's message is in the captured stderr)")
 
 
 def known_key(dotted: str) -> bool:
@@ -289,8 +298,10 @@ def test_a_documented_command_parses_and_its_topology_loads(command, monkeypatch
     monkeypatch.chdir(ROOT)  # relative paths in a topology start where the run starts
     if command.module == "mesh.run":
         check_run(command.args)
+    elif command.module in PARSERS:
+        parse(PARSERS[command.module](), command.args)
     else:
-        PARSERS[command.module]().parse_args(command.args)
+        pytest.fail(f"python -m {command.module} has no check here: add its parser to PARSERS")
 
 
 @pytest.mark.parametrize("fence", yaml_fences(), ids=lambda f: f.where)
