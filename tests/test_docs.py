@@ -27,7 +27,7 @@ MAX_README_LINES = 300
 SHELL = ("bash", "sh", "shell", "console")
 PARSERS = {"mesh.report": report._parser, "mesh.ctl": ctl._parser, "mesh.export": export._parser}
 # <!-- docs-check: skip (why) --> right above a YAML fence: the snippet holds placeholders, so only its keys are checked
-SKIP = re.compile(r"<!-- docs-check: skip \((.+)\) -->")
+SKIP = re.compile(r"^\s*<!-- docs-check: skip \((.+)\) -->\s*$", re.M)
 PLACEHOLDER = re.compile(r"<[^<>]*>")  # <image>, runs/<run>/...: a value the reader fills in
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 REPLACED_WHOLE = ("model", "task")  # a snippet's model or task is another one, not more keys for the base's
@@ -60,7 +60,7 @@ def fences(page: Path) -> list[Fence]:
         while lines[end].strip() != "```":
             end += 1
         body = "\n".join(line.removeprefix(indent) for line in lines[at + 1 : end])
-        marker = SKIP.search(lines[at - 1]) if at else None
+        marker = SKIP.match(lines[at - 1]) if at else None
         found.append(Fence(page, at + 1, opening[2], body, marker[1] if marker else None))
         at = end + 1
     return found
