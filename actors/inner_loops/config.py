@@ -20,9 +20,9 @@ PRECISIONS = ("auto", "bf16", "fp32")
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.99)
-    weight_decay: float = 0.0
+    lr: float = 1e-3  # the learning rate
+    betas: tuple[float, float] = (0.9, 0.99)  # AdamW's decay rates of its moment averages
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
     def __post_init__(self) -> None:
@@ -67,9 +67,9 @@ class LoRAConfig:
     or ``all-linear`` (every linear layer but the LM head, as in PEFT); ``alpha / rank`` scales the adapter's
     output, as in PEFT."""
 
-    rank: Annotated[int, BeforeValidator(_positive_rank)] = 16
+    rank: Annotated[int, BeforeValidator(_positive_rank)] = 16  # the adapters' inner size
     alpha: Annotated[float, BeforeValidator(_a_number)] = 32.0
-    dropout: Annotated[float, BeforeValidator(_a_number)] = 0.0
+    dropout: Annotated[float, BeforeValidator(_a_number)] = 0.0  # dropout on each adapter's input, as PEFT's
     target_modules: str | tuple[str, ...] = ALL_LINEAR
 
     def __post_init__(self) -> None:
@@ -151,7 +151,7 @@ class CustomLossConfig:
     channel becomes ``fn(LossInputs, **kwargs) -> LossOutputs`` (``inner_loop: prime_rl`` only)."""
 
     import_path: str  # PRIME-RL's dotted form: "package.module.function"
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the function's keyword arguments
 
     def __post_init__(self) -> None:
         module = self.import_path.rpartition(".")[0]
@@ -164,8 +164,8 @@ class CustomLossConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    mesh: str
-    inner_loop: str = "native"
+    mesh: str  # the mesh whose processes are the trainer's ranks
+    inner_loop: str = "native"  # native, trl, prime_rl, torchtitan, or package.module:Class
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 64  # rows per forward/backward on one rank

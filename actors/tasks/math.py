@@ -93,7 +93,7 @@ def numeric_reward(answer: str, completion: str, partial_credit: float = 0.0) ->
 class Math(DatasetTask):
     COLUMNS = {"prompt": "question", "answer": "answer"}  # GSM8K's
     dataset: DatasetSource | Mapping | str = field(default_factory=lambda: dict(SHIPPED))
-    partial_credit: float = 0.0
+    partial_credit: float = 0.0  # c in [0, 1): a wrong number scores c x its closeness to the answer
     solution: str | None = None  # the column of worked solutions; None: hints and oracle traces state the answer
 
     def __post_init__(self) -> None:

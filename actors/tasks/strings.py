@@ -20,9 +20,9 @@ SEPARATOR = "="
 
 @dataclass(frozen=True)
 class StringTask(ABC):
-    min_len: int = 3
-    max_len: int = 6
-    letters: str = "abcdefgh"
+    min_len: int = 3  # the shortest string a prompt holds
+    max_len: int = 6  # the longest
+    letters: str = "abcdefgh"  # the characters strings are drawn from
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len:

@@ -10,8 +10,8 @@ from losses.config import LossConfig
 
 @dataclass(frozen=True)
 class TeachersConfig:
-    mesh: str
-    bindings: dict[str, BindingConfig] = field(default_factory=dict)
+    mesh: str  # the mesh the TeacherPool runs on
+    bindings: dict[str, BindingConfig] = field(default_factory=dict)  # by name; mesh.ctl changes them live
 
     def __post_init__(self) -> None:
         check_one_distill(self.bindings)

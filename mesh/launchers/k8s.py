@@ -110,9 +110,9 @@ class RunVolume(BaseModel):
     """The ReadWriteMany claim that holds run directories (default name ``<topology>-runs``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    claim: Subdomain | None = None
-    size: Annotated[str, AfterValidator(positive_quantity)] = "20Gi"
-    storage_class: Subdomain | None = None
+    claim: Subdomain | None = None  # the claim's name
+    size: Annotated[str, AfterValidator(positive_quantity)] = "20Gi"  # the storage it requests, a quantity
+    storage_class: Subdomain | None = None  # default: the cluster's default storage class
 
 
 class K8sOptions(LauncherOptions):

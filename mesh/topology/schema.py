@@ -181,7 +181,7 @@ class TaskSection(Section):
 
 class MeshSpec(Section):
     procs: int = Field(1, ge=1, description="processes per host")
-    hosts: int = Field(1, ge=1)
+    hosts: int = Field(1, ge=1, description="hosts (machines, or a launcher's stand-ins for them) the mesh spans")
     gpus: int = Field(0, ge=0, description="GPUs per process")
     share_gpus_with: str | None = Field(None, description="run on that mesh's GPUs instead of GPUs of its own")
 
@@ -223,9 +223,9 @@ class Evaluation(Section):
 
 
 class LoopSection(Section):
-    steps: int = Field(ge=1, le=MAX_STEPS)
-    prompts_per_step: int = Field(ge=1)
-    group_size: int = Field(ge=2)
+    steps: int = Field(ge=1, le=MAX_STEPS, description="trainer steps, each one optimizer step on one batch")
+    prompts_per_step: int = Field(ge=1, description="prompts a step's batch samples")
+    group_size: int = Field(ge=2, description="samples per prompt: a group, whose rewards set its advantages")
     max_policy_lag: int = Field(0, ge=0, description="0 = synchronous")
     collect: Literal["step", "group"] = Field(
         "step", description="episode tasks: a step trains on its own groups, or on the first to finish"
@@ -262,11 +262,11 @@ def _check_installed(key: str, section: Section, info: ValidationInfo) -> Sectio
 class WandbLogging(Section):
     """``logging.wandb``: the run's scalars also go to a Weights & Biases run (``mesh/records/sinks.py``)."""
 
-    project: str = Field(min_length=1)
-    entity: str | None = None
+    project: str = Field(min_length=1, description="the W&B project")
+    entity: str | None = None  # the W&B team or user; default: wandb's own
     name: str | None = None  # default: the run directory's name
     mode: Literal["online", "offline"] | None = None  # default: wandb's own (WANDB_MODE, else online)
-    tags: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()  # the W&B run's tags
 
     @model_validator(mode="after")
     def _installed(self, info: ValidationInfo) -> WandbLogging:
@@ -276,7 +276,7 @@ class WandbLogging(Section):
 class TrackioLogging(Section):
     """``logging.trackio``: the run's scalars also go to a local trackio project (``mesh/records/sinks.py``)."""
 
-    project: str = Field(min_length=1)
+    project: str = Field(min_length=1, description="the trackio project")
 
     @model_validator(mode="after")
     def _installed(self, info: ValidationInfo) -> TrackioLogging:
@@ -314,8 +314,8 @@ class TraceLogging(Section):
 
 
 class Logging(Section):
-    root: str = "runs"
-    tensorboard: bool = True
+    root: str = "runs"  # where run directories go (--run-root overrides it)
+    tensorboard: bool = True  # TensorBoard event files in the run directory's tensorboard/
     samples: SamplesLogging | None = SamplesLogging()  # null: no samples.jsonl
     wandb: WandbLogging | None = None
     trackio: TrackioLogging | None = None
@@ -323,8 +323,10 @@ class Logging(Section):
 
 
 class Topology(Section):
-    name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
-    seed: int = 0
+    """A whole post-training job, one YAML mapping (e.g. ``topologies/tiny.yaml``)."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$", description="the run's name, at most 64 characters")
+    seed: int = 0  # of prompts, model init and sampling: 0 <= seed < 2**31
     model: ModelSection
     task: TaskSection
     meshes: dict[str, MeshSpec]
