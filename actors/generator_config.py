@@ -80,9 +80,9 @@ class GeneratorConfig:
 def policy_dtype(engine: str, on_gpu: bool) -> str:
     """The dtype ``engine`` holds the policy in on a GPU (``on_gpu``) or CPU mesh, which is the
     dtype the trainer publishes weights in (cast as they are copied into the store), so an
-    engine loads them without a cast of its own: ``vllm`` and ``hf`` sample in bf16 on GPUs and
-    fp32 on CPUs (no fast bf16 there); an engine given by import path gets fp32 (any engine loads it)."""
-    return "bfloat16" if engine in ("vllm", "hf") and on_gpu else "float32"
+    engine loads them without a cast of its own: on GPUs the engine's declared ``gpu_dtype``
+    (``actors/registry.py``), on CPUs fp32 (no fast bf16 there; any engine loads it)."""
+    return registry.engine_abilities(engine).gpu_dtype if on_gpu else "float32"
 
 
 def vllm_lora_rank(rank: int) -> int:

@@ -27,6 +27,44 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class LoopAbilities:
+    """What an inner loop can do beyond a step of the shared loss, declared in its entry below: the topology check
+    reads these, never a loop's name. A loop given by import path has none of them.
+
+    - ``lora``: trains PEFT adapters on a frozen base (``actors.trainer.lora``);
+    - ``head_lora``: of those, folds an adapter on the output head into that weight (so ``lora.target_modules``
+      may name the head);
+    - ``custom_loss``: runs PRIME-RL's custom-loss hook (``actors.trainer.custom_loss``);
+    - ``sample_at_a_time``: its loss sees one sample's token logprobs at a time (PRIME-RL's contract), not a
+      micro-batch and the policy's whole distribution, which covariance-picked policy losses and the entropy
+      bonus need.
+    """
+
+    lora: bool = False
+    head_lora: bool = False
+    custom_loss: bool = False
+    sample_at_a_time: bool = False
+
+
+@dataclass(frozen=True)
+class EngineAbilities:
+    """What a generator engine can do with its process's devices, declared in its entry below; the topology check
+    and the plan read these, never an engine's name. An engine given by import path has none of them.
+
+    - ``gpu_dtype``: the dtype it samples in on GPUs, so the trainer publishes weights in it (CPUs: float32);
+    - ``tensor_parallel``: runs over every GPU its process sees (else one GPU per process);
+    - ``memory_share``: holds a set share of each GPU's memory (``actors.generator.gpu_memory_utilization``),
+      leaving the rest to a trainer sharing the GPU;
+    - ``padded_batches``: samples a request on CPU as one padded batch, which the memory pre-flight counts.
+    """
+
+    gpu_dtype: str = "float32"
+    tensor_parallel: bool = False
+    memory_share: bool = False
+    padded_batches: bool = False
+
+
+@dataclass(frozen=True)
 class Backend:
     """A registered backend.
 
@@ -37,23 +75,33 @@ class Backend:
       teacher ``check(cfg: BindingConfig)``. It raises ``ValueError`` naming the fix.
     - ``uses``: teachers only: ``distill`` if it scores the student's tokens, ``replay``
       if it writes traces (a test holds these equal to what the class implements).
+    - ``abilities``: inner loops and engines: what it can do (``LoopAbilities``, ``EngineAbilities``).
     """
 
     target: str
     check: str | None = None
     uses: tuple[str, ...] = ()
+    abilities: LoopAbilities | EngineAbilities | None = None
 
 
 BACKENDS: dict[str, dict[str, Backend]] = {
     "inner_loop": {
-        "native": Backend("actors.inner_loops.native:NativeLoop"),
-        "trl": Backend("actors.inner_loops.trl:TRLLoop"),
-        "prime_rl": Backend("actors.inner_loops.prime_rl:PrimeRLLoop"),
-        "torchtitan": Backend("actors.inner_loops.torchtitan:TorchTitanLoop"),
+        "native": Backend("actors.inner_loops.native:NativeLoop", abilities=LoopAbilities(lora=True, head_lora=True)),
+        "trl": Backend("actors.inner_loops.trl:TRLLoop", abilities=LoopAbilities(lora=True)),
+        "prime_rl": Backend(
+            "actors.inner_loops.prime_rl:PrimeRLLoop",
+            abilities=LoopAbilities(lora=True, head_lora=True, custom_loss=True, sample_at_a_time=True),
+        ),
+        # TorchTitan 0.3.0's own LoRA converter names and shards adapters its own way, without dropout: not PEFT's
+        "torchtitan": Backend("actors.inner_loops.torchtitan:TorchTitanLoop", abilities=LoopAbilities()),
     },
     "engine": {
-        "hf": Backend("actors.engines.hf:HFEngine"),
-        "vllm": Backend("actors.engines.vllm:VLLMEngine", check="actors.generator_config:check_vllm"),
+        "hf": Backend("actors.engines.hf:HFEngine", abilities=EngineAbilities("bfloat16", padded_batches=True)),
+        "vllm": Backend(
+            "actors.engines.vllm:VLLMEngine",
+            check="actors.generator_config:check_vllm",
+            abilities=EngineAbilities("bfloat16", tensor_parallel=True, memory_share=True),
+        ),
     },
     "teacher": {
         "task_oracle": Backend("actors.teachers.bindings.task_oracle:TaskOracle", uses=("replay",)),
@@ -159,6 +207,23 @@ def load(kind: str, name: str) -> Any:
     """Import and return the object a registered name or import path points to."""
     backend = resolve(kind, name)
     return load_target(kind, name, name if backend is None else backend.target)
+
+
+def loop_abilities(name: str) -> LoopAbilities:
+    """What inner loop ``name`` (a registered name or an import path) can do."""
+    backend = resolve("inner_loop", name)
+    return backend.abilities if backend is not None and backend.abilities is not None else LoopAbilities()
+
+
+def engine_abilities(name: str) -> EngineAbilities:
+    """What generator engine ``name`` (a registered name or an import path) can do."""
+    backend = resolve("engine", name)
+    return backend.abilities if backend is not None and backend.abilities is not None else EngineAbilities()
+
+
+def able(kind: str, ability: str) -> list[str]:
+    """The registered names of ``kind`` that declare ``ability``: what an error message offers instead."""
+    return [name for name, backend in BACKENDS[kind].items() if getattr(backend.abilities, ability, False)]
 
 
 def static_check(kind: str, name: str) -> Any:

@@ -13,8 +13,6 @@ from losses.config import COVARIANCE, LossConfig
 
 DOTTED_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 Precision = Literal["auto", "bf16", "fp32"]
-LORA_LOOPS = ("native", "trl", "prime_rl")  # the loops that train PEFT adapters
-HEAD_LORA_LOOPS = ("native", "prime_rl")  # of those, the ones that fold an adapter on the LM head into its weight
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -184,38 +182,48 @@ class TrainerConfig:
             )
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.custom_loss is not None and self.inner_loop != "prime_rl":
+        abilities = registry.loop_abilities(self.inner_loop)
+        if self.custom_loss is not None and not abilities.custom_loss:
             raise ValueError(
-                f"custom_loss is PRIME-RL's custom-loss hook, but inner_loop is {self.inner_loop!r}: "
-                "set inner_loop: prime_rl, or remove custom_loss"
+                f"custom_loss is PRIME-RL's custom-loss hook, but inner_loop {self.inner_loop!r} does not run it: "
+                f"set inner_loop: {' or '.join(registry.able('inner_loop', 'custom_loss'))}, or remove custom_loss"
             )
-        if self.loss.policy.name in COVARIANCE and self.inner_loop == "prime_rl":
+        if abilities.sample_at_a_time:
+            self._check_sample_at_a_time()
+        if self.lora is not None:
+            self._check_lora(abilities)
+
+    def _check_sample_at_a_time(self) -> None:
+        """What a loop whose loss sees one sample's token logprobs at a time cannot compute."""
+        whole = [name for name in registry.BACKENDS["inner_loop"] if not registry.loop_abilities(name).sample_at_a_time]
+        whole = ", ".join(whole[:-1]) + f" or {whole[-1]}"
+        if self.loss.policy.name in COVARIANCE:
             raise ValueError(
                 f"loss.policy.name {self.loss.policy.name!r} picks tokens by their covariance over a whole "
-                "micro-batch, but PRIME-RL's loss contract sees one sample at a time: use inner_loop native, trl or "
-                "torchtitan, or another policy loss"
+                f"micro-batch, but inner_loop {self.inner_loop!r}'s loss contract sees one sample at a time: use "
+                f"inner_loop {whole}, or another policy loss"
             )
-        if self.loss.policy.entropy_coef and self.inner_loop == "prime_rl":
+        if self.loss.policy.entropy_coef:
             raise ValueError(
                 "loss.policy.entropy_coef adds an entropy bonus, which needs the policy's whole distribution, but "
-                "PRIME-RL's loss contract sees only token logprobs: use inner_loop native, trl or torchtitan, "
+                f"inner_loop {self.inner_loop!r}'s loss contract sees only token logprobs: use inner_loop {whole}, "
                 "or set entropy_coef: 0"
             )
 
-        if self.lora is not None and self.inner_loop not in LORA_LOOPS:
+    def _check_lora(self, abilities: registry.LoopAbilities) -> None:
+        assert self.lora is not None
+        if not abilities.lora:
             raise ValueError(
-                f"lora trains adapters through PEFT, which inner_loop {self.inner_loop!r} does not wire in: "
-                "TorchTitan "
-                "0.3.0 has a LoRA converter of its own, but its adapters have no dropout and are named and "
-                "sharded its own way, so the weights the generators and checkpoints receive would not be PEFT's. "
-                f"Use inner_loop {', '.join(LORA_LOOPS)}, or remove lora"
+                f"lora trains adapters through PEFT, which inner_loop {self.inner_loop!r} does not wire in, so the "
+                "weights the generators and checkpoints receive would not be PEFT's adapters. Use inner_loop "
+                f"{', '.join(registry.able('inner_loop', 'lora'))}, or remove lora"
             )
-        if self.lora is not None and OUTPUT_HEAD in self.lora.targets and self.inner_loop == "trl":
+        if OUTPUT_HEAD in self.lora.targets and not abilities.head_lora:
             raise ValueError(
-                f"lora.target_modules names {OUTPUT_HEAD}, but inner_loop 'trl' takes its logprobs from the head's "
-                "weight alone, where an adapter would never train (TRL's GRPOTrainer refuses it once started); use "
-                f"inner_loop {' or '.join(HEAD_LORA_LOOPS)}, which fold the head's adapter into that weight, or leave "
-                f"{OUTPUT_HEAD} out of target_modules"
+                f"lora.target_modules names {OUTPUT_HEAD}, but inner_loop {self.inner_loop!r} takes its logprobs from "
+                "the head's weight alone, where an adapter would never train (TRL's GRPOTrainer refuses it once "
+                f"started); use inner_loop {' or '.join(registry.able('inner_loop', 'head_lora'))}, which fold the "
+                f"head's adapter into that weight, or leave {OUTPUT_HEAD} out of target_modules"
             )
 
     def precision_on(self, on_gpu: bool) -> Literal["bf16", "fp32"]:

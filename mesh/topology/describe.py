@@ -113,7 +113,8 @@ def _graph(plan: RunPlan) -> list[str]:
     for name, binding in bindings.items():
         if "distill" in binding.use:
             graph.append(
-                f"teachers.{name} ({binding.kind}) -> trainer: top-{binding.top_k} scores of the policy's tokens (channel 2)"
+                f"teachers.{name} ({binding.kind}) -> trainer: top-{binding.top_k} scores of the policy's tokens "
+                "(channel 2)"
             )
         if "replay" in binding.use:
             graph.append(
@@ -167,7 +168,8 @@ def describe_reference(plan: RunPlan, reference: ReferencePlan) -> str:
         where = "each trainer rank: its rows before each step"
     else:
         where = f"controller -> reference (mesh {reference.mesh}) -> trainer: the batch's rows as they are collected"
-    return f"reference ({model}): logprobs of the sampled tokens for the KL penalty ({estimator}, kl_coef {policy.kl_coef:g}); {where}"
+    penalty = f"{estimator}, kl_coef {policy.kl_coef:g}"
+    return f"reference ({model}): logprobs of the sampled tokens for the KL penalty ({penalty}); {where}"
 
 
 def describe_diloco(plan: RunPlan) -> list[str]:

@@ -9,8 +9,8 @@ Where every host is this one machine (``local``, ``process``), GPUs are numbered
 the meshes (in topology order, the generator's copies after them) and across the
 hosts of each mesh. Where each host is a machine of its own (a Slurm node, a Kubernetes
 pod), each host numbers its GPUs from 0, among those its worker was given. A mesh with
-``share_gpus_with: <mesh>`` takes no GPUs of its own: its processes run on that mesh's GPUs, proc after proc (a one-GPU machine runs a
-trainer process and a generator process on GPU 0). When a vLLM generator shares GPUs with
+``share_gpus_with: <mesh>`` takes no GPUs of its own: its processes run on that mesh's GPUs, proc after
+proc (a one-GPU machine runs a trainer process and a generator process on GPU 0). When a vLLM generator shares GPUs with
 the trainer, vLLM takes ``actors.generator.gpu_memory_utilization`` of each and the trainer
 the rest: a trainer in its own process caps its allocator there, so that whichever starts
 first leaves the other its share.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from actors import registry
 from mesh.topology.plan import MODEL_ACTORS, ProcStart
 
 if TYPE_CHECKING:
@@ -60,18 +61,19 @@ def check_gpus(plan: RunPlan) -> None:
             "models on one GPU per process; set gpus: 1"
         )
     generator = meshes[cfg.generator.mesh]
-    if generator.gpus > 1 and cfg.generator.engine != "vllm":
+    if generator.gpus > 1 and not registry.engine_abilities(cfg.generator.engine).tensor_parallel:
         raise ValueError(
             f"meshes.{cfg.generator.mesh}.gpus is {generator.gpus}, but engine {cfg.generator.engine!r} samples on "
-            "one GPU per process; set gpus: 1 (and more procs), or actors.generator.engine: vllm, which runs "
-            "tensor-parallel over the GPUs of its process"
+            "one GPU per process; set gpus: 1 (and more procs), or actors.generator.engine: "
+            f"{' or '.join(registry.able('engine', 'tensor_parallel'))}, which runs tensor-parallel over the GPUs "
+            "of its process"
         )
     _check_vllm_share(plan)
 
 
 def _check_vllm_share(plan: RunPlan) -> None:
     gen = plan.topology.actors.generator
-    if gen.engine != "vllm" or not plan.topology.meshes[gen.mesh].gpus:
+    if not registry.engine_abilities(gen.engine).memory_share or not plan.topology.meshes[gen.mesh].gpus:
         return
     if plan.trainer_shares_generator_gpus and gen.gpu_memory_utilization is None:
         raise ValueError(

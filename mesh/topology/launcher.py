@@ -32,8 +32,9 @@ LAUNCHERS: dict[str, str] = {
 
 class LaunchPlan(Protocol):
     """What a launcher reads of the run's plan; ``mesh.topology.plan.RunPlan`` is the one there is. A protocol
-    rather than that class: the topology holds its launcher's options and the plan is made from the topology, so the options
-    cannot depend on the plan (each launcher's own file, which the topology does not import, names ``RunPlan``)."""
+    rather than that class: the topology holds its launcher's options and the plan is made from the topology, so
+    the options cannot depend on the plan (each launcher's own file, which the topology does not import, names
+    ``RunPlan``)."""
 
     @property
     def topology(self) -> Any: ...

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from actors import registry
 from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype
 from actors.model_config import ModelFacts
 from actors.model_source import ModelSource
@@ -306,7 +307,7 @@ def _on_publishing_gpu(devices: dict[str, _Devices], trainer: str, followers: li
 
 def _vllm_share(topology: Topology) -> float | None:
     gen = topology.actors.generator
-    if gen.engine != "vllm":
+    if not registry.engine_abilities(gen.engine).memory_share:
         return None
     return VLLM_OWN_GPU_SHARE if gen.gpu_memory_utilization is None else gen.gpu_memory_utilization
 

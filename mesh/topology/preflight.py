@@ -41,6 +41,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors import registry
 from actors.disk import is_regular
 from actors.model_config import ModelFacts
 from actors.model_source import ModelSource
@@ -241,7 +242,8 @@ class BatchPlan:
         per_prompt = held * trainer_rows * tokens * TOKEN_BYTES
         shape = _Shape.of(plan.model)
         fixed = 0
-        if shape is not None and cfg.generator.engine == "hf" and not topology.meshes[cfg.generator.mesh].gpus:
+        pads = registry.engine_abilities(cfg.generator.engine).padded_batches
+        if shape is not None and pads and not topology.meshes[cfg.generator.mesh].gpus:
             per_prompt += loop.group_size * shape.sampling_bytes(tokens)  # one padded batch per request
         trainer = topology.meshes[cfg.trainer.mesh]
         if shape is not None and not trainer.gpus:
