@@ -14,8 +14,8 @@ import torch
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where one actor's process computes: its CPU threads, and the GPUs it sees. The launcher
+class Compute:
+    """What one actor's process computes with: its CPU threads, and the GPUs it sees. The launcher
     starts each process seeing exactly its GPUs (``mesh/topology/gpus.py``), so they are always
     ``cuda:0`` .. ``cuda:gpus-1`` here. ``memory_share``: the share of each GPU's memory the
     actor may take when another process holds the rest (None: all of it)."""

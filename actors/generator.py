@@ -27,10 +27,10 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
-from actors.compute import Placement
+from actors.compute import Compute
 from actors.engines import sampling_seeds
 from actors.environments import Environments
-from actors.environments.agent_task import AgentSpec, Agents
+from actors.environments.agent_task import Agents, AgentSpec
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
 from actors.environments.tokens import ChatFrame, TokenPolicy
@@ -148,7 +148,7 @@ class Generator(Actor):
         self,
         model_path: str,
         cfg: GeneratorConfig,
-        place: Placement,
+        compute: Compute,
         task: TaskConfig | None = None,
         rewarder: RewarderConfig | None = None,
         *,
@@ -157,7 +157,7 @@ class Generator(Actor):
         """``task`` and ``rewarder``: given when the Rewarder is placed on this generator's mesh. ``adapter``: the
         trainer's LoRA config, when it trains adapters: the engine then holds the base once and each version
         it loads is the adapters' tensors only."""
-        self.model_path, self.cfg, self.place = model_path, cfg, place  # built in ``start`` (actors/lifecycle.py)
+        self.model_path, self.cfg, self.compute = model_path, cfg, compute  # built in ``start`` (actors/lifecycle.py)
         self.adapter = adapter
         self.reward_setup = (task, rewarder) if rewarder is not None else None
         self.reward_functions: RewardFunctions | None = None
@@ -175,9 +175,9 @@ class Generator(Actor):
         """Load the engine; its errors (a bad model, an engine the model cannot run on) reach the caller whole."""
         from transformers import AutoTokenizer
 
-        torch.set_num_threads(self.place.threads)
+        torch.set_num_threads(self.compute.threads)
         self.engine = registry.load("engine", self.cfg.engine)(
-            self.model_path, self.cfg.sampling, self.place, self.adapter
+            self.model_path, self.cfg.sampling, self.compute, self.adapter
         )
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)  # the policy's chat template renders prompts
         if self.reward_setup is not None:

@@ -23,7 +23,7 @@ from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
 from actors.adapters import head_weight
-from actors.compute import Placement
+from actors.compute import Compute
 from actors.inner_loops.native import HiddenStates
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import load_policy
@@ -102,15 +102,15 @@ class ReferenceReply:
 class Reference(Actor):
     """The reference model on a mesh of its own (or beside the teachers), asked once per collection."""
 
-    def __init__(self, path: str, policy_path: str, place: Placement, micro_batch_size: int, chunk_tokens: int):
+    def __init__(self, path: str, policy_path: str, compute: Compute, micro_batch_size: int, chunk_tokens: int):
         self.args = (path, policy_path)  # the model is loaded in ``start`` (actors/lifecycle.py)
-        self.place, self.micro_batch_size, self.chunk_tokens = place, micro_batch_size, chunk_tokens
+        self.compute, self.micro_batch_size, self.chunk_tokens = compute, micro_batch_size, chunk_tokens
 
     @endpoint
     def start(self) -> ProcInfo:
-        torch.set_num_threads(self.place.threads)
-        dtype = torch.bfloat16 if self.place.gpus else torch.float32
-        device, micro, chunk = self.place.device(), self.micro_batch_size, self.chunk_tokens
+        torch.set_num_threads(self.compute.threads)
+        dtype = torch.bfloat16 if self.compute.gpus else torch.float32
+        device, micro, chunk = self.compute.device(), self.micro_batch_size, self.chunk_tokens
         self.model = ReferenceModel.load(*self.args, device, dtype, micro, chunk)
         return this_proc()
 

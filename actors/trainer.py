@@ -36,7 +36,7 @@ import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
 from actors import registry
-from actors.compute import Placement
+from actors.compute import Compute
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.syncer import DiLoCoSyncer, SyncReport, TrainerParameters
 from actors.inner_loops import TrainerConfig
@@ -66,7 +66,7 @@ class TrainerSetup:
     config: TrainerConfig
     seed: int
     store_slots: int
-    placement: Placement
+    compute: Compute
     total_steps: int
     transport: str = "shm"
     weights_dtype: str = "float32"  # the followers': the generator engine's on its mesh
@@ -80,7 +80,7 @@ class Trainer(Actor):
     def __init__(self, setup: TrainerSetup):
         # built in ``start`` (actors/lifecycle.py)
         self.model_path, self.cfg, self.seed = setup.model_path, setup.config, setup.seed
-        self.place, self.total_steps = setup.placement, setup.total_steps
+        self.compute, self.total_steps = setup.compute, setup.total_steps
         self.slots, self.transport, self.weights_dtype = setup.store_slots, setup.transport, setup.weights_dtype
         self.reference_path, self.diloco, self.replica = setup.reference_path, setup.diloco, setup.replica
         self.reference_is_base = setup.reference_is_base
@@ -93,11 +93,11 @@ class Trainer(Actor):
     def start(self) -> ProcInfo:
         """Join the trainer mesh's process group, build the inner loop, (rank 0) the weight store and (a DiLoCo
         replica) the outer loop, whose θ₀ is the parameters as they are now (a checkpoint's ``load`` replaces it)."""
-        torch.set_num_threads(self.place.threads)
+        torch.set_num_threads(self.compute.threads)
         torch.manual_seed(self.seed)
-        device = self.place.device()
-        if self.place.memory_share is not None:  # a vLLM generator in another process holds the rest
-            torch.cuda.set_per_process_memory_fraction(self.place.memory_share, device)
+        device = self.compute.device()
+        if self.compute.memory_share is not None:  # a vLLM generator in another process holds the rest
+            torch.cuda.set_per_process_memory_fraction(self.compute.memory_share, device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg = self.cfg

@@ -52,7 +52,7 @@ from mesh.records.logthread import LogThread
 from mesh.records.rundir import read_metrics
 from mesh.records.sinks import json_line
 from mesh.records.trace import TRACE_FILE, Tracer, at_step
-from mesh.runtime.replay import recorded_batches
+from mesh.runtime.retrain import recorded_batches
 from mesh.runtime.run import run
 from mesh.topology.preflight import load_plan
 from mesh.topology.schema import Logging

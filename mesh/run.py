@@ -1,5 +1,5 @@
 """``python -m mesh.run TOPOLOGY [--set key.path=value ...] [--dry-run | --render DIR] [--resume CHECKPOINT]
-[--replay RUN_DIR]``
+[--retrain RUN_DIR]``
 
 Exit codes: 0 done, 1 the run failed (the message says where its results are), 2 the
 topology or the command line is wrong (nothing was spawned).
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     if args.dry_run:
-        return dry_run(args.topology, args.set, args.resume, args.replay)
+        return dry_run(args.topology, args.set, args.resume, args.retrain)
     if args.render:
         return render(args.topology, args.set, Path(args.render))
     try:
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"python -m mesh.run {args.topology} --replica I --resume <replica I's checkpoint>, with the "
                 "diloco.store or diloco.lighthouse the replicas met through (--set diloco.store=...)"
             )
-        replay = None
-        if args.replay:
-            plan, replay = replaying(plan, args.replay, args.resume, placed_here=True)
+        recorded = None
+        if args.retrain:
+            plan, recorded = retraining(plan, args.retrain, args.resume, placed_here=True)
         if args.resume:
             check_resume(topology, Path(args.resume))
     except TopologyError as error:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     QUIET.ended("while exiting; the run had stopped everything it started")  # the run's Stopper is in between
     try:
-        run_dir = asyncio.run(run(plan, args.run_root, not args.no_progress, args.resume, replay))
+        run_dir = asyncio.run(run(plan, args.run_root, not args.no_progress, args.resume, recorded))
     except RunDirError as error:  # raised before anything is spawned
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -164,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
         help="go on from a checkpoint of an earlier run of this topology, e.g. runs/<run>/checkpoints/step_000125",
     )
     parser.add_argument(
-        "--replay",
+        "--retrain",
         metavar="RUN_DIR",
         help="train on the batches a run recorded with logging.samples.full: true, in order, with no generators "
         "(to compare a change to the loss on the same data)",
@@ -202,13 +202,13 @@ def replica_overrides(path: str, overrides: list[str], replica: int) -> list[str
     return [*overrides, f"diloco.replica={replica}", *named]
 
 
-def dry_run(path: str, overrides: list[str], resume: str | None, replay: str | None = None) -> int:
+def dry_run(path: str, overrides: list[str], resume: str | None, retrain: str | None = None) -> int:
     """Print the plan; a job that is right but does not fit this machine (a GPU node's topology
     read on a laptop) is still described, with what this machine lacks."""
     try:
         plan = load_plan(path, overrides, placed_here=False)
-        if replay:
-            plan, _ = replaying(plan, replay, resume, placed_here=False)
+        if retrain:
+            plan, _ = retraining(plan, retrain, resume, placed_here=False)
         if resume:
             check_resume(plan.topology, Path(resume))
     except TopologyError as error:
@@ -217,8 +217,8 @@ def dry_run(path: str, overrides: list[str], resume: str | None, replay: str | N
     print(describe(plan))
     try:
         here = load_plan(path, overrides)
-        if replay:
-            replaying(here, replay, resume, placed_here=True)
+        if retrain:
+            retraining(here, retrain, resume, placed_here=True)
     except TopologyError as error:
         print(f"\n# this machine\ncannot run it: {error}")
     return 0
@@ -244,31 +244,31 @@ def render(path: str, overrides: list[str], directory: Path) -> int:
     return 0
 
 
-def replaying(plan: RunPlan, run_dir: str, resume: str | None, placed_here: bool) -> tuple[RunPlan, list]:
-    """The plan of a replay of ``run_dir``'s recording and its batches, checked (``mesh/runtime/replay.py``); when the
-    replay runs here (``placed_here``), also that this machine can hold them: before the recording is read, and
-    its largest step after."""
+def retraining(plan: RunPlan, run_dir: str, resume: str | None, placed_here: bool) -> tuple[RunPlan, list]:
+    """The plan of a retraining on ``run_dir``'s recording and its batches, checked (``mesh/runtime/retrain.py``);
+    when the retraining runs here (``placed_here``), also that this machine can hold them: before the recording is
+    read, and its largest step after."""
     from mesh.records.rundir import SAMPLES_FILE
-    from mesh.runtime.replay import largest_step, recorded_batches  # the strict models (pydantic, numpy)
-    from mesh.topology.preflight import FreeMemory, check_recording, check_replayed_steps
+    from mesh.runtime.retrain import largest_step, recorded_batches  # the strict models (pydantic, numpy)
+    from mesh.topology.preflight import FreeMemory, check_recording, check_retrained_steps
 
     topology = plan.topology
     if topology.diloco is not None or resume:
         given = "a diloco section" if topology.diloco is not None else "--resume"
         raise TopologyError(
-            f"--replay trains one trainer on one recorded run from its first step, and this command also has {given}; "
-            "replay without it"
+            f"--retrain trains one trainer on one recorded run from its first step, and this command also has {given}; "
+            "retrain without it"
         )
-    replay, free = plan.replaying(str(Path(run_dir).resolve())), FreeMemory.now()
+    retrain_plan, free = plan.retraining(str(Path(run_dir).resolve())), FreeMemory.now()
     try:
         if placed_here:
-            check_recording(replay, Path(run_dir) / SAMPLES_FILE, free)
+            check_recording(retrain_plan, Path(run_dir) / SAMPLES_FILE, free)
         batches = recorded_batches(Path(run_dir), plan)
         if placed_here:
-            check_replayed_steps(replay, *largest_step(batches), free)
+            check_retrained_steps(retrain_plan, *largest_step(batches), free)
     except ValueError as error:
-        raise TopologyError(f"--replay {run_dir}: {error}") from None
-    return replay, batches
+        raise TopologyError(f"--retrain {run_dir}: {error}") from None
+    return retrain_plan, batches
 
 
 def check_resume(topology: Topology, checkpoint: Path) -> None:

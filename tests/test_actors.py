@@ -14,7 +14,7 @@ import torch
 from monarch.actor import this_host
 from monarch.spmd import setup_torch_elastic_env_async
 
-from actors.compute import Placement
+from actors.compute import Compute
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.engines import sampling_seeds
 from actors.generator import Generator, GeneratorConfig
@@ -92,7 +92,7 @@ async def train_once(
     await setup_torch_elastic_env_async(mesh)
     optimizer = OptimizerConfig(lr=1e-2)
     cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3, precision=precision)
-    trainer = mesh.spawn("trainer", Trainer, TrainerSetup(model_dir, cfg, 0, 2, Placement(threads=1), 10))
+    trainer = mesh.spawn("trainer", Trainer, TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10))
     try:
         await trainer.start.call()
         await trainer.publish.call()
@@ -143,7 +143,7 @@ async def test_the_trainer_keeps_its_weight_store_on_its_host_and_removes_it_whe
     (abandoned / OWNER).write_bytes(StoreOwner(2**22 + 1, None, socket.gethostname()).encode())  # a dead trainer's
     mesh = this_host().spawn_procs(per_host={"procs": 1})
     await setup_torch_elastic_env_async(mesh)
-    setup = TrainerSetup(model_dir, TrainerConfig("trainer"), 0, 2, Placement(threads=1), 10)
+    setup = TrainerSetup(model_dir, TrainerConfig("trainer"), 0, 2, Compute(threads=1), 10)
     trainer = mesh.spawn("trainer", Trainer, setup)
     try:
         proc = await trainer.start.call_one()
@@ -201,7 +201,7 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
     v0 = publisher.publish(model.state_dict(), 0)
     mesh = this_host().spawn_procs(per_host={"procs": 1})
     cfg = GeneratorConfig(mesh="g", engine=engine, max_new_tokens=6)
-    generator = mesh.spawn("generator", Generator, model_dir, cfg, Placement(1))
+    generator = mesh.spawn("generator", Generator, model_dir, cfg, Compute(1))
     problems = TASK.problems(0, 0, 2)
     seeds = sampling_seeds(0, "test", 2)
     try:
@@ -253,7 +253,7 @@ class Replica:
         cfg = TrainerConfig("trainer", inner_loop, optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=3)
         plain_average = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
         diloco = DiLoCoConfig(2, 1, plain_average, "object_store", store=store, round_timeout=60)
-        setup = TrainerSetup(model_dir, cfg, 0, 2, Placement(threads=1), 10, diloco=diloco, replica=index)
+        setup = TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10, diloco=diloco, replica=index)
         trainer = mesh.spawn("trainer", Trainer, setup)
         await trainer.start.call()
         return cls(mesh, trainer)

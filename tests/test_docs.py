@@ -143,7 +143,7 @@ def check_run(args: list[str]) -> None:
     """``python -m mesh.run ARGS`` as ``--dry-run`` would read it: the flags parse, each ``--set`` key is the
     schema's, and the topology loads with its overrides (``placed_here=False``: a GPU node's or a cluster's job is
     described on any machine). A ``--set`` whose value is a placeholder (``<image>``) is checked by its key alone; a
-    run directory or checkpoint (``--resume``, ``--replay``) is only parsed: it does not exist here."""
+    run directory or checkpoint (``--resume``, ``--retrain``) is only parsed: it does not exist here."""
     parsed = parse(run._parser(), args)
     concrete = [item for item in parsed.set if not PLACEHOLDER.search(item)]
     unknown = [item for item in parsed.set if not known_key(item.partition("=")[0])]

@@ -17,7 +17,7 @@ import pytest
 from actors.tasks.dataset import DatasetError, DatasetSource
 from mesh.ctl import main as ctl_main
 from mesh.runtime.commands import ControlChannel
-from mesh.topology.preflight import BatchPlan, FreeMemory, StorePlan, check_memory, load_plan
+from mesh.topology.preflight import BatchFootprint, FreeMemory, StoreFootprint, check_memory, load_plan
 from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,8 +128,8 @@ def test_diloco_replicas_count_against_the_machine_like_generator_copies():
     message = refused(TINY, ["diloco={replicas: 1000, sync_every: 10}"])
     assert "meshes ask for 3000 processes in all (diloco.replicas: 1000 counted)" in message
     one = load_plan(TINY, ["diloco={replicas: 1, sync_every: 10}"], placed_here=False)
-    plan = StorePlan.of(one)
-    need = plan.ram_margin + BatchPlan.of(one).bytes + plan.slots * plan.slot_bytes
+    plan = StoreFootprint.of(one)
+    need = plan.ram_margin + BatchFootprint.of(one).bytes + plan.slots * plan.slot_bytes
     check_memory(one, FreeMemory(shm=10**12, ram=need))
     two = load_plan(TINY, ["diloco={replicas: 2, sync_every: 10}"], placed_here=False)
     with pytest.raises(ValueError, match="for each of the diloco.replicas: 2"):

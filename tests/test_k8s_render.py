@@ -16,7 +16,7 @@ import yaml
 
 from mesh.launchers.k8s import GPU, SHM_BASE_BYTES, mebibytes, mesh_names
 from mesh.run import main
-from mesh.topology.preflight import StorePlan, load_plan
+from mesh.topology.preflight import StoreFootprint, load_plan
 from mesh.topology.schema import TopologyError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def shm_limits(bodies: list[dict]) -> dict[str, str]:
 def test_dev_shm_holds_the_weight_store_where_the_store_is_in_shared_memory():
     together = ["actors.generator.mesh=trainer", "actors.teachers.mesh=trainer", "loop.max_policy_lag=3"]
     topology = load_plan(TINY, [*IMAGE, *together], placed_here=False)
-    plan = StorePlan.of(topology)
+    plan = StoreFootprint.of(topology)
     assert plan.transport == "shm" and plan.slots == 5
     limits = shm_limits(rendered(TINY, together))
     assert (

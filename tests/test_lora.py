@@ -28,7 +28,7 @@ from mesh.checkpoints.fingerprint import base_digest, fingerprint, topology_fing
 from mesh.runtime.run import run
 from mesh.topology.describe import describe
 from mesh.topology.plan import RunPlan
-from mesh.topology.preflight import StorePlan, load_plan
+from mesh.topology.preflight import StoreFootprint, load_plan
 from mesh.topology.schema import load_topology
 
 LORA = "actors.trainer.lora={rank: 8, alpha: 16, target_modules: [q_proj, v_proj, down_proj]}"
@@ -64,12 +64,12 @@ def test_with_kl_the_reference_is_the_trainers_base_with_its_adapters_off(model_
     topology = load_topology(TINY, [LORA, "actors.trainer.loss.policy.kl_coef=0.1"])
     plan = RunPlan.of(topology)
     assert plan.reference.placement == "adapter_off" and "reference" not in plan.actors["trainer"]
-    assert StorePlan.of(plan).reference_bytes == 0  # no second model in memory
+    assert StoreFootprint.of(plan).reference_bytes == 0  # no second model in memory
     text = describe(plan)
     assert "reference (the policy's base with its LoRA adapters switched off, no second model" in text
     assert "float32 LoRA adapters only (rank 8, alpha 16 on q_proj, v_proj, down_proj" in text
-    full = StorePlan.of(RunPlan.of(load_topology(TINY)))
-    assert StorePlan.of(plan).slot_bytes < full.slot_bytes / 10  # the store holds adapters, not the model
+    full = StoreFootprint.of(RunPlan.of(load_topology(TINY)))
+    assert StoreFootprint.of(plan).slot_bytes < full.slot_bytes / 10  # the store holds adapters, not the model
     given = load_topology(TINY, [LORA, "actors.trainer.loss.policy.kl_coef=0.1", "actors.reference={mesh: service}"])
     assert RunPlan.of(given).reference.placement == "own_mesh"  # a reference the user names is theirs
 

@@ -95,7 +95,7 @@ async def test_samples_null_records_nothing(tmp_path):
         (["logging.samples.ful=true"], "unknown key 'ful' at logging.samples.ful"),
         (
             ["logging.samples.full=true", "logging.samples.every=2"],
-            "full records every row of every step (what --replay trains on), so every cannot bound it; remove it",
+            "full records every row of every step (what --retrain trains on), so every cannot bound it; remove it",
         ),
         (
             ["logging.samples={full: true, every: 2, per_step: 9}"],

@@ -12,7 +12,7 @@ import sys
 import pytest
 from monarch.actor import this_host
 
-from actors.compute import Placement
+from actors.compute import Compute
 from actors.model import TinyModelSpec, build_tiny_model
 from actors.tasks import Problem
 from actors.teachers.bindings import Student
@@ -36,7 +36,7 @@ async def board(tmp_path):
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
         cfg = TeachersConfig(mesh="service", bindings={"oracle": BindingConfig("task_oracle")})
-        pool = procs.spawn("teachers", TeacherPool, Student(str(model), 5, 0), Placement(threads=1))
+        pool = procs.spawn("teachers", TeacherPool, Student(str(model), 5, 0), Compute(threads=1))
         board = TeacherBoard(cfg.bindings, LossConfig(alpha_sdpo=0.1, beta_replay=0.1))
         await pool.start.call_one(board.live())
         await board.attach(pool)

@@ -22,9 +22,9 @@ from mesh.topology import preflight
 from mesh.topology.describe import describe
 from mesh.topology.preflight import (
     RUNTIME_BYTES,
-    BatchPlan,
+    BatchFootprint,
     FreeMemory,
-    StorePlan,
+    StoreFootprint,
     check_memory,
     describe_store,
     load_plan,
@@ -334,8 +334,8 @@ def test_weights_are_published_in_the_generator_engines_dtype(monkeypatch):
     plan = load_plan(TINY, ["actors.generator.engine=vllm", "meshes.generator.gpus=1", "meshes.trainer.gpus=1"])
     assert plan.weights_dtype == "bfloat16"
     tensors = plan.model.tensors
-    assert StorePlan.of(plan).slot_bytes == slot_bytes(tensors, "bfloat16") < slot_bytes(tensors)
-    assert StorePlan.of(plan).master_bytes == slot_bytes(tensors)  # the trainer's RAM margin stays fp32's
+    assert StoreFootprint.of(plan).slot_bytes == slot_bytes(tensors, "bfloat16") < slot_bytes(tensors)
+    assert StoreFootprint.of(plan).master_bytes == slot_bytes(tensors)  # the trainer's RAM margin stays fp32's
     assert "trainer -> every generator: bfloat16 weights over" in describe(plan)
     assert "controller -> trainer (native, bf16)" in describe(plan)
 
@@ -382,7 +382,7 @@ def test_user_code_named_by_an_import_path_is_found_not_run(tmp_path, monkeypatc
 
 def test_the_pre_flight_counts_the_slots_where_they_live(tmp_path):
     run = load_plan(TINY)
-    plan = StorePlan.of(run)
+    plan = StoreFootprint.of(run)
     assert plan.slots == run.topology.loop.max_policy_lag + 2 and plan.transport == "shm" and plan.processes == 3
     assert plan.slot_bytes == slot_bytes(run.model.tensors)
     free = FreeMemory(shm=10**12, ram=10**12)
@@ -394,31 +394,33 @@ def test_the_pre_flight_counts_the_slots_where_they_live(tmp_path):
 
 def test_a_lag_whose_slots_do_not_fit_names_the_bytes_and_the_largest_lag_that_fits():
     topology = load_plan(TINY, ["loop.max_policy_lag=1000"], placed_here=False)
-    slot = StorePlan.of(topology).slot_bytes
+    slot = StoreFootprint.of(topology).slot_bytes
     with pytest.raises(ValueError) as info:
         check_memory(topology, FreeMemory(shm=100 * slot, ram=10**12))
     message = str(info.value)
     assert f"1002 slots x {size(slot)} = {size(1002 * slot)} (in /dev/shm)" in message
     assert f"/dev/shm has {size(100 * slot)} free" in message
     assert "the largest lag that fits is 98: set loop.max_policy_lag to at most 98" in message
-    plan = StorePlan.of(topology)  # RAM keeps the margin: 4 x the weights, a runtime per process, a step's batch
+    store = StoreFootprint.of(topology)  # RAM keeps the margin: 4 x the weights, a runtime per process, a step's batch
+    batch = BatchFootprint.of(topology).bytes
     with pytest.raises(ValueError, match="largest lag that fits is 8:"):
-        check_memory(topology, FreeMemory(shm=10**12, ram=plan.ram_margin + BatchPlan.of(topology).bytes + 10 * slot))
+        check_memory(topology, FreeMemory(shm=10**12, ram=store.ram_margin + batch + 10 * slot))
     with pytest.raises(ValueError, match="not even max_policy_lag 0"):
         check_memory(topology, FreeMemory(shm=slot, ram=10**12))
 
 
 def test_the_pre_flight_keeps_ram_for_a_reference_model_in_each_process_that_holds_one():
-    without = StorePlan.of(load_plan(TINY))
-    on_trainer = StorePlan.of(load_plan(TINY, ["actors.trainer.loss.policy.kl_coef=0.1", "meshes.trainer.procs=2"]))
+    without = StoreFootprint.of(load_plan(TINY))
+    kl_on_two_ranks = ["actors.trainer.loss.policy.kl_coef=0.1", "meshes.trainer.procs=2"]
+    on_trainer = StoreFootprint.of(load_plan(TINY, kl_on_two_ranks))
     assert without.reference_bytes == 0
     assert on_trainer.reference_bytes == 2 * without.master_bytes  # every trainer rank holds it, in fp32
     assert on_trainer.ram_margin == without.ram_margin + 2 * without.master_bytes + RUNTIME_BYTES  # and one proc more
     kl_and_lag = ["actors.trainer.loss.policy.kl_coef=0.1", "loop.max_policy_lag=1000"]
     topology = load_plan(TINY, kl_and_lag, placed_here=False)
-    slot = StorePlan.of(topology).slot_bytes
+    slot = StoreFootprint.of(topology).slot_bytes
     with pytest.raises(ValueError, match="AdamW moments and the reference model"):
-        check_memory(topology, FreeMemory(shm=10**12, ram=StorePlan.of(topology).ram_margin + 10 * slot + 10**7))
+        check_memory(topology, FreeMemory(shm=10**12, ram=StoreFootprint.of(topology).ram_margin + 10 * slot + 10**7))
 
 
 def test_an_impossible_lag_is_refused_at_load_and_the_dry_run_prints_the_pre_flight(tmp_path):

@@ -52,10 +52,10 @@ also carries an HMAC-SHA256 signature over its identity and content, and an entr
 valid one fails the round the same way; without a secret, any writer of the store can add
 deltas. A ``file://`` store must be a directory of this user that group and others cannot write.
 
-A replica that missed rounds replays them from the store: ``latest_round`` (the newest round
+A replica that missed rounds reapplies them from the store: ``latest_round`` (the newest round
 with a close marker for this rank), ``members_of`` and ``mean_of`` (the mean recomputed from the
 stored deltas of the members, identical to what they got). Rounds are never deleted on their
-own; ``forget_before`` removes older rounds once no replica needs to replay them.
+own; ``forget_before`` removes older rounds once no replica needs to reapply them.
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ class ObjectStoreTransport:
         """Nothing is held between rounds (no server, no open objects); later calls are refused."""
         self._closed = True
 
-    # -- replaying closed rounds --
+    # -- reapplying closed rounds --
 
     def latest_round(self) -> int | None:
         """The newest round with a close marker for this rank, or None when none was closed."""
@@ -358,13 +358,13 @@ class ObjectStoreTransport:
         if not averaged:
             raise ValueError(
                 f"round {round} (rank {self.rank}): none of its members {list(members)} has a readable delta "
-                f"in {self.url}; the round cannot be replayed. Restart from a checkpoint instead."
+                f"in {self.url}; the round cannot be reapplied. Restart from a checkpoint instead."
             )
         return mean_of_deltas([reads.deltas[i] for i in averaged])
 
     def forget_before(self, round: int) -> tuple[int, ...]:
         """Delete this rank's objects of the rounds before ``round`` and return those rounds.
-        Other ranks' transports forget their own; call it only for rounds no replica will replay."""
+        Other ranks' transports forget their own; call it only for rounds no replica will reapply."""
         if self.fs is None:
             return ()
         gone = []

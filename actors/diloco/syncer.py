@@ -13,7 +13,7 @@ inner optimizer's state is left as it is, as in the DiLoCo paper.
 
 A replica that fell behind (restarted from an older checkpoint) catches up before it averages:
 over torchft, the quorum heals it from a live replica (θ₀, the outer optimizer, the rounds);
-over an object store, it replays the rounds closed without it from the stored deltas, which
+over an object store, it reapplies the rounds closed without it from the stored deltas, which
 gives exactly the state the others reached. ``sync`` reports the round it ends at, so the
 controller can skip the inner steps the others already took.
 """
@@ -52,7 +52,7 @@ class SyncReport:
     replicas_in_round: int
     seconds: float
     bytes: int  # sent and received
-    caught_up: int  # rounds adopted from the others (healed or replayed) rather than averaged
+    caught_up: int  # rounds adopted from the others (healed or reapplied) rather than averaged
 
 
 @dataclass(frozen=True)
@@ -126,14 +126,14 @@ class DiLoCoSyncer:
         start = time.perf_counter()
         self.stop_file = Path(stop_file) if stop_file is not None else None
         rounds_before = self.outer.rounds if self.outer else 0
-        replayed = self._replay_closed_rounds()
+        reapplied = self._reapply_closed_rounds()
         members, moved = (), 0
-        if not replayed and self.outer is not None:
+        if not reapplied and self.outer is not None:
             members, moved = self._average()
         self._broadcast_replicated()
         if self.rank != 0:
             return None
-        averaged = 0 if replayed else 1
+        averaged = 0 if reapplied else 1
         caught_up = self.outer.rounds - rounds_before - averaged
         return SyncReport(self.outer.rounds, len(members), time.perf_counter() - start, moved, caught_up)
 
@@ -153,8 +153,8 @@ class DiLoCoSyncer:
         self.outer.step(result.mean)  # a heal during ``average`` replaced θ₀ and the rounds
         return result.members, result.bytes_sent + result.bytes_received
 
-    def _replay_closed_rounds(self) -> bool:
-        """Object store: the rounds the others closed while this replica was away, replayed from the
+    def _reapply_closed_rounds(self) -> bool:
+        """Object store: the rounds the others closed while this replica was away, reapplied from the
         store in order (each rank its own share), so this replica ends exactly where they are."""
         if self.cfg.transport != "object_store" or self.cfg.replicas == 1:
             return False

@@ -36,7 +36,7 @@ def _mix(key: str) -> int:
 
 
 class Engine(Protocol):
-    """Built as ``Engine(model_path, sampling, place, adapter)`` inside a generator process; with an
+    """Built as ``Engine(model_path, sampling, compute, adapter)`` inside a generator process; with an
     ``adapter`` (the trainer's ``LoRAConfig``) every state dict it loads is the adapters' tensors
     under PEFT's saved names, to be applied to the base it loaded from ``model_path``."""
 

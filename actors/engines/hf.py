@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from transformers import BatchEncoding
 
-from actors.compute import Placement
+from actors.compute import Compute
 from actors.engines import Sampling, request_seed
 from actors.generator_config import policy_dtype
 from actors.inner_loops.config import LoRAConfig
@@ -29,10 +29,10 @@ from actors.rollout import Trajectory
 
 class HFEngine:
     def __init__(
-        self, model_path: str, sampling: Sampling, place: Placement = Placement(), adapter: LoRAConfig | None = None
+        self, model_path: str, sampling: Sampling, compute: Compute = Compute(), adapter: LoRAConfig | None = None
     ):
-        self.device = place.device()
-        dtype = getattr(torch, policy_dtype("hf", on_gpu=bool(place.gpus)))  # the dtype weights are published in
+        self.device = compute.device()
+        dtype = getattr(torch, policy_dtype("hf", on_gpu=bool(compute.gpus)))  # the dtype weights are published in
         self.model, self.tokenizer = load_policy(model_path, dtype)
         self.adapter = adapter
         if adapter is not None:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from actors.compute import Placement
+from actors.compute import Compute
 from actors.engines import Sampling
 from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype, vllm_lora_rank
 from actors.inner_loops.config import LoRAConfig
@@ -79,9 +79,9 @@ logging.getLogger("vllm.engine.arg_utils").addFilter(_without_chunking_warning)
 
 class VLLMEngine:
     def __init__(
-        self, model_path: str, sampling: Sampling, place: Placement = Placement(), adapter: LoRAConfig | None = None
+        self, model_path: str, sampling: Sampling, compute: Compute = Compute(), adapter: LoRAConfig | None = None
     ):
-        on_cpu = not place.gpus
+        on_cpu = not compute.gpus
         # Engine steps run on this one thread, with the generator's share of the cores: a fresh
         # thread would start with OpenMP's default instead, which vLLM's CPU attention rejects
         # when it differs from the count its metadata was planned for. Made before the engine,
@@ -99,8 +99,8 @@ class VLLMEngine:
                     _cpu_engine_args(model_path)
                     if on_cpu
                     else {
-                        "gpu_memory_utilization": place.memory_share or VLLM_OWN_GPU_SHARE,
-                        "tensor_parallel_size": place.gpus,
+                        "gpu_memory_utilization": compute.memory_share or VLLM_OWN_GPU_SHARE,
+                        "tensor_parallel_size": compute.gpus,
                     }
                 ),
                 logprobs_mode="processed_logprobs",

@@ -17,7 +17,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from actors import registry
-from actors.compute import Placement
+from actors.compute import Compute
 from actors.lifecycle import ProcInfo, this_proc
 from actors.tasks import Problem
 from actors.teachers.bindings import Binding, BindingConfig, Student, TopK, TopKRequest, check_binding_class
@@ -48,8 +48,8 @@ class TopKReply:
 
 
 class TeacherPool(Actor):
-    def __init__(self, student: Student, place: Placement):
-        self.student, self.place = student, place  # built in ``start`` (actors/lifecycle.py)
+    def __init__(self, student: Student, compute: Compute):
+        self.student, self.compute = student, compute  # built in ``start`` (actors/lifecycle.py)
         self.bindings: dict[str, Binding] = {}
         self.followers: dict[str, WeightFollower] = {}  # per binding that follows the policy: each holds a model
 
@@ -57,7 +57,7 @@ class TeacherPool(Actor):
     def start(self, bindings: dict[str, BindingConfig]) -> ProcInfo:
         """Build ``bindings`` (id -> config: the topology's own, or on a replaced process every
         binding still in use); a model that fails to load fails here, with its reason."""
-        torch.set_num_threads(self.place.threads)
+        torch.set_num_threads(self.compute.threads)
         for binding_id, cfg in bindings.items():
             self._build(binding_id, cfg)
         return this_proc()

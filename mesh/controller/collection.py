@@ -15,7 +15,7 @@ pairs. ``EpisodeCollection`` (an environment task, ``task: {name: openenv}``) is
 collection: the generators play each prompt's G episodes against the environment
 (``Generator.play``), each episode one trajectory whose reward is the environment's return, a
 failed episode left out of its group; no teacher and no Rewarder are asked. ``RecordedCollection``
-(``--replay``, ``mesh/runtime/replay.py``) asks no one: each step's batch is the one a recorded run trained on.
+(``--retrain``, ``mesh/runtime/retrain.py``) asks no one: each step's batch is the one a recorded run trained on.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ wrote a teacher's trace, ``version`` the policy that sampled it and ``age`` the 
 that when it trained on it. A full recording (``logging.samples.full``) holds every row of every step,
 each with what training reads of it besides (``trajectory``: its token ids, the sampler's logprobs and the
 loss mask; ``distill``: the distill teacher's top-k; ``reference_logprobs``; ``problem``: the whole prompt; ``row``
-and ``rows``: its place in the step's batch and how many rows that has), so that ``--replay``
-(``mesh/runtime/replay.py``) can rebuild each step's batch exactly, and tell a row deleted, repeated or cut short.
+and ``rows``: its place in the step's batch and how many rows that has), so that ``--retrain``
+(``mesh/runtime/retrain.py``) can rebuild each step's batch exactly, and tell a row deleted, repeated or cut short.
 
 The rows are built from the step's ``Collected`` on the run directory's logging thread (``RunDir.record``),
 never on the training loop's critical path: the loop only decides whether a step is recorded.

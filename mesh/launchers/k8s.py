@@ -41,7 +41,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from actors import registry
 from mesh.launchers.grammars import DNS_LABEL, DNS_SUBDOMAIN, IMAGE, LABEL_KEY, LABEL_VALUE, positive_quantity
 from mesh.topology.launcher import Launcher, LauncherOptions
-from mesh.topology.preflight import StorePlan
+from mesh.topology.preflight import StoreFootprint
 
 if TYPE_CHECKING:
     from mesh.topology.plan import RunPlan
@@ -218,7 +218,7 @@ def claim_name(topology: Topology, options: K8sOptions) -> str:
 def shm_bytes(run: RunPlan, mesh: str) -> int:
     """``/dev/shm`` of each pod of ``mesh``: the weight store's slots where they live in shared memory
     (the trainer's host, with the ``shm`` transport), as the memory pre-flight counts them."""
-    plan = StorePlan.of(run)
+    plan = StoreFootprint.of(run)
     holds_store = mesh == run.topology.actors.trainer.mesh and plan.transport == "shm" and plan.slot_bytes
     return SHM_BASE_BYTES + (plan.slots * plan.slot_bytes if holds_store else 0)
 

@@ -34,7 +34,7 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
-from actors.compute import Placement  # noqa: E402
+from actors.compute import Compute  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import checkpoint_name  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
@@ -77,8 +77,8 @@ from mesh.runtime.faults import explain, paragraph  # noqa: E402
 from mesh.runtime.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
 from mesh.runtime.interrupts import FinalInterrupted, Interrupted, Signalled, Stopper, newest_checkpoint  # noqa: E402
 from mesh.runtime.progress import Progress  # noqa: E402
-from mesh.runtime.replay import oldest_age  # noqa: E402
 from mesh.runtime.replicas import serve_lighthouse  # noqa: E402
+from mesh.runtime.retrain import oldest_age  # noqa: E402
 from mesh.topology.plan import RunPlan, model_path_of  # noqa: E402
 from mesh.topology.schema import SamplesLogging  # noqa: E402
 
@@ -99,19 +99,19 @@ async def run(
     run_root: str | None = None,
     progress: bool = True,
     resume: str | None = None,
-    replay: list[Collected] | None = None,
+    recorded: list[Collected] | None = None,
 ) -> RunDir:
     """Run ``plan`` to the end; returns its run directory.
 
     ``resume``: a checkpoint directory of an earlier run of this topology; training goes
     on from its step with its policy, optimizer, loss state and in-flight batches.
-    ``replay``: the recorded batches to train on, one per step (``mesh/runtime/replay.py``; ``plan``
-    is then ``RunPlan.replaying``'s: only the trainer starts).
+    ``recorded``: the batches to train on, one per step (``mesh/runtime/retrain.py``; ``plan``
+    is then ``RunPlan.retraining``'s: only the trainer starts).
     """
     stopper = Stopper()
     stopper.install()  # from before the run directory is made until all is stopped: a signal stops it, cleanly
     try:
-        return await _run(plan, run_root, progress, resume, replay, stopper)
+        return await _run(plan, run_root, progress, resume, recorded, stopper)
     finally:
         stopper.remove()
 
@@ -121,7 +121,7 @@ async def _run(
     run_root: str | None,
     progress: bool,
     resume: str | None,
-    replay: list[Collected] | None,
+    recorded: list[Collected] | None,
     stopper: Stopper,
 ) -> RunDir:
     topology = plan.topology
@@ -150,8 +150,8 @@ async def _run(
             monarch.actor.unhandled_fault_hook = faults.monarch  # recorded; once the fleet exists its calls fail over
             launcher = topology.launcher.launcher()
             cleanup.push_async_callback(_stop, launcher)
-            control = None  # a replay binds no teachers: nothing for mesh.ctl to change
-            if replay is None:
+            control = None  # a retraining binds no teachers: nothing for mesh.ctl to change
+            if recorded is None:
                 control = ControlChannel.create(run_dir.path)
                 cleanup.callback(control.close)
             task = build_task(topology.task.config)
@@ -171,8 +171,8 @@ async def _run(
             if services.teacher_pool is not None:
                 await board.attach(services.teacher_pool)
             context = RunContext(run_dir, bar, control, stopper, fleet)
-            settings = _loop_settings(plan, episodes, replay, Path(model_path))
-            collection = _collection(settings, task, services, episodes, replay, faults.episodes)
+            settings = _loop_settings(plan, episodes, recorded, Path(model_path))
+            collection = _collection(settings, task, services, episodes, recorded, faults.episodes)
             controller = Controller(settings, services, collection, board, context)
             await _watched(controller.train(Path(resume) if resume else None), launcher)
     except Interrupted:
@@ -338,7 +338,7 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
             cfg.trainer,
             seed,
             plan.store_slots,
-            _placement(plan, cfg.trainer.mesh, "trainer"),
+            _compute(plan, cfg.trainer.mesh, "trainer"),
             topology.loop.steps,
             plan.transport,
             plan.weights_dtype,
@@ -351,23 +351,23 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
 
     roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
     rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else ()
-    for name in plan.generator_meshes:  # none in a replay: the plan starts the trainer alone
-        place = _placement(plan, name, "generator")
+    for name in plan.generator_meshes:  # none in a retraining: the plan starts the trainer alone
+        compute = _compute(plan, name, "generator")
         adapter = cfg.trainer.lora
-        spawn = _spawner("generator", Generator, model_path, cfg.generator, place, *rewarding, adapter=adapter)
+        spawn = _spawner("generator", Generator, model_path, cfg.generator, compute, *rewarding, adapter=adapter)
         roles[name].append(Role("generator", spawn, _start_all))
     if plan.runs("rewarder"):
         roles[cfg.rewarder.mesh].append(
             Role("rewarder", _spawner("rewarder", Rewarder, topology.task.config, cfg.rewarder), _start_all)
         )
     if plan.runs("reference"):
-        place = _placement(plan, reference.mesh, "reference")
-        args = (model_path_of(reference, model_path), model_path, place, cfg.trainer.micro_batch_size)
+        compute = _compute(plan, reference.mesh, "reference")
+        args = (model_path_of(reference, model_path), model_path, compute, cfg.trainer.micro_batch_size)
         spawn = _spawner("reference", Reference, *args, cfg.trainer.loss.chunk_tokens)
         roles[reference.mesh].append(Role("reference", spawn, _start_all))
     if plan.runs("teachers"):
         student = Student(model_path, cfg.generator.max_new_tokens, seed, cfg.trainer.lora)
-        spawn = _spawner("teachers", TeacherPool, student, _placement(plan, cfg.teachers.mesh, "teachers"))
+        spawn = _spawner("teachers", TeacherPool, student, _compute(plan, cfg.teachers.mesh, "teachers"))
 
         async def start_teachers(pool: ActorMesh) -> list[ProcInfo]:  # every binding in use, under its id
             return list((await pool.start.call(board.live())).values())
@@ -429,13 +429,13 @@ def _collection(
     task,
     services: Services,
     episodes: EpisodeSpec | None,
-    replay: list[Collected] | None,
+    recorded: list[Collected] | None,
     failed: Callable[[int, list[str]], None],
 ) -> Collection:
-    """Where each step's batch comes from: the recording a replay trains on, the environment's episodes, or
+    """Where each step's batch comes from: the recording a retraining trains on, the environment's episodes, or
     the generators' samples."""
-    if replay is not None:
-        return RecordedCollection(replay)
+    if recorded is not None:
+        return RecordedCollection(recorded)
     if episodes is not None:
         lag = settings.max_policy_lag if settings.collect.by_group else None
         return EpisodeCollection(settings.collect, task, services, episodes, failed, lag)
@@ -443,9 +443,9 @@ def _collection(
 
 
 def _loop_settings(
-    plan: RunPlan, episodes: EpisodeSpec | None, replay: list[Collected] | None, model_dir: Path
+    plan: RunPlan, episodes: EpisodeSpec | None, recorded: list[Collected] | None, model_dir: Path
 ) -> LoopSettings:
-    """What the controller's parts read of the plan, read once. A replay evaluates nothing (it has no
+    """What the controller's parts read of the plan, read once. A retraining evaluates nothing (it has no
     generators) and lets its batches be as old as they were recorded. ``model_dir``: the policy's base, as
     built or converted for this run."""
     topology = plan.topology
@@ -463,12 +463,12 @@ def _loop_settings(
         distill=loss.alpha_sdpo > 0,
         by_group=loop.collect == "group",
     )
-    lag = loop.max_policy_lag if replay is None else oldest_age(replay)
+    lag = loop.max_policy_lag if recorded is None else oldest_age(recorded)
     return LoopSettings(
         steps=loop.steps,
         max_policy_lag=lag,
-        evaluation_every=loop.evaluation.every if replay is None else 0,
-        evaluation_at_start=loop.evaluation.at_start and replay is None,
+        evaluation_every=loop.evaluation.every if recorded is None else 0,
+        evaluation_at_start=loop.evaluation.at_start and recorded is None,
         checkpoint_every=topology.checkpointing.every,
         advantage=loss.policy.advantage,
         # every reply of an episode
@@ -494,11 +494,11 @@ def _write_procs(run_path: Path, fleet: Fleet) -> None:
     (run_path / PROCS).write_text(json.dumps(where, indent=1) + "\n")
 
 
-def _placement(plan: RunPlan, mesh: str, actor: str) -> Placement:
+def _compute(plan: RunPlan, mesh: str, actor: str) -> Compute:
     """Where ``actor`` computes on ``mesh``: CPU threads (the cores this run may use, shared among
     the processes that compute, the trainer's and every generator copy's, at least one each),
     the GPUs each of the mesh's processes sees, and the share of their memory the actor may take."""
-    compute = {plan.topology.actors.trainer.mesh, *plan.generator_meshes}
-    threads = max(1, len(os.sched_getaffinity(0)) // sum(plan.meshes[m].size for m in compute))
+    computing = {plan.topology.actors.trainer.mesh, *plan.generator_meshes}
+    threads = max(1, len(os.sched_getaffinity(0)) // sum(plan.meshes[m].size for m in computing))
     share = {"trainer": plan.trainer_memory_share, "generator": plan.vllm_share}.get(actor)
-    return Placement(threads, plan.meshes[mesh].gpus, share)
+    return Compute(threads, plan.meshes[mesh].gpus, share)

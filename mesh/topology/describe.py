@@ -32,7 +32,7 @@ def describe(plan: RunPlan) -> str:
     placement.append(describe_store(plan))
     if (memory := describe_memory(plan)) is not None:
         placement.append(memory)
-    graph = _replay_graph(plan) if plan.replays is not None else _graph(plan)
+    graph = _retrain_graph(plan) if plan.retrains is not None else _graph(plan)
     jobs = topology.launcher.describe(plan)
     return "\n".join(
         ["# resolved topology", resolved, "", "# placement", *placement, "", "# actor graph", *graph, *jobs]
@@ -46,10 +46,10 @@ def describe_conversion(source: ModelSource) -> str:
     return f"{source.key}: {source.path.name}, not converted yet: the run converts it into {source.cache_entry} (once)"
 
 
-def _replay_graph(plan: RunPlan) -> list[str]:
+def _retrain_graph(plan: RunPlan) -> list[str]:
     topology = plan.topology
     graph = [
-        f"controller: each step's batch as {plan.replays}/samples.jsonl recorded it (tokens, sampler logprobs, "
+        f"controller: each step's batch as {plan.retrains}/samples.jsonl recorded it (tokens, sampler logprobs, "
         "rewards, teacher top-k, reference logprobs): no generator, rewarder or teacher starts",
         f"controller -> trainer ({topology.actors.trainer.inner_loop}, {plan.trainer_precision}): TrainBatch, "
         "the recorded run's step by step",

@@ -86,7 +86,7 @@ class RunPlan:
     vllm_share: float | None  # a vLLM generator's share of each of its GPUs
     trainer_memory_share: float | None  # the share of each GPU the trainer's allocator may take; None: all
     models: dict[str, ModelSource]  # key -> each model a path names (a GGUF file is converted before the run)
-    replays: str | None = None  # ``--replay``: the recorded run whose batches the trainer trains on
+    retrains: str | None = None  # ``--retrain``: the recorded run whose batches the trainer trains on
 
     @classmethod
     def of(cls, topology: Topology) -> RunPlan:
@@ -122,8 +122,8 @@ class RunPlan:
             models=_model_sources(topology),
         )
 
-    def replaying(self, run_dir: str) -> RunPlan:
-        """This plan training on the batches recorded in ``run_dir`` (``mesh/runtime/replay.py``): only the trainer's
+    def retraining(self, run_dir: str) -> RunPlan:
+        """This plan training on the batches recorded in ``run_dir`` (``mesh/runtime/retrain.py``): only the trainer's
         mesh starts, with the trainer alone on it (a reference on its ranks stays: it scores in the train
         step); the generators, rewarder, teachers and a reference of its own are not started, since the
         recording holds what they gave. The trainer then computes with every core the run may use."""
@@ -134,7 +134,7 @@ class RunPlan:
             generator_meshes=(),
             actors={trainer: ("trainer",)},
             gpus={trainer: self.gpus[trainer]},
-            replays=run_dir,
+            retrains=run_dir,
         )
 
     @property
@@ -172,8 +172,8 @@ class RunPlan:
         record |= {"trainer_precision": self.trainer_precision, "prompt_seed": self.prompt_seed}
         if self.topology.diloco is not None:
             record["diloco"] = {"replica": self.diloco_replica, "runs_here": self.runs_here}
-        if self.replays is not None:
-            record["replays"] = self.replays
+        if self.retrains is not None:
+            record["retrains"] = self.retrains
         return record
 
     def on_publishing_gpu(self, followers: list[str]) -> bool:

@@ -19,7 +19,7 @@ own weights, gradients and two AdamW moments (4 x the weights in fp32, whatever 
 the slots publish them in) and, per launched process, the Python, torch and
 transformers runtime (``RUNTIME_BYTES``).
 
-And for a step's batch (``BatchPlan``): its rows (``prompts_per_step x group_size``, plus
+And for a step's batch (``BatchFootprint``): its rows (``prompts_per_step x group_size``, plus
 the teachers' traces) of at least ``max_new_tokens + 1`` tokens each, held by the
 controller (up to ``max_policy_lag + 1`` batches collected ahead, as many as a resume loads
 from its checkpoint) and the trainer; on CPU meshes also the ``hf`` generators' KV cache and
@@ -29,9 +29,9 @@ chunk. Each is a lower bound (a prompt's own length is not known before the run)
 batch refused here cannot fit. A run that starts DiLoCo replicas on this
 machine gives each its share of it.
 
-A replay (``--replay``) knows its rows before it starts: its recording's size is checked before
+A retraining (``--retrain``) knows its rows before it starts: its recording's size is checked before
 it is read (``check_recording``: the controller holds every step), and its largest step against
-the trainer after (``check_replayed_steps``).
+the trainer after (``check_retrained_steps``).
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def gpu_count() -> int:
 
 
 @dataclass(frozen=True)
-class StorePlan:
+class StoreFootprint:
     """The weight store a run reserves, and the RAM the rest of its run keeps."""
 
     slots: int
@@ -189,10 +189,10 @@ class StorePlan:
     master_bytes: int | None  # the trainer's fp32 weights (None: unknown, as slot_bytes)
     trained_bytes: int | None  # those it trains, fp32 (all of them, or with LoRA the adapters): gradients, AdamW
     reference_bytes: int = 0  # the KL penalty's reference models held in RAM (on CPU meshes), all copies
-    batch_bytes: int = 0  # a step's batch (``BatchPlan``), where the memory check counts it
+    batch_bytes: int = 0  # a step's batch (``BatchFootprint``), where the memory check counts it
 
     @classmethod
-    def of(cls, plan: RunPlan) -> StorePlan:
+    def of(cls, plan: RunPlan) -> StoreFootprint:
         tensors, published = plan.model.tensors, plan.published
         processes = sum(mesh.size for mesh in plan.meshes.values())
         size = None if published is None else slot_bytes(published, plan.weights_dtype)
@@ -223,7 +223,7 @@ class StorePlan:
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchFootprint:
     """The least RAM one step's batch takes (see the module docstring): ``fixed`` bytes (the trainer's
     micro-batches) plus ``per_prompt`` bytes for each of ``prompts`` prompts."""
 
@@ -233,7 +233,7 @@ class BatchPlan:
     fixed: int
 
     @classmethod
-    def of(cls, plan: RunPlan) -> BatchPlan:
+    def of(cls, plan: RunPlan) -> BatchFootprint:
         topology = plan.topology
         loop, cfg = topology.loop, topology.actors
         tokens = cfg.generator.max_new_tokens + 1
@@ -311,7 +311,7 @@ def _reference_bytes(plan: RunPlan) -> int:
 def check_memory(run: RunPlan, free: FreeMemory) -> None:
     """Refuse a batch, or a ``max_policy_lag``, whose memory this machine cannot hold."""
     runs, topology = run.runs_here, run.topology
-    plan, batch, free = StorePlan.of(run), BatchPlan.of(run), free.share(runs)
+    plan, batch, free = StoreFootprint.of(run), BatchFootprint.of(run), free.share(runs)
     _check_batch(topology, plan, batch, free, runs)
     plan = dataclasses.replace(plan, batch_bytes=batch.bytes)
     fit = plan.slots_that_fit(free)
@@ -339,7 +339,7 @@ def check_memory(run: RunPlan, free: FreeMemory) -> None:
     )
 
 
-def _check_batch(topology: Topology, plan: StorePlan, batch: BatchPlan, free: FreeMemory, runs: int) -> None:
+def _check_batch(topology: Topology, plan: StoreFootprint, batch: BatchFootprint, free: FreeMemory, runs: int) -> None:
     """Refuse a step's batch that cannot fit in RAM beside the run's processes and a weight store of
     the fewest slots (2), naming the largest ``prompts_per_step`` that fits."""
     if free.ram is None:
@@ -367,30 +367,30 @@ def _check_batch(topology: Topology, plan: StorePlan, batch: BatchPlan, free: Fr
 
 
 def check_recording(run: RunPlan, recording: Path, free: FreeMemory) -> None:
-    """Refuse, before it is read, a replay's recording whose rows would not fit in RAM beside the replay
-    (``run``: the trainer alone, ``RunPlan.replaying``): the controller holds every recorded step, read from
+    """Refuse, before it is read, a retraining's recording whose rows would not fit in RAM beside the retraining
+    (``run``: the trainer alone, ``RunPlan.retraining``): the controller holds every recorded step, read from
     JSON lines into Python lists of about ``LOADED_PER_JSON_BYTE`` times the file's size."""
     if not run.topology.launcher.one_machine or free.ram is None or not is_regular(recording):
         return  # the recording's reader refuses what is not a regular file, saying why
-    plan = StorePlan.of(run)
+    plan = StoreFootprint.of(run)
     loaded = LOADED_PER_JSON_BYTE * recording.stat().st_size
     room = free.ram - plan.ram_margin - (plan.slots * plan.slot_bytes if plan.slot_bytes else 0)
     if loaded > room:
         raise ValueError(
-            f"--replay reads every step of {recording} ({size(recording.stat().st_size)}) into about {size(loaded)} "
+            f"--retrain reads every step of {recording} ({size(recording.stat().st_size)}) into about {size(loaded)} "
             f"of RAM, but RAM has {size(free.ram)} available, of which {size(free.ram - max(room, 0))} must stay for "
-            "the trainer; replay on a machine with more memory, or a recording of fewer steps"
+            "the trainer; retrain on a machine with more memory, or a recording of fewer steps"
         )
 
 
-def check_replayed_steps(run: RunPlan, rows: int, tokens: int, free: FreeMemory) -> None:
-    """Refuse a replay whose largest recorded step (``rows`` rows, the longest of ``tokens`` tokens, prompt
+def check_retrained_steps(run: RunPlan, rows: int, tokens: int, free: FreeMemory) -> None:
+    """Refuse a retraining whose largest recorded step (``rows`` rows, the longest of ``tokens`` tokens, prompt
     and completion) the trainer cannot hold: its shards and each rank's micro-batch of such rows, counted as
-    ``BatchPlan`` counts a run's."""
+    ``BatchFootprint`` counts a run's."""
     shape, trainer = _Shape.of(run.model), run.topology.meshes[run.topology.actors.trainer.mesh]
     if not run.topology.launcher.one_machine or free.ram is None or shape is None or trainer.gpus:
         return
-    plan, cfg = StorePlan.of(run), run.topology.actors.trainer
+    plan, cfg = StoreFootprint.of(run), run.topology.actors.trainer
     micro = min(cfg.micro_batch_size, -(-rows // trainer.size))
     step = rows * tokens * TOKEN_BYTES + trainer.size * shape.training_bytes(micro * tokens, cfg.loss.chunk_tokens)
     room = free.ram - plan.ram_margin - (plan.slots * plan.slot_bytes if plan.slot_bytes else 0)
@@ -398,7 +398,7 @@ def check_replayed_steps(run: RunPlan, rows: int, tokens: int, free: FreeMemory)
         raise ValueError(
             f"the recording's largest step has {rows} rows and its longest row {tokens} tokens, which the trainer "
             f"needs at least {size(step)} of RAM to train on, but RAM has {size(free.ram)} available, of which "
-            f"{size(free.ram - max(room, 0))} must stay for the trainer's processes and weights; replay on a machine "
+            f"{size(free.ram - max(room, 0))} must stay for the trainer's processes and weights; retrain on a machine "
             "with more memory, or lower actors.trainer.micro_batch_size"
         )
 
@@ -409,7 +409,7 @@ def _shared(runs: int) -> str:
 
 def describe_store(run: RunPlan, free: FreeMemory | None = None) -> str:
     """The pre-flight as ``--dry-run`` prints it."""
-    plan, free, topology = StorePlan.of(run), free or FreeMemory.now(), run.topology
+    plan, free, topology = StoreFootprint.of(run), free or FreeMemory.now(), run.topology
     if plan.slot_bytes is None:
         return f"weight store: {plan.slots} slots (size unknown: model.path has no safetensors weights)"
     line = f"weight store: {plan.slots} slots x {size(plan.slot_bytes)} = {size(plan.slots * plan.slot_bytes)}"

@@ -286,7 +286,7 @@ class TrackioLogging(Section):
 class SamplesLogging(Section):
     """``logging.samples``: the rows of trained batches written to samples.jsonl (``mesh/controller/samples.py``):
     the first ``per_step`` rows (whole prompt groups first; null: all) of every ``every``-th step. ``full: true``
-    records every row of every step with its token ids and logprobs, which ``--replay`` trains on."""
+    records every row of every step with its token ids and logprobs, which ``--retrain`` trains on."""
 
     every: int = Field(10, ge=1)
     per_step: int | None = Field(16, ge=1)
@@ -300,7 +300,7 @@ class SamplesLogging(Section):
         every_row = {"every": 1, "per_step": None}
         if bounds := [key for key, value in every_row.items() if key in raw and raw[key] != value]:
             raise ValueError(
-                f"full records every row of every step (what --replay trains on), so {' and '.join(bounds)} "
+                f"full records every row of every step (what --retrain trains on), so {' and '.join(bounds)} "
                 f"cannot bound it; remove {'it' if len(bounds) == 1 else 'them'}, or drop full"
             )
         return every_row | raw

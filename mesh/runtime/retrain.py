@@ -1,11 +1,11 @@
-"""``python -m mesh.run x.yaml --replay RUN_DIR``: train on a fully recorded run's batches, in order.
+"""``python -m mesh.run x.yaml --retrain RUN_DIR``: train on a fully recorded run's batches, in order.
 
 To compare a change to the loss on exactly the same data, the run in RUN_DIR recorded every row of
 every step (``logging.samples: {full: true}``, ``mesh/controller/samples.py``): its token ids, the
 sampler's logprobs, its reward, the distill teacher's top-k and the reference's logprobs, with the
-prompt group it belongs to. A replay rebuilds each step's batch from them and trains this topology's
+prompt group it belongs to. A retraining rebuilds each step's batch from them and trains this topology's
 trainer on it, step by step. Nothing is sampled, rewarded, traced or scored: only the trainer's mesh
-starts (``RunPlan.replaying``), no weights are pushed and nothing is evaluated; the batches' policy
+starts (``RunPlan.retraining``), no weights are pushed and nothing is evaluated; the batches' policy
 ages are the recorded ones.
 
 samples.jsonl is read back as strictly as a checkpoint's batches in flight (``mesh/controller/inflight.py``'s
@@ -63,32 +63,32 @@ def recorded_batches(run_dir: Path, plan: RunPlan) -> list[Collected]:
     if sorted(steps) != list(range(len(steps))):
         raise TopologyError(
             f"{run_dir / SAMPLES_FILE} holds steps {min(steps)} to {max(steps)} with gaps or a late start (a resumed "
-            f"run records from the step it resumed at), but a replay trains from step 0 on every step; {RECORD_AGAIN} "
-            "in one piece"
+            "run records from the step it resumed at), but a retraining trains from step 0 on every step; "
+            f"{RECORD_AGAIN} in one piece"
         )
     if topology.loop.steps > len(steps):
         raise TopologyError(
-            f"{run_dir} recorded {len(steps)} steps and the topology trains {topology.loop.steps}; replay at most the "
+            f"{run_dir} recorded {len(steps)} steps and the topology trains {topology.loop.steps}; retrain at most the "
             f"steps it recorded: --set loop.steps={len(steps)}"
         )
     batches = [steps[step] for step in range(topology.loop.steps)]
     if plan.runs("reference") and any(row.reference_logprobs is None for b in batches for row in b.rows()):
         raise TopologyError(
-            f"--replay {run_dir}: the topology scores the KL penalty's reference on a mesh of its own, which a replay "
-            "does not start, and the recording has no reference logprobs; score it on the trainer's ranks: "
+            f"--retrain {run_dir}: the topology scores the KL penalty's reference on a mesh of its own, which a "
+            "retraining does not start, and the recording has no reference logprobs; score it on the trainer's ranks: "
             "--set actors.reference.placement=in_trainer"
         )
     return batches
 
 
 def oldest_age(batches: list[Collected]) -> int:
-    """The largest policy age among the recorded rows (batch k trained at step k): the lag a replay allows."""
+    """The largest policy age among the recorded rows (batch k trained at step k): the lag a retraining allows."""
     return max(step - row.version for step, collected in enumerate(batches) for row in collected.rows())
 
 
 def largest_step(batches: list[Collected]) -> tuple[int, int]:
     """The most rows of one recorded step, and the most tokens of one row (its prompt and completion): what
-    the replay's trainer must hold at once (``mesh.topology.preflight.check_replayed_steps``)."""
+    the retraining's trainer must hold at once (``mesh.topology.preflight.check_retrained_steps``)."""
     rows = [row.trajectory for collected in batches for row in collected.rows()]
     return max(len(c.rows()) for c in batches), max(len(t.prompt_ids) + len(t.completion_ids) for t in rows)
 
@@ -99,7 +99,7 @@ def _check_recorded(run_dir: Path, topology: Topology) -> Topology:
     written = run_dir / "topology.yaml"
     if not is_regular(run_dir / SAMPLES_FILE) or not is_regular(written):
         raise TopologyError(
-            f"--replay {run_dir}: not a run directory with a recording (it needs topology.yaml and {SAMPLES_FILE}); "
+            f"--retrain {run_dir}: not a run directory with a recording (it needs topology.yaml and {SAMPLES_FILE}); "
             f"name the directory a run printed as 'run directory:', recorded with logging.samples.full: true (a link "
             "or a pipe in place of either file is not one)"
         )
@@ -107,20 +107,20 @@ def _check_recorded(run_dir: Path, topology: Topology) -> Topology:
         recorded = load_topology(written, placed_here=False)  # the topology file's reader and its bounds
         mine, theirs = topology_fingerprint(topology).to_json(), topology_fingerprint(recorded).to_json()
     except (TopologyError, FingerprintError) as error:
-        raise TopologyError(f"--replay {run_dir}: its topology.yaml cannot be read back: {error}") from None
+        raise TopologyError(f"--retrain {run_dir}: its topology.yaml cannot be read back: {error}") from None
     samples = recorded.logging.samples
     if samples is None or not samples.full:
         shown = json.dumps(samples.model_dump(mode="json") if samples is not None else None)
         raise TopologyError(
-            f"--replay {run_dir}: that run was not fully recorded (its logging.samples is {shown}), so "
-            f"{SAMPLES_FILE} holds some rows of some steps, and a replay trains on every row of every step; "
+            f"--retrain {run_dir}: that run was not fully recorded (its logging.samples is {shown}), so "
+            f"{SAMPLES_FILE} holds some rows of some steps, and a retraining trains on every row of every step; "
             f"{RECORD_AGAIN}"
         )
     differences = topology_fingerprint(topology).differences(theirs | {"adapter": mine["adapter"]}, "the recording")
     if differences:  # LoRA or not may differ: the rows are the same data for either
         raise TopologyError(
-            f"--replay {run_dir}: it was recorded for another job: {'; '.join(differences)}. Replay it with a topology "
-            f"of the same model, tokenizer and task (its own is {written})"
+            f"--retrain {run_dir}: it was recorded for another job: {'; '.join(differences)}. Retrain on it with a "
+            f"topology of the same model, tokenizer and task (its own is {written})"
         )
     return recorded
 

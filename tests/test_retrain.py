@@ -1,5 +1,5 @@
-"""``--replay RUN_DIR``: the trainer alone, on the batches a fully recorded run trained on
-(``mesh/runtime/replay.py``)."""
+"""``--retrain RUN_DIR``: the trainer alone, on the batches a fully recorded run trained on
+(``mesh/runtime/retrain.py``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from tiny_runs import ROOT, TINY
 from tiny_runs import SHORT as TINY_SHORT
 
 from mesh.records.rundir import read_metrics
-from mesh.run import main, replaying
-from mesh.runtime.replay import largest_step
-from mesh.topology.preflight import FreeMemory, StorePlan, check_recording, check_replayed_steps, load_plan
+from mesh.run import main, retraining
+from mesh.runtime.retrain import largest_step
+from mesh.topology.preflight import FreeMemory, StoreFootprint, check_recording, check_retrained_steps, load_plan
 
 SHORT = [*TINY_SHORT, "loop.evaluation.every=2"]
 
@@ -42,12 +42,12 @@ def by_step(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(path / "metrics.jsonl")}
 
 
-def test_a_replay_trains_the_trainer_alone_on_the_recorded_batches(recorded, tmp_path):
-    assert main([str(TINY), "--no-progress", *sets(tmp_path / "same"), "--replay", str(recorded)]) == 0
-    replayed, original = by_step(only_run(tmp_path / "same")), by_step(recorded)
-    assert sorted(replayed) == sorted(original) == [0, 1, 2]
+def test_a_retraining_trains_the_trainer_alone_on_the_recorded_batches(recorded, tmp_path):
+    assert main([str(TINY), "--no-progress", *sets(tmp_path / "same"), "--retrain", str(recorded)]) == 0
+    retrained, original = by_step(only_run(tmp_path / "same")), by_step(recorded)
+    assert sorted(retrained) == sorted(original) == [0, 1, 2]
     for step, metrics in original.items():  # the same data, trained by the same trainer from the same seed
-        again = replayed[step]
+        again = retrained[step]
         for key in ("reward/mean", "warm_start", "policy_age/counts", "completion_len/mean"):
             assert again[key] == metrics[key], key
         assert again["train/loss"] == pytest.approx(metrics["train/loss"], rel=1e-4, abs=1e-6)
@@ -55,20 +55,20 @@ def test_a_replay_trains_the_trainer_alone_on_the_recorded_batches(recorded, tmp
     assert "eval/reward" in original[1]
     path = only_run(tmp_path / "same")
     plan = yaml.safe_load((path / "plan.yaml").read_text())
-    assert plan["replays"] == str(recorded.resolve())
+    assert plan["retrains"] == str(recorded.resolve())
     assert {name: mesh["actors"] for name, mesh in plan["meshes"].items()} == {"trainer": ["trainer"]}
     assert list(json.loads((path / "procs.json").read_text())) == ["trainer"]  # no generator process started
     assert (path / "final" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
-def test_a_replay_compares_another_loss_on_the_same_data(recorded, tmp_path):
+def test_a_retraining_compares_another_loss_on_the_same_data(recorded, tmp_path):
     changed = ["actors.trainer.loss.policy.name=grpo", "actors.trainer.loss.policy.kl_coef=0.1"]
-    assert main([str(TINY), "--no-progress", *sets(tmp_path, *changed), "--replay", str(recorded)]) == 0
-    replayed, original = by_step(only_run(tmp_path)), by_step(recorded)
-    assert [replayed[s]["reward/mean"] for s in range(3)] == [original[s]["reward/mean"] for s in range(3)]
-    assert replayed[0]["train/loss"] != pytest.approx(original[0]["train/loss"], rel=1e-3)
-    assert "time/reference" in replayed[0]  # the KL's reference scores on the trainer's ranks, as a run's would
+    assert main([str(TINY), "--no-progress", *sets(tmp_path, *changed), "--retrain", str(recorded)]) == 0
+    retrained, original = by_step(only_run(tmp_path)), by_step(recorded)
+    assert [retrained[s]["reward/mean"] for s in range(3)] == [original[s]["reward/mean"] for s in range(3)]
+    assert retrained[0]["train/loss"] != pytest.approx(original[0]["train/loss"], rel=1e-3)
+    assert "time/reference" in retrained[0]  # the KL's reference scores on the trainer's ranks, as a run's would
 
 
 # ----------------------------------------------------------------------------- refused, before anything starts
@@ -232,40 +232,41 @@ def test_a_bad_recording_is_refused_in_one_paragraph(recorded, tmp_path, capsys,
     damage, overrides, expected = CASES[case]
     copy = copy_of(recorded, tmp_path)
     damage(copy)
-    assert main([str(TINY), "--no-progress", *sets(tmp_path / "runs", *overrides), "--replay", str(copy)]) == 2
+    assert main([str(TINY), "--no-progress", *sets(tmp_path / "runs", *overrides), "--retrain", str(copy)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and expected in err, err
     assert not (tmp_path / "runs").exists()  # nothing started
 
 
-def test_replay_with_resume_or_diloco_is_refused(recorded, tmp_path, capsys):
+def test_retraining_with_resume_or_diloco_is_refused(recorded, tmp_path, capsys):
     checkpoint = next((recorded / "checkpoints").iterdir())
-    assert main([str(TINY), *sets(tmp_path), "--replay", str(recorded), "--resume", str(checkpoint)]) == 2
-    assert "and this command also has --resume; replay without it" in capsys.readouterr().err
+    assert main([str(TINY), *sets(tmp_path), "--retrain", str(recorded), "--resume", str(checkpoint)]) == 2
+    assert "and this command also has --resume; retrain without it" in capsys.readouterr().err
     diloco = ROOT / "topologies" / "tiny_diloco.yaml"
-    assert main([str(diloco), "--set=diloco.replicas=1", "--replay", str(recorded)]) == 2
+    assert main([str(diloco), "--set=diloco.replicas=1", "--retrain", str(recorded)]) == 2
     assert "also has a diloco section" in capsys.readouterr().err
 
 
-def test_a_dry_run_shows_the_replay_plan(recorded, capsys):
-    assert main([str(TINY), "--dry-run", *sets(Path("/nonexistent")), "--replay", str(recorded)]) == 0
+def test_a_dry_run_shows_the_retraining_plan(recorded, capsys):
+    assert main([str(TINY), "--dry-run", *sets(Path("/nonexistent")), "--retrain", str(recorded)]) == 0
     placement, graph = capsys.readouterr().out.split("# placement")[1].split("# actor graph")
     assert [line for line in placement.splitlines() if "mesh " in line] == ["  mesh trainer: 1 host x 1 proc <- trainer"]
     assert f"each step's batch as {recorded.resolve()}/samples.jsonl recorded it" in graph
     assert "no generator, rewarder or teacher starts" in graph and "generator ->" not in graph
 
 
-def test_a_replay_this_machine_cannot_hold_is_refused_before_its_rows_are_read_or_trained(recorded):
+def test_a_retraining_this_machine_cannot_hold_is_refused_before_its_rows_are_read_or_trained(recorded):
     plan = load_plan(TINY, SHORT, placed_here=False)
-    replay, batches = replaying(plan, str(recorded), None, placed_here=False)
+    retrain_plan, batches = retraining(plan, str(recorded), None, placed_here=False)
     samples = recorded / "samples.jsonl"
-    margin = StorePlan.of(replay).ram_margin + StorePlan.of(replay).slots * StorePlan.of(replay).slot_bytes
-    check_recording(replay, samples, FreeMemory(None, margin + 3 * samples.stat().st_size))
-    with pytest.raises(ValueError, match=r"--replay reads every step of .*samples\.jsonl .* into about") as refused:
-        check_recording(replay, samples, FreeMemory(None, margin + samples.stat().st_size))
-    assert "replay on a machine with more memory, or a recording of fewer steps" in str(refused.value)
+    store = StoreFootprint.of(retrain_plan)
+    margin = store.ram_margin + store.slots * store.slot_bytes
+    check_recording(retrain_plan, samples, FreeMemory(None, margin + 3 * samples.stat().st_size))
+    with pytest.raises(ValueError, match=r"--retrain reads every step of .*samples\.jsonl .* into about") as refused:
+        check_recording(retrain_plan, samples, FreeMemory(None, margin + samples.stat().st_size))
+    assert "retrain on a machine with more memory, or a recording of fewer steps" in str(refused.value)
     rows, tokens = largest_step(batches)
     assert rows == max(len(b.rows()) for b in batches) and tokens > 5  # a prompt and its completion (max_new_tokens: 5)
-    check_replayed_steps(replay, rows, tokens, FreeMemory(None, margin + 2**30))
+    check_retrained_steps(retrain_plan, rows, tokens, FreeMemory(None, margin + 2**30))
     with pytest.raises(ValueError, match=f"largest step has {rows} rows and its longest row 1000000 tokens"):
-        check_replayed_steps(replay, rows, 10**6, FreeMemory(None, margin + 2**30))
+        check_retrained_steps(retrain_plan, rows, 10**6, FreeMemory(None, margin + 2**30))
