@@ -111,15 +111,20 @@ def _chats():
             yield f"<|im_start|>assistant\n{row['solution']}<|im_end|>\n"
 
 
+TINY_CLASSES = {  # arch -> transformers' config and model classes
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+
+
 def causal_lm(spec: TinyModelSpec, vocab_size: int):
     """A random-init causal LM of ``spec``'s shape (seed torch first for the same weights)."""
     import transformers
 
-    config_class, model_class = {
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    }[spec.arch]
+    # by name: only the chosen architecture's modules load (transformers imports each family lazily)
+    config_name, model_name = TINY_CLASSES[spec.arch]
+    config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
     config = config_class(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,

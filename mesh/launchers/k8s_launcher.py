@@ -29,7 +29,7 @@ from mesh.launchers.k8s import (
     worker_pod_template,
 )
 from mesh.launchers.k8s_pods import not_ready_pods, readiness_fix
-from mesh.launchers.procs import spawn_procs
+from mesh.launchers.procs import spawn_procs, stop_procs
 from mesh.topology.gpus import proc_starts
 
 if TYPE_CHECKING:
@@ -140,9 +140,7 @@ class K8sLauncher:
     async def stop(self) -> None:
         """Delete the MonarchMeshes this run created (their pods go with them); the processes on
         meshes it attached to are stopped, their pods left for the next run."""
-        for mesh, procs in self.meshes.items():
-            if self.names[mesh] in self.attached:
-                await procs.stop()
+        await stop_procs([procs for mesh, procs in self.meshes.items() if self.names[mesh] in self.attached])
         await asyncio.to_thread(self.delete_created)
 
     def delete_created(self) -> None:

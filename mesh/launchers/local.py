@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers.procs import spawn_procs
+from mesh.launchers.procs import spawn_procs, stop_procs
 from mesh.topology.gpus import proc_starts
 from mesh.topology.launcher import LauncherOptions
 
@@ -47,5 +47,4 @@ class LocalLauncher:
         return self.meshes[name]
 
     async def stop(self) -> None:
-        for procs in self.meshes.values():
-            await procs.stop()
+        await stop_procs(list(self.meshes.values()))
