@@ -162,6 +162,17 @@ def test_no_module_imports_one_that_imports_it_back():
     assert found == [], f"import circles (module -> what it imports): {described}"
 
 
+PROGRAMS = ("mesh.run", "mesh.ctl", "mesh.export", "mesh.report", "mesh.reference")  # python -m <program>
+
+
+def test_the_command_line_programs_sit_at_the_top_and_no_module_imports_one():
+    graph = import_graph(ROOT, ("losses", "actors", "mesh"))
+    at_top = {f"mesh.{path.stem}" for path in (ROOT / "mesh").glob("*.py") if path.stem != "__init__"}
+    assert at_top == set(PROGRAMS), "mesh/ holds the programs; library code goes in one of its rooms"
+    importers = sorted(f"{name} -> {program}" for name, imported in graph.items() for program in imported & at_top)
+    assert importers == [], "library code imports a command-line program: move what it needs into a room"
+
+
 def test_circles_closed_by_type_only_deferred_or_package_imports_are_found(tmp_path):
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)
