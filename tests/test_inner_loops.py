@@ -324,7 +324,7 @@ def test_custom_loss_errors_say_what_to_change():
 # ------------------------------------------------------------------------------------ LoRA
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
-LORA_LOOPS = ["native", "trl", "prime_rl"]
+LORA_LOOPS = registry.able("inner_loop", "lora")  # every loop that declares it trains adapters
 
 
 def lora_loop(loop_name: str, model_dir: str, cfg: TrainerConfig, adapters: dict | None = None, seed: int = 0):

@@ -22,11 +22,10 @@ def test_losses_imports_only_torch():
 
 
 def test_actors_never_import_the_orchestrator():
-    every_actor_module = (
-        "import importlib, pkgutil, actors\n"
-        "for m in pkgutil.walk_packages(actors.__path__, 'actors.'): importlib.import_module(m.name)"
-    )
-    assert loaded_after(every_actor_module, ("mesh",)) == []
+    graph = import_graph(ROOT, ("losses", "actors", "mesh"))  # every import, deferred ones included
+    actors = [name for name in graph if name.startswith("actors")]
+    upward = sorted(f"{name} -> {up}" for name in actors for up in graph[name] if up.startswith("mesh"))
+    assert upward == []
 
 
 HEAVY = (
@@ -71,15 +70,19 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
 
 
 def test_every_shipped_topology_is_checked_without_importing_a_backend():
+    """All of them in one interpreter, each check then what it loaded: nothing heavy may load at any point, so the
+    first check that loads a backend is the one named (and one interpreter start serves them all)."""
     topologies = Path(__file__).resolve().parents[1] / "topologies"
     assert {name for name, _ in CHECKED} == {p.name for p in topologies.glob("*.yaml")}
-    for name, overrides in CHECKED:
-        statement = (
-            # GPU ones as on a GPU machine
-            "from mesh.topology.describe import describe\nfrom mesh.topology.preflight import load_plan\n"
-            f"describe(load_plan({str(topologies / name)!r}, {overrides!r}, placed_here={not name.startswith('gpu')}))"
-        )
-        assert loaded_after(statement, HEAVY) == [], (name, overrides)
+    checks = "".join(
+        # GPU ones as on a GPU machine
+        f"describe(load_plan({str(topologies / name)!r}, {overrides!r}, placed_here={not name.startswith('gpu')}))\n"
+        f"heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))\n"
+        f"assert not heavy, ({name!r}, {overrides!r}, heavy)\n"
+        for name, overrides in CHECKED
+    )
+    imports = "import sys\nfrom mesh.topology.describe import describe\nfrom mesh.topology.preflight import load_plan\n"
+    assert loaded_after(imports + checks, HEAVY) == []
 
 
 def test_the_dry_run_command_imports_no_backend():
