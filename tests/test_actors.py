@@ -80,33 +80,19 @@ ALL_CHANNELS = LossConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def trainer_procs():
-    """A one-process and a two-process mesh, shared by the tests that train on them: each training is a Trainer
-    actor of its own, whose cleanup ends its process group, so the processes start (and import torch and the
-    inner loops) once per module instead of twice per test."""
-    meshes = {procs: this_host().spawn_procs(per_host={"procs": procs}) for procs in (1, 2)}
-    yield meshes
-    for mesh in meshes.values():
-        mesh.stop().get()
-
-
-TRAINERS = itertools.count()  # an actor name is used once per mesh
-
-
 async def train_once(
-    mesh,
     model_dir: str,
+    procs: int,
     batch,
     loss: LossConfig = LossConfig(),
     inner_loop: str = "native",
     precision: str = "auto",
 ):
-    await setup_torch_elastic_env_async(mesh)  # a fresh rendezvous port for this trainer's process group
+    mesh = this_host().spawn_procs(per_host={"procs": procs})
+    await setup_torch_elastic_env_async(mesh)
     optimizer = OptimizerConfig(lr=1e-2)
     cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3, precision=precision)
-    setup = TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10)
-    trainer = mesh.spawn(f"trainer{next(TRAINERS)}", Trainer, setup)
+    trainer = mesh.spawn("trainer", Trainer, TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10))
     try:
         await trainer.start.call()
         await trainer.publish.call()
@@ -115,7 +101,7 @@ async def train_once(
         weights = {k: v.clone() for k, v in WeightSubscriber(report.weights.store).load(report.weights).items()}
         return report, weights
     finally:
-        await trainer.stop("trained once")
+        await mesh.stop()
 
 
 @pytest.mark.parametrize(
@@ -131,10 +117,10 @@ async def train_once(
     ],
     ids=lambda value: value if isinstance(value, str) else ("all_channels" if value is ALL_CHANNELS else "policy"),
 )
-async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, trainer_procs, inner_loop, loss):
+async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, inner_loop, loss):
     batch = a_batch(model_dir, channels=loss is ALL_CHANNELS)
-    one, weights_one = await train_once(trainer_procs[1], model_dir, batch, loss, inner_loop)
-    two, weights_two = await train_once(trainer_procs[2], model_dir, batch, loss, inner_loop)
+    one, weights_one = await train_once(model_dir, 1, batch, loss, inner_loop)
+    two, weights_two = await train_once(model_dir, 2, batch, loss, inner_loop)
     initial, _ = load_policy(model_dir)
     moved = max((weights_one[k] - v).abs().max().item() for k, v in initial.state_dict().items())
     assert moved > 1e-3  # the step really changed the weights

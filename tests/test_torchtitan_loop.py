@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_actors import ALL_CHANNELS, TASK, a_batch, train_once, trainer_procs  # noqa: F401  (the fixture)
+from test_actors import ALL_CHANNELS, TASK, a_batch, train_once
 from test_inner_loops import relative_error
 from torch.distributed.tensor import DTensor
 
@@ -158,12 +158,12 @@ def test_bf16_without_a_process_group_says_what_to_do(model_dirs):
         TorchTitanLoop(model_dirs["qwen2"], config(precision="bf16"), 0, 1)
 
 
-async def test_bf16_over_two_gloo_ranks_makes_the_one_rank_step(model_dirs, trainer_procs):
+async def test_bf16_over_two_gloo_ranks_makes_the_one_rank_step(model_dirs):
     """FSDP2 mixed precision over gloo on CPU: two ranks gather bf16 copies of their fp32
     shards and reduce fp32 gradients; their update is the one-rank update, published fp32."""
     batch = a_batch(model_dirs["qwen2"])
     runs = [
-        await train_once(trainer_procs[procs], model_dirs["qwen2"], batch, inner_loop="torchtitan", precision="bf16")
+        await train_once(model_dirs["qwen2"], procs, batch, inner_loop="torchtitan", precision="bf16")
         for procs in (1, 2)
     ]
     (one, weights_one), (two, weights_two) = runs
