@@ -195,8 +195,9 @@ class TrainerConfig:
 
     def _check_sample_at_a_time(self) -> None:
         """What a loop whose loss sees one sample's token logprobs at a time cannot compute."""
-        whole = [name for name in registry.BACKENDS["inner_loop"] if not registry.loop_abilities(name).sample_at_a_time]
-        whole = ", ".join(whole[:-1]) + f" or {whole[-1]}"
+        loops = registry.BACKENDS["inner_loop"]
+        seeing = [name for name in loops if not registry.loop_abilities(name).sample_at_a_time]
+        whole = ", ".join(seeing[:-1]) + f" or {seeing[-1]}"
         if self.loss.policy.name in COVARIANCE:
             raise ValueError(
                 f"loss.policy.name {self.loss.policy.name!r} picks tokens by their covariance over a whole "
@@ -221,9 +222,9 @@ class TrainerConfig:
         if OUTPUT_HEAD in self.lora.targets and not abilities.head_lora:
             raise ValueError(
                 f"lora.target_modules names {OUTPUT_HEAD}, but inner_loop {self.inner_loop!r} takes its logprobs from "
-                "the head's weight alone, where an adapter would never train (TRL's GRPOTrainer refuses it once "
-                f"started); use inner_loop {' or '.join(registry.able('inner_loop', 'head_lora'))}, which fold the "
-                f"head's adapter into that weight, or leave {OUTPUT_HEAD} out of target_modules"
+                "the head's weight alone, where an adapter would never train; use inner_loop "
+                f"{' or '.join(registry.able('inner_loop', 'head_lora'))}, which fold the head's adapter into that "
+                f"weight, or leave {OUTPUT_HEAD} out of target_modules"
             )
 
     def precision_on(self, on_gpu: bool) -> Literal["bf16", "fp32"]:
