@@ -7,6 +7,7 @@ Each run is ``tiny.yaml`` started as a user starts it, in a process of its own, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -220,3 +221,34 @@ def test_the_message_of_a_stop_at_once_says_which_checkpoint_resumes(tmp_path):
     nothing = Interrupted(signal.SIGINT, tmp_path, None, at_once=True)
     assert str(nothing).endswith("stopped before its first checkpoint; there is nothing to resume")
     assert nothing.exit_code == 130
+
+
+def test_a_signal_in_a_finalizer_during_work_at_once_is_kept_without_a_traceback(monkeypatch):
+    """A signal's ``Signalled`` raised inside a finalizer the garbage collector runs cannot stop the work from there;
+    it is remembered as requested, and never reaches Python's unraisable hook (which prints "Exception ignored"
+    and a traceback)."""
+    unraised = []
+    monkeypatch.setattr(sys, "unraisablehook", unraised.append)
+    import gc
+    import weakref
+
+    from mesh.runtime.interrupts import Stopper
+
+    class Held:
+        pass
+
+    async def work() -> int | None:
+        stopper = Stopper()
+        stopper.install()
+        try:
+            with stopper.at_once():
+                held = Held()
+                weakref.finalize(held, signal.raise_signal, signal.SIGTERM)  # the handler raises in the finalizer
+                del held
+                gc.collect()
+            return stopper.requested
+        finally:
+            stopper.remove()
+
+    assert asyncio.run(work()) == signal.SIGTERM
+    assert unraised == []

@@ -121,19 +121,27 @@ class Stopper:
     @contextlib.contextmanager
     def at_once(self) -> Iterator[None]:
         """While work that never yields to the event loop runs (which then runs no signal handler until it
-        returns, so a signal would wait for its end), a signal raises ``Signalled`` in it at once."""
+        returns, so a signal would wait for its end), a signal raises ``Signalled`` in it at once. One that lands
+        in a finalizer the garbage collector runs cannot stop anything from there: Python would print it as an
+        ignored exception with a traceback; it stays ``requested`` instead, and the work goes on."""
         loop = asyncio.get_running_loop()
 
         def received(signum: int, _frame: object) -> None:
             self.requested = self.requested or signum
             raise Signalled(signum)
 
+        def unraisable(info) -> None:  # a signal that landed in a finalizer (the GC's) cannot stop the work there
+            if not isinstance(info.exc_value, Signalled):
+                default(info)
+
+        default, sys.unraisablehook = sys.unraisablehook, unraisable
         for signum in SIGNALS:
             loop.remove_signal_handler(signum)
             signal.signal(signum, received)
         try:
             yield
         finally:
+            sys.unraisablehook = default
             for signum in SIGNALS:
                 loop.add_signal_handler(signum, self._received, signum)
 
