@@ -133,6 +133,20 @@ def test_self_hint_teacher_follows_the_weights_it_is_given(student):
     assert not np.allclose(teacher.top_k(request)[0].logprobs, before)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_self_hint_teacher_scores_on_the_gpu_its_weights_arrive_on(student):
+    """Weights synced in place on a GPU (cuda_ipc) move the teacher there; its inputs must follow."""
+    teacher = SelfHintTeacher(BindingConfig("self_hint", top_k=7), student)
+    request = [TopKRequest("ab=", [5, 4, 1], hint="ba=")]
+    on_cpu = teacher.top_k(request)[0]
+    model, _ = load_policy(student.model_path)
+    teacher.load_weights({k: v.cuda() for k, v in model.state_dict().items()})
+    on_gpu = teacher.top_k(request)[0]
+    np.testing.assert_array_equal(on_gpu.ids, on_cpu.ids)
+    np.testing.assert_allclose(on_gpu.logprobs, on_cpu.logprobs, atol=1e-3)
+
+
 def test_replay_teacher_replays_recorded_traces(student, tmp_path):
     path = tmp_path / "traces.jsonl"
     lines = [

@@ -45,8 +45,10 @@ class CausalLMScorer:
         hints = [torch.empty(0, dtype=torch.long)] * len(requests)
         completions = [self._teacher_ids(r.completion_ids) for r in requests]
         ids, attention, positions = hinted_inputs(contexts, hints, completions, self.tokenizer.pad_token_id)
-        logits = self.model(input_ids=ids, attention_mask=attention).logits
-        logprobs = logits[torch.arange(len(requests))[:, None], positions].float().log_softmax(-1)
+        device = self.model.device  # a self_hint teacher's weights arrive where the policy's live, a GPU say
+        logits = self.model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
+        rows = torch.arange(len(requests), device=device)[:, None]
+        logprobs = logits[rows, positions.to(device)].float().log_softmax(-1)
         return [
             top_k_of(logprobs[row, : len(completion)], self.cfg.top_k, self.student_vocab_size, self.to_student)
             for row, completion in enumerate(completions)

@@ -38,12 +38,13 @@ def vocab_map(teacher_vocab: dict[str, int], student_vocab: dict[str, int], cfg:
 def top_k_of(teacher_logprobs: Tensor, k: int, student_vocab_size: int, mapping: Tensor | None) -> TopK:
     """Top-k of a teacher's full ``[T, V_teacher]`` log-distribution, in student ids."""
     if mapping is not None:
+        mapping = mapping.to(teacher_logprobs.device)
         student = teacher_logprobs.new_full((teacher_logprobs.shape[0], student_vocab_size), float("-inf"))
         known = mapping[: teacher_logprobs.shape[-1]] >= 0
         student[:, mapping[: teacher_logprobs.shape[-1]][known]] = teacher_logprobs[:, known]
         teacher_logprobs = student
     values, ids = teacher_logprobs.float().topk(min(k, teacher_logprobs.shape[-1]), dim=-1)
-    return TopK(ids.numpy().astype(np.int64), values.numpy().astype(np.float32))
+    return TopK(ids.cpu().numpy().astype(np.int64), values.cpu().numpy().astype(np.float32))
 
 
 def top_k_from_entries(entries: list[dict[int, float]], k: int, student_vocab_size: int) -> TopK:
