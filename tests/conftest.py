@@ -1,7 +1,12 @@
-"""Shared builders of random loss inputs (float64 by default, for exact comparisons), and a
-one-process torch.distributed world."""
+"""Shared builders of random loss inputs (float64 by default, for exact comparisons), a one-process
+torch.distributed world, and the session's fork server."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import hypothesis  # noqa: F401  import before Monarch starts threads; a late import in pytest's summary hook hit a CPython 3.11 parser SystemError
 import pytest
@@ -9,6 +14,46 @@ import torch
 import torch.distributed as dist
 
 from losses import Counts, DistillConfig, PolicyInputs
+from mesh.launchers.procs import FORK_SERVER_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory):
+    """One fork server for the session (``mesh/launchers/forkserver.py``): the processes of every local run, in
+    this process or a ``python -m mesh.run``, fork from it instead of importing torch and transformers again.
+    A test that needs Monarch's own process start removes ``MESH_FORK_SERVER`` from its environment."""
+    os.environ.setdefault("PYTHONPATH", str(ROOT))  # as the command-line runs' environment has it
+    socket_path = tmp_path_factory.mktemp("fork") / "server.sock"
+    server = subprocess.Popen([sys.executable, "-m", "mesh.launchers.forkserver", str(socket_path)], cwd=ROOT)
+    os.environ[FORK_SERVER_ENV] = str(socket_path)
+    yield server
+    os.environ.pop(FORK_SERVER_ENV)
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def environment_of_the_module():
+    """What a test module's fixtures and tests set in this process's environment (vLLM sets LD_PRELOAD, say) goes
+    with the module, so later runs' processes start as the first ones did, forked from the fork server."""
+    yield from _restored_environment()
+
+
+@pytest.fixture(autouse=True)
+def environment_of_the_test():
+    yield from _restored_environment()
+
+
+def _restored_environment():
+    before = dict(os.environ)
+    yield
+    for key in {*os.environ, *before} - {key for key in os.environ if key.startswith(("HYPERACTOR_", "MONARCH_"))}:
+        if key not in before:
+            del os.environ[key]
+        elif os.environ.get(key) != before[key]:
+            os.environ[key] = before[key]
 
 # One of each channel-2 divergence (and both entropy-aware OPD gates).
 DIVERGENCES = [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from monarch.actor import this_host
+from local_procs import local_procs
 from monarch.spmd import setup_torch_elastic_env_async
 
 from actors.compute import Compute
@@ -88,7 +88,7 @@ async def train_once(
     inner_loop: str = "native",
     precision: str = "auto",
 ):
-    mesh = this_host().spawn_procs(per_host={"procs": procs})
+    mesh = local_procs(procs)
     await setup_torch_elastic_env_async(mesh)
     optimizer = OptimizerConfig(lr=1e-2)
     cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3, precision=precision)
@@ -141,7 +141,7 @@ async def test_the_trainer_keeps_its_weight_store_on_its_host_and_removes_it_whe
     """Only a process on the trainer's host can make the store its followers open there, and remove it."""
     (abandoned := store_root() / f"composer-mesh-{os.getuid()}-{'d' * 32}").mkdir(mode=0o700)
     (abandoned / OWNER).write_bytes(StoreOwner(2**22 + 1, None, socket.gethostname()).encode())  # a dead trainer's
-    mesh = this_host().spawn_procs(per_host={"procs": 1})
+    mesh = local_procs(1)
     await setup_torch_elastic_env_async(mesh)
     setup = TrainerSetup(model_dir, TrainerConfig("trainer"), 0, 2, Compute(threads=1), 10)
     trainer = mesh.spawn("trainer", Trainer, setup)
@@ -199,7 +199,7 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
     model, _ = load_policy(model_dir)
     publisher = WeightPublisher(tmp_path / "store", model.state_dict(), slots=2)
     v0 = publisher.publish(model.state_dict(), 0)
-    mesh = this_host().spawn_procs(per_host={"procs": 1})
+    mesh = local_procs(1)
     cfg = GeneratorConfig(mesh="g", engine=engine, max_new_tokens=6)
     generator = mesh.spawn("generator", Generator, model_dir, cfg, Compute(1))
     problems = TASK.problems(0, 0, 2)
@@ -248,7 +248,7 @@ class Replica:
 
     @classmethod
     async def start(cls, model_dir: str, procs: int, inner_loop: str, index: int, store: str) -> Replica:
-        mesh = this_host().spawn_procs(per_host={"procs": procs})
+        mesh = local_procs(procs)
         await setup_torch_elastic_env_async(mesh)
         cfg = TrainerConfig("trainer", inner_loop, optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=3)
         plain_average = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)

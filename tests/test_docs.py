@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from mesh import ctl, export, reference, report, run
+from mesh.launchers import forkserver
 from mesh.topology.preflight import load_plan
 from mesh.topology.schema import Topology, TopologyError
 
@@ -25,7 +26,12 @@ REGENERATE = "python -m mesh.reference > docs/topology-reference.md"
 MAX_LINE_BYTES = 120  # what `awk 'length > 120'` counts on this machine (mawk: bytes)
 MAX_README_LINES = 300
 SHELL = ("bash", "sh", "shell", "console")
-PARSERS = {"mesh.report": report._parser, "mesh.ctl": ctl._parser, "mesh.export": export._parser}
+PARSERS = {
+    "mesh.report": report._parser,
+    "mesh.ctl": ctl._parser,
+    "mesh.export": export._parser,
+    "mesh.launchers.forkserver": forkserver._parser,
+}
 # <!-- docs-check: skip (why) --> right above a YAML fence: the snippet holds placeholders, so only its keys are checked
 SKIP = re.compile(r"^\s*<!-- docs-check: skip \((.+)\) -->\s*$", re.M)
 PLACEHOLDER = re.compile(r"<[^<>]*>")  # <image>, runs/<run>/...: a value the reader fills in
@@ -129,10 +135,10 @@ def _project_commands(script: str) -> list[tuple[str, list[str]]]:
 
 
 def _chain(words: list[str]) -> list[list[str]]:
-    """A command line's commands: its words split at ``&&``, ``||``, ``;`` and ``|``."""
+    """A command line's commands: its words split at ``&&``, ``||``, ``;``, ``|`` and ``&``."""
     chain: list[list[str]] = [[]]
     for word in words:
-        if word in ("&&", "||", ";", "|"):
+        if word in ("&&", "||", ";", "|", "&"):
             chain.append([])
         else:
             chain[-1].append(word)

@@ -351,14 +351,14 @@ def test_a_taskset_whose_module_is_missing_is_refused_when_built():
 
 
 async def test_the_rewarder_logs_each_verifiers_reward_function_as_its_own_part():
-    from monarch.actor import this_host
+    from local_procs import local_procs
 
     from actors.rewarder import Rewarder
     from actors.rewarder_config import RewarderConfig
 
     cfg = TaskConfig("verifiers", {"taskset": "actors.environments.examples.vf_arith:ArithTaskset", "config": {}})
     (problem,) = build_task(cfg).problems(0, 0, 1)
-    procs = this_host().spawn_procs(per_host={"procs": 1})
+    procs = local_procs(1)
     try:
         rewarder = procs.spawn("rewarder", Rewarder, cfg, RewarderConfig(mesh="service"))
         await rewarder.start.call_one()

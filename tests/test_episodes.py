@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from monarch.actor import this_host
+from local_procs import local_procs
 from tiny_runs import run_topology
 
 from actors.compute import Compute
@@ -165,7 +165,7 @@ async def test_a_generator_plays_episodes_as_trajectories_the_game_and_its_rewar
     model, tokenizer = load_policy(model_dir)
     publisher = WeightPublisher(tmp_path / "store", model.state_dict(), slots=2)
     weights = publisher.publish(model.state_dict(), 0)
-    mesh = this_host().spawn_procs(per_host={"procs": 1})
+    mesh = local_procs(1)
     generator = mesh.spawn("generator", Generator, model_dir, GeneratorConfig(mesh="g", max_new_tokens=1), Compute(1))
     task = OpenEnvTask(url=guess, max_turns=3, max_concurrent=2, observation_field="message")
     problems, seeds = task.problems(0, 0, 2), sampling_seeds(0, "test", 2)

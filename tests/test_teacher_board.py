@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from monarch.actor import this_host
+from local_procs import local_procs
 
 from actors.compute import Compute
 from actors.model import TinyModelSpec, build_tiny_model
@@ -33,7 +33,7 @@ def bind(name: str, spec: dict) -> Command:
 @pytest.fixture
 async def board(tmp_path):
     model = build_tiny_model(tmp_path / "model", TinyModelSpec(), "abc=", seed=0)
-    procs = this_host().spawn_procs(per_host={"procs": 1})
+    procs = local_procs(1)
     try:
         cfg = TeachersConfig(mesh="service", bindings={"oracle": BindingConfig("task_oracle")})
         pool = procs.spawn("teachers", TeacherPool, Student(str(model), 5, 0), Compute(threads=1))

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from monarch.actor import this_host
+from local_procs import local_procs
 
 from actors.model import TinyModelSpec, build_tiny_model
 from actors.rewarder import Rewarder, RewarderConfig
@@ -65,7 +65,7 @@ async def test_all_three_channels_train_in_the_loop(tmp_path, loss):
 
 
 async def test_rewarder_hints_only_wrong_completions():
-    procs = this_host().spawn_procs(per_host={"procs": 1})
+    procs = local_procs(1)
     try:
         rewarder = procs.spawn("rewarder", Rewarder, TaskConfig("reverse"), RewarderConfig(mesh="service"))
         await rewarder.start.call_one()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Literal
 
-from mesh.launchers.procs import spawn_procs, stop_procs
+from mesh.launchers.procs import FORK_SERVER_ENV, spawn_procs, stop_procs
 from mesh.topology.gpus import proc_starts
 from mesh.topology.launcher import LauncherOptions
 
@@ -43,7 +44,8 @@ class LocalLauncher:
         return {name: self.respawn(name) for name in self.specs}
 
     def respawn(self, name: str) -> ProcMesh:
-        self.meshes[name] = spawn_procs(getattr(self.hosts, name), self.specs[name].procs, self.starts[name])
+        host, fork_server = getattr(self.hosts, name), os.environ.get(FORK_SERVER_ENV)
+        self.meshes[name] = spawn_procs(host, self.specs[name].procs, self.starts[name], fork_server)
         return self.meshes[name]
 
     async def stop(self) -> None:

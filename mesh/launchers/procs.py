@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mesh.topology.gpus import visible_devices_command
@@ -16,22 +18,29 @@ if TYPE_CHECKING:
 # Every proc starts with these: quiet HF progress bars, and no tokenizer thread pools
 # fighting the trainer's threads on a small machine.
 PROC_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+# the socket of this host's fork server (mesh/launchers/forkserver.py), which the local launcher starts through
+FORK_SERVER_ENV = "MESH_FORK_SERVER"
+FORK_CLIENT = Path(__file__).with_name("fork_client.py")
 
 
-def spawn_procs(host_mesh, procs: int, start: ProcStart) -> ProcMesh:
+def spawn_procs(host_mesh, procs: int, start: ProcStart, fork_server: str | None = None) -> ProcMesh:
     """``procs`` processes per host, the per-proc dim named last (``monarch.spmd`` reads LOCAL_RANK
-    from it), each seeing exactly its GPUs and with its libraries imported."""
+    from it), each seeing exactly its GPUs and with its libraries imported; forked from the fork server
+    at ``fork_server`` where it can."""
     from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
     from monarch.actor import default_bootstrap_cmd  # only a launch needs Monarch, not a check
 
     from actors.lifecycle import import_libraries
 
     proc = default_bootstrap_cmd()
+    program = [proc.program, *proc.args]
+    if fork_server:  # the client stands in for the forked process, or runs the program itself
+        program = [sys.executable, "-S", str(FORK_CLIENT), fork_server, "--", *program]
 
     def command(point) -> object:
         # through sh, so the GPUs are chosen on the proc's own host, from what its worker sees
         script = f'{visible_devices_command(start.gpus[point.rank])}; exec "$0" "$@"'
-        return BootstrapCommand("/bin/sh", None, ["-c", script, proc.program, *proc.args], PROC_ENV)
+        return BootstrapCommand("/bin/sh", None, ["-c", script, *program], PROC_ENV)
 
     setup = functools.partial(import_libraries, start.libraries) if start.libraries else None
     return host_mesh.spawn_procs(per_host={"procs": procs}, bootstrap=setup, bootstrap_command=command)

@@ -1,0 +1,62 @@
+"""Monarch's command for a process started through the fork server (``mesh/launchers/forkserver.py``).
+
+Run as ``python -S fork_client.py SOCKET -- COMMAND...`` with the standard library alone, so it starts in
+milliseconds. It hands its arguments, environment, directory and open fds to the server, which forks the
+process; from then on it stands in for that process: signals sent to it are passed on, and it exits as the
+process exits (by the same signal, or with the same code). If the server cannot be reached or refuses, it
+runs COMMAND itself.
+"""
+
+import array
+import json
+import os
+import signal
+import socket
+import sys
+
+FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM,
+             signal.SIGCONT, signal.SIGWINCH)
+
+
+def open_fds(exclude: int) -> list[int]:
+    listed = [int(name) for name in os.listdir("/proc/self/fd")]
+    fds = []
+    for fd in listed:
+        try:
+            os.fstat(fd)  # the directory listdir read from is closed by now
+        except OSError:
+            continue
+        if fd != exclude:
+            fds.append(fd)
+    return fds
+
+
+def main() -> None:
+    split = sys.argv.index("--")
+    socket_path, command = sys.argv[1], sys.argv[split + 1 :]
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        server.connect(socket_path)
+        fds = open_fds(server.fileno())
+        request = {"argv": command, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds, "pgid": os.getpgid(0)}
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        server.sendmsg([json.dumps(request).encode()], rights)
+        reply = json.loads(server.recv(1 << 16) or b'{"refused": "the server closed"}')
+    except (OSError, ValueError):
+        reply = {"refused": "unreachable"}
+    if "pid" not in reply:
+        server.close()
+        os.execv(command[0], command)
+    pid = reply["pid"]
+    for number in FORWARDED:
+        signal.signal(number, lambda received, _frame: os.kill(pid, received))
+    outcome = json.loads(server.recv(1 << 16) or b'{"signal": 9}')
+    if "signal" in outcome:  # die of it too, as Monarch would have seen the process die
+        if outcome["signal"] in FORWARDED:
+            signal.signal(outcome["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), outcome["signal"])
+    sys.exit(outcome.get("exit", 1))
+
+
+if __name__ == "__main__":
+    main()
