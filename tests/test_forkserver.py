@@ -94,6 +94,24 @@ def test_signals_reach_the_forked_process_and_its_death_is_the_clients(server, t
     assert not _alive(report["pid"])
 
 
+def test_the_process_dies_with_its_clients_parent_as_a_monarch_process_dies_with_its_host(server, tmp_path):
+    socket_path, env = server
+    read, write = os.pipe()
+    client = [sys.executable, "-S", str(FORK_CLIENT), socket_path, "--", sys.executable, "-m", "probe", str(write)]
+    host = f"import subprocess, time; subprocess.Popen({[*client, 'wait', '0']!r}, pass_fds=({write},)); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", host], cwd=tmp_path, env=env, pass_fds=(write,))
+    os.close(write)
+    with os.fdopen(read) as reports:
+        report = json.loads(reports.readline())
+    assert report["torch_preloaded"]
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(report["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(report["pid"])
+
+
 def test_what_cannot_be_forked_faithfully_starts_the_usual_way(server, tmp_path):
     socket_path, env = server
     client, report = start(socket_path, {**env, "PROBE_COLOR": "blue"}, tmp_path, "exit", "0")

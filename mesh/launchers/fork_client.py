@@ -3,17 +3,20 @@
 Run as ``python -S fork_client.py SOCKET -- COMMAND...`` with the standard library alone, so it starts in
 milliseconds. It hands its arguments, environment, directory and open fds to the server, which forks the
 process; from then on it stands in for that process: signals sent to it are passed on, and it exits as the
-process exits (by the same signal, or with the same code). If the server cannot be reached or refuses, it
-runs COMMAND itself.
+process exits (by the same signal, or with the same code), and it dies with its parent, Monarch's host, as a
+Monarch process does (its bootstrap sets that, but a forked one's parent is the server), taking the process with
+it. If the server cannot be reached or refuses, it runs COMMAND itself.
 """
 
 import array
+import ctypes
 import json
 import os
 import signal
 import socket
 import sys
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM,
              signal.SIGCONT, signal.SIGWINCH)
 
@@ -31,7 +34,28 @@ def open_fds(exclude: int) -> list[int]:
     return fds
 
 
+def let_go(fds: list[int]) -> None:
+    """Close the fds the process now holds: an end of a pipe that only the process should hold open (Monarch's
+    host watches for its process's end, and the process for its host's) must not be held open here too."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in fds:
+        if fd in (0, 1, 2):
+            os.dup2(null, fd)
+        elif fd != null:
+            os.close(fd)
+    if null > 2:
+        os.close(null)
+
+
+def die_with_parent() -> None:
+    parent = os.getppid()
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
+    die_with_parent()
     split = sys.argv.index("--")
     socket_path, command = sys.argv[1], sys.argv[split + 1 :]
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -48,6 +72,7 @@ def main() -> None:
         server.close()
         os.execv(command[0], command)
     pid = reply["pid"]
+    let_go(fds)
     for number in FORWARDED:
         signal.signal(number, lambda received, _frame: os.kill(pid, received))
     outcome = json.loads(server.recv(1 << 16) or b'{"signal": 9}')
