@@ -88,10 +88,7 @@ def test_signals_reach_the_forked_process_and_its_death_is_the_clients(server, t
     client, report = start(socket_path, env, tmp_path, "wait", "0")
     client.kill()  # the client dies: the process must not outlive it
     client.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while _alive(report["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(report["pid"])
+    assert _gone_within(report["pid"], 10)
 
 
 def test_the_process_dies_with_its_clients_parent_as_a_monarch_process_dies_with_its_host(server, tmp_path):
@@ -106,10 +103,7 @@ def test_the_process_dies_with_its_clients_parent_as_a_monarch_process_dies_with
     assert report["torch_preloaded"]
     parent.kill()
     parent.wait()
-    deadline = time.monotonic() + 10
-    while _alive(report["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(report["pid"])
+    assert _gone_within(report["pid"], 10)
 
 
 def test_what_cannot_be_forked_faithfully_starts_the_usual_way(server, tmp_path):
@@ -188,6 +182,13 @@ async def test_a_proc_mesh_started_through_the_session_server_runs_its_actors_an
         assert [parent for _, parent in parents.items()] == [fork_server.pid] * 2
     finally:
         await procs.stop()
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
 
 
 def _alive(pid: int) -> bool:
