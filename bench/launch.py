@@ -8,6 +8,8 @@ launcher.kind=K``, 2 steps); the time is from starting it until the run director
 ``metrics.jsonl`` holds step 0: imports, the topology check, placing the meshes, spawning
 every actor, building the model and one step. Launchers take turns, so a noisy moment hits
 them all; the ratio is each launcher's median against ``local``'s, measured in the same run.
+``local, forked`` is ``local`` with its processes forked from a fork server started here
+beforehand (``mesh/launchers/forkserver.py``, ``MESH_FORK_SERVER``).
 
 ``slurm`` needs a cluster: the one ``SLURM_CONF`` names, or else the tests' two-node cluster
 (``tests/slurm_cluster.py``) started here as root; without either it is left out, saying why.
@@ -27,18 +29,23 @@ from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
+from mesh.launchers.procs import FORK_SERVER_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
 LAUNCHERS = ("local", "process", "slurm")
+FORKED = "local, forked"
 TIMEOUT_S = 300
 
 
-def first_step_seconds(kind: str, root: Path) -> float:
+def first_step_seconds(kind: str, root: Path, env: dict[str, str]) -> float:
     """Seconds from starting the CLI until step 0 is in the metrics; the run is then let finish."""
     command = [sys.executable, "-m", "mesh.run", str(TINY), "--set", f"launcher.kind={kind}"]
     command += ["--set", "loop.steps=2", "--set", "loop.evaluation.every=0", "--set", f"logging.root={root}"]
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     while not any(m.read_text().strip() for m in root.glob("*/metrics.jsonl")):
         if process.poll() is not None or time.perf_counter() - start > TIMEOUT_S:
             process.kill()
@@ -69,13 +76,19 @@ def main() -> None:
             if (why := start_cluster(cluster)) is not None:
                 print(f"slurm left out: {why}")
                 launchers.remove("slurm")
+        forks = Path(scratch) / "forks.sock"
+        server = subprocess.Popen([sys.executable, "-m", "mesh.launchers.forkserver", str(forks)], cwd=ROOT)
+        variants = {kind: (kind, dict(os.environ)) for kind in launchers}
+        variants[FORKED] = ("local", {**os.environ, FORK_SERVER_ENV: str(forks)})
         try:
-            times = {kind: [] for kind in launchers}
+            time.sleep(10)  # the server's imports, done before any run is timed
+            times = {name: [] for name in variants}
             for run in range(args.runs):
-                for kind in launchers:
-                    times[kind].append(first_step_seconds(kind, Path(scratch) / f"{kind}-{run}"))
-                    print(f"run {run} {kind}: {times[kind][-1]:.1f} s", flush=True)
+                for name, (kind, env) in variants.items():
+                    times[name].append(first_step_seconds(kind, Path(scratch) / f"{kind}-{run}-{len(env)}", env))
+                    print(f"run {run} {name}: {times[name][-1]:.1f} s", flush=True)
         finally:
+            server.terminate()
             if cluster is not None:
                 stop_cluster(cluster)
     base = statistics.median(times["local"])
