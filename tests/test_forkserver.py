@@ -8,8 +8,10 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,6 +116,46 @@ def test_what_cannot_be_forked_faithfully_starts_the_usual_way(server, tmp_path)
 
     client, report = start(str(tmp_path / "no-server"), env, tmp_path, "exit", "5")
     assert client.wait(timeout=60) == 5 and not report["torch_preloaded"]  # no server: started
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root")
+def test_another_users_process_is_not_forked_and_the_socket_is_the_owners_alone(server):
+    _, env = server
+    with tempfile.TemporaryDirectory() as shared:
+        os.chmod(shared, 0o777)  # a directory anyone can reach, unlike pytest's
+        socket_path = f"{shared}/s"
+        command = [sys.executable, "-m", "mesh.launchers.forkserver", socket_path]
+        process = subprocess.Popen(command, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
+        try:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(socket_path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
+            os.chmod(socket_path, 0o666)  # as if anyone could reach it: the server must still refuse
+            assert _ask_as(65534, socket_path, env) == {"refused": "a process of another user (uid 65534)"}
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def _ask_as(uid: int, socket_path: str, env: dict[str, str]) -> dict:
+    """The server's reply to a request from a process of user ``uid`` (forked, so it runs nothing but this)."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as asking:
+                asking.connect(socket_path)
+                request = {"argv": [sys.executable, "-m", "probe"], "env": env, "cwd": "/", "fds": [], "pgid": 0}
+                asking.sendall(json.dumps(request).encode())
+                os.write(write, asking.recv(1 << 16))
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    with os.fdopen(read) as replies:
+        return json.loads(replies.read() or "{}")
 
 
 def test_a_refusal_names_what_differs(tmp_path):

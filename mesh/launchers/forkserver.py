@@ -34,6 +34,7 @@ import runpy
 import selectors
 import signal
 import socket
+import struct
 import sys
 import traceback
 from dataclasses import dataclass
@@ -112,6 +113,12 @@ def _shadowing(request: dict, preloaded: Preloaded) -> str | None:
     return None
 
 
+def _stranger(connection: socket.socket) -> str | None:
+    """Another user's process on the socket, which must not have code run as this one's."""
+    _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return None if uid == os.getuid() else f"a process of another user (uid {uid})"
+
+
 def _entries(pythonpath: str) -> list[str]:
     return [entry for entry in pythonpath.split(os.pathsep) if entry]
 
@@ -146,7 +153,9 @@ class ForkServer:
             return connection.close()
         try:
             request = json.loads(message)
-            why = refusal(request, self.preloaded)
+            why = _stranger(connection) or refusal(request, self.preloaded)
+            if why is None and len(fds) != len(request["fds"]):
+                why = f"{len(request['fds'])} fds named, {len(fds)} received"
             pid = None if why else os.fork()
         except (ValueError, KeyError, TypeError, OSError) as error:  # a client not of this version; no memory
             request, why = None, f"cannot fork it: {error!r}"
@@ -230,6 +239,8 @@ def _run_module(module: str, args: list[str]) -> int:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if not isinstance(done.code, int | None):  # as the interpreter does with sys.exit("message")
+            print(done.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -305,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class ForkServerError(Exception):
-    pass
+    """The socket cannot be served: the message says why and what to do."""
 
 
 def _listen(path: str) -> socket.socket:
@@ -327,6 +338,7 @@ def _listen(path: str) -> socket.socket:
         if "too long" in str(error):
             raise ForkServerError(f"{path} is longer than a unix socket's path may be; choose a shorter one") from None
         raise ForkServerError(f"cannot serve on {path}: {error.strerror}; choose a path in a directory you can write")
+    os.chmod(path, 0o600)  # this user's processes only: whoever connects gets code run as the server's user
     listener.listen(64)
     return listener
 
