@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 
 from mesh.checkpoints.export import ExportError, describe, export
-from mesh.runtime.interrupts import SIGNALS, Signalled
+from mesh.runtime.interrupts import Signalled, signals_raise
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    previous = {signum: signal.signal(signum, _stop) for signum in SIGNALS}
     try:
-        out = export(Path(args.checkpoint), Path(args.out), args.merge)
+        with signals_raise(ignore_later=True):  # so that removing OUT.partial is not cut short
+            out = export(Path(args.checkpoint), Path(args.out), args.merge)
     except ExportError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -27,9 +27,6 @@ def main(argv: list[str] | None = None) -> int:
         name = signal.Signals(signalled.signum).name
         print(f"stopped: {name} while exporting; nothing was written to {args.out}", file=sys.stderr)
         return 128 + signalled.signum
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     print(f"wrote {out}: {describe(out)}")
     return 0
 
@@ -50,13 +47,6 @@ def _parser() -> argparse.ArgumentParser:
         "directory, pointing at its base); a full-weights checkpoint is the whole model either way",
     )
     return parser
-
-
-def _stop(signum: int, _frame: object) -> None:
-    """The first signal stops the export; later ones are ignored, so removing OUT.partial is not cut short."""
-    for each in SIGNALS:
-        signal.signal(each, signal.SIG_IGN)
-    raise Signalled(signum)
 
 
 if __name__ == "__main__":

@@ -252,3 +252,44 @@ def test_a_signal_in_a_finalizer_during_work_at_once_is_kept_without_a_traceback
 
     assert asyncio.run(work()) == signal.SIGTERM
     assert unraised == []
+
+
+def library_call_the_signal_lands_in() -> None:
+    """What safetensors' loader did with a signal that landed in the Python it called back (CI, in the end-of-run
+    export): its C code reported the ``Signalled`` raised there as an exception of its own."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the handler runs here
+    except BaseException as landed:
+        raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from landed
+
+
+def test_a_signal_a_library_turns_into_its_own_exception_still_stops_work_at_once():
+    """Whatever exception leaves work that a signal interrupted, the stop is the signal's (on main: the library's
+    ValueError ended the run with a traceback)."""
+    from mesh.runtime.interrupts import Signalled, Stopper
+
+    async def work() -> tuple[int, int | None]:
+        stopper = Stopper()
+        stopper.install()
+        try:
+            with stopper.at_once():
+                library_call_the_signal_lands_in()
+        except Signalled as signalled:
+            return signalled.signum, stopper.requested
+        finally:
+            stopper.remove()
+        raise AssertionError("the work went on")
+
+    assert asyncio.run(work()) == (signal.SIGINT, signal.SIGINT)
+
+
+def test_a_signal_a_library_turns_into_its_own_exception_stops_an_export(monkeypatch, capsys, tmp_path):
+    import actors.checkpoint
+    from mesh import export as command
+
+    monkeypatch.setattr(actors.checkpoint, "checkpoint_model", lambda checkpoint: library_call_the_signal_lands_in())
+    previous = signal.getsignal(signal.SIGINT)
+    assert command.main([str(tmp_path / "step_000001"), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == f"stopped: SIGINT while exporting; nothing was written to {tmp_path / 'out'}\n"
+    assert signal.getsignal(signal.SIGINT) is previous

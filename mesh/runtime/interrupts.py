@@ -18,7 +18,7 @@ import contextlib
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -73,6 +73,40 @@ class Signalled(BaseException):
         self.signum = signum
 
 
+@contextlib.contextmanager
+def signals_raise(ignore_later: bool = False, then: Callable[[], None] | None = None) -> Iterator[list[int]]:
+    """While the block runs, SIGINT and SIGTERM raise ``Signalled`` in it; yields the signals that landed.
+
+    A library's C code that calls back into Python can turn the exception raised there into one of its own
+    (safetensors' loader, building tensors through torch, reports one as "ValueError: could not determine the
+    shape of object type ..."): an exception that leaves the block after a signal landed is that signal's, and
+    leaves as ``Signalled``, so the stop reads as a stop and not as the library's failure. ``ignore_later``: the
+    first signal ignores the rest, so the cleanup it starts is not cut short. ``then`` installs the handlers that
+    follow the block (by default the ones before it), with no instant between in which a signal finds none."""
+    landed: list[int] = []
+
+    def received(signum: int, _frame: object) -> None:
+        landed.append(signum)
+        if ignore_later:
+            for each in SIGNALS:
+                signal.signal(each, signal.SIG_IGN)
+        raise Signalled(signum)
+
+    previous = {signum: signal.signal(signum, received) for signum in SIGNALS}
+    try:
+        yield landed
+    except Exception as error:
+        if landed:
+            raise Signalled(landed[0]) from error
+        raise
+    finally:
+        if then is not None:
+            then()
+        else:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
 def newest_checkpoint(run_path: Path, recorded: Path | None, outer_state: str | None) -> Path | None:
     """The newest checkpoint a ``--resume`` takes after a stop at once: ``recorded`` (the controller's last, of
     this run or of the run it resumed) or a newer one of this run, which the trainer finished writing after the
@@ -104,9 +138,12 @@ class Stopper:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
-        loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+        self._listen()
+
+    def _listen(self) -> None:
+        loop = asyncio.get_running_loop()
         for signum in SIGNALS:
             loop.add_signal_handler(signum, self._received, signum)
 
@@ -126,24 +163,21 @@ class Stopper:
         ignored exception with a traceback; it stays ``requested`` instead, and the work goes on."""
         loop = asyncio.get_running_loop()
 
-        def received(signum: int, _frame: object) -> None:
-            self.requested = self.requested or signum
-            raise Signalled(signum)
-
         def unraisable(info) -> None:  # a signal that landed in a finalizer (the GC's) cannot stop the work there
             if not isinstance(info.exc_value, Signalled):
                 default(info)
 
         default, sys.unraisablehook = sys.unraisablehook, unraisable
-        for signum in SIGNALS:
+        for signum in SIGNALS:  # the loop's handlers, which would run only once the work returns
             loop.remove_signal_handler(signum)
-            signal.signal(signum, received)
         try:
-            yield
+            with signals_raise(then=self._listen) as landed:
+                try:
+                    yield
+                finally:
+                    self.requested = self.requested or next(iter(landed), None)
         finally:
             sys.unraisablehook = default
-            for signum in SIGNALS:
-                loop.add_signal_handler(signum, self._received, signum)
 
     def _received(self, signum: int) -> None:
         if self.requested is None and self.training:
