@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -220,10 +221,8 @@ class ForkServer:
             sys.path[:] = self.preloaded.search_path_of(request)
             os.environ.clear()
             os.environ.update({**self.preloaded.imported_env, **request["env"]})
-            try:
+            with contextlib.suppress(OSError):
                 os.setpgid(0, request["pgid"])  # where Monarch signals its process's group
-            except OSError:
-                pass
             code = _run_module(request["argv"][2], request["argv"][3:])
         except BaseException:
             traceback.print_exc()
@@ -246,10 +245,8 @@ def _run_module(module: str, args: list[str]) -> int:
         code = 1
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     return code
 
 
@@ -277,10 +274,8 @@ def _receive(connection: socket.socket) -> tuple[bytes, list[int]]:
 
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
 
 
 def _parser() -> argparse.ArgumentParser:
