@@ -10,7 +10,8 @@ the tool runs it and the output comes back as the next message, until the model 
 without code or runs out of tool calls. It returns no reward: the task scores the last reply.
 
 Every tool call runs in its own sandboxed process (``actors.environments.sandbox``): the model's
-code cannot reach the network, the run's memory or its files, and a call that hangs is killed.
+code sees nothing of the host but the interpreter and a scratch directory (no network, no file of the run's,
+no answer), and a call that hangs is killed.
 """
 
 from __future__ import annotations
