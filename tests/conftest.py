@@ -25,9 +25,9 @@ def fork_server(tmp_path_factory):
     this process or a ``python -m mesh.run``, fork from it instead of importing torch and transformers again.
     A test that needs Monarch's own process start removes ``MESH_FORK_SERVER`` from its environment."""
     os.environ.setdefault("PYTHONPATH", str(ROOT))  # as the command-line runs' environment has it
-    socket_path = tmp_path_factory.mktemp("fork") / "server.sock"
-    server = subprocess.Popen([sys.executable, "-m", "mesh.launchers.forkserver", str(socket_path)], cwd=ROOT)
-    os.environ[FORK_SERVER_ENV] = str(socket_path)
+    directory = tmp_path_factory.mktemp("fork") / "server"  # the server makes it, its socket and token inside
+    server = subprocess.Popen([sys.executable, "-m", "mesh.launchers.forkserver", str(directory)], cwd=ROOT)
+    os.environ[FORK_SERVER_ENV] = str(directory)
     yield server
     os.environ.pop(FORK_SERVER_ENV)
     server.terminate()

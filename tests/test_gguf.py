@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from actors import gguf_model
 from actors.gguf_header import GGML_TYPES, ArrayOf, read_header
 from actors.model_config import ModelFacts, TinyModelSpec
 from actors.model_source import CACHE_ENV, MARKER, ModelSource, ModelSourceError
+from mesh.run import dry_run
 from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +158,70 @@ def test_a_directory_without_the_marker_is_never_used(cache, tiny):
     assert source.directory() == source.cache_entry and (source.cache_entry / MARKER).is_file()
 
 
+def test_a_converted_model_changed_since_its_conversion_is_refused_naming_the_file(cache, tiny, capsys):
+    entry = ModelSource.of(str(tiny), "model.path").directory()
+    pristine = {path.name: path.read_bytes() for path in entry.iterdir()}
+    weights = bytearray(pristine["model.safetensors"])
+    weights[-1] ^= 1  # one bit of the last weight
+    config = {**json.loads(pristine["config.json"]), "rms_norm_eps": 0.5}
+
+    def same_times(path: Path, data: bytes) -> None:  # its size and times as before: only its ctime tells
+        before = path.stat()
+        path.write_bytes(data)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    changes = {
+        "model.safetensors was changed": lambda: same_times(entry / "model.safetensors", bytes(weights)),
+        "config.json was changed": lambda: (entry / "config.json").write_text(json.dumps(config)),
+        "tokenizer.json is gone": lambda: (entry / "tokenizer.json").unlink(),
+        "modeling_custom.py was added": lambda: (entry / "modeling_custom.py").write_text("import os\n"),
+    }
+    for change, make in changes.items():
+        assert ModelSource.of(str(tiny), "model.path").converted() == entry  # its digests known to this process
+        make()
+        with pytest.raises(ModelSourceError) as info:
+            ModelSource.of(str(tiny), "model.path").directory()  # as the next run asks
+        message = str(info.value)
+        assert f"{entry}, which is no longer what the conversion wrote ({change}" in message, message
+        assert message.endswith(f"remove {entry}, and the run converts the file again") and "\n" not in message
+        assert dry_run(str(MATH), as_model(tiny), None) == 0  # --dry-run says so, with no traceback
+        assert change in capsys.readouterr().out
+        (entry / "modeling_custom.py").unlink(missing_ok=True)
+        for name, data in pristine.items():
+            (entry / name).write_bytes(data)
+    shutil.rmtree(entry)
+    assert ModelSource.of(str(tiny), "model.path").directory() == entry  # converted again, as the message says
+
+
+def test_a_model_cache_other_users_can_write_is_refused_naming_it_and_the_fix(cache, tiny):
+    source = ModelSource.of(str(tiny), "model.path")
+    entry = source.directory()
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700  # as the conversion made it, whatever the umask
+    for directory, mode in ((cache, 0o777), (cache, 0o775), (entry, 0o757)):
+        directory.chmod(mode)
+        with pytest.raises(ModelSourceError) as info:
+            ModelSource.of(str(tiny), "model.path").directory()
+        message = str(info.value)
+        assert f"; {directory} is writable by other users (mode {mode:04o}), so another user" in message, message
+        assert f"chmod go-w {directory}), or set MESH_MODEL_CACHE to a directory" in message and "\n" not in message
+        directory.chmod(0o700)
+    shutil.rmtree(entry)
+    cache.chmod(0o1777)  # shared, as /tmp is: refused before anything is converted into it
+    with pytest.raises(ModelSourceError, match="writable by other users"):
+        source.check_cache()
+    assert list(cache.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_model_cache_of_another_user_is_refused(cache, tiny):
+    entry = ModelSource.of(str(tiny), "model.path").directory()
+    for directory in (cache, entry):
+        os.chown(directory, 65534, 65534)
+        with pytest.raises(ModelSourceError, match=f"; {directory} is owned by another user \\(uid 65534\\)"):
+            ModelSource.of(str(tiny), "model.path").directory()
+        os.chown(directory, 0, 0)
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> tuple[ModelSource, Path]:
     """The packaged SmolLM2-135M, converted once for this module's tests."""
@@ -241,6 +308,7 @@ def test_a_cache_that_cannot_be_written_exits_2_before_anything_starts(tmp_path,
 def test_a_disk_that_fills_while_converting_leaves_nothing_a_later_load_uses(tmp_path, tiny, monkeypatch):
     source = ModelSource.of(str(tiny), "model.path")
     with tmpfs(tmp_path / "disk", size="2m") as disk:
+        disk.chmod(0o700)  # a tmpfs is mode 1777, a cache that other users could write
         monkeypatch.setenv(CACHE_ENV, str(disk))
         fill(disk, leave=gguf_model.float32_bytes(read_header(tiny)) + 8192)  # room for the weights, not all files
         with pytest.raises(ModelSourceError, match="could not be written .*No space left on device.*MESH_MODEL_CACHE"):

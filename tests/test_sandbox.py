@@ -212,8 +212,9 @@ async def test_no_unix_socket_of_the_host(outside_tmp):
 @needs_sandbox
 async def test_no_fork_server_reachable(outside_tmp):
     """A fork server runs what it is asked to, outside any sandbox: its socket must not be nameable from inside."""
-    path = outside_tmp / "fork.sock"
-    command = (sys.executable, "-m", "mesh.launchers.forkserver", str(path))
+    directory = outside_tmp / "forks"
+    path = directory / "socket"
+    command = (sys.executable, "-m", "mesh.launchers.forkserver", str(directory))
     server = await asyncio.create_subprocess_exec(*command, cwd=REPO)
     try:
         while not path.exists():

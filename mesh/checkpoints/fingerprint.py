@@ -35,7 +35,7 @@ import xxhash
 from actors.disk import open_regular, read_regular
 from actors.inner_loops.config import LoRAConfig
 from actors.model_config import TINY_MODEL_MARKER, char_vocabulary, tiny_recipe
-from actors.model_source import ModelSource
+from actors.model_source import ModelSource, ModelSourceError
 from actors.tasks import TaskConfig, build_task
 
 if TYPE_CHECKING:
@@ -154,7 +154,11 @@ def _model_directory(source: ModelSource) -> Path:
     fingerprints; ``--dry-run`` converts nothing)."""
     if not source.gguf:
         return source.path
-    if (converted := source.converted()) is None:
+    try:
+        converted = source.converted()
+    except ModelSourceError as error:
+        raise FingerprintError(str(error)) from None
+    if converted is None:
         raise FingerprintError(
             f"{source.words} is a GGUF file not yet converted into its Hugging Face directory ({source.cache_entry}), "
             "whose config and tokenizer the fingerprint reads; run it without --dry-run, which converts it first"

@@ -1,11 +1,14 @@
 """Monarch's command for a process started through the fork server (``mesh/launchers/forkserver.py``).
 
-Run as ``python -S fork_client.py SOCKET -- COMMAND...`` with the standard library alone, so it starts in
-milliseconds. It hands its arguments, environment, directory and open fds to the server, which forks the
-process; from then on it stands in for that process: signals sent to it are passed on, and it exits as the
-process exits (by the same signal, or with the same code), and it dies with its parent, Monarch's host, as a
-Monarch process does (its bootstrap sets that, but a forked one's parent is the server), taking the process with
-it. If the server cannot be reached or refuses, it runs COMMAND itself.
+Run as ``python -S fork_client.py DIRECTORY -- COMMAND...`` with the standard library alone, so it starts in
+milliseconds. DIRECTORY is the server's, this user's alone (mode 0700): it holds the server's socket and its token,
+a secret the server asks of every request, so that a process that cannot read the directory (a sandbox's, another
+user's) has nothing run for it. The client hands the token, its arguments, environment, directory and open fds to
+the server, which forks the process; from then on it stands in for that process: signals sent to it are passed on,
+and it exits as the process exits (by the same signal, or with the same code), and it dies with its parent,
+Monarch's host, as a Monarch process does (its bootstrap sets that, but a forked one's parent is the server),
+taking the process with it. If the server cannot be reached or refuses, or DIRECTORY is not this user's alone
+(another user's server would be handed this process's environment), it runs COMMAND itself.
 """
 
 import array
@@ -19,6 +22,10 @@ import sys
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM,
              signal.SIGCONT, signal.SIGWINCH)
+# in the server's directory (mesh/launchers/forkserver.py writes them): its socket, and its token (hex, the first
+# TOKEN_LENGTH bytes of every request)
+SOCKET, TOKEN = "socket", "token"
+TOKEN_LENGTH = 64
 
 
 def open_fds(exclude: int) -> list[int]:
@@ -54,17 +61,27 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def token_of(directory: str) -> bytes:
+    """The token of the server serving ``directory``; OSError where the directory is not this user's alone."""
+    owner = os.stat(directory)
+    if owner.st_uid != os.getuid() or owner.st_mode & 0o077:
+        raise PermissionError(f"{directory} is not this user's alone")
+    with open(os.path.join(directory, TOKEN), "rb") as token:
+        return token.read(TOKEN_LENGTH)
+
+
 def main() -> None:
     die_with_parent()
     split = sys.argv.index("--")
-    socket_path, command = sys.argv[1], sys.argv[split + 1 :]
+    directory, command = sys.argv[1], sys.argv[split + 1 :]
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        server.connect(socket_path)
+        server.connect(os.path.join(directory, SOCKET))
+        token = token_of(directory)  # read once connected: a listening server wrote it before it bound the socket
         fds = open_fds(server.fileno())
         request = {"argv": command, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds, "pgid": os.getpgid(0)}
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-        server.sendmsg([json.dumps(request).encode()], rights)
+        server.sendmsg([token + json.dumps(request).encode()], rights)
         reply = json.loads(server.recv(1 << 16) or b'{"refused": "the server closed"}')
     except (OSError, ValueError):
         reply = {"refused": "unreachable"}

@@ -10,7 +10,7 @@ import math
 
 import yaml
 
-from actors.model_source import ModelSource
+from actors.model_source import ModelSource, ModelSourceError
 from mesh.topology.gpus import describe_gpus, describe_memory
 from mesh.topology.plan import ReferencePlan, RunPlan
 from mesh.topology.preflight import describe_store
@@ -41,7 +41,11 @@ def describe(plan: RunPlan) -> str:
 
 def describe_conversion(source: ModelSource) -> str:
     """Where a GGUF model's Hugging Face directory is, or will be once the run converts it."""
-    if (converted := source.converted()) is not None:
+    try:
+        converted = source.converted()
+    except ModelSourceError as error:  # the check of this machine below refuses it too
+        return f"{source.key}: {source.path.name}, converted but refused: {error}"
+    if converted is not None:
         return f"{source.key}: {source.path.name}, converted in {converted}"
     return f"{source.key}: {source.path.name}, not converted yet: the run converts it into {source.cache_entry} (once)"
 
