@@ -184,6 +184,12 @@ class Generator(Actor):
             self.reward_functions = RewardFunctions(*self.reward_setup)
         return this_proc()
 
+    async def __cleanup__(self, exc: Exception | None) -> None:
+        """Close the engine while the process's other actors still run (the run stops a trainer beside this
+        generator after it: ``mesh/runtime/run.py``)."""
+        if (close := getattr(getattr(self, "engine", None), "close", None)) is not None:
+            close()
+
     def _rewards(self, problems: list[Problem], rows: list[Trajectory], per_prompt: int) -> RewardReply | None:
         """The rewards of ``rows`` (``per_prompt`` of each problem), when this generator rewards.
 
@@ -306,8 +312,11 @@ class Generator(Actor):
         return reply, weights.version
 
     def _follow(self, weights: WeightVersion) -> None:
-        """Agents' turns use ``weights`` from now on, unless a newer version is known already."""
-        if self._newest is None or weights.version > self._newest.version:
+        """Agents' turns use ``weights`` from now on, unless a newer version of its store is known already. A
+        version of another store is a restarted trainer's, newer whatever its number (it went back to its
+        checkpoint's), and the lost trainer's store is gone."""
+        newest = self._newest
+        if newest is None or weights.store != newest.store or weights.version > newest.version:
             self._newest = weights
 
     async def _agents(self, spec: AgentSpec) -> Agents:
@@ -347,8 +356,8 @@ class Generator(Actor):
     async def hold(self, weights: WeightVersion) -> float:
         """Adopt ``weights`` once the requests in flight finish (the trainer's push of a new
         version, so a generator is ready before its next request); the seconds it took."""
-        self._follow(weights)
         async with self.gate.use(weights, self._switch) as load_seconds:
+            self._follow(weights)  # once adopted: never a lost trainer's version, whose store is gone
             return load_seconds
 
     @concurrent_endpoint

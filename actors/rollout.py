@@ -87,6 +87,9 @@ class Row:
     reward: Reward | None = None  # None only while the step is being collected
     distill: TopK | None = None  # the distill teacher's top-k at each completion token (channel 2)
     reference_logprobs: list[float] | None = None  # a Reference actor's, per completion token (the KL penalty)
+    # the episode's place in its group, when the row is (part of) an episode: an agent's episode that could not be
+    # stitched into one sequence is several rows of one episode, which count once in the group's advantages
+    episode: int | None = None
 
 
 @dataclass(frozen=True)

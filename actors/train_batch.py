@@ -158,15 +158,39 @@ def _reference_field(rows: list[Row], width: int) -> dict[str, Tensor]:
 
 
 def row_advantages(groups: list[RolloutGroup], estimator: AdvantageEstimator = "group_std") -> Tensor:
-    """One advantage per row, in batch order: group-relative among the rows that train the
-    policy (``group_advantages``), 0 for the others. Groups of equal size share one call."""
-    trained = [[r.reward.total for r in g.rows if r.kind.trains_policy] for g in groups]
+    """One advantage per row, in batch order: group-relative among the episodes and rows that train the
+    policy (``group_advantages``), 0 for the others. The rows of one episode (``Row.episode``: an agent's
+    episode split into several) count once, and each gets the episode's advantage, so an episode's weight in
+    its group's mean and spread does not grow with the rows it became. Groups of equal size share one call."""
+    places = [_places(g) for g in groups]
+    trained = [[g.rows[i].reward.total for i in firsts] for g, (firsts, _) in zip(groups, places)]
     if len({len(t) for t in trained}) == 1:
-        flat = group_advantages(torch.tensor(trained).reshape(-1), len(trained[0]), estimator).tolist()
+        flat = group_advantages(torch.tensor(trained).reshape(-1), len(trained[0]), estimator)
+        per_group = flat.reshape(len(groups), -1).tolist()
     else:
-        flat = [a for t in trained for a in group_advantages(torch.tensor(t), len(t), estimator).tolist()]
-    values = iter(flat)
-    return torch.tensor([next(values) if r.kind.trains_policy else 0.0 for g in groups for r in g.rows])
+        per_group = [group_advantages(torch.tensor(t), len(t), estimator).tolist() for t in trained]
+    return torch.tensor(
+        [0.0 if p is None else advantages[p] for advantages, (_, of_row) in zip(per_group, places) for p in of_row]
+    )
+
+
+def _places(group: RolloutGroup) -> tuple[list[int], list[int | None]]:
+    """The rows that stand for the group's episodes in its advantages (a row of no episode stands for itself; an
+    episode, by its first row), and each row's place among them (None: a row that does not train the policy)."""
+    firsts: list[int] = []
+    of_row: list[int | None] = []
+    episodes: dict[int, int] = {}
+    for i, row in enumerate(group.rows):
+        if not row.kind.trains_policy:
+            of_row.append(None)
+        elif row.episode is not None and row.episode in episodes:
+            of_row.append(episodes[row.episode])
+        else:
+            if row.episode is not None:
+                episodes[row.episode] = len(firsts)
+            of_row.append(len(firsts))
+            firsts.append(i)
+    return firsts, of_row
 
 
 def _packed(

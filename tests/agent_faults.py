@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from actors.environments.examples.tool_agents import make_number
 
@@ -30,3 +31,28 @@ async def agent(endpoint, problem, always: str | None = None):
             for _ in range(3):
                 await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": "5="}])
     return await make_number(endpoint, problem)
+
+
+async def all_but(endpoint, problem, spared: str, way: str, mark: str | None = None):
+    """Every episode misbehaves ``way`` (one of ``agent``'s), but those of the prompt ``spared`` play
+    ``make_number``: collected by group, the first group of the stream succeeds and every later one fails.
+    ``mark``: a file made as an episode begins (a test waits for it)."""
+    if mark is not None:
+        Path(mark).touch()
+    return await agent(endpoint, problem, "fine" if problem.prompt == spared else way)
+
+
+async def edits_history(endpoint, problem):
+    """Rewrites its first message before its second turn, so each episode becomes two rows (a split episode)."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+        messages = [{"role": "user", "content": problem.prompt}]
+        first = await client.chat.completions.create(model=endpoint.model, messages=messages)
+        messages = [
+            {"role": "user", "content": f"?{problem.prompt}"},
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": problem.prompt},
+        ]
+        second = await client.chat.completions.create(model=endpoint.model, messages=messages)
+    return float((second.choices[0].message.content or "").strip() == problem.answer)

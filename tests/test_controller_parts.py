@@ -35,7 +35,7 @@ from mesh.controller.collection import Evaluated, SampleCollection
 from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.metrics import step_metrics, teacher_metrics
 from mesh.controller.router import Router, TargetLoad
-from mesh.controller.scheduler import Scheduler, policy_ages
+from mesh.controller.scheduler import Abandoned, Scheduler, policy_ages
 from mesh.controller.teacher_board import TeacherBinding
 
 TASK = Reverse()
@@ -143,6 +143,25 @@ async def test_cancel_stops_the_running_collections_and_empties_the_window():
     scheduler.skip_to(6)
     await scheduler.fill()
     assert scheduler.scheduled == 8
+    await scheduler.cancel()
+
+
+async def test_a_stopping_runs_checkpoint_keeps_the_batches_in_flight_before_one_abandoned():
+    """A first signal drained collection by group: the batch of the step after the one trained cannot be filled
+    (``Abandoned``). The checkpoint the stop writes keeps the batches before it, and a resume collects the rest."""
+
+    def collect(step: int):
+        async def collection() -> Collected:
+            if step == 2:
+                raise Abandoned("step 2 has 0 of its 1 groups and the run stops after this step")
+            return collected_at(step)
+
+        return collection()
+
+    scheduler = Scheduler(collect, steps=10, max_policy_lag=2)
+    scheduler.restore(1, [])
+    await scheduler.fill()
+    assert [c.rows()[0].version for c in await scheduler.in_flight()] == [1]
     await scheduler.cancel()
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from actors.rollout import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
-from mesh.controller.groups import GroupPool, PlayedGroup
+from mesh.controller.groups import EnvironmentDown, GroupPool, PlayedGroup
+from mesh.controller.scheduler import Abandoned
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,15 @@ class Stream:
         self.started: list[tuple[int, int]] = []  # (n, version)
         self.oldest: dict[int, int] = {}
         self.broken: set[int] = set()
+        self.failing: set[int] = set()  # every episode of these fails
 
     async def play(self, n: int, weights: Weights) -> PlayedGroup:
         self.started.append((n, weights.version))
         await self.gates.setdefault(n, asyncio.Event()).wait()
         if n in self.broken:
             raise RuntimeError(f"generator target 0 died in group {n}")
+        if n in self.failing:
+            return await _failed(n, weights)
         outcome = EpisodeOutcome(1.0, 1, True, version=self.oldest.get(n))
         rows = [Trajectory([1], [2], [0.0], [True], "x")]
         return PlayedGroup(Problem(f"p{n}", "a"), n, rows, [outcome], weights.version)
@@ -98,8 +102,8 @@ async def test_failed_groups_do_not_fill_a_batch_until_a_run_of_the_stream_fails
     failing = lambda n, weights: _failed(n, weights)  # noqa: E731
     pool = GroupPool(max_policy_lag=1, per_step=1, play=failing)
     pool.follow(Weights(0))
-    groups, dropped = await take(pool, 0)
-    assert len(groups) >= pool.budget and all(g.failed for g in groups) and dropped == 0
+    with pytest.raises(EnvironmentDown, match="the first: the agent raised ValueError: boom"):
+        await take(pool, 0)
     await pool.cancel()
     mixed = GroupPool(max_policy_lag=1, per_step=1, play=lambda n, w: _failed(n, w) if n % 2 else stream.play(n, w))
     mixed.follow(Weights(0))
@@ -110,6 +114,48 @@ async def test_failed_groups_do_not_fill_a_batch_until_a_run_of_the_stream_fails
     assert all(g.failed for g in groups[1:])
     await mixed.cancel()
 
+
+async def test_a_stream_whose_later_groups_all_fail_stops_a_step_it_half_filled_with_their_first_failure():
+    """Two prompts a step: group 0 succeeds, every later one fails. Step 0 has one good group of two and
+    waited for ever (issue 46); the pool is down, so the step stops with the episodes' own failure."""
+    stream = Stream()
+    pool = GroupPool(max_policy_lag=1, per_step=2, play=lambda n, w: stream.play(n, w) if n == 0 else _failed(n, w))
+    pool.follow(Weights(0))
+    await asyncio.sleep(0)
+    await stream.finish(0)
+    down = "every episode of the last 4 groups failed .*; the first: the agent raised ValueError: boom"
+    with pytest.raises(EnvironmentDown, match=down):
+        await asyncio.wait_for(take(pool, 0), 60)
+    await pool.cancel()
+
+
+async def test_a_drained_pool_starts_no_group_and_abandons_a_step_its_running_groups_cannot_fill():
+    """A first signal drains the pool (the run stops after this step): the step waits only for the groups
+    running, and once they cannot fill it, it is abandoned instead of waiting for groups that never start."""
+    stream = Stream()
+    stream.failing |= {1, 2, 3, 4}
+    pool = GroupPool(max_policy_lag=1, per_step=2, play=stream.play)
+    pool.follow(Weights(0))
+    await asyncio.sleep(0)
+    await stream.finish(0)  # good: it starts group 4
+    taking = asyncio.ensure_future(take(pool, 0))
+    pool.drain()
+    await stream.finish(1, 2, 3)
+    assert not taking.done()  # group 4 still runs: it could fill the step
+    assert [n for n, _ in stream.started] == [0, 1, 2, 3, 4]  # nothing started once drained
+    await stream.finish(4)
+    with pytest.raises(Abandoned, match="step 0 has 1 of its 2 groups"):
+        await taking
+    fresh = Stream()
+    filled = GroupPool(max_policy_lag=1, per_step=2, play=fresh.play)
+    filled.follow(Weights(0))
+    await asyncio.sleep(0)
+    filled.drain()
+    taking = asyncio.ensure_future(take(filled, 0))
+    await fresh.finish(2, 3)
+    assert [g.index for g in (await taking)[0]] == [2, 3]  # the groups running fill it: the step goes on
+    await pool.cancel()
+    await filled.cancel()
 
 async def _failed(n: int, weights: Weights) -> PlayedGroup:
     outcome = EpisodeOutcome(0.0, 0, False, failure="the agent raised ValueError: boom")

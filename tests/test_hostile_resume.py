@@ -181,6 +181,11 @@ HOSTILE = {  # what the issue reproduced, then what else a writer could put ther
         lambda s: s["inflight"]["collected"][0]["groups"][0]["rows"].extend([row(s)] * 7),
         "groups[0].rows: 9 policy samples in a group, but the topology's run has at most 8 (loop.group_size)",
     ),
+    "more rows of one episode than the model has turns in it": (  # an agent's split episode is one sample
+        lambda s: (row(s).__setitem__("episode", 0), s["inflight"]["collected"][0]["groups"][0]["rows"].append(row(s))),
+        "groups[0].rows: 2 rows of episode 0 in a group, but the topology's run has at most 1 (task.max_turns; a task "
+        "of single completions has 1)",
+    ),
     "more batches in flight than the controller collects ahead": (
         lambda s: s["inflight"]["collected"].extend(s["inflight"]["collected"] * 2),
         "inflight.collected: 3 batches in flight, but the topology's run has at most 2 (loop.max_policy_lag + 1)",

@@ -115,6 +115,18 @@ def test_advantages_are_relative_within_a_group_and_replayed_traces_get_none():
         assert row_advantages([plain, plain], estimator)[:4].tolist() == pytest.approx(mixed[4:].tolist())
 
 
+def test_an_episode_split_into_rows_counts_once_in_its_groups_advantages():
+    """An agent that edits its history turns one episode into several rows (issue 49): they share the episode's
+    advantage, and the group's mean and spread are the episodes', not weighted by how many rows each became."""
+    split = group(row(reward=1.0, episode=0), row(reward=1.0, episode=0), row(reward=0.0, episode=1))
+    whole = group(row(reward=1.0, episode=0), row(reward=0.0, episode=1), index=1)
+    advantages = row_advantages([split, whole]).tolist()
+    episodes = group_advantages(torch.tensor([1.0, 0.0]), 2).tolist()
+    assert advantages == pytest.approx([episodes[0], episodes[0], episodes[1], *episodes])
+    warm = group(row(reward=1.0, episode=0), row(reward=1.0, episode=0), row(kind=RowKind.WARM_START, reward=0.5))
+    expected = group_advantages(torch.tensor([1.0, 0.5]), 2).tolist()  # a trace is no episode: its own row
+    assert row_advantages([warm]).tolist() == pytest.approx([expected[0], expected[0], expected[1]])
+
 def test_teacher_top_k_and_pairs_enter_the_batch():
     top = TopK(np.array([[4, 5], [1, 4]]), np.array([[-0.1, -2.5], [-0.2, -1.9]], dtype=np.float32))
     rows = group(

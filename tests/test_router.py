@@ -47,6 +47,7 @@ class FakeReplica:
         self.requests: list[tuple[str, int, int]] = []  # (endpoint, prompts, version)
         self.in_flight: list[int] = []
         self.held: int | None = None
+        self.gone: set[str] = set()  # stores that no longer exist (a lost trainer's)
         self.one_at_a_time = asyncio.Lock()
         self.generate = FakeEndpoint(self._generate)
         self.logprobs_of = FakeEndpoint(self._logprobs_of)
@@ -77,6 +78,9 @@ class FakeReplica:
     async def _hold(self, weights: WeightVersion) -> float:
         if self.fail_push:
             raise RuntimeError("replica is gone")
+        if weights.store in self.gone:
+            await asyncio.sleep(self.seconds)
+            raise RuntimeError(f"WeightSyncError: no weight store at {weights.store}")
         await self._serve("hold", [], 1, weights)
         return self.load_seconds
 
@@ -170,6 +174,24 @@ async def test_a_failed_push_fails_the_next_call():
         await route.settle()
     with pytest.raises(PushFailed):
         await route.generate(TASK.problems(0, 0, 2), 2, version(1), SEEDS)
+
+
+
+@pytest.mark.parametrize("newer", ["after the failure", "while it runs"])
+async def test_a_failed_push_of_a_version_a_newer_one_superseded_fails_nothing(newer):
+    """The trainer and a generator lost at once (issue 52): the fresh generator is pushed the lost trainer's last
+    version, whose store the restarted trainer has reclaimed, and the restarted trainer then (or meanwhile)
+    publishes its checkpoint's version in a new store. The stale push fails; the run goes on with the new one."""
+    replica = FakeReplica(seconds=0.02)
+    replica.gone.add("/lost")
+    route = router([replica], "round_robin")
+    route.push(WeightVersion(5, checksum=5, nbytes=1, store="/lost"))
+    if newer == "after the failure":
+        await asyncio.sleep(0.1)
+    route.push(version(3))
+    await route.settle()
+    assert replica.held == 3
+    assert (await route.generate(TASK.problems(0, 0, 1), 2, version(3), SEEDS)).version == 3
 
 
 # ----------------------------------------------------------------------------- a real run

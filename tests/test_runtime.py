@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from tiny_runs import run_topology
 
 from actors.model import TinyModelSpec, build_tiny_model
 from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
@@ -277,11 +278,17 @@ async def test_tiny_topology_learns_in_a_short_run(tmp_path, inner_loop, precisi
 
 
 @pytest.mark.slow  # a whole vLLM run; the default run samples with vLLM in test_actors
-async def test_tiny_vllm_topology_learns_with_tis_and_logs_the_mismatch(tmp_path):
-    """topologies/tiny_vllm.yaml as shipped (vLLM in the generator, TIS), cut to 60 steps: the
-    reward climbs, and every step logs the sampler/trainer mismatch and the TIS weight."""
-    overrides = ["loop.steps=60", "loop.evaluation.every=0", f"logging.root={tmp_path}"]
-    rows = records(await run(load_plan(ROOT / "topologies" / "tiny_vllm.yaml", overrides), progress=False))
+def test_tiny_vllm_topology_learns_with_tis_logs_the_mismatch_and_ends_without_a_traceback(tmp_path):
+    """topologies/tiny_vllm.yaml (vLLM in the generator, TIS) from the command line, cut to 60 steps, with the
+    generator in the trainer's process as smol_math.yaml places it: the reward climbs, every step logs the
+    sampler/trainer mismatch and the TIS weight, and the run's output ends with its own lines. vLLM's exit-time
+    shutdown destroyed process groups the stopped trainer had destroyed with its world, and printed a
+    "ValueError: Invalid process group specified" traceback before them (issue 46)."""
+    settings = ["loop.steps=60", "loop.evaluation.every=0", "actors.generator.mesh=trainer"]
+    result, run_dir = run_topology(ROOT / "topologies" / "tiny_vllm.yaml", tmp_path, *settings)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward/mean"] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert first <= 0.25 and last >= first + 0.25, (first, last)

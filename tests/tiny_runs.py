@@ -29,12 +29,22 @@ def finished_tiny_run(root: Path, settings: list[str]) -> Path:
     return run
 
 
-def run_topology(topology: Path, root: Path, *settings: str) -> tuple[subprocess.CompletedProcess, Path | None]:
-    """``python -m mesh.run topology`` with ``settings`` (``key=value``) and its runs under ``root`` (also its
-    working directory); the finished process and its run directory (None if it made none)."""
+def command_line(topology: Path, root: Path, *settings: str, resume: Path | None = None) -> list[str]:
+    """``python -m mesh.run topology`` with ``settings`` (``key=value``) and its runs under ``root``, resuming from
+    the checkpoint ``resume`` if given."""
     command = [sys.executable, "-m", "mesh.run", str(topology), "--no-progress"]
     command += [arg for setting in (*settings, f"logging.root={root}") for arg in ("--set", setting)]
+    return command + (["--resume", str(resume)] if resume is not None else [])
+
+
+def run_topology(
+    topology: Path, root: Path, *settings: str, resume: Path | None = None
+) -> tuple[subprocess.CompletedProcess, Path | None]:
+    """``command_line``'s run, in ``root`` (made if missing); the finished process and its run directory (None if
+    it made none)."""
+    root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = command_line(topology, root, *settings, resume=resume)
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     runs = [path for path in root.iterdir() if path.name.startswith(f"{topology.stem}-")]
     return result, runs[0] if runs else None

@@ -38,7 +38,9 @@ def _mix(key: str) -> int:
 class Engine(Protocol):
     """Built as ``Engine(model_path, sampling, compute, adapter)`` inside a generator process; with an
     ``adapter`` (the trainer's ``LoRAConfig``) every state dict it loads is the adapters' tensors
-    under PEFT's saved names, to be applied to the base it loaded from ``model_path``."""
+    under PEFT's saved names, to be applied to the base it loaded from ``model_path``. An engine that holds
+    what must be released before the actors beside it stop (``vllm``: its process groups) has a ``close()``,
+    which the generator calls as it stops."""
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Adopt new weights; the caller guarantees no request is in flight."""

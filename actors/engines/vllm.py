@@ -131,6 +131,12 @@ class VLLMEngine:
             self.adapter_dir = Path(tempfile.mkdtemp(prefix="vllm-adapters-", dir=store_root()))
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, ignore_errors=True)
 
+    def close(self) -> None:
+        """Shut vLLM's engine down now, not at the process's exit: its shutdown destroys the process groups it made,
+        and a trainer in the same process destroys the whole torch.distributed world (those groups with it) as it
+        stops, after which vLLM's exit-time shutdown raised "Invalid process group specified"."""
+        self.engine.engine_core.shutdown()
+
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         """Copy new weights into vLLM's (fused) parameters; cached prefixes were computed with
         the old ones, so the prefix cache goes too. The engine keeps running: no restart.

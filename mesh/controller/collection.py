@@ -35,7 +35,7 @@ from actors.tasks import Problem, Task
 from actors.teachers.bindings import TopK, TopKRequest
 from actors.weights import WeightVersion
 from mesh.controller.collected import Collected
-from mesh.controller.groups import GroupPool, PlayedGroup
+from mesh.controller.groups import EnvironmentDown, GroupPool, PlayedGroup
 from mesh.controller.metrics import teacher_metrics
 from mesh.controller.router import Routed, TargetLoad
 from mesh.controller.services import Rows, Services
@@ -69,9 +69,14 @@ class Collection(Protocol):
         """Stop what is still collecting once the run ends (groups no step took)."""
         ...
 
+    def drain(self) -> None:
+        """The run stops after the step it is in (a first signal): start no more work, so every step ends with
+        the work already running (a step that cannot is ``Abandoned``)."""
+        ...
 
-class EnvironmentDown(RuntimeError):
-    """Every episode of a step failed: the environment, not one episode, is the problem."""
+    async def restart(self) -> None:
+        """The trainer went back to its last checkpoint: forget the work started since (its weights are gone)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,12 @@ class _Collection:
 
     async def close(self) -> None:
         """Nothing runs between steps: each step's collection is the scheduler's."""
+
+    def drain(self) -> None:
+        """Each step's work all starts with its collection: nothing more starts."""
+
+    async def restart(self) -> None:
+        """The scheduler cancels the collections in flight: nothing else runs."""
 
     def _prompts(self, step: int) -> tuple[list[Problem], list[int]]:
         """Step ``step``'s prompts, seeded by (seed, step), and their sampling seeds."""
@@ -336,6 +347,14 @@ class EpisodeCollection(_Collection):
         if self.pool is not None:
             await self.pool.cancel()
 
+    def drain(self) -> None:
+        if self.pool is not None:
+            self.pool.drain()
+
+    async def restart(self) -> None:
+        if self.pool is not None:
+            await self.pool.restart()
+
     async def _play(
         self, problems: list[Problem], seeds: list[int], weights: WeightVersion, first: int
     ) -> tuple[list[PlayedGroup], Routed]:
@@ -364,9 +383,8 @@ class EpisodeCollection(_Collection):
         outcomes = [outcome for group in played for outcome in group.outcomes]
         failures = [outcome.failure for outcome in outcomes if outcome.failure is not None]
         if len(failures) == len(outcomes):
-            first = failures[0] if failures else "no group finished"
             raise EnvironmentDown(
-                f"every episode of step {step} failed, so there is nothing to train on; the first: {first}"
+                f"every episode of step {step} failed, so there is nothing to train on; the first: {failures[0]}"
             )
         if failures:
             self.failed(step, failures)
@@ -404,6 +422,12 @@ class RecordedCollection:
     async def close(self) -> None:
         """Nothing runs: the batches were read before the run started."""
 
+    def drain(self) -> None:
+        """Nothing runs."""
+
+    async def restart(self) -> None:
+        """Nothing runs: step k's batch is the same whenever it is asked for."""
+
 
 def _joined(problems: list[Problem], rows: Rows) -> list[RolloutGroup]:
     """The step's groups: each prompt's rows, in prompt order (a prompt whose every episode failed has none)."""
@@ -435,10 +459,11 @@ def _sampled_rows(i: int, sampled: Routed) -> list[Row]:
 
 def _episode_rows(trajectories: list[Trajectory], outcomes: list[EpisodeOutcome], version: int) -> list[Row]:
     """A prompt's episodes as rows, rewarded with the environment's return (an agent's requests that could not
-    be stitched into one sequence are rows of their own, with the same reward); the failed ones left out."""
+    be stitched into one sequence are rows of their own, with the same reward and episode); the failed ones
+    left out."""
     return [
-        Row(RowKind.SAMPLE, part, _oldest(outcome, version), reward=Reward(outcome.reward))
-        for trajectory, outcome in zip(trajectories, outcomes)
+        Row(RowKind.SAMPLE, part, _oldest(outcome, version), reward=Reward(outcome.reward), episode=j)
+        for j, (trajectory, outcome) in enumerate(zip(trajectories, outcomes))
         if outcome.failure is None
         for part in (trajectory, *outcome.split)
     ]

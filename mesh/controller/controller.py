@@ -38,7 +38,8 @@ the steps after it are trained again. Prompts are seeded by (seed, step) and sam
 (seed, step, prompt), and a checkpoint keeps the batches already collected for the steps
 after it, so a retried call, a restarted trainer and a resumed run all train on exactly
 the samples the uninterrupted run would have. A signal (``mesh/runtime/interrupts.py``) stops the
-loop at the next step boundary, with a checkpoint.
+loop at the next step boundary, with a checkpoint; the collection starts no more work meanwhile, and a step
+that cannot finish with the work already running stops the run at once (``Abandoned``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.inflight import collected_from_json, collected_to_json
 from mesh.controller.metrics import step_metrics
 from mesh.controller.samples import sample_records
-from mesh.controller.scheduler import Scheduler
+from mesh.controller.scheduler import Abandoned, Scheduler
 from mesh.controller.services import Services
 from mesh.controller.settings import LoopSettings
 from mesh.controller.teacher_board import TeacherBoard
@@ -115,7 +116,7 @@ class Controller:
         if checkpoint is None and self.settings.evaluation_at_start:
             await self._evaluate_initial()
         if stopper is not None:
-            stopper.training = True
+            stopper.start_training(self.collection.drain)
         try:
             while self.step < self.settings.steps:
                 try:
@@ -125,6 +126,9 @@ class Controller:
                     self.step = await self._restart_trainer(lost)
                     self.trained_at = time.perf_counter()
                     continue
+                except Abandoned:  # a signal drained the collection, and this step cannot be filled
+                    run_path, checkpoint = self.context.run.path, self.last_checkpoint
+                    raise Interrupted(stopper.requested, run_path, checkpoint, at_once=True) from None
                 history.append(metrics)
                 self.step += 1
                 if self.diloco is not None and (ahead := self.diloco.caught_up(self.step)) is not None:
@@ -236,6 +240,7 @@ class Controller:
         """A trainer process died or hung: a fresh trainer mesh from the last checkpoint (the generators keep
         their weights until it publishes); the steps after that checkpoint are trained again, identically."""
         await self.scheduler.cancel()
+        await self.collection.restart()  # before the new trainer reclaims the lost one's weight store
         await self.context.fleet.restart_trainer(lost)
         step = await self._begin(self.last_checkpoint)
         redone = self.context.run.rewind(step)

@@ -15,6 +15,11 @@ the first ``prompts_per_step`` finished groups, the steps in step order::
 ``max_policy_lag`` versions behind the step that takes it is dropped (``groups/dropped``), never
 trained on. Which groups a step takes depends on timing, so a run collected by group is not
 reproduced exactly by a rerun or a resume (its checkpoint keeps the batches taken, not the pool).
+
+A step always ends: it fills, or the pool is ``down`` (every place's last group failed in every
+episode: ``EnvironmentDown`` with the first of those failures), or the run is stopping (a first
+signal ``drain``s the pool: no group starts, and a step the groups still running cannot fill is
+``Abandoned``).
 """
 
 from __future__ import annotations
@@ -28,8 +33,14 @@ from actors.rollout import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
 from actors.weights import WeightVersion
 from mesh.controller.router import TargetLoad
+from mesh.controller.scheduler import Abandoned
 
 Play = Callable[[int, WeightVersion], Awaitable["PlayedGroup"]]  # (group n of the stream, weights) -> it, played
+
+
+class EnvironmentDown(RuntimeError):
+    """Every episode of a step failed (by group: of the pool's last groups): the environment or the agent, not
+    one episode, is the problem."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,8 @@ class GroupPool:
         self.in_order = asyncio.Lock()  # fair: the steps take in the order their collections began
         self.error: BaseException | None = None
         self.failed_since_success = 0  # groups whose every episode failed, since one did not
+        self.first_failure: str | None = None  # the first failure of those groups
+        self.drained = False  # the run stops after the step it is in: no group starts
 
     def follow(self, weights: WeightVersion) -> None:
         """Groups start with ``weights`` from now on (a newer version than any before), and the pool is full."""
@@ -79,7 +92,8 @@ class GroupPool:
         """The first ``per_step`` finished groups fresh enough for ``step`` that have rows to train on, with
         the failed groups met on the way (their failures are the step's to report), and how many stale groups
         were dropped. Failed groups do not fill the batch, or fast failures would crowd out every episode
-        that takes longer. Once the pool is ``down``, the failed ones are the step's whole batch."""
+        that takes longer. A drained pool whose running groups cannot fill the step raises ``Abandoned``; a
+        ``down`` one ``EnvironmentDown`` (whatever good groups the step has, none will join them)."""
         good, failed, dropped = [], [], 0
         while True:
             if self.error is not None:
@@ -90,14 +104,41 @@ class GroupPool:
                     dropped += 1
                 else:
                     (failed if group.failed else good).append(group)
-            if len(good) == self.per_step or (not good and self.down):
+            if len(good) == self.per_step:
                 return good + failed, dropped
+            if self.drained and len(good) + len(self.running) < self.per_step:  # the stop the user asked for
+                raise Abandoned(
+                    f"step {step} has {len(good)} of its {self.per_step} groups and the run stops after this step: "
+                    f"the {len(self.running)} group(s) still running cannot fill it"
+                )
+            if self.down:
+                raise EnvironmentDown(
+                    f"every episode of the last {self.failed_since_success} groups failed (loop.collect: group), so "
+                    f"step {step} can never be filled; the first: {self.first_failure}"
+                )
             self.changed.clear()
             await self.changed.wait()
+
+    def drain(self) -> None:
+        """The run stops after the step it is in (a first signal): no group starts from now on, so a step waits
+        only for the groups running (each bounded by the task's timeout), never for new ones."""
+        self.drained = True
+        self.changed.set()
+
+    async def restart(self) -> None:
+        """Forget every group, running or finished: the trainer went back to its last checkpoint, so their weights
+        are newer than the run's and their store is gone with the lost trainer. The next ``follow`` starts the
+        stream again, with the checkpoint's weights."""
+        self.weights = None  # first: a group that finishes while the others stop starts none
+        await self._stop()
+        self.error, self.failed_since_success, self.first_failure = None, 0, None
 
     async def cancel(self) -> None:
         """Stop every group running and forget the finished ones (the run's end); none starts after."""
         self.budget = 0
+        await self._stop()
+
+    async def _stop(self) -> None:
         for group in self.running:
             group.cancel()
         await asyncio.gather(*self.running, return_exceptions=True)
@@ -107,7 +148,7 @@ class GroupPool:
     def _refill(self) -> None:
         """Start groups until ``budget`` run; a group that failed keeps its place until one succeeds, so fast
         failures cannot cycle without end while slower groups run."""
-        while len(self.running) + self.failed_since_success < self.budget and self.error is None:
+        while self._may_start() and len(self.running) + self.failed_since_success < self.budget:
             group = asyncio.ensure_future(self.play(self.streamed, self.weights))
             self.streamed += 1
             self.running.add(group)
@@ -120,10 +161,19 @@ class GroupPool:
         if group.exception() is not None:
             self.error = self.error or group.exception()
         else:
-            self.finished.append(group.result())
-            self.failed_since_success = self.failed_since_success + 1 if group.result().failed else 0
+            played = group.result()
+            self.finished.append(played)
+            if not played.failed:
+                self.failed_since_success = 0
+            else:
+                if self.failed_since_success == 0:
+                    self.first_failure = next(o.failure for o in played.outcomes if o.failure is not None)
+                self.failed_since_success += 1
         self._refill()
         self.changed.set()
+
+    def _may_start(self) -> bool:
+        return self.weights is not None and self.error is None and not self.drained
 
     @property
     def down(self) -> bool:

@@ -16,8 +16,9 @@ per completion token); given a context (``bounds``, and the checkpoint's version
 ``mesh/checkpoints/resume.py``) they also check token ids against the policy's vocabulary, versions
 against the checkpoint's, and sizes against what the topology can produce: a row no longer
 than the model's positions, a policy's sample no longer than ``max_new_tokens``, no more
-groups or samples than a step samples and no more batches in flight than the controller
-collects ahead (``max_policy_lag`` + 1).
+groups or samples than a step samples (samples counted as episodes: an agent's episode split
+into several rows is one, of at most ``max_turns`` rows) and no more batches in flight than the
+controller collects ahead (``max_policy_lag`` + 1).
 Unchecked, a row far longer than any the run samples passes every type check and then
 grows the trainer until the kernel kills it.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
@@ -55,6 +57,7 @@ def bounds(topology: Topology) -> dict[str, Any]:
         "max_new_tokens": None if topology.task.episodic else topology.actors.generator.max_new_tokens,
         "prompts": loop.prompts_per_step,
         "group_size": loop.group_size,
+        "turns": topology.task.turns,  # the rows of one episode (an agent's, split) at most
         "in_flight": loop.max_policy_lag + 1,  # the controller collects up to L+1 batches ahead
     }
 
@@ -93,6 +96,7 @@ def encode_row(row: Row) -> dict[str, Any]:
         "reward": dataclasses.asdict(row.reward),
         "distill": None,
         "reference_logprobs": row.reference_logprobs,
+        "episode": row.episode,
     }
     if row.distill is not None:
         fields["distill"] = {"ids": row.distill.ids.tolist(), "logprobs": row.distill.logprobs.tolist()}
@@ -223,6 +227,7 @@ class SavedRow(Saved):
     reward: SavedReward
     distill: SavedTopK | None = None
     reference_logprobs: list[float] | None = None  # absent in checkpoints written before the reference existed
+    episode: Annotated[int, Field(ge=0)] | None = None  # absent in checkpoints written before episodes were kept
 
     @field_validator("trajectory")
     @classmethod
@@ -261,6 +266,7 @@ class SavedRow(Saved):
             self.reward.decode(),
             distill,
             self.reference_logprobs,
+            self.episode,
         )
 
 
@@ -268,10 +274,15 @@ def _at_most(count: int, key: str, what: str, info: ValidationInfo) -> None:
     """Refuse more than the context's ``key`` of ``what`` (``count`` of them)."""
     limit = (info.context or {}).get(key)
     if limit is not None and count > limit:
-        raise ValueError(f"{count} {what}, but the topology's run has at most {limit} (loop.{_LOOP_KEYS[key]})")
+        raise ValueError(f"{count} {what}, but the topology's run has at most {limit} ({_SETTINGS[key]})")
 
 
-_LOOP_KEYS = {"prompts": "prompts_per_step", "group_size": "group_size", "in_flight": "max_policy_lag + 1"}
+_SETTINGS = {
+    "prompts": "loop.prompts_per_step",
+    "group_size": "loop.group_size",
+    "turns": "task.max_turns; a task of single completions has 1",
+    "in_flight": "loop.max_policy_lag + 1",
+}
 
 
 class SavedGroup(Saved):
@@ -288,7 +299,13 @@ class SavedGroup(Saved):
     @field_validator("rows")
     @classmethod
     def _samples_of_one_group(cls, rows: list[SavedRow], info: ValidationInfo) -> list[SavedRow]:
-        _at_most(sum(row.kind is RowKind.SAMPLE for row in rows), "group_size", "policy samples in a group", info)
+        """Samples counted as episodes: the rows of one (``episode``) are one sample, at most one row per turn."""
+        samples = [row for row in rows if row.kind is RowKind.SAMPLE]
+        episodes = Counter(row.episode for row in samples if row.episode is not None)
+        alone = sum(row.episode is None for row in samples)
+        _at_most(alone + len(episodes), "group_size", "policy samples in a group", info)
+        for episode, count in episodes.most_common(1):
+            _at_most(count, "turns", f"rows of episode {episode} in a group", info)
         return rows
 
     def decode(self) -> RolloutGroup:

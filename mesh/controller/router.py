@@ -53,7 +53,12 @@ REQUESTS_PER_TARGET = 4
 
 
 class PushFailed(RuntimeError):
-    """A target could not adopt a published version; raised by the next routed call."""
+    """A target could not adopt a published version; raised by the next routed call, unless a newer version is
+    pushed first (a push only readies a target, and the newer one is pushed to it in turn)."""
+
+    def __init__(self, message: str, weights: WeightVersion):
+        super().__init__(message)
+        self.weights = weights
 
 
 @dataclass(frozen=True)
@@ -181,8 +186,12 @@ class Router:
         return await self._route(problems, 1, weights.version, call)
 
     def push(self, weights: WeightVersion) -> None:
-        """The trainer's newest version: every target adopts it as soon as it is free."""
+        """The trainer's newest version: every target adopts it as soon as it is free. A failed push of an older
+        one is forgotten (a trainer restarted from its checkpoint publishes in a new store, and the lost
+        trainer's, which that push read, is gone)."""
         self._newest = weights
+        if self._failure is not None and self._failure.weights != weights:
+            self._failure = None
         self._push_idle()
 
     def forget(self, targets: list[int]) -> None:
@@ -302,9 +311,10 @@ class Router:
             target.pushed_load_seconds += await target.handle.hold.call_one(weights)
             target.held = weights.version
         except Exception as error:  # whatever it is (an actor error, a dead proc), the run must hear of it
-            self._failure = self._failure or PushFailed(
-                f"generator target {i} could not adopt weight version {weights.version}: {error}"
-            )
+            if weights == self._newest:  # else a newer version, pushed since, is the one to adopt
+                self._failure = self._failure or PushFailed(
+                    f"generator target {i} could not adopt weight version {weights.version}: {error}", weights
+                )
         finally:
             await self._release(target, 0)
 

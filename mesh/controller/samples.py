@@ -10,7 +10,8 @@ One line per recorded row, in batch order (a prompt's whole group before the nex
 wrote a teacher's trace, ``version`` the policy that sampled it and ``age`` the trainer's version minus
 that when it trained on it. A full recording (``logging.samples.full``) holds every row of every step,
 each with what training reads of it besides (``trajectory``: its token ids, the sampler's logprobs and the
-loss mask; ``distill``: the distill teacher's top-k; ``reference_logprobs``; ``problem``: the whole prompt; ``row``
+loss mask; ``distill``: the distill teacher's top-k; ``reference_logprobs``; ``episode``: the episode a row is (part
+of), whose rows share one advantage; ``problem``: the whole prompt; ``row``
 and ``rows``: its place in the step's batch and how many rows that has), so that ``--retrain``
 (``mesh/runtime/retrain.py``) can rebuild each step's batch exactly, and tell a row deleted, repeated or cut short.
 
@@ -76,7 +77,7 @@ def sample_records(
             if recording.full:  # ``row``, ``rows``: its place in the step's batch, and the batch's size
                 record |= {"row": i, "rows": rows}
                 saved = encode_row(row)
-                record |= {key: saved[key] for key in ("trajectory", "distill", "reference_logprobs")}
+                record |= {key: saved[key] for key in ("trajectory", "distill", "reference_logprobs", "episode")}
                 record |= {"problem": dataclasses.asdict(group.problem), "distill_teacher": collected.distill_teacher}
             records.append(record)
     return records

@@ -26,6 +26,11 @@ class StalenessError(RuntimeError):
     """A batch older than ``max_policy_lag`` reached the trainer: a controller bug, never trained on."""
 
 
+class Abandoned(RuntimeError):
+    """A collection that cannot finish once the run stops starting work (a first signal drained it): the run
+    stops at once instead of waiting for work that never starts."""
+
+
 def policy_ages(step: int, collected: Collected, max_policy_lag: int) -> list[int]:
     """Each row's policy age when step ``step`` trains on it; a batch older than the lag is refused."""
     ages = [step - row.version for row in collected.rows()]
@@ -65,8 +70,15 @@ class Scheduler:
         return collected, policy_ages(step, collected, self.max_policy_lag)
 
     async def in_flight(self) -> list[Collected]:
-        """The batches already started for the steps after the trained ones, collected (for a checkpoint)."""
-        return [await collection for collection in self.collecting]
+        """The batches already started for the steps after the trained ones, collected (for a checkpoint); in a
+        stopping run, those before the first ``Abandoned`` (a resume collects that one and the rest again)."""
+        collected = []
+        for collection in self.collecting:
+            try:
+                collected.append(await collection)
+            except Abandoned:
+                break
+        return collected
 
     async def cancel(self) -> None:
         """Stop the collections still running (a failed step, a trainer restart, a DiLoCo catch-up), quietly."""

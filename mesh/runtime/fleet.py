@@ -121,6 +121,10 @@ class Fleet:
         """``role`` on ``mesh`` (one process of it, or all), called through the fleet."""
         return Handle(self, role, mesh, proc)
 
+    def roles_on(self, mesh: str) -> list[str]:
+        """The roles placed on ``mesh``, in the order they start."""
+        return [role.name for role in self.meshes[mesh].roles]
+
     async def stop_role(self, role: str, mesh: str) -> None:
         """Stop ``role``'s actors on ``mesh`` (each runs its ``__cleanup__`` after the call it is in),
         waiting at most ``STOP_TIMEOUT_S``; nothing to stop on a mesh that failed or never got them."""
@@ -159,7 +163,11 @@ class Fleet:
                 raise ActorFailed(actor, endpoint, explain(error)) from None
             if mesh == self.trainer_mesh:
                 raise TrainerLost(actor, endpoint, cause)
-            if await self.replace(mesh, generation, Fault(actor, endpoint, cause, 0)):
+            # shielded: a caller given up on (a collection a trainer restart cancels) leaves the mesh whole, not
+            # half spawned; the replacement goes on, and concurrent or later calls wait for it
+            replacing = asyncio.ensure_future(self.replace(mesh, generation, Fault(actor, endpoint, cause, 0)))
+            replacing.add_done_callback(_quietly)  # its failure is the next caller's to meet, if no one waits
+            if await asyncio.shield(replacing):
                 self.seconds_lost += time.perf_counter() - started  # counted once, by the call that replaced it
 
     async def _first_of(self, call: asyncio.Future, failed: asyncio.Future) -> None:

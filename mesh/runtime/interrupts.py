@@ -133,7 +133,8 @@ class Stopper:
 
     def __init__(self) -> None:
         self.requested: int | None = None  # the first signal's number
-        self.training = False  # set by the controller once its loop runs: from then on a signal can wait
+        self.training = False  # once the controller's loop runs (``start_training``): from then on a signal can wait
+        self._drain: Callable[[], None] | None = None
         self._task: asyncio.Task | None = None
         self._previous: dict[int, object] = {}
 
@@ -179,6 +180,12 @@ class Stopper:
         finally:
             sys.unraisablehook = default
 
+    def start_training(self, drain: Callable[[], None]) -> None:
+        """The controller's loop runs: a first signal now waits for the step boundary, and ``drain`` is told of it
+        at once, so work that would go on without end (collection by group starts groups as others finish) stops
+        starting and the step ends with what already runs."""
+        self.training, self._drain = True, drain
+
     def _received(self, signum: int) -> None:
         if self.requested is None and self.training:
             self.requested = signum
@@ -187,6 +194,7 @@ class Stopper:
                 "(send it again to stop at once)",
                 file=sys.stderr,
             )
+            self._drain()
             return
         self.requested = self.requested or signum
         if self._task is not None:

@@ -35,7 +35,7 @@ from mesh.topology.plan import RunPlan
 from mesh.topology.schema import Topology, TopologyError, load_topology
 
 RECORD_AGAIN = "record the run again with --set logging.samples.full=true"
-ROW_KEYS = ("kind", "trajectory", "version", "teacher", "distill", "reference_logprobs")  # as a SavedRow's
+ROW_KEYS = ("kind", "trajectory", "version", "teacher", "distill", "reference_logprobs", "episode")  # a SavedRow's
 NO_SECONDS = {"generate": 0.0, "load": 0.0, "reward": 0.0, "teachers": 0.0}  # nothing was collected
 
 

@@ -269,9 +269,18 @@ async def _stop(launcher) -> None:
 
 async def _stop_trainer(fleet: Fleet) -> None:
     """Stop the trainer's actors before the meshes: rank 0's ``__cleanup__`` removes the weight
-    store on its host, which only a process there can (``actors/trainer.py``)."""
+    store on its host, which only a process there can (``actors/trainer.py``). The actors placed beside it stop
+    first: the trainer destroys its processes' whole torch.distributed world as it stops, and a vLLM generator in
+    the same process must shut its engine down while the groups it made in that world exist."""
+    mesh = fleet.trainer_mesh
+    for role in fleet.roles_on(mesh):
+        if role != "trainer":
+            try:
+                await fleet.stop_role(role, mesh)
+            except Exception as error:  # never in place of the run's own outcome
+                print(f"warning: stopping the {role} beside the trainer: {paragraph(str(error))}", file=sys.stderr)
     try:
-        await fleet.stop_role("trainer", fleet.trainer_mesh)
+        await fleet.stop_role("trainer", mesh)
     except Exception as error:  # never in place of the run's own outcome
         print(
             f"warning: stopping the trainer: {paragraph(str(error))}; its weight store stays on its host until "

@@ -136,6 +136,7 @@ class TaskSection(Section):
     name: str
     _alphabet: object = PrivateAttr(None)
     _episodic: bool = PrivateAttr(False)
+    _turns: int = PrivateAttr(1)
     _serves: bool = PrivateAttr(False)
 
     @property
@@ -151,6 +152,12 @@ class TaskSection(Section):
     def episodic(self) -> bool:
         """Its prompts are environment episodes (``actors/environments/openenv_task.py``)."""
         return self._episodic
+
+    @property
+    def turns(self) -> int:
+        """The model's replies in one episode at most (``max_turns``; 1 for a task of single completions): the
+        rows an agent's episode can become, one per request."""
+        return self._turns
 
     @property
     def agent(self) -> str | None:
@@ -175,6 +182,7 @@ class TaskSection(Section):
         task = build_task(self.config)
         self._alphabet = getattr(task, "alphabet", None)
         self._episodic = callable(getattr(task, "episodes", None))
+        self._turns = task.episodes().max_turns if self._episodic else 1
         self._serves = getattr(task, "serve", None) is not None
         return self
 
