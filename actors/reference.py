@@ -28,7 +28,7 @@ from actors.inner_loops.native import HiddenStates
 from actors.lifecycle import ProcInfo, this_proc
 from actors.model import load_policy
 from actors.rollout import Trajectory
-from actors.train_batch import Sequences, pack_sequences
+from actors.train_batch import Sequences, trajectory_sequences
 from losses import token_logprobs
 
 if TYPE_CHECKING:
@@ -118,6 +118,6 @@ class Reference(Actor):
     def logprobs(self, trajectories: list[Trajectory]) -> ReferenceReply:
         start = time.perf_counter()
         # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention
-        values = self.model.logprobs(pack_sequences(trajectories, 0)).cpu()
+        values = self.model.logprobs(trajectory_sequences(trajectories, 0)).cpu()
         rows = [values[i, : len(t.completion_ids)].tolist() for i, t in enumerate(trajectories)]
         return ReferenceReply(rows, time.perf_counter() - start)

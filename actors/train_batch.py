@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from actors.packing import PackedRows, pack_rows
 from actors.rollout import RolloutGroup, Row, Trajectory
 from losses import group_advantages
 from losses.config import AdvantageEstimator
@@ -36,6 +38,10 @@ class Sequences:
     def rows(self, rows: slice | Tensor) -> Sequences:
         return dataclasses.replace(self, **{k: getattr(self, k)[rows] for k in TOKEN_FIELDS})
 
+    def packed(self) -> PackedRows:
+        """These rows packed for one forward pass, each shared prompt once (``actors/packing.py``)."""
+        return pack_rows(self.input_ids, self.attention_mask, self.position_ids, self.prompt_len)
+
     def to(self, device: torch.device) -> Sequences:
         return dataclasses.replace(self, **{k: getattr(self, k).to(device) for k in TOKEN_FIELDS})
 
@@ -44,6 +50,9 @@ class Sequences:
 
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "position_ids")
+# a ``TrainBatch``'s fields laid out by completion token, [B, T] or [B, T, K]
+PER_TOKEN_FIELDS = ("completion_mask", "inference_logprobs", "ref_logprobs", "distill_ids", "distill_logprobs",
+                    "distill_mask")
 
 
 @dataclass
@@ -79,12 +88,33 @@ class TrainBatch:
     def sequences(self) -> Sequences:
         return Sequences(self.input_ids, self.attention_mask, self.position_ids, self.prompt_len)
 
+    def packed(self) -> PackedRows:
+        return self.sequences().packed()
+
     def rows(self, rows: slice | Tensor) -> TrainBatch:
         """Some rows (a rank's share, a micro-batch); the caller keeps the global counts."""
         return dataclasses.replace(self._map(lambda t: t[rows], skip=("pairs",)), pairs=None)
 
     def to(self, device: torch.device) -> TrainBatch:
         return self._map(lambda t: t.to(device))
+
+    @property
+    def completion_width(self) -> int:
+        return self.input_ids.shape[1] - self.prompt_len
+
+    def trimmed(self, width: int | None = None) -> TrainBatch:
+        """These rows without the columns that are padding in all of them: a micro-batch's rows are often shorter
+        than the step's longest, and the loss would score every completion column. ``width``: the completion
+        columns to keep (at least one), by default up to the longest completion here."""
+        real = self.attention_mask.bool().any(0)  # columns real in some row
+        start = min(int(real.long().argmax()), self.prompt_len - 1)  # the first, within the prompt
+        if width is None:
+            completion = real[self.prompt_len :].nonzero()
+            width = int(completion.max()) + 1 if len(completion) else 1
+        end = self.prompt_len + width
+        tokens = {name: getattr(self, name)[:, start:end] for name in TOKEN_FIELDS}
+        per_token = {name: value[:, :width] for name in PER_TOKEN_FIELDS if (value := getattr(self, name)) is not None}
+        return dataclasses.replace(self, **tokens, **per_token, prompt_len=self.prompt_len - start)
 
     def __reduce__(self):
         # Monarch pickles each tensor storage through torch.save (about 2 ms for a batch's
@@ -105,9 +135,14 @@ def _train_batch_from_arrays(fields: dict) -> TrainBatch:
     return TrainBatch(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()})
 
 
-def pack_sequences(trajectories: list[Trajectory], pad_id: int) -> Sequences:
-    prompts, prompt_lens = _packed([t.prompt_ids for t in trajectories], pad_id, np.int64, right_aligned=True)
-    completions, lengths = _packed([t.completion_ids for t in trajectories], pad_id, np.int64, minimum_width=1)
+def trajectory_sequences(trajectories: list[Trajectory], pad_id: int) -> Sequences:
+    return pad_sequences([t.prompt_ids for t in trajectories], [t.completion_ids for t in trajectories], pad_id)
+
+
+def pad_sequences(prompts: list[Sequence[int]], completions: list[Sequence[int]], pad_id: int) -> Sequences:
+    """Prompts left-padded and completions right-padded after them, one row each (``Sequences``)."""
+    prompts, prompt_lens = _padded(prompts, pad_id, np.int64, right_aligned=True)
+    completions, lengths = _padded(completions, pad_id, np.int64, minimum_width=1)
     prompt_len, width = prompts.shape[1], completions.shape[1]
     attention_mask = torch.from_numpy(
         np.concatenate(
@@ -129,10 +164,10 @@ def build_train_batch(
     (``row_advantages``); channel 3's pairs from every group that has replayed traces."""
     rows = [row for group in groups for row in group.rows]
     trajectories = [row.trajectory for row in rows]
-    sequences = pack_sequences(trajectories, pad_id)
+    sequences = trajectory_sequences(trajectories, pad_id)
     width = sequences.targets.shape[1]
-    loss_mask, _ = _packed([t.loss_mask for t in trajectories], False, np.bool_, minimum_width=width)
-    logprobs, _ = _packed([t.logprobs for t in trajectories], 0.0, np.float32, minimum_width=width)
+    loss_mask, _ = _padded([t.loss_mask for t in trajectories], False, np.bool_, minimum_width=width)
+    logprobs, _ = _padded([t.logprobs for t in trajectories], 0.0, np.float32, minimum_width=width)
     completion_mask = torch.from_numpy(loss_mask)
     return TrainBatch(
         **{k: getattr(sequences, k) for k in (*TOKEN_FIELDS, "prompt_len")},
@@ -153,7 +188,7 @@ def _reference_field(rows: list[Row], width: int) -> dict[str, Tensor]:
     and in the rows that do not train the policy, which it is not asked about)."""
     if all(row.reference_logprobs is None for row in rows):
         return {}
-    values, _ = _packed([row.reference_logprobs or () for row in rows], 0.0, np.float32, minimum_width=width)
+    values, _ = _padded([row.reference_logprobs or () for row in rows], 0.0, np.float32, minimum_width=width)
     return {"ref_logprobs": torch.from_numpy(values)}
 
 
@@ -193,7 +228,7 @@ def _places(group: RolloutGroup) -> tuple[list[int], list[int | None]]:
     return firsts, of_row
 
 
-def _packed(
+def _padded(
     sequences: list[list], fill, dtype, *, right_aligned: bool = False, minimum_width: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """``sequences`` padded with ``fill`` into one ``[B, width]`` array (left-padded when

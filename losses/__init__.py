@@ -40,7 +40,6 @@ _LAZY = {
     "mean_entropy": "losses.compose",
     "TAIDScheduler": "losses.distill",
     "distill_loss": "losses.distill",
-    "hinted_inputs": "losses.distill",
     "fused_linear_loss": "losses.logprobs",
     "selective_logprobs": "losses.logprobs",
     "selective_logprobs_and_entropy": "losses.logprobs",

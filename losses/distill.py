@@ -7,8 +7,7 @@ vocabulary, or a teacher's top-k ids plus one tail bucket holding the remaining 
 (so both sides sum to 1 and k = V reproduces the full divergence).
 
 SDPO (hint self-distillation) is this channel with the teacher being the live policy
-scoring the same completion with a hint in context; ``hinted_inputs`` builds that
-teacher context and the positions that align it with the student's.
+scoring the same completion with a hint in context (``actors/teachers/bindings/self_hint.py``).
 """
 
 from __future__ import annotations
@@ -256,21 +255,3 @@ class TAIDScheduler:
     def load_state_dict(self, state: dict[str, float | int | None]) -> None:
         self.t, self.steps_done = state["t"], state["steps_done"]
         self.momentum, self.previous_loss = state["momentum"], state["previous_loss"]
-
-
-def hinted_inputs(
-    prompts: list[Tensor], hints: list[Tensor], completions: list[Tensor], pad_id: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Right-padded ``prompt ⊕ hint ⊕ completion`` ids, attention mask, and completion positions.
-
-    ``positions[b, t]`` is the index whose logits predict completion token t, so
-    ``logits[arange(B)[:, None], positions]`` aligns any context (empty hints give the student's own)
-    with the student's completion tokens. Completions are right-padded to the longest.
-    """
-    rows = [torch.cat([p, h, c]) for p, h, c in zip(prompts, hints, completions, strict=True)]
-    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)
-    attention = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
-    width = max(len(c) for c in completions)
-    starts = torch.tensor([len(p) + len(h) - 1 for p, h in zip(prompts, hints)])
-    positions = (starts[:, None] + torch.arange(width)).clamp(max=ids.shape[1] - 1)
-    return ids, attention, positions

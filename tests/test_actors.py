@@ -125,9 +125,10 @@ async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, inner_lo
     moved = max((weights_one[k] - v).abs().max().item() for k, v in initial.state_dict().items())
     assert moved > 1e-3  # the step really changed the weights
     # Adam's first step is lr * g / (|g| + eps) with lr = 1e-2: summation-order noise moves it by ~1e-6,
-    # and up to ~1e-5 where a gradient is near 0 (the three-channel loss has more such entries)
+    # and up to ~5e-5 where a gradient is near 0 (each rank packs its own share of the rows, actors/packing.py,
+    # so one and two processes sum in different orders; the three-channel loss has more such entries)
     for name, value in weights_one.items():
-        torch.testing.assert_close(weights_two[name], value, atol=3e-5, rtol=0)
+        torch.testing.assert_close(weights_two[name], value, atol=1e-4, rtol=0)
     assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-6)
     assert two.metrics["grad_norm"] == pytest.approx(one.metrics["grad_norm"], rel=1e-5)
     assert one.weights.version == two.weights.version == 1

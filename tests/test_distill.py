@@ -9,6 +9,8 @@ import torch
 from conftest import DIVERGENCES
 from torch.testing import assert_close
 
+from actors.train_batch import pad_sequences
+
 from losses import (
     Counts,
     DistillConfig,
@@ -18,7 +20,6 @@ from losses import (
     TeacherLogits,
     TeacherTopK,
     distill_loss,
-    hinted_inputs,
 )
 from losses.distill import entropy, generalized_jsd, kl_student_teacher, kl_teacher_student, supports
 
@@ -271,9 +272,11 @@ def tiny_lm():
 
 
 def completion_logits(model, prompts, hints, completions):
-    ids, attention, positions = hinted_inputs(prompts, hints, completions, pad_id=0)
-    logits = model(input_ids=ids, attention_mask=attention).logits
-    return logits[torch.arange(len(prompts))[:, None], positions]
+    """The logits that predict each completion token after ``prompt ⊕ hint``, as a teacher scores them."""
+    contexts = [torch.cat([prompt, hint]).tolist() for prompt, hint in zip(prompts, hints)]
+    packed = pad_sequences(contexts, [c.tolist() for c in completions], pad_id=0).packed()
+    mask = packed.attention_mask(model.config._attn_implementation, model.dtype)
+    return packed.gather(model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids).logits)
 
 
 def test_sdpo_with_an_empty_hint_is_zero_and_a_hint_changes_the_teacher(tiny_lm):
@@ -294,20 +297,3 @@ def test_sdpo_with_an_empty_hint_is_zero_and_a_hint_changes_the_teacher(tiny_lm)
     student = completion_logits(tiny_lm, prompts, empty, completions)
     hinted, _ = run(student, TeacherLogits(hinted_teacher), cfg, mask=mask)
     assert hinted > 1e-6
-
-
-def test_hinted_positions_align_the_completion_tokens(tiny_lm):
-    """The teacher's logits at ``positions`` predict exactly the completion tokens, whatever the hint length."""
-    prompt, completion = torch.tensor([1, 2, 3]), torch.tensor([6, 7, 8])
-    for hint in (torch.tensor([], dtype=torch.long), torch.tensor([20]), torch.tensor([20, 21, 22, 23])):
-        ids, _, positions = hinted_inputs([prompt], [hint], [completion], pad_id=0)
-        assert torch.equal(ids[0, positions[0] + 1], completion)
-    # a one-token prompt and ragged completions still align
-    ids, attention, positions = hinted_inputs(
-        [torch.tensor([5]), torch.tensor([1, 2])],
-        [torch.tensor([9]), torch.tensor([], dtype=torch.long)],
-        [torch.tensor([3, 4, 6]), torch.tensor([7])],
-        pad_id=0,
-    )
-    assert torch.equal(ids[0, positions[0] + 1], torch.tensor([3, 4, 6]))
-    assert ids[1, positions[1, 0] + 1] == 7 and attention.sum(1).tolist() == [5, 3]

@@ -21,12 +21,14 @@ from test_actors import ALL_CHANNELS, TASK, a_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors import registry
-from actors.adapters import adapter_state, load_adapter_state
+from actors.adapters import adapter_state, head_weight, load_adapter_state
 from actors.checkpoint import load_checkpoint
 from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
 from actors.inner_loops.config import LoRAConfig
+from actors.inner_loops.native import NativeLoop
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from losses import LossConfig, policy_config, prime_rl
+from actors.train_batch import TrainBatch
+from losses import LinearHead, LossConfig, policy_config, prime_rl
 from losses.logprobs import token_logprobs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -119,6 +121,29 @@ def test_every_loop_gives_native_loss_and_gradients(loop, policy, channels, mode
             grads[name], grad, atol=TOLERANCE, rtol=0, msg=lambda m, name=name: f"{loop} {name}: {m}"
         )
     assert max(g.abs().max() for g in want.values()) > 1e-2  # a real gradient, not a vacuous match
+
+
+class PaddedNative(NativeLoop):
+    """The native loop as it was before packing: every row a sequence of its own, padded to the step's longest."""
+
+    def head(self, batch):
+        decoder = self.model.get_decoder()
+        out = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        return LinearHead(out.last_hidden_state[:, batch.prompt_len - 1 : -1], head_weight(self.model))
+
+
+@pytest.mark.parametrize("channels", [False, True], ids=["policy", "all_channels"])
+@pytest.mark.parametrize("policy", POLICY_LOSSES)
+def test_packed_rows_give_the_padded_rows_loss_and_gradients(policy, channels, model_dir, native, monkeypatch):
+    """Packed micro-batches (each group's prompt once, actors/packing.py; completion columns trimmed) against the
+    rows padded to the step's longest, as every loop ran before: the same loss and gradients to float error. Every
+    other loop matches the packed native loop (above), so each matches its padded self too."""
+    batch, (packed_metrics, packed_gradients) = native(policy, channels)
+    monkeypatch.setattr(TrainBatch, "trimmed", lambda self, width=None: self)
+    padded = PaddedNative(model_dir, config(policy, channels), rank=0, world=1)
+    padded_metrics = padded.forward_backward(batch, taid_t=0.6)
+    assert packed_metrics["loss"] == pytest.approx(padded_metrics["loss"], abs=TOLERANCE)
+    assert relative_error(packed_gradients, padded.gradients()) <= TOLERANCE
 
 
 def test_tis_inside_the_loop_weights_each_token_by_trainer_over_sampler(model_dir):

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
-from actors.inner_loops.torchtitan import TorchTitanLoop, TorchTitanModelError, attention_mask
+from actors.inner_loops.torchtitan import TorchTitanLoop, TorchTitanModelError
 from actors.model import TinyModelSpec, build_tiny_model, char_tokenizer, load_policy
 from losses import LossConfig
 
@@ -75,21 +75,21 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_hf_on_left_padded_rows(model_dirs, arch):
+def test_packed_logits_match_hf_on_each_padded_row(model_dirs, arch):
+    """The loop's logits come from the rows packed (shared prompts once, ``actors/packing.py``); HF's here from
+    the rows as the batch pads them, left and right."""
     batch = a_batch(model_dirs[arch], channels=True)
     assert not batch.attention_mask[:, 0].all() and not batch.attention_mask[:, -1].all()  # left and right pads
     loop = TorchTitanLoop(model_dirs[arch], config(), rank=0, world=1)
     hf, _ = load_policy(model_dirs[arch])
     with torch.no_grad():
-        ours = loop.model(
-            batch.input_ids, positions=batch.position_ids, attention_masks=attention_mask(batch.attention_mask)
-        )
+        ours = loop.head(batch).logits
         theirs = hf(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits
-    real = batch.attention_mask.bool()
+        ).logits[:, batch.prompt_len - 1 : -1]
+    real = batch.attention_mask[:, batch.prompt_len :].bool()
     assert (ours[real] - theirs[real]).abs().max().item() <= 1e-5
-    assert torch.isfinite(ours).all()  # left-pad queries, with no real key to see, are not NaN
+    assert torch.isfinite(ours).all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -167,7 +167,8 @@ async def test_bf16_over_two_gloo_ranks_makes_the_one_rank_step(model_dirs):
         for procs in (1, 2)
     ]
     (one, weights_one), (two, weights_two) = runs
-    assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-6)
+    # each rank packs its own share of the rows (actors/packing.py), so bf16 rounds the two runs' lanes differently
+    assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-4)
     assert {tensor.dtype for tensor in weights_one.values()} == {torch.float32}
     assert two.metrics["grad_norm"] == pytest.approx(one.metrics["grad_norm"], rel=1e-3)
     # each rank's gradient is rounded to bf16 before the fp32 reduction: bf16 noise, which AdamW's

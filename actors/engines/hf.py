@@ -19,12 +19,16 @@ import torch
 from torch import Tensor
 from transformers import BatchEncoding
 
+from actors.adapters import head_weight
 from actors.compute import Compute
 from actors.engines import Sampling, request_seed
 from actors.generator_config import policy_dtype
 from actors.inner_loops.config import LoRAConfig
 from actors.model import load_policy
+from actors.packing import packed_states
 from actors.rollout import Trajectory
+from actors.train_batch import pad_sequences
+from losses import token_logprobs
 
 
 class HFEngine:
@@ -113,27 +117,15 @@ class HFEngine:
     @torch.no_grad()
     def logprobs_of_now(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """The model's own logprobs of given completions (not truncated by top-k/top-p:
-        a teacher's trace may hold tokens the sampler would never draw)."""
+        a teacher's trace may hold tokens the sampler would never draw), from one pass over
+        the rows packed (``actors/packing.py``)."""
         encode = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
         pairs = [(encode(p), encode(c) + [self.tokenizer.eos_token_id]) for p, c in zip(prompts, completions)]
-        width = max(len(p) + len(c) for p, c in pairs)
-        ids = torch.full((len(pairs), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        for row, (prompt, completion) in enumerate(pairs):
-            ids[row, : len(prompt) + len(completion)] = torch.tensor(prompt + completion)
-            attention[row, : len(prompt) + len(completion)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device)).logits
-        logprobs = logits.float().log_softmax(-1).cpu()
+        sequences = pad_sequences(*zip(*pairs), self.tokenizer.pad_token_id).to(self.device)
+        states = packed_states(self.model, sequences.packed())
+        logprobs = token_logprobs(states, head_weight(self.model), sequences.targets).cpu()
         return [
-            Trajectory.single_turn(
-                p,
-                c,
-                logprobs[row, len(p) - 1 : len(p) + len(c) - 1]
-                .gather(-1, torch.tensor(c)[:, None])
-                .squeeze(-1)
-                .tolist(),
-                text,
-            )
+            Trajectory.single_turn(p, c, logprobs[row, : len(c)].tolist(), text)
             for row, ((p, c), text) in enumerate(zip(pairs, completions))
         ]
 

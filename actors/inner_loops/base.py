@@ -26,7 +26,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -64,7 +64,7 @@ from losses.policy import MISMATCH_MAX
 CPU = torch.device("cpu")
 
 
-RowInputs = Callable[[slice], LossInputs]
+RowInputs = Callable[[slice, int | None], LossInputs]  # (rows, completion width to keep, or all of it)
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,8 @@ class MicroBatchLoop(ABC):
         for i, (kind, rows) in enumerate(passes):
             with nullcontext() if i == len(passes) - 1 or self.world == 1 else self.no_sync():
                 if kind == "rows":
-                    out = self.micro_loss(batch.rows(rows), inputs(rows), taid_t)
+                    part = batch.rows(rows).trimmed()
+                    out = self.micro_loss(part, inputs(rows, part.completion_width), taid_t)
                     self.backward(out.loss)
                     _accumulate(totals, out.metrics)
                 else:
@@ -222,22 +223,28 @@ class MicroBatchLoop(ABC):
             advantages = batch.advantages[:, None]
             held_back = covariance_selection(batch.inference_logprobs, advantages, policy_mask, self.cfg.loss.policy)
 
-        def rows(sl: slice) -> LossInputs:
+        def rows(sl: slice, width: int | None = None) -> LossInputs:
             part = batch.rows(sl)
+            if width is not None:
+                part = part.trimmed(width)
+            cut = slice(None, width)
             policy = PolicyInputs(
-                mask=policy_mask[sl],
+                mask=policy_mask[sl, cut],
                 advantages=part.advantages,
                 counts=counts,
                 inference_logprobs=part.inference_logprobs,  # the old policy is the loss's choice (is_mode)
                 ref_logprobs=part.ref_logprobs,
-                held_back=None if held_back is None else held_back[sl],
+                held_back=None if held_back is None else held_back[sl, cut],
             )
             teacher = (
                 DistillInputs(TeacherTopK(part.distill_ids, part.distill_logprobs), part.distill_mask, distill_counts)
                 if distill
                 else None
             )
-            pairs = None if pair_grads is None else pair_grads.rows(sl)
+            pairs = None
+            if pair_grads is not None:
+                pairs = pair_grads.rows(sl)
+                pairs = replace(pairs, mask=pairs.mask[:, cut])
             return LossInputs(targets=part.targets, policy=policy, distill=teacher, pair_grads=pairs)
 
         return rows

@@ -26,7 +26,8 @@ from actors.adapters import head_weight, with_adapter
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
 from actors.model import load_policy
-from actors.train_batch import TrainBatch
+from actors.packing import packed_states
+from actors.train_batch import Sequences, TrainBatch
 from losses import LinearHead
 
 
@@ -37,10 +38,10 @@ class HiddenStates(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: TrainBatch) -> Tensor:
-        decoder = self.model.get_decoder()
-        out = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
-        return out.last_hidden_state[:, batch.prompt_len - 1 : -1]  # the states that predict the completion
+    def forward(self, batch: TrainBatch | Sequences) -> Tensor:
+        """The states that predict each row's completion, from one pass over the rows packed
+        (``actors/packing.py``): ``[rows, T, hidden]``."""
+        return packed_states(self.model, batch.packed())
 
 
 class NativeLoop(HFModelLoop):

@@ -19,9 +19,9 @@ Fixes that make it run on CPU and over gloo, and why:
   one import; where CUDA is present (a controller on a GPU host imports this module too)
   nothing is patched.
 - Attention: FlexAttention (TorchTitan's default) has no CPU backward, and TorchTitan's
-  SDPA backend takes no mask. ``MaskedSDPA`` is SDPA with an explicit boolean mask,
-  causal and key-is-a-real-token, which is also what reproduces HF's logits on the
-  left-padded rows of a ``TrainBatch`` (positions come from its ``position_ids``).
+  SDPA backend takes no mask. ``MaskedSDPA`` is SDPA with an explicit boolean mask: the
+  packed rows' (``actors/packing.py``), each token seeing its own row's prompt and
+  completion, at its row's positions, which reproduces HF's logits on each row.
 - gloo has no ``PREMUL_SUM``: FSDP2 modules reduce with a plain sum
   (``set_force_sum_reduction_for_comms``). TorchTitan also turns off FSDP2's gradient
   division, so ranks' gradients add up, which is what the shared step's per-rank losses
@@ -116,7 +116,7 @@ class TorchTitanModelError(ValueError):
 
 
 class MaskedSDPA(Module):
-    """TorchTitan inner attention: SDPA under the boolean mask ``attention_mask`` builds."""
+    """TorchTitan inner attention: SDPA under a packed micro-batch's boolean mask (``PackedRows.visible``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -139,19 +139,6 @@ class MaskedSDPA(Module):
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
         return out.transpose(1, 2)
-
-
-def attention_mask(real: Tensor) -> Tensor:
-    """``[B, 1, L, L]`` bool from a ``[B, L]`` real-token mask: causal and key-is-real, as HF
-    masks with ``attention_mask``. A query with no visible key (a left pad) sees itself:
-    kernels need not agree on an all-masked row (this torch's CPU kernel returns 0), and
-    a NaN there would reach real rows through 0 x NaN in the next layer. No real token
-    attends to a pad, so real rows are exactly HF's."""
-    length = real.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()
-    mask = causal & real.bool()[:, None, :]
-    alone = ~mask.any(-1, keepdim=True) & torch.eye(length, dtype=torch.bool, device=real.device)
-    return (mask | alone)[:, None]
 
 
 # -- HF architectures -> TorchTitan model definitions -----------------------------------------
@@ -403,10 +390,10 @@ class TorchTitanLoop(MicroBatchLoop):
     # -- the step's hooks ----------------------------------------------------------------------
 
     def head(self, batch: TrainBatch) -> Logits:
-        logits = self.model(
-            batch.input_ids, positions=batch.position_ids, attention_masks=attention_mask(batch.attention_mask)
-        )
-        return Logits(logits[:, batch.prompt_len - 1 : -1])  # the positions that predict the completion
+        """The logits that predict each row's completion, from one pass over the rows packed (``actors/packing.py``)."""
+        packed = batch.packed()
+        logits = self.model(packed.input_ids, positions=packed.position_ids, attention_masks=packed.visible)
+        return Logits(packed.gather(logits))
 
     def backward(self, loss: Tensor) -> None:
         """TorchTitan's FSDP2 sums gradients over ranks (no division), and each rank's loss is

@@ -51,6 +51,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 LOSS_INPUTS = "composer_loss_inputs"  # the inputs key under which our loop passes the step-normalized LossInputs
 TAID_T = "composer_taid_t"
+PACKED = "composer_packed"  # the inputs key of the micro-batch's rows packed for one pass (``actors/packing.py``)
 
 
 class ComposerGRPOTrainer(GRPOTrainer):
@@ -82,8 +83,15 @@ class ComposerGRPOTrainer(GRPOTrainer):
         return out.loss
 
     def policy_head(self, model, inputs: dict, distribution: bool) -> Head:
-        """TRL's token logprobs (its fused LM head never builds ``[B, T, V]``), or the full
-        logits when a loss channel needs the whole distribution (distillation, the entropy bonus)."""
+        """Under our inner loop, the logits that predict each row's completion from one pass over the rows
+        packed (``actors/packing.py``). Under TRL's own training, TRL's token logprobs (its fused LM head never
+        builds ``[B, T, V]``), or the full logits when a loss channel needs the whole distribution
+        (distillation, the entropy bonus)."""
+        if (packed := inputs.get(PACKED)) is not None:
+            mask = packed.attention_mask(self.model.config._attn_implementation, self.model.dtype)
+            with self.accelerator.autocast():  # as TRL wraps its own forward (a no-op unless bf16)
+                out = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids)
+            return Logits(packed.gather(out.logits) / self.temperature)
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -179,13 +187,11 @@ class TRLLoop(HFModelLoop):
         return self.trainer.policy_head(self.wrapped, self._trl_inputs(batch), distribution=False)
 
     def _trl_inputs(self, batch: TrainBatch) -> dict:
-        prompt, completion = slice(None, batch.prompt_len), slice(batch.prompt_len, None)
+        completion = slice(batch.prompt_len, None)
         return {
-            "prompt_ids": batch.input_ids[:, prompt],
-            "prompt_mask": batch.attention_mask[:, prompt],
             "completion_ids": batch.input_ids[:, completion],
             "completion_mask": batch.attention_mask[:, completion],
-            "position_ids": batch.position_ids,
+            PACKED: batch.packed(),
         }
 
     def backward(self, loss: Tensor) -> None:

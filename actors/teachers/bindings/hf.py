@@ -1,23 +1,27 @@
 """``hf``: a frozen local Hugging Face model as a teacher; it gives top-k and writes traces.
 
 ``CausalLMScorer`` is the scoring both this and ``self_hint`` do: one prefill of
-``prompt ⊕ hint ⊕ completion`` (the hint only when the binding reads hints) and the
-teacher's top-k at each position that predicts a completion token.
+``prompt ⊕ hint ⊕ completion`` (the hint only when the binding reads hints), the rows packed
+so that a context shared by a group's completions is computed once (``actors/packing.py``),
+and the teacher's top-k at each position that predicts a completion token.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from actors.adapters import head_weight
 from actors.model import load_policy
 from actors.model_source import ModelSource
+from actors.packing import packed_states
 from actors.prompts import render
 from actors.tasks import Problem
 from actors.teachers.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
 from actors.teachers.bindings.config import HF_TEACHER_KEY
 from actors.teachers.bindings.tokens import top_k_of, vocab_map
-from losses import hinted_inputs
+from actors.train_batch import pad_sequences
 
 
 class CausalLMScorer:
@@ -37,26 +41,25 @@ class CausalLMScorer:
 
     @torch.no_grad()
     def top_k(self, requests: list[TopKRequest]) -> list[TopK]:
-        encode = lambda text: torch.tensor(self.tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)  # noqa: E731
+        encode = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
         contexts = [  # the hint is rendered into the prompt, where this model's chat template puts it
             encode(render(self.tokenizer, r.prompt, r.system_prompt, r.hint if self.needs_hint else None))
             for r in requests
         ]
-        hints = [torch.empty(0, dtype=torch.long)] * len(requests)
         completions = [self._teacher_ids(r.completion_ids) for r in requests]
-        ids, attention, positions = hinted_inputs(contexts, hints, completions, self.tokenizer.pad_token_id)
-        device = self.model.device  # a self_hint teacher's weights arrive where the policy's live, a GPU say
-        logits = self.model(input_ids=ids.to(device), attention_mask=attention.to(device)).logits
-        rows = torch.arange(len(requests), device=device)[:, None]
-        logprobs = logits[rows, positions.to(device)].float().log_softmax(-1)
+        # one pass over the rows packed, each context once for the completions that share it (a group's)
+        sequences = pad_sequences(contexts, completions, self.tokenizer.pad_token_id).to(self.model.device)
+        states = packed_states(self.model, sequences.packed())  # on the GPU a self_hint teacher's weights arrive on
+        logprobs = F.linear(states, head_weight(self.model).to(states.dtype)).float().log_softmax(-1)
         return [
             top_k_of(logprobs[row, : len(completion)], self.cfg.top_k, self.student_vocab_size, self.to_student)
             for row, completion in enumerate(completions)
         ]
 
-    def _teacher_ids(self, completion_ids: list[int]) -> Tensor:
-        ids = torch.tensor(completion_ids, dtype=torch.long)
-        return ids if self.to_teacher is None else self.to_teacher[ids]
+    def _teacher_ids(self, completion_ids: list[int]) -> list[int]:
+        if self.to_teacher is None:
+            return completion_ids
+        return self.to_teacher[torch.tensor(completion_ids, dtype=torch.long)].tolist()
 
 
 def _student_to_teacher(to_student: Tensor, student_vocab: dict[str, int], cfg: BindingConfig) -> Tensor:

@@ -1,0 +1,123 @@
+"""The train stage against its floor, on a real run's own batches.
+
+    python bench/train_floor.py RUN_DIR [--steps 4] [--repeats 3]
+
+RUN_DIR is a run recorded whole (``--set logging.samples.full=true``), for instance of ``smol_math.yaml``: its
+recorded steps are rebuilt into the very ``TrainBatch``es the trainer took, and each is timed three ways, one after
+the other on this machine, in the topology's trainer configuration (its loss, micro-batch size and precision), one
+process, all cores:
+
+- ``packed``: the native loop's ``forward_backward`` as it runs, its micro-batches packed (``actors/packing.py``);
+- ``padded``: the same loop with every row a sequence of its own, padded to the step's longest, as it ran before
+  packing (the baseline packing is measured against);
+- ``floor``: a bare forward and backward of the same real tokens in plain torch, no loss library: each
+  micro-batch's rows, each with its own prompt, one after another in one sequence (positions restart per row, so
+  no token sees another row's), and the summed cross-entropy of their completion tokens.
+
+It prints each step's seconds and the ratios, then their medians. The loss, gradients and optimizer of the loop do
+more than the floor's cross-entropy (every channel of the topology's loss), so ``packed / floor`` says what the
+loop's step costs over the physical minimum; below 1, packing's shared prompts save more than the loop spends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import machine  # bench/ is on sys.path when this runs as a script
+
+from actors.adapters import head_weight
+from actors.inner_loops.native import NativeLoop
+from actors.train_batch import TrainBatch, build_train_batch, row_advantages
+from losses import LinearHead
+from mesh.runtime.retrain import recorded_batches
+from mesh.topology.plan import RunPlan
+from mesh.topology.schema import load_topology
+
+
+class PaddedLoop(NativeLoop):
+    """The native loop as it ran before packing: each row a sequence of its own, padded to the step's longest."""
+
+    def head(self, batch: TrainBatch) -> LinearHead:
+        decoder = self.model.get_decoder()
+        out = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        return LinearHead(out.last_hidden_state[:, batch.prompt_len - 1 : -1], head_weight(self.model))
+
+    def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
+        untrimmed, TrainBatch.trimmed = TrainBatch.trimmed, lambda self, width=None: self
+        try:
+            return super().forward_backward(batch, taid_t)
+        finally:
+            TrainBatch.trimmed = untrimmed
+
+
+def floor(model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int) -> None:
+    """A bare forward and backward of ``batch``'s real tokens, micro-batch by micro-batch."""
+    weight = head_weight(model)
+    real = batch.attention_mask.bool()
+    for start in range(0, len(batch), micro_batch_size):
+        rows = range(start, min(start + micro_batch_size, len(batch)))
+        tokens = [batch.input_ids[row][real[row]] for row in rows]
+        prompts = [int(real[row, : batch.prompt_len].sum()) for row in rows]
+        ids = torch.cat(tokens)[None]
+        positions = torch.cat([torch.arange(len(t)) for t in tokens])[None]  # restarting: rows see only themselves
+        hidden = model.get_decoder()(input_ids=ids, position_ids=positions).last_hidden_state[0]
+        ends = torch.tensor([len(t) for t in tokens]).cumsum(0)
+        predicting = torch.cat([torch.arange(end - len(t) + p - 1, end - 1) for t, p, end in zip(tokens, prompts, ends)])
+        targets = torch.cat([t[p:] for t, p in zip(tokens, prompts)])
+        F.cross_entropy(F.linear(hidden[predicting], weight), targets, reduction="sum").backward()
+
+
+def seconds(work, *args) -> float:
+    start = time.perf_counter()
+    work(*args)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--steps", type=int, default=4, help="recorded steps to time, from step 0")
+    parser.add_argument("--repeats", type=int, default=3, help="times each step is timed each way (median kept)")
+    args = parser.parse_args()
+    topology = load_topology(args.run_dir / "topology.yaml", [f"loop.steps={args.steps}"], placed_here=False)
+    plan = RunPlan.of(topology)
+    cfg = topology.actors.trainer
+    model_path = str(plan.models["model.path"].directory()) if "model.path" in plan.models else None
+    assert model_path is not None, "the run's model is built from a recipe; time a run of a model on disk"
+    estimator, longest = cfg.loss.policy.advantage, topology.actors.generator.max_new_tokens  # single-turn rows
+    batches = [
+        build_train_batch(c.groups, row_advantages(c.groups, estimator), 0, longest)
+        for c in recorded_batches(args.run_dir, plan)
+    ]
+    print(machine())
+    print(f"{args.run_dir}: {len(batches)} steps, trainer micro_batch_size {cfg.micro_batch_size}, {cfg.precision}")
+    packed, padded = NativeLoop(model_path, cfg, 0, 1), PaddedLoop(model_path, cfg, 0, 1)
+    bare = packed.model
+    ratios = {"packed / floor": [], "padded / floor": [], "padded / packed": []}
+    for step, batch in enumerate(batches):
+        real = int(batch.attention_mask.sum())
+        times = {name: [] for name in ("packed", "padded", "floor")}
+        for _ in range(args.repeats):  # interleaved, so a slower moment of the machine hits every way alike
+            times["packed"].append(seconds(packed.forward_backward, batch))
+            times["padded"].append(seconds(padded.forward_backward, batch))
+            bare.zero_grad(set_to_none=True)
+            times["floor"].append(seconds(floor, bare, batch, cfg.micro_batch_size))
+        median = {name: statistics.median(values) for name, values in times.items()}
+        ratios["packed / floor"].append(median["packed"] / median["floor"])
+        ratios["padded / floor"].append(median["padded"] / median["floor"])
+        ratios["padded / packed"].append(median["padded"] / median["packed"])
+        print(
+            f"step {step}: {len(batch)} rows, {real} real tokens; packed {median['packed']:.2f} s, padded "
+            f"{median['padded']:.2f} s, floor {median['floor']:.2f} s; "
+            + ", ".join(f"{name} {values[-1]:.2f}x" for name, values in ratios.items())
+        )
+    print("median over steps: " + ", ".join(f"{name} {statistics.median(v):.2f}x" for name, v in ratios.items()))
+
+
+if __name__ == "__main__":
+    main()
