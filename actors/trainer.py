@@ -1,7 +1,9 @@
 """The Trainer actor: one process of an SPMD mesh running an inner loop.
 
-Each trainer mesh is its own ``torch.distributed`` world (``monarch.spmd`` sets the env;
-gloo on CPU, nccl on GPU). Every rank receives the whole ``TrainBatch`` and trains on
+Each trainer mesh is its own ``torch.distributed`` world (gloo on CPU, nccl on GPU): ``monarch.spmd``
+sets each rank's env, and ``start_trainers`` has rank 0 host the world's store on a port the kernel picks
+as it binds, then hands its address to every rank, so no port is chosen free and bound later, when another
+program on the host may have taken it (runs side by side). Every rank receives the whole ``TrainBatch`` and trains on
 its share; rank 0 reports the metrics and publishes the new weights to the
 weight store over the transport the runtime chose from placement (shared memory, RDMA
 or CUDA IPC: ``actors/weights``), returning only the small ``WeightVersion``.
@@ -27,13 +29,17 @@ takes an outer step on them in place, and ``save``/``load`` carry its state besi
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from monarch.actor import Actor, endpoint
+from torch.distributed import TCPStore
 
 from actors import registry
 from actors.compute import Compute
@@ -47,6 +53,18 @@ from actors.train_batch import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store
 from actors.weights_config import store_root
 from losses import TAIDScheduler
+
+if TYPE_CHECKING:  # monarch does not export it publicly
+    from monarch._src.actor.actor_mesh import ActorMesh
+
+
+RENDEZVOUS_TIMEOUT = timedelta(minutes=5)  # for every rank to join the process group's store
+
+
+async def start_trainers(trainers: ActorMesh) -> list[ProcInfo]:
+    """Start a trainer mesh's actors: rank 0 hosts the process group's store, then every rank joins it."""
+    store = await trainers.flatten("rank").slice(rank=0).host_store.call_one()
+    return list((await trainers.start.call(store)).values())
 
 
 @dataclass
@@ -87,18 +105,32 @@ class Trainer(Actor):
         self.syncer: DiLoCoSyncer | None = None  # made in ``start`` when ``diloco`` is given
         self.reference: ReferenceModel | None = None
         self.store: str | None = None  # rank 0's, made in ``start``
+        self.rendezvous: TCPStore | None = None  # the process group's store: rank 0 hosts it (``host_store``)
         self.publisher: WeightPublisher | None = None
 
     @endpoint
-    def start(self) -> ProcInfo:
-        """Join the trainer mesh's process group, build the inner loop, (rank 0) the weight store and (a DiLoCo
-        replica) the outer loop, whose θ₀ is the parameters as they are now (a checkpoint's ``load`` replaces it)."""
+    def host_store(self) -> tuple[str, int]:
+        """Rank 0: host the process group's store, bound at port 0 (the kernel picks a free port as it binds);
+        the address every rank's ``start`` joins at."""
+        host = os.environ["MASTER_ADDR"]
+        self.rendezvous = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=RENDEZVOUS_TIMEOUT)
+        return host, self.rendezvous.port
+
+    @endpoint
+    def start(self, store: tuple[str, int]) -> ProcInfo:
+        """Join the trainer mesh's process group at rank 0's ``store`` (``start_trainers``), build the inner loop,
+        (rank 0) the weight store and (a DiLoCo replica) the outer loop, whose θ₀ is the parameters as they are
+        now (a checkpoint's ``load`` replaces it)."""
         torch.set_num_threads(self.compute.threads)
         torch.manual_seed(self.seed)
         device = self.compute.device()
         if self.compute.memory_share is not None:  # a vLLM generator in another process holds the rest
             torch.cuda.set_per_process_memory_fraction(self.compute.memory_share, device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if self.rendezvous is None:  # every rank but the one hosting it
+            self.rendezvous = TCPStore(*store, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=self.rendezvous, rank=rank,
+                                world_size=world)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg = self.cfg
         self.loop = registry.load("inner_loop", cfg.inner_loop)(self.model_path, cfg, self.rank, self.world, device)

@@ -25,7 +25,7 @@ from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
 from actors.teachers.bindings import top_k_of
 from actors.train_batch import build_train_batch, row_advantages
-from actors.trainer import Trainer, TrainerSetup
+from actors.trainer import Trainer, TrainerSetup, start_trainers
 from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
 from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights_config import store_root
@@ -87,14 +87,15 @@ async def train_once(
     loss: LossConfig = LossConfig(),
     inner_loop: str = "native",
     precision: str = "auto",
+    master: tuple[str, int] | None = None,
 ):
     mesh = local_procs(procs)
-    await setup_torch_elastic_env_async(mesh)
+    await setup_torch_elastic_env_async(mesh, *(master or (None, None)))
     optimizer = OptimizerConfig(lr=1e-2)
     cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3, precision=precision)
     trainer = mesh.spawn("trainer", Trainer, TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10))
     try:
-        await trainer.start.call()
+        await start_trainers(trainer)
         await trainer.publish.call()
         reports = (await trainer.train_step.call(batch)).values()
         (report,) = [r for r in reports if r is not None]  # rank 0 alone reports and publishes
@@ -138,6 +139,15 @@ async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, inner_lo
             assert two.metrics[name] == pytest.approx(one.metrics[name], abs=1e-6)
 
 
+async def test_a_trainer_mesh_starts_though_the_port_its_env_names_is_taken(model_dir):
+    """Runs side by side on one host: ``monarch.spmd`` picks ``MASTER_PORT`` free, and nothing binds it until the
+    process group starts, so another program may take it in between. Here another holds it all along; rank 0
+    hosts the group's store on a port the kernel gives it as it binds, and the ranks join there."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        report, _ = await train_once(model_dir, 2, a_batch(model_dir), master=("127.0.0.1", taken.getsockname()[1]))
+    assert report.weights.version == 1 and report.metrics["grad_norm"] > 0
+
+
 async def test_the_trainer_keeps_its_weight_store_on_its_host_and_removes_it_when_stopped(model_dir):
     """Only a process on the trainer's host can make the store its followers open there, and remove it."""
     (abandoned := store_root() / f"composer-mesh-{os.getuid()}-{'d' * 32}").mkdir(mode=0o700)
@@ -147,7 +157,7 @@ async def test_the_trainer_keeps_its_weight_store_on_its_host_and_removes_it_whe
     setup = TrainerSetup(model_dir, TrainerConfig("trainer"), 0, 2, Compute(threads=1), 10)
     trainer = mesh.spawn("trainer", Trainer, setup)
     try:
-        proc = await trainer.start.call_one()
+        (proc,) = await start_trainers(trainer)
         assert not abandoned.exists()  # reclaimed as the trainer started
         store = Path((await trainer.publish.call_one()).store)
         assert store.parent == store_root() and StoreOwner.decode((store / OWNER).read_bytes()).pid == proc.pid
@@ -256,7 +266,7 @@ class Replica:
         diloco = DiLoCoConfig(2, 1, plain_average, "object_store", store=store, round_timeout=60)
         setup = TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10, diloco=diloco, replica=index)
         trainer = mesh.spawn("trainer", Trainer, setup)
-        await trainer.start.call()
+        await start_trainers(trainer)
         return cls(mesh, trainer)
 
     async def train(self, batch) -> dict[str, torch.Tensor]:

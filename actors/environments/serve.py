@@ -1,8 +1,10 @@
 """Serve an environment app (a FastAPI app factory) on a local port, in a child process.
 
-``EnvironmentServer(app, params, log)`` starts ``python -m actors.environments.serve``,
-which loads ``app`` (``package.module:factory``), calls it with ``params`` and runs the
-result under uvicorn on ``127.0.0.1``. A run whose task says ``serve:`` holds one for its
+``EnvironmentServer(app, params, log)`` binds a listening socket on ``127.0.0.1`` at port 0 (the
+kernel picks a free one as it binds, so no other program can take it between a choice and the bind)
+and starts ``python -m actors.environments.serve`` with it, which loads ``app``
+(``package.module:factory``), calls it with ``params`` and serves the result under uvicorn on that
+socket. A run whose task says ``serve:`` holds one for its
 whole length (``mesh/runtime/run.py``); tests start theirs the same way. The child's output
 goes to ``log`` (a pipe nobody reads would fill and block it), and a server that exits or
 never answers ``/health`` is reported with the end of that log.
@@ -35,13 +37,14 @@ class EnvironmentServer:
 
     def __init__(self, app: str, params: dict, log: Path):
         self.app, self.log = app, log
-        self.port = _free_port()
+        with socket.create_server(("127.0.0.1", 0)) as listener:  # the child serves on it; this copy closes
+            self.port = listener.getsockname()[1]
+            command = [sys.executable, "-m", "actors.environments.serve", app, "--fd", str(listener.fileno())]
+            command += ["--params", json.dumps(params)]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            with log.open("w") as out:
+                self.proc = subprocess.Popen(command, env=env, stdout=out, stderr=out, pass_fds=(listener.fileno(),))
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "actors.environments.serve", app, "--port", str(self.port)]
-        command += ["--params", json.dumps(params)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(command, env=env, stdout=out, stderr=out)
 
     def __enter__(self) -> Self:
         try:
@@ -83,12 +86,6 @@ class EnvironmentServer:
         return f"the end of its log ({self.log}):\n{text[-2000:]}" if text else f"its log ({self.log}) is empty"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def main() -> None:
     import uvicorn
 
@@ -96,11 +93,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("app", help="package.module:factory, returning a FastAPI app")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--fd", type=int, required=True, help="a listening socket's file descriptor, to serve on")
     parser.add_argument("--params", default="{}", help="the factory's keyword arguments, as JSON")
     args = parser.parse_args()
     app = registry.load("task", args.app)(**json.loads(args.params))
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[socket.socket(fileno=args.fd)])
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from actors.rewarder import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers.bindings import Student  # noqa: E402
 from actors.teachers.pool import TeacherPool  # noqa: E402
-from actors.trainer import Trainer, TrainerSetup  # noqa: E402
+from actors.trainer import Trainer, TrainerSetup, start_trainers  # noqa: E402
 from mesh.checkpoints.fingerprint import built_weights, topology_fingerprint  # noqa: E402
 from mesh.controller import (  # noqa: E402
     Collected,
@@ -358,7 +358,7 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
         )
         return procs.spawn("trainer", Trainer, setup)
 
-    roles[cfg.trainer.mesh].append(Role("trainer", trainer, _start_all))
+    roles[cfg.trainer.mesh].append(Role("trainer", trainer, start_trainers))
     rewarding = (topology.task.config, cfg.rewarder) if plan.rewarder == "in_generator" else ()
     for name in plan.generator_meshes:  # none in a retraining: the plan starts the trainer alone
         compute = _compute(plan, name, "generator")
