@@ -26,6 +26,7 @@ class QuietStop:
     def __init__(self) -> None:
         self.doing = "while starting, before the run began; there is nothing to clean up or resume"
         self.exiting = False
+        self.received: int | None = None
 
     def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -35,7 +36,14 @@ class QuietStop:
         """From now on the program is exiting: a signal says it stopped ``doing``."""
         self.doing, self.exiting = doing, True
 
+    def stop_if_received(self) -> None:
+        """Stop now if a signal came while starting: its ``SystemExit`` can be swallowed by C code that clears
+        errors (an attribute lookup during an import), and the run must not begin after it."""
+        if self.received is not None:
+            raise SystemExit(128 + self.received)
+
     def _received(self, signum: int, _frame: object) -> None:
+        self.received = self.received or signum
         if self.exiting:  # one line, however many signals come
             for each in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(each, signal.SIG_IGN)
@@ -97,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if plan.starts_replicas:
         from mesh.runtime.replicas import run_replicas
 
+        QUIET.stop_if_received()
         # while it watches them, signals go on to the replicas (``mesh/runtime/replicas.py``)
         QUIET.doing = (
             "while starting the DiLoCo replicas or after they ended; each replica_<i>.log in the run directory "
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     from mesh.runtime.interrupts import Interrupted
     from mesh.runtime.run import RunFailed, run
 
+    QUIET.stop_if_received()
     QUIET.ended("while exiting; the run had stopped everything it started")  # the run's Stopper is in between
     try:
         run_dir = asyncio.run(run(plan, args.run_root, not args.no_progress, args.resume, recorded))

@@ -344,14 +344,13 @@ def test_missing_bucket_refused(s3_endpoint: str) -> None:
 
 
 def test_unreachable_store_refused() -> None:
-    with socket.socket() as sock:  # a port nothing listens on once the socket is closed
+    with socket.socket() as sock:  # bound, never listening: refused, and no other program can take the port
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    options = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
-        "config_kwargs": {"retries": {"max_attempts": 1}},
-    }
-    with pytest.raises(OSError, match=r"could not be reached or written \(EndpointConnectionError"):
-        ObjectStoreTransport(f"s3://{BUCKET}/run", 2, 0, storage_options=options)
+        options = {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{sock.getsockname()[1]}"},
+            "config_kwargs": {"retries": {"max_attempts": 1}},
+        }
+        with pytest.raises(OSError, match=r"could not be reached or written \(EndpointConnectionError"):
+            ObjectStoreTransport(f"s3://{BUCKET}/run", 2, 0, storage_options=options)

@@ -220,17 +220,13 @@ def test_heal_from_survivor(loss_and_heal):
     assert torch.equal(d["a4"]["state"]["theta0"], d["b4"]["state"]["theta0"])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_lighthouse_is_one_clear_error():
-    address = f"http://127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    with pytest.raises(LighthouseUnreachable) as err:
-        TorchFTTransport(address, 0, 0, 1, "127.0.0.1", 0, dict, lambda state: None, connect_timeout_s=2.0)
+    with socket.socket() as bound:  # bound, never listening: refused, and no other program can take the port
+        bound.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(LighthouseUnreachable) as err:
+            TorchFTTransport(address, 0, 0, 1, "127.0.0.1", 0, dict, lambda state: None, connect_timeout_s=2.0)
     message = str(err.value)
     assert time.monotonic() - start < 5
     assert address in message and "Start the lighthouse" in message and "port" in message

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+import mesh.run
 from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights_config import store_root
-from mesh.run import main
+from mesh.run import QuietStop, main
 from mesh.runtime.interrupts import Interrupted, newest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +103,21 @@ def test_a_signal_from_the_first_instant_the_program_can_answer_stops_it_in_one_
     time.sleep(offset)
     process.send_signal(sig)
     assert stopped(process, sig) == [f"{signal.Signals(sig).name}: {STARTING}"]
+
+
+def test_a_signal_whose_exit_a_library_swallowed_while_starting_still_stops_the_program(tmp_path, monkeypatch):
+    """The handler's ``SystemExit`` can be lost in C code that clears errors (an attribute lookup during an
+    import): in CI the program printed its one line, then ran the whole run and exited 0. Now the run does not
+    begin after a signal, whatever swallowed its exit."""
+    quiet = QuietStop()
+    monkeypatch.setattr(mesh.run, "QUIET", quiet)
+    try:
+        quiet._received(signal.SIGINT, None)
+    except SystemExit:
+        pass  # what the library did
+    with pytest.raises(SystemExit) as stop:
+        main([str(TINY), f"--run-root={tmp_path}"])
+    assert stop.value.code == 128 + signal.SIGINT and not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow

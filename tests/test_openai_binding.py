@@ -113,11 +113,11 @@ def test_a_model_the_server_does_not_serve_is_refused(server, student_dir):
 
 
 def test_a_dead_port_is_refused_with_the_url(student_dir):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
-    with pytest.raises(BindingError, match=rf"cannot reach the openai teacher at {url}/models.*start the server"):
-        bind(url, student_dir)
+    with socket.socket() as bound:  # bound, never listening: refused, and no other program can take the port
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}/v1"
+        with pytest.raises(BindingError, match=rf"cannot reach the openai teacher at {url}/models.*start the server"):
+            bind(url, student_dir)
 
 
 def test_a_silent_server_times_out(student_dir, monkeypatch):
