@@ -186,9 +186,11 @@ class Generator(Actor):
 
     async def __cleanup__(self, exc: Exception | None) -> None:
         """Close the engine while the process's other actors still run (the run stops a trainer beside this
-        generator after it: ``mesh/runtime/run.py``)."""
+        generator after it: ``mesh/runtime/run.py``), and end the agent host with every episode it runs."""
         if (close := getattr(getattr(self, "engine", None), "close", None)) is not None:
             close()
+        if self._agent_code is not None:
+            await self._agent_code.close()
 
     def _rewards(self, problems: list[Problem], rows: list[Trajectory], per_prompt: int) -> RewardReply | None:
         """The rewards of ``rows`` (``per_prompt`` of each problem), when this generator rewards.
@@ -283,9 +285,9 @@ class Generator(Actor):
         """One run of the agent on ``problem``, its turns sampled through this process's endpoint with seeds of
         (``seed``, ``j``), recorded as the tokens sampled (``actors/environments/chat_tokens.py``)."""
         turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
-        async with self._server.episode(f"{seed}-{j}", turn_seeds, spec.greedy) as record:
-            outcome = await agents.run(self._server.endpoint(record.episode_id), problem)
-        failure = record.failure or outcome.failure
+        async with self._server.episode(turn_seeds, spec.greedy) as record:
+            outcome = await agents.run(self._server.endpoint(record), problem)
+        failure = record.redact(record.failure or outcome.failure)
         if failure is None and record.turns == 0:
             failure = "the agent returned without calling the endpoint: send its requests to the base_url it is given"
         reward = 0.0

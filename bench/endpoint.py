@@ -43,10 +43,12 @@ async def direct(engine: HFEngine, seed: int) -> float:
     return time.perf_counter() - start
 
 
-async def through_endpoint(server: ChatServer, client, seed: int, name: str) -> float:
-    async with server.episode(name, [seed], False):
+async def through_endpoint(server: ChatServer, client, seed: int) -> float:
+    async with server.episode([seed], False) as record:
         start = time.perf_counter()
-        await client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, logprobs=True, user=name)
+        await client.with_options(api_key=record.key).chat.completions.create(
+            model=SERVED_MODEL, messages=MESSAGES, logprobs=True
+        )
         return time.perf_counter() - start
 
 
@@ -59,19 +61,19 @@ async def measure(engine: HFEngine, requests: int) -> dict:
 
     server = ChatServer(engine.tokenizer, sample, positions=2048, max_new_tokens=tokens)
     await server.start()
-    base_url = f"http://127.0.0.1:{server.port}/v1"  # the episode rides in the user field: one client for all
-    client = AsyncOpenAI(base_url=base_url, api_key=server.key, max_retries=0)
+    base_url = f"http://127.0.0.1:{server.port}/v1"  # the key names the episode: one client for all
+    client = AsyncOpenAI(base_url=base_url, api_key="per request", max_retries=0)
     seeds = sampling_seeds(0, "bench", requests)
     one = {"direct": [], "endpoint": []}
-    for i, seed in enumerate(seeds):  # interleaved, one at a time
+    for seed in seeds:  # interleaved, one at a time
         one["direct"].append(await direct(engine, seed))
-        one["endpoint"].append(await through_endpoint(server, client, seed, f"one-{i}"))
+        one["endpoint"].append(await through_endpoint(server, client, seed))
     together = {}
     for way in ("direct", "endpoint"):
         start = time.perf_counter()
         calls = [
-            direct(engine, s) if way == "direct" else through_endpoint(server, client, s, f"{way}-{i}")
-            for i, s in enumerate(seeds[:CONCURRENT])
+            direct(engine, s) if way == "direct" else through_endpoint(server, client, s)
+            for s in seeds[:CONCURRENT]
         ]
         await asyncio.gather(*calls)
         together[way] = time.perf_counter() - start

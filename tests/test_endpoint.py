@@ -4,7 +4,10 @@ sampled (``actors/environments/chat_tokens.py``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -12,8 +15,9 @@ import pytest
 from actors.engines import Sampling, sampling_seeds
 from actors.engines.hf import HFEngine
 from actors.environments.chat_tokens import ChatTokens
-from actors.environments.endpoint import SERVED_MODEL, ChatServer, _tool_calls
+from actors.environments.endpoint import SERVED_MODEL, ChatServer, EpisodeRecord, _tool_calls
 from actors.model import TinyModelSpec, build_tiny_model
+from actors.rollout import Trajectory
 
 openai = pytest.importorskip("openai", reason="the openai client is installed with the agents extra")
 
@@ -49,8 +53,8 @@ async def server(engine):
     await server.stop()
 
 
-def client_of(server: ChatServer, episode: str) -> openai.AsyncOpenAI:
-    endpoint = server.endpoint(episode)
+def client_of(server: ChatServer, record: EpisodeRecord) -> openai.AsyncOpenAI:
+    endpoint = server.endpoint(record)
     return openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
 
 
@@ -68,8 +72,8 @@ async def converse(client, turns: int, edit_at: int | None = None) -> list[dict]
 
 
 async def test_an_episode_trains_on_the_tokens_sampled_not_its_text_retokenized(server, engine):
-    async with server.episode("e1", sampling_seeds(0, "e1", TURNS), False) as record:
-        messages = await converse(client_of(server, "e1"), TURNS)
+    async with open_episode(server, "e1", TURNS) as record:
+        messages = await converse(client_of(server, record), TURNS)
     (trajectory,) = record.trajectories()
     replies = server.sampler.replies
     trained = [i for i, m in zip(trajectory.completion_ids, trajectory.loss_mask, strict=True) if m]
@@ -82,14 +86,14 @@ async def test_an_episode_trains_on_the_tokens_sampled_not_its_text_retokenized(
     assert any(ids != reply.completion_ids for ids, reply in zip(retokenized, replies, strict=True))  # the trap
     stitched = tokenizer.decode(trajectory.prompt_ids + trajectory.completion_ids)
     rendered = tokenizer.apply_chat_template(messages[:-1], tokenize=False)
-    assert stitched.replace("<|im_end|>", "") .strip() == rendered.replace("<|im_end|>", "").strip()
+    assert stitched.replace("<|im_end|>", "").strip() == rendered.replace("<|im_end|>", "").strip()
     assert record.turns == TURNS and record.tokens.split == 0
     assert record.turn_versions == [(len(r.completion_ids), (i + 1) // 2) for i, r in enumerate(replies)]
 
 
 async def test_an_agent_that_edits_its_history_gets_a_row_of_its_own_not_wrong_tokens(server):
-    async with server.episode("e2", sampling_seeds(0, "e2", TURNS), False) as record:
-        await converse(client_of(server, "e2"), 3, edit_at=2)
+    async with open_episode(server, "e2", TURNS) as record:
+        await converse(client_of(server, record), 3, edit_at=2)
     first, second = record.trajectories()
     assert record.tokens.split == 1
     assert sum(first.loss_mask) == sum(len(r.completion_ids) for r in server.sampler.replies[:2])
@@ -97,8 +101,8 @@ async def test_an_agent_that_edits_its_history_gets_a_row_of_its_own_not_wrong_t
 
 
 async def test_streaming_and_completions_give_the_reply_and_its_logprobs(server, engine):
-    async with server.episode("e3", sampling_seeds(0, "e3", TURNS), True):
-        client = client_of(server, "e3")
+    async with server.episode(sampling_seeds(0, "e3", TURNS), True) as record:
+        client = client_of(server, record)
         chunks = [c async for c in await client.chat.completions.create(
             model=SERVED_MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True, logprobs=True
         )]
@@ -113,34 +117,54 @@ async def test_streaming_and_completions_give_the_reply_and_its_logprobs(server,
 
 
 async def test_bad_requests_are_refused_in_openais_shape_saying_what_to_send(server):
-    async with server.episode("e4", sampling_seeds(0, "e4", 1), False):
-        base = f"http://127.0.0.1:{server.port}"
+    async with open_episode(server, "e4", 1) as record:
+        base, own = f"http://127.0.0.1:{server.port}", f"/episodes/{record.episode_id}/v1/chat/completions"
         good = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}]}
-        auth = {"Authorization": f"Bearer {server.key}"}
+        auth = {"Authorization": f"Bearer {record.key}"}
         async with httpx.AsyncClient(base_url=base) as http:
             cases = [
-                ("/episodes/e4/v1/chat/completions", good, {}, 401, "send the api_key the agent was given"),
-                ("/v1/chat/completions", good, auth, 400, "the request names no episode"),
-                ("/episodes/nope/v1/chat/completions", good, auth, 404, "episode 'nope' is not open"),
-                ("/episodes/e4/v1/chat/completions", good | {"model": "gpt-4o"}, auth, 404, "send model='policy'"),
-                ("/episodes/e4/v1/chat/completions", good | {"tools": [TOOL]}, auth, 400, "does not render them"),
-                ("/episodes/e4/v1/chat/completions", good | {"messages": "hi"}, auth, 400, "non-empty list"),
+                (own, good, {}, 401, "send the api_key the agent was given"),
+                (own, good | {"model": "gpt-4o"}, auth, 404, "send model='policy'"),
+                (own, good | {"tools": [TOOL]}, auth, 400, "does not render them"),
+                (own, good | {"messages": "hi"}, auth, 400, "non-empty list"),
             ]
             for path, body, headers, status, said in cases:
                 answer = await http.post(path, json=body, headers=headers)
                 assert answer.status_code == status and said in answer.json()["error"]["message"], path
             deep = "[" * 100_000 + "]" * 100_000  # nested past Python's stack
             headers = auth | {"Content-Type": "application/json"}
-            answer = await http.post("/episodes/e4/v1/chat/completions", content=deep, headers=headers)
+            answer = await http.post(own, content=deep, headers=headers)
             assert answer.status_code == 400 and "not JSON" in answer.json()["error"]["message"]
-            assert server.episodes["e4"].tokens.segments == []  # nothing refused is recorded
-            models = (await http.get("/episodes/e4/v1/models", headers=auth)).json()["data"]
+            assert record.tokens.segments == []  # nothing refused is recorded
+            models = (await http.get(f"/episodes/{record.episode_id}/v1/models", headers=auth)).json()["data"]
             assert [(m["id"], m["max_model_len"]) for m in models] == [(SERVED_MODEL, BPE.max_positions)]
-            assert (await http.post("/episodes/e4/v1/chat/completions", json=good, headers=auth)).status_code == 200
-            over = await http.post("/episodes/e4/v1/chat/completions", json=good, headers=auth)
+            assert (await http.post("/v1/chat/completions", json=good, headers=auth)).status_code == 200  # its key
+            over = await http.post(own, json=good, headers=auth)
             assert over.status_code == 400 and "past the task's max_turns (1)" in over.json()["error"]["message"]
-            episode = await http.post("/v1/chat/completions", json=good | {"user": "e4"}, headers=auth)
+            episode = await http.post(own, json=good, headers=auth)
             assert "has ended" in episode.json()["error"]["message"]  # the episode failed: no more turns
+
+
+async def test_an_episode_answers_only_its_own_key_and_no_repr_shows_a_key(server):
+    good = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    async with open_episode(server, "a", 2) as mine, open_episode(server, "b", 2) as theirs:
+        assert mine.key != theirs.key and mine.episode_id != theirs.episode_id
+        assert len(mine.episode_id) >= 16 and len(mine.key) >= 32  # random (secrets), never <seed>-<j>
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+            for path, headers in (
+                (f"/episodes/{theirs.episode_id}/v1/chat/completions", {"Authorization": f"Bearer {mine.key}"}),
+                ("/v1/chat/completions", {"Authorization": f"Bearer {mine.key}", "X-Episode-Id": theirs.episode_id}),
+                (f"/episodes/{theirs.episode_id}/v1/chat/completions", {"Authorization": "Bearer mesh-guess"}),
+            ):
+                answer = await http.post(path, json=good, headers=headers)
+                assert answer.status_code in (401, 404) and set(answer.json()["error"]) >= {"message", "type", "code"}
+        assert theirs.turns == mine.turns == 0 and theirs.tokens.segments == mine.tokens.segments == []
+        endpoint = server.endpoint(theirs)
+        shown = f"{endpoint!r} {endpoint} {theirs!r}"
+        assert theirs.key not in shown and theirs.episode_id in shown
+        assert theirs.key not in theirs.redact(f"the agent raised RuntimeError: {endpoint.api_key}")
+    answer = await ask(server, theirs, good)  # its episode ended: the key is dead
+    assert answer.status_code == 401
 
 
 TOOL = {"type": "function", "function": {"name": "python", "parameters": {"type": "object", "properties": {}}}}
@@ -163,13 +187,187 @@ def test_tool_calls_are_read_from_the_reply_and_rendered_back_for_the_next_turn(
     tokenizer.chat_template = HERMES
     tokens = ChatTokens(tokenizer)
     asked = [{"role": "user", "content": "Compute."}]
-    segment = tokens.prompt(asked, [TOOL])
-    from actors.rollout import Trajectory
-
     sampled = tokenizer(text + "<|im_end|>", add_special_tokens=False).input_ids
-    segment.add_reply(Trajectory([], sampled, [0.0] * len(sampled), [True] * len(sampled), text),
-                      {"role": "assistant", "content": content, "tool_calls": calls}, tokenizer.eos_token_id)
+    tokens.add(tokens.prompt(asked, [TOOL]), Trajectory([], sampled, [0.0] * len(sampled), [True] * len(sampled), text),
+               {"role": "assistant", "content": content, "tool_calls": calls}, tokenizer.eos_token_id)
     answered = [*asked, {"role": "assistant", "content": content, "tool_calls": calls},
                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "1"}]
-    assert tokens.prompt(answered, [TOOL]) is segment and tokens.split == 0  # stitched after the sampled call
-    assert tokenizer.decode(segment.ids).endswith("<|im_start|>tool\n1<|im_end|>\n<|im_start|>assistant\n")
+    following = tokens.prompt(answered, [TOOL])
+    assert following.extends is tokens.segments[0] and tokens.split == 0  # stitched after the sampled call
+    assert tokenizer.decode(following.ids).endswith("<|im_start|>tool\n1<|im_end|>\n<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- credentials and abuse (issue 52)
+
+
+class Scripted:
+    """A policy whose every reply is ``text``: what a model may write, served through the real endpoint."""
+
+    def __init__(self, tokenizer, text: str):
+        self.ids, self.text, self.prompts = tokenizer(text, add_special_tokens=False).input_ids, text, []
+
+    async def __call__(self, ids, seed, greedy):
+        self.prompts.append(list(ids))
+        return Trajectory(list(ids), self.ids, [0.0] * len(self.ids), [True] * len(self.ids), self.text), 0
+
+
+def tokenizer_with(engine: HFEngine, template: str | None):
+    tokenizer = engine.tokenizer.__class__.from_pretrained(engine.tokenizer.name_or_path)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@asynccontextmanager
+async def serving(tokenizer, sample, **limits):
+    """A started server; ``limits`` replace its connection and read limits before it starts."""
+    server = ChatServer(tokenizer, sample, positions=BPE.max_positions, max_new_tokens=8)
+    for name, value in limits.items():
+        setattr(server, name, value)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def closed_by_server(reader: asyncio.StreamReader, within: float) -> bool:
+    """Whether the server closes the connection (EOF or reset) within ``within`` seconds."""
+    try:
+        await asyncio.wait_for(reader.read(), within)  # read() returns at EOF
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+async def test_connections_past_the_cap_are_closed_as_they_come_and_the_endpoint_serves_on(engine):
+    sampler = Scripted(engine.tokenizer, "ok")
+    async with serving(engine.tokenizer, sampler, spare_connections=8, read_timeout_s=600) as server:
+        opened = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(8 + 40)]
+        closed = await asyncio.gather(*(closed_by_server(reader, 60) for reader, _ in opened[8:]))
+        assert all(closed) and len(server._runner.server.connections) == 8  # refused, not queued
+        async with open_episode(server, "e", 1) as record:  # an open episode's agent gets connections of its own
+            answer = await ask(server, record, {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+            assert answer.status_code == 200
+        for _, writer in opened:
+            writer.close()
+
+
+async def test_a_connection_that_sends_no_whole_request_head_is_dropped(engine):
+    async with serving(engine.tokenizer, Scripted(engine.tokenizer, "ok"), read_timeout_s=1) as server:
+        silent = await asyncio.open_connection("127.0.0.1", server.port)
+        half = await raw_request(server.port, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        assert await closed_by_server(silent[0], 60) and await closed_by_server(half[0], 60)
+        for _, writer in (silent, half):
+            writer.close()
+
+
+async def raw_request(port: int, head: str, body: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head.encode() + body)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_body_past_the_limit_or_too_slow_is_refused_before_any_parsing(engine):
+    async with serving(engine.tokenizer, Scripted(engine.tokenizer, "ok"), read_timeout_s=1.0) as server:
+        async with open_episode(server, "e", 1) as record:
+            path = f"/episodes/{record.episode_id}/v1/chat/completions"
+            auth = f"Authorization: Bearer {key_of(server, record)}\r\nContent-Type: application/json\r\n"
+            declared = f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {15 * 2**20}\r\n\r\n"
+            reader, writer = await raw_request(server.port, declared, b'{"messages": [')
+            status = await asyncio.wait_for(reader.readline(), 10)  # answered from Content-Length alone
+            assert b" 413 " in status
+            writer.close()
+            chunked = f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n\r\n"
+            reader, writer = await raw_request(server.port, chunked)
+            chunk = b"x" * 2**20
+            with contextlib.suppress(ConnectionError):
+                for _ in range(16):
+                    writer.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                    await writer.drain()
+            assert b" 413 " in await asyncio.wait_for(reader.readline(), 10)
+            writer.close()
+            slow = f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 100\r\n\r\n"
+            reader, writer = await raw_request(server.port, slow, b'{"model": ')  # and then nothing
+            assert await closed_by_server(reader, 20)
+            writer.close()
+            assert record.turns == 0 and record.tokens.segments == []
+
+
+NESTED = '<tool_call>{"name": "python", "arguments": ' + "[" * 1000 + "]" * 1000 + "}</tool_call>"
+
+
+async def test_a_reply_nested_past_any_call_is_answered_as_text(engine):
+    tokenizer = tokenizer_with(engine, HERMES)
+    async with serving(tokenizer, Scripted(tokenizer, NESTED)) as server:
+        async with open_episode(server, "e", 1) as record:
+            body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Go"}], "tools": [TOOL]}
+            answer = await ask(server, record, body)
+            assert answer.status_code == 200, answer.text
+            message = answer.json()["choices"][0]["message"]
+            assert message["content"] == NESTED and not message.get("tool_calls")
+
+
+@pytest.mark.parametrize("template", ["chatml", None])
+async def test_content_as_a_list_of_text_parts_is_the_same_prompt_as_its_text(engine, template):
+    tokenizer = tokenizer_with(engine, engine.tokenizer.chat_template if template else None)
+    sampler = Scripted(tokenizer, "ok")
+    async with serving(tokenizer, sampler) as server:
+        for content in ("Hi\nthere", [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]):
+            async with open_episode(server, "e", 1) as record:
+                messages = [{"role": "system", "content": content}, {"role": "user", "content": content}]
+                answer = await ask(server, record, {"model": SERVED_MODEL, "messages": messages})
+                assert answer.status_code == 200, answer.text
+        assert sampler.prompts[0] == sampler.prompts[1]
+
+
+MALFORMED = [  # (what the body changes, what the refusal says)
+    ({"messages": [{"role": "user", "content": 7}]}, "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text"),
+    ({"messages": [{"role": 3, "content": "Hi"}]}, "role"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]}, "tool_calls"),
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "UTF-8"),
+    ({"tools": "python"}, "tools"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "Hi", "extra": json.loads("[" * 100 + "]" * 100)}]}, "nested"),
+]
+
+
+async def test_malformed_requests_are_refused_in_openais_shape_and_spend_nothing(engine):
+    async with serving(engine.tokenizer, Scripted(engine.tokenizer, "ok")) as server:
+        async with open_episode(server, "e", 1) as record:
+            good = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+            for change, said in MALFORMED:
+                answer = await ask(server, record, good | change)
+                error = answer.json()["error"]
+                assert 400 <= answer.status_code < 500 and said in error["message"], (change, answer.text)
+                assert set(error) >= {"message", "type", "code"}
+            for prompt in ([len(engine.tokenizer) + 5], [-1], "", []):
+                answer = await ask(server, record, {"model": SERVED_MODEL, "prompt": prompt}, "completions")
+                assert answer.status_code == 400 and "prompt" in answer.json()["error"]["message"], prompt
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
+                for method, path in (("GET", "/v1/nothing"), ("GET", "/v1/chat/completions")):
+                    answer = await http.request(method, path, headers={"Authorization": f"Bearer {key_of(server, record)}"})
+                    assert 400 <= answer.status_code < 500 and answer.json()["error"]["message"], path
+            assert record.turns == 0 and record.tokens.segments == [] and record.failure is None
+            assert (await ask(server, record, good)).status_code == 200  # its one turn is still there
+
+
+def open_episode(server: ChatServer, name: str, turns: int):
+    return server.episode(sampling_seeds(0, name, turns), False)
+
+
+def key_of(server: ChatServer, record) -> str:
+    return record.key
+
+
+async def ask(server: ChatServer, record, body: dict, route: str = "chat/completions") -> httpx.Response:
+    async with httpx.AsyncClient() as http:
+        return await http.post(
+            f"{server.endpoint(record).base_url}/{route}", content=json.dumps(body),  # a lone surrogate escaped
+            headers={"Authorization": f"Bearer {key_of(server, record)}", "Content-Type": "application/json"},
+            timeout=60,
+        )

@@ -49,8 +49,8 @@ def arith_agents(**params) -> tuple[AgentTask, Agents]:
 async def test_verifiers_rollout_goes_through_the_endpoint_and_its_reward_is_the_rubrics(server):
     task, agents = arith_agents(harness=None)  # YAML's `harness: null`: verifiers' null harness, a chat loop
     problem = task.problems(0, 0, 1)[0]
-    async with server.episode("v1", sampling_seeds(0, "v1", TURNS), False) as record:
-        outcome = await agents.run(server.endpoint("v1"), problem)
+    async with server.episode(sampling_seeds(0, "v1", TURNS), False) as record:
+        outcome = await agents.run(server.endpoint(record), problem)
     assert outcome.failure is None and isinstance(outcome.reward, float)
     assert 0.0 <= outcome.reward <= 1.1  # the rubric: correct (weight 1) + brief (weight 0.1)
     assert outcome.reward == pytest.approx(task.inner.reward(problem, record.last_reply))  # as scored offline
@@ -62,8 +62,8 @@ async def test_verifiers_rollout_goes_through_the_endpoint_and_its_reward_is_the
 
 async def test_a_rollout_the_endpoint_refuses_fails_its_episode_with_the_endpoints_message(server):
     task, agents = arith_agents(harness="bash")  # offers tools, which the tiny model's template does not render
-    async with server.episode("v2", sampling_seeds(0, "v2", TURNS), False):
-        outcome = await agents.run(server.endpoint("v2"), task.problems(0, 0, 1)[0])
+    async with server.episode(sampling_seeds(0, "v2", TURNS), False) as record:
+        outcome = await agents.run(server.endpoint(record), task.problems(0, 0, 1)[0])
     assert outcome.reward is None and "upstream 400" in outcome.failure and "tools_not_rendered" in outcome.failure
 
 

@@ -10,11 +10,13 @@ or ``None``, and the ``problems`` task's reward scores the model's last reply. E
 model sampled trains, as sampled (``actors.environments.chat_tokens``).
 
 The generators run the agents: each process serves the endpoint on loopback
-(``actors.environments.endpoint``), runs each episode's agent in a thread of its own with its own
-event loop (an agent that blocks holds only its thread) and gives it ``timeout_s``. An agent
-that raises, hangs, never calls the endpoint, or asks for more turns or tokens than the run
-allows fails only its episode: a counted fault with its cause in ``events.jsonl``; the run goes
-on, and stops only when every episode of a step failed.
+(``actors.environments.endpoint``) and runs each episode's agent in a process of its own, forked from an
+agent host that loaded the agent once (``actors/environments/agent_host.py``; a class agent's instance is built
+there, and each episode runs on a copy of it), and kills it at ``timeout_s``. An
+agent that exits, raises anything, hangs, spins, allocates, returns what is not a reward, never
+calls the endpoint, or asks for more turns or tokens than the run allows fails only its episode: a
+counted fault with its cause in ``events.jsonl``; the generator never waits on one, and the run goes
+on, stopping only when every episode of a step failed.
 
 This module imports nothing heavy: the topology check builds the task.
 """
@@ -23,16 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
-import math
-import threading
-from collections.abc import Awaitable, Callable
+import itertools
+import os
+import pickle
+import struct
+import sys
+from asyncio.subprocess import PIPE
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors import registry
-from actors.environments.openenv_task import OBSERVATION_ALPHABET, MAX_TIMEOUT_S
+from actors.environments.agent_host import load_agent
+from actors.environments.openenv_task import MAX_TIMEOUT_S, OBSERVATION_ALPHABET
 from actors.tasks import Problem, Task, TaskConfig, build_task
+
+_HOST_MARGIN_S = 30.0  # past an episode's timeout_s, how long its reply may take before the host counts as stuck
 
 
 @dataclass(frozen=True)
@@ -99,65 +106,92 @@ class AgentOutcome:
 
 
 class Agents:
-    """A generator's agent code, loaded once, and each episode's run of it."""
+    """A generator's agent code, run by an agent host (``actors/environments/agent_host.py``): each episode in a
+    process of its own, which ends whatever the agent does; the generator only waits for a reward or a failure."""
 
     def __init__(self, spec: AgentSpec):
-        target = registry.load("agent", spec.agent)
-        self.task: Task = build_task(spec.task)
-        self.call = _built(target, spec.params, self.task) if inspect.isclass(target) else target
-        self.params = {} if inspect.isclass(target) else spec.params
-        if not callable(self.call):
-            raise TypeError(f"agent {spec.agent!r} is a {type(target).__name__}, not an async function or a class")
-        self.timeout_s = spec.timeout_s
+        # loaded here too (the host loads its own), so a mistake in the agent or its params fails now, with its own
+        # error, not in every episode
+        _, _, self.task = load_agent(spec)
+        self.spec = spec
+        self._host: _Host | None = None
+        self._starting = asyncio.Lock()  # a step's first episodes arrive at once: one host for them all
+        self._keys = itertools.count()
 
     async def run(self, endpoint: Any, problem: Problem) -> AgentOutcome:
-        """The agent's run on ``problem``, in a thread of its own, within ``timeout_s``."""
-        try:
-            result = await asyncio.wait_for(_in_thread(lambda: self._call(endpoint, problem)), self.timeout_s)
-        except TimeoutError:
-            return AgentOutcome(None, f"the agent did not finish within task.timeout_s ({self.timeout_s:g} s)")
-        except Exception as error:
-            return AgentOutcome(None, f"the agent raised {type(error).__name__}: {error}")
-        if result is not None and (isinstance(result, bool) or not isinstance(result, int | float)):
-            return AgentOutcome(None, f"the agent returned {result!r}, not a reward (a number) or None")
-        if result is not None and not math.isfinite(result):
-            return AgentOutcome(None, f"the agent returned the reward {result}, which is not finite")
-        return AgentOutcome(None if result is None else float(result))
-
-    async def _call(self, endpoint: Any, problem: Problem) -> Any:
-        result = self.call(endpoint, problem, **self.params)
-        if not inspect.isawaitable(result):
-            raise TypeError("the agent is not async: define it with async def (it returned before awaiting)")
-        return await result
+        """The agent's run on ``problem`` in a process of its own, within ``timeout_s``."""
+        async with self._starting:
+            if self._host is None or self._host.ended:
+                self._host = await _Host.start(self.spec)
+            host = self._host
+        return await host.episode(next(self._keys), endpoint, problem)
 
     def score(self, problem: Problem, last_reply: str) -> float:
         return float(self.task.reward(problem, last_reply))
 
-
-def _built(cls: type, params: dict, problems: Task) -> Any:
-    """An agent class built with ``params``, and the ``problems`` task when its constructor takes one."""
-    if "problems" in inspect.signature(cls).parameters:
-        return cls(**params, problems=problems)
-    return cls(**params)
+    async def close(self) -> None:
+        """End the agent host, and with it every episode it runs."""
+        if self._host is not None:
+            await self._host.close()
 
 
-def _in_thread(call: Callable[[], Awaitable[Any]]) -> asyncio.Future:
-    """``call()`` run to its end in a new thread with its own event loop; a future of its result on this loop.
-    The thread is a daemon: an agent stuck in a blocking call is left behind, not waited for."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
+class _Host:
+    """A running agent host: requests out, replies matched back to the episodes that wait for them."""
 
-    def settle(outcome: str, value: Any) -> None:
-        if not future.done():
-            future.set_exception(value) if outcome == "error" else future.set_result(value)
+    def __init__(self, process: asyncio.subprocess.Process, spec: AgentSpec):
+        self.process, self.spec = process, spec
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.reading = asyncio.ensure_future(self._read())
 
-    def run() -> None:
+    @classmethod
+    async def start(cls, spec: AgentSpec) -> _Host:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}  # the agent's module as here
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "actors.environments.agent_host", stdin=PIPE, stdout=PIPE, env=env
+        )
+        host = cls(process, spec)
+        host._send(spec)
+        return host
+
+    @property
+    def ended(self) -> bool:
+        return self.process.returncode is not None or self.reading.done()
+
+    async def episode(self, key: int, endpoint: Any, problem: Problem) -> AgentOutcome:
+        self.waiting[key] = asyncio.get_running_loop().create_future()
+        self._send((key, endpoint, problem))
+        try:  # the host answers within timeout_s; past that and a margin, it is stuck
+            told = await asyncio.wait_for(self.waiting[key], self.spec.timeout_s + _HOST_MARGIN_S)
+        except TimeoutError:
+            told = {"reward": None, "failure": "the agent host did not answer; it is restarted for the next episode"}
+            self.kill()
+        finally:
+            self.waiting.pop(key, None)
+        return AgentOutcome(told["reward"], told["failure"])
+
+    def _send(self, message: Any) -> None:
+        data = pickle.dumps(message)
+        self.process.stdin.write(struct.pack("!I", len(data)) + data)
+
+    async def _read(self) -> None:
         try:
-            outcome = ("value", asyncio.run(call()))
-        except BaseException as error:  # noqa: BLE001  handed to the caller whole
-            outcome = ("error", error)
-        with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, *outcome)
+            while True:
+                header = await self.process.stdout.readexactly(4)
+                key, told = pickle.loads(await self.process.stdout.readexactly(struct.unpack("!I", header)[0]))
+                if (waiting := self.waiting.get(key)) is not None and not waiting.done():
+                    waiting.set_result(told)
+        except (asyncio.IncompleteReadError, ConnectionError):  # the host ended
+            code = await self.process.wait()
+            failure = f"the agent host ended (exit code {code}; its error is in the generator's log)"
+            for waiting in self.waiting.values():
+                if not waiting.done():
+                    waiting.set_result({"reward": None, "failure": failure})
 
-    threading.Thread(target=run, daemon=True, name="agent").start()
-    return future
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+
+    async def close(self) -> None:
+        self.kill()
+        await self.process.wait()
+        await self.reading

@@ -7,7 +7,9 @@ where a tokenizer merges characters across the end of the reply and the next tur
 So an episode keeps the token ids it has so far (``Segment``) and each request that extends
 the conversation (the same messages, the reply the server gave, then new ones) adds only the
 new messages' tokens after the sampled ids: the model's tokens are kept byte for byte and train
-(loss mask 1); the system, user and tool tokens around them do not.
+(loss mask 1); the system, user and tool tokens around them do not. A request's tokens
+(``Prompt``) are recorded only with the reply sampled for them: a request refused or failed on
+the way records nothing.
 
 The new messages' tokens come from the template itself: the conversation up to the reply is
 rendered without a generation prompt, the whole one with it, and the difference (the new
@@ -72,15 +74,27 @@ class Segment:
 
 
 @dataclass
+class Prompt:
+    """The ids the next reply continues: ``extends``'s ids and ``context`` (the new messages' tokens), or a
+    new segment's. Recorded only with its reply (``ChatTokens.add``), so a turn refused or failed between
+    the two leaves the episode as it was."""
+
+    ids: list[int]
+    messages: list[Message]
+    extends: Segment | None = None
+    context: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ChatTokens:
     """Renders an episode's requests into token ids, keeping every sampled token; see the module docstring."""
 
     tokenizer: Any
     segments: list[Segment] = field(default_factory=list)
 
-    def prompt(self, messages: list[Message], tools: list[dict] | None = None) -> Segment:
-        """The segment the next reply continues: the current one extended by the new messages when
-        ``messages`` extends its conversation, else a new one."""
+    def prompt(self, messages: list[Message], tools: list[dict] | None = None) -> Prompt:
+        """What the next reply continues: the current segment extended by the new messages when
+        ``messages`` extends its conversation, else a new segment. Nothing is recorded yet."""
         current = self.segments[-1] if self.segments else None
         if current is not None and self._extends(current, messages):
             before = self.render(messages[: len(current.messages)], tools, generation=False)
@@ -88,12 +102,20 @@ class ChatTokens:
             if now.startswith(before):
                 eos = self.tokenizer.eos_token or ""
                 closing = ("" if current.ended_with_eos else eos) + self._after_eos(current, before, tools)
-                current.add_context(self._encode(closing + now[len(before) :]))
-                current.messages = list(messages)
-                return current
-        segment = Segment(self._encode(self.render(messages, tools, generation=True)), list(messages))
-        self.segments.append(segment)
-        return segment
+                context = self._encode(closing + now[len(before) :])
+                return Prompt(current.ids + context, list(messages), current, context)
+        return Prompt(self._encode(self.render(messages, tools, generation=True)), list(messages))
+
+    def add(self, prompt: Prompt, reply: Trajectory, message: Message, eos_id: int | None) -> None:
+        """Records ``prompt`` and the reply sampled for it (``message``: the reply as the server gave it)."""
+        segment = prompt.extends
+        if segment is None:
+            segment = Segment(prompt.ids, prompt.messages)
+            self.segments.append(segment)
+        else:
+            segment.add_context(prompt.context)
+            segment.messages = prompt.messages
+        segment.add_reply(reply, message, eos_id)
 
     def render(self, messages: list[Message], tools: list[dict] | None, generation: bool) -> str:
         if not has_chat_template(self.tokenizer):

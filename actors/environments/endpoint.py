@@ -7,12 +7,21 @@ an agent uses::
     POST <base>/completions         a prompt (text or token ids), stream or not, logprobs
     GET  <base>/models              the one model it serves
 
-Every request belongs to an episode, named by the base URL an agent is given
-(``http://127.0.0.1:PORT/episodes/<id>/v1``), or else by an ``X-Episode-Id`` header or the
-request's ``user`` field; and carries the run's key (``Authorization: Bearer <key>``), made
-fresh for each generator process, so only the run's own agents are served. A request that
-names no open episode, another model or a wrong key is refused with OpenAI's error shape and
-a message that says what to send instead.
+Every request carries its episode's key (``Authorization: Bearer <key>``): each episode has a key
+and an id of its own, both random and both dead once the episode ends, so an agent reaches its own
+episode only, never a sibling's, and nothing outside the run reaches any. The base URL an agent is
+given (``http://127.0.0.1:PORT/episodes/<id>/v1``) names the episode too; a request whose path or
+``X-Episode-Id`` header names another episode than its key's is refused and touches neither. A
+request without a live key, for another model, or malformed in any way is refused with OpenAI's
+error shape and a message that says what to send instead, before it spends a turn or records a
+token.
+
+The endpoint sheds what no agent sends: connections past a cap (a few per open episode) are closed
+as they arrive, a connection whose request head or body does not arrive within ``READ_TIMEOUT_S`` is
+dropped, a body larger than a request within the model's context is refused from its
+``Content-Length`` (or as it streams past the size) before any parsing, and a body or a reply's tool
+call nested deeper than ``MAX_NESTING`` is refused or left as text. Whatever a request holds, the
+answer is OpenAI's shape, never a traceback.
 
 Each turn samples with the engine the run trains (its sampling settings: a request's
 ``temperature`` or ``top_p`` does not change what the trainer assumes; ``max_tokens`` cuts the
@@ -28,17 +37,19 @@ tools. The whole reply is sampled before it is sent: a streamed answer is that r
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.environments.chat_tokens import ChatTokens, Segment, TemplateError
+from actors.environments.chat_tokens import ChatTokens, Message, Prompt, TemplateError
 from actors.rollout import Trajectory
 
 # Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone and the policy
@@ -46,6 +57,12 @@ from actors.rollout import Trajectory
 Sample = Callable[[list[int], int, bool], Awaitable[tuple[Trajectory, int]]]
 SERVED_MODEL = "policy"
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+READ_TIMEOUT_S = 5.0  # a connection's next request head, then its body, arrive within it or it is dropped
+SPARE_CONNECTIONS = 64  # connections held at once: these, and CONNECTIONS_PER_EPISODE for each open episode
+CONNECTIONS_PER_EPISODE = 4
+BODY_BYTES_PER_POSITION = 32  # a body as large as a request filling the model's context can be, JSON escapes and all
+MIN_BODY_BYTES = 2**18
+MAX_NESTING = 64  # JSON nesting deeper than any request or tool call is: a request's body, a reply's tool call
 
 
 @dataclass(frozen=True)
@@ -54,7 +71,7 @@ class Endpoint:
     ``model`` to name in its requests."""
 
     base_url: str
-    api_key: str
+    api_key: str = field(repr=False)  # an agent that prints its endpoint does not print its key
     model: str = SERVED_MODEL
 
 
@@ -67,6 +84,7 @@ class EpisodeRecord:
     """One episode's turns as the endpoint served them."""
 
     episode_id: str
+    key: str = field(repr=False)
     seeds: list[int]  # one per turn: the turn's sampling, whatever else runs at the same time
     greedy: bool
     positions: int  # the model's context: a turn's prompt and reply must fit in it
@@ -77,6 +95,10 @@ class EpisodeRecord:
     last_reply: str = ""
     turn_versions: list[tuple[int, int]] = field(default_factory=list)  # each reply's tokens and the version
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # an agent's concurrent requests take turns
+
+    def redact(self, text: str | None) -> str | None:
+        """``text`` without the episode's key: an agent's error may quote it, and errors go to the run's files."""
+        return None if text is None else text.replace(self.key, "<api_key>")
 
     def trajectories(self) -> list[Trajectory]:
         return [segment.trajectory() for segment in self.tokens.segments]
@@ -97,9 +119,10 @@ class EpisodeRecord:
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "code"}}``."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, status: int, code: str, message: str, close: bool = False):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.close = close  # the connection ends with the answer (a body left unread)
 
 
 class ChatServer:
@@ -108,42 +131,55 @@ class ChatServer:
     def __init__(self, tokenizer: Any, sample: Sample, positions: int, max_new_tokens: int):
         self.tokenizer, self.sample = tokenizer, sample
         self.positions, self.max_new_tokens = positions, max_new_tokens
-        self.key = "mesh-" + secrets.token_urlsafe(24)
-        self.episodes: dict[str, EpisodeRecord] = {}
+        self.max_body = max(MIN_BODY_BYTES, BODY_BYTES_PER_POSITION * positions)
+        self.read_timeout_s, self.spare_connections = READ_TIMEOUT_S, SPARE_CONNECTIONS
+        self._episodes: dict[bytes, EpisodeRecord] = {}  # by their key's digest: looked up in constant time
         self.port: int | None = None
         self._runner = None
+        self._listener: asyncio.Server | None = None
 
     async def start(self) -> None:
         from aiohttp import web
 
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=self.max_body, middlewares=[web.middleware(_openai_errors)])
         for prefix in ("/v1", "/episodes/{episode}/v1"):
             app.router.add_post(f"{prefix}/chat/completions", self._chat)
             app.router.add_post(f"{prefix}/completions", self._completions)
             app.router.add_get(f"{prefix}/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        # keepalive_timeout: aiohttp drops a connection whose next request head has not arrived by then
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.read_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(lambda: _Capped(self), "127.0.0.1", 0)
+        self.port = self._listener.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def endpoint(self, episode_id: str) -> Endpoint:
-        return Endpoint(f"http://127.0.0.1:{self.port}/episodes/{episode_id}/v1", self.key)
+    @property
+    def connection_cap(self) -> int:
+        """The connections held at once: what the open episodes' agents need, and some to spare."""
+        return self.spare_connections + CONNECTIONS_PER_EPISODE * len(self._episodes)
+
+    def endpoint(self, record: EpisodeRecord) -> Endpoint:
+        return Endpoint(f"http://127.0.0.1:{self.port}/episodes/{record.episode_id}/v1", record.key)
 
     @asynccontextmanager
-    async def episode(self, episode_id: str, seeds: list[int], greedy: bool) -> AsyncIterator[EpisodeRecord]:
-        """An episode open for requests while the body runs (the agent's run)."""
-        tokens = ChatTokens(self.tokenizer)
-        record = EpisodeRecord(episode_id, seeds, greedy, self.positions, self.max_new_tokens, tokens)
-        self.episodes[episode_id] = record
+    async def episode(self, seeds: list[int], greedy: bool) -> AsyncIterator[EpisodeRecord]:
+        """An episode open for requests while the body runs (the agent's run), with an id and a key of its own."""
+        key = "mesh-" + secrets.token_urlsafe(24)
+        record = EpisodeRecord(
+            secrets.token_urlsafe(12), key, seeds, greedy, self.positions, self.max_new_tokens,
+            ChatTokens(self.tokenizer),
+        )
+        self._episodes[_digest(key)] = record
         try:
             yield record
         finally:
-            del self.episodes[episode_id]
+            del self._episodes[_digest(key)]
 
     # ------------------------------------------------------------------------- the routes
 
@@ -156,68 +192,81 @@ class ChatServer:
     async def _models(self, request) -> Any:
         from aiohttp import web
 
-        try:
-            self._check_key(request)
-        except ApiError as error:
-            return _error(error)
+        self._authorized(request)
         model = {"id": SERVED_MODEL, "object": "model", "owned_by": "mesh", "max_model_len": self.positions}
         return web.json_response({"object": "list", "data": [model]})
 
     async def _serve(self, request, turn: Callable[[EpisodeRecord, dict], Awaitable[dict]]) -> Any:
+        """A turn's request: its key checked before its body is read, the body checked before the turn."""
         from aiohttp import web
 
-        try:
-            self._check_key(request)
-            body = await _json_body(request)
-            record = self._record(request, body)
-            _check_model(body)
-            async with record.lock:
-                answer = await turn(record, body)
-        except ApiError as error:
-            return _error(error)
+        record = self._authorized(request)
+        body = await self._body(request)
+        _check_model(body)
+        async with record.lock:
+            if record.failure is not None:
+                raise ApiError(400, "episode_failed", f"the episode has ended: {record.failure}")
+            answer = await turn(record, body)
         if not body.get("stream"):
             return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for chunk in _chunks(answer):
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
+        with contextlib.suppress(ConnectionError):  # the agent left: its reply is recorded, as a sent one is
+            await response.prepare(request)
+            for chunk in _chunks(answer):
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
         return response
 
-    def _check_key(self, request) -> None:
+    def _authorized(self, request) -> EpisodeRecord:
+        """The episode of the request's key; the episode its path or ``X-Episode-Id`` names must be that one."""
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), self.key.encode()):
-            raise ApiError(
-                401, "invalid_api_key",
-                "this endpoint serves only the run's own agents: send the api_key the agent was given "
-                "(Authorization: Bearer <key>)",
-            )
-
-    def _record(self, request, body: dict) -> EpisodeRecord:
-        episode = request.match_info.get("episode") or request.headers.get("X-Episode-Id") or body.get("user")
-        if not episode:
-            raise ApiError(
-                400, "missing_episode",
-                "the request names no episode: use the base_url the agent was given (it ends /episodes/<id>/v1), "
-                "or send the episode id as an X-Episode-Id header or the request's user field",
-            )
-        record = self.episodes.get(episode)
+        record = self._episodes.get(_digest(given))
         if record is None:
             raise ApiError(
-                404, "episode_not_open",
-                f"episode {episode!r} is not open: it has ended, or this run never started it; an agent may call "
-                "the endpoint only while its own run is in progress",
+                401, "invalid_api_key",
+                "this endpoint serves only the run's own agents, each episode with a key of its own: send the "
+                "api_key the agent was given (Authorization: Bearer <key>) while its episode is open; a key stops "
+                "working when its episode ends",
             )
-        if record.failure is not None:
-            raise ApiError(400, "episode_failed", f"episode {episode} has ended: {record.failure}")
+        named = request.match_info.get("episode") or request.headers.get("X-Episode-Id")
+        if named is not None and named != record.episode_id:
+            raise ApiError(
+                404, "episode_not_found",
+                "the request names another episode than its key's: an agent reaches only its own episode; send "
+                "each request to the base_url given with the key",
+            )
         return record
+
+    async def _body(self, request) -> dict:
+        """The request's JSON object, refused before any parsing when larger than a request within the model's
+        context can be, or slower to arrive than ``read_timeout_s``."""
+        from aiohttp import web
+
+        too_large = ApiError(
+            413, "request_too_large",
+            f"the request body is over {self.max_body} bytes, more than any request within the model's "
+            f"{self.positions} positions takes; send a shorter conversation",
+            close=True,
+        )
+        if (request.content_length or 0) > self.max_body:
+            raise too_large
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large from None
+        except TimeoutError:
+            raise ApiError(
+                408, "request_timeout",
+                f"the request body did not arrive within {self.read_timeout_s:g} s; send the whole request at once",
+                close=True,
+            ) from None
+        return _json_object(raw)
 
     # ------------------------------------------------------------------------- one turn
 
     async def _chat_turn(self, record: EpisodeRecord, body: dict) -> dict:
-        messages, tools = body.get("messages"), body.get("tools")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "invalid_messages", "messages must be a non-empty list of {role, content} objects")
+        messages, tools, limit = _messages(body), _tools(body), _max_tokens(body)
         try:
             if tools and record.tokens.render(messages, None, True) == record.tokens.render(messages, tools, True):
                 raise ApiError(
@@ -226,51 +275,50 @@ class ChatServer:
                     "would never see them; describe the tool in the system prompt and read its calls from the "
                     "reply, or train a model whose template renders tools",
                 )
-            segment = record.tokens.prompt(messages, tools)
+            prompt = record.tokens.prompt(messages, tools)
         except TemplateError as error:
             raise ApiError(400, "template_error", str(error)) from None
-        reply = await self._sample(record, segment, body)
+        reply = await self._sample(record, prompt, limit)
         content, calls = _tool_calls(reply.text) if tools else (reply.text, [])
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
-        segment.add_reply(reply, message, self.tokenizer.eos_token_id)
+        record.tokens.add(prompt, reply, message, self.tokenizer.eos_token_id)
         record.last_reply = reply.text
         finish = "tool_calls" if calls else _finish(reply, self.tokenizer.eos_token_id)
         choice = {"index": 0, "message": message, "finish_reason": finish}
         if body.get("logprobs"):
             choice["logprobs"] = {"content": self._token_logprobs(reply)}
-        return _completion("chat.completion", record, choice, segment, reply)
+        return _completion("chat.completion", record, choice, prompt, reply)
 
     async def _completion_turn(self, record: EpisodeRecord, body: dict) -> dict:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            ids = prompt
-        elif isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
-        else:
-            raise ApiError(400, "invalid_prompt", "prompt must be one string or one list of token ids")
-        segment = Segment(ids, [{"role": "user", "content": prompt if isinstance(prompt, str) else ""}])
-        record.tokens.segments.append(segment)
-        reply = await self._sample(record, segment, body)
-        segment.add_reply(reply, {"role": "assistant", "content": reply.text}, self.tokenizer.eos_token_id)
+        text, limit = body.get("prompt"), _max_tokens(body)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids if isinstance(text, str) else text
+        if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < len(self.tokenizer) for t in ids)):
+            raise ApiError(
+                400, "invalid_prompt",
+                f"prompt must be one non-empty string or one non-empty list of token ids (0 to {len(self.tokenizer) - 1})",
+            )
+        prompt = Prompt(ids, [{"role": "user", "content": text if isinstance(text, str) else ""}])
+        reply = await self._sample(record, prompt, limit)
+        record.tokens.add(prompt, reply, {"role": "assistant", "content": reply.text}, self.tokenizer.eos_token_id)
         record.last_reply = reply.text
         choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, self.tokenizer.eos_token_id)}
         if body.get("logprobs") is not None:
             tokens = [self.tokenizer.decode([t]) for t in reply.completion_ids]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": reply.logprobs, "top_logprobs": None}
-        return _completion("text_completion", record, choice, segment, reply)
+        return _completion("text_completion", record, choice, prompt, reply)
 
-    async def _sample(self, record: EpisodeRecord, segment: Segment, body: dict) -> Trajectory:
+    async def _sample(self, record: EpisodeRecord, prompt: Prompt, limit: int | None) -> Trajectory:
         try:
-            seed = record.next_seed(len(segment.ids))
+            seed = record.next_seed(len(prompt.ids))
         except EpisodeOver as error:
             record.failure = str(error)
-            raise ApiError(400, "context_length_exceeded", f"episode {record.episode_id} has ended: {error}") from None
+            raise ApiError(400, "context_length_exceeded", f"the episode has ended: {error}") from None
         try:
-            reply, version = await self.sample(segment.ids, seed, record.greedy)
+            reply, version = await self.sample(prompt.ids, seed, record.greedy)
         except Exception as error:  # the generator's own failure (a weight switch, the engine): the episode ends
             record.failure = f"the generator could not sample turn {record.turns}: {type(error).__name__}: {error}"
             raise ApiError(500, "server_error", record.failure) from None
-        reply = _cut(reply, _max_tokens(body), self.tokenizer)
+        reply = _cut(reply, limit, self.tokenizer)
         record.turn_versions.append((len(reply.completion_ids), version))
         return reply
 
@@ -282,14 +330,138 @@ class ChatServer:
         ]
 
 
-async def _json_body(request) -> dict:
+class _Capped(asyncio.Protocol):
+    """One connection: aiohttp's while the server holds fewer than its ``connection_cap``, else closed as it
+    arrives, so a flood of connections costs the run their accepting only."""
+
+    def __init__(self, server: ChatServer):
+        self.server = server
+        self.inner: asyncio.Protocol | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        handlers = self.server._runner.server
+        if len(handlers.connections) >= self.server.connection_cap:
+            transport.abort()
+            return
+        self.inner = handlers()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode(errors="replace")).digest()
+
+
+def _json_object(raw: bytes) -> dict:
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than any request is
         raise ApiError(400, "invalid_json", "the request body is not JSON (or is nested too deeply)") from None
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_json", "the request body must be a JSON object")
+    for value, depth in _nested(body):
+        if depth > MAX_NESTING:
+            raise ApiError(400, "invalid_json", f"the request body is nested deeper than {MAX_NESTING} levels")
+        if isinstance(value, str) and not _is_text(value):
+            raise ApiError(
+                400, "invalid_text",
+                "the request holds a string that is not UTF-8 text (a lone surrogate escape such as \\ud800); "
+                "send text as UTF-8",
+            )
     return body
+
+
+def _nested(value: Any) -> Iterator[tuple[Any, int]]:
+    """Every value in ``value`` (keys included) with its depth, walked without recursion."""
+    pending = [(value, 1)]
+    while pending:
+        value, depth = pending.pop()
+        yield value, depth
+        if isinstance(value, dict):
+            pending += [(k, depth) for k in value] + [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            pending += [(v, depth + 1) for v in value]
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _messages(body: dict) -> list[Message]:
+    """The request's messages, each content as text (OpenAI's list of text parts joined as vLLM joins them);
+    a 400 naming the first field no chat template could take."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ApiError(400, "invalid_messages", "messages must be a non-empty list of {role, content} objects")
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _message(message: Message, where: str) -> Message:
+    def refuse(what: str) -> ApiError:
+        return ApiError(400, "invalid_messages", f"{where}: {what}")
+
+    if not isinstance(message.get("role"), str):
+        raise refuse("role must be a string (system, user, assistant or tool)")
+    for name in ("name", "tool_call_id"):
+        if message.get(name) is not None and not isinstance(message[name], str):
+            raise refuse(f"{name} must be a string")
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(_is_call(c) for c in calls)):
+        raise refuse(
+            'tool_calls must be a list of {"type": "function", "function": {"name": str, "arguments": str}} objects'
+        )
+    return message | {"content": _text(message.get("content"), refuse)}
+
+
+def _is_call(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return (
+        isinstance(function, dict) and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments", "{}"), str | dict)
+    )
+
+
+def _text(content: Any, refuse: Callable[[str], ApiError]) -> str | None:
+    """A message's content as text: a string, none, or OpenAI's ``[{"type": "text", "text": ...}]`` parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "\n".join(part["text"] for part in content)
+    raise refuse(
+        'content must be text: a string or a list of {"type": "text", "text": ...} parts (the policy reads text '
+        f"only), not {json.dumps(content)[:80]}"
+    )
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ApiError(400, "invalid_tools", 'tools must be a list of {"type": "function", "function": {...}} objects')
+    return tools
 
 
 def _check_model(body: dict) -> None:
@@ -325,14 +497,17 @@ def _finish(reply: Trajectory, eos_id: int | None) -> str:
 
 def _tool_calls(text: str) -> tuple[str, list[dict]]:
     """The reply's text without its well-formed tool calls, and those calls in OpenAI's shape; a call that is
-    not ``{"name": str, "arguments": object}`` JSON stays in the text, for the agent to see."""
+    not ``{"name": str, "arguments": object}`` JSON nested at most ``MAX_NESTING`` deep stays in the text, for
+    the agent to see (a model may write anything, and the agent sends its calls back)."""
     calls, kept = [], text
     for match in TOOL_CALL.finditer(text):
         try:
             call = json.loads(match.group(1))
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            continue
+        if any(depth > MAX_NESTING for _, depth in _nested(call)):
             continue
         arguments = call.get("arguments", {})
         calls.append(
@@ -346,9 +521,9 @@ def _tool_calls(text: str) -> tuple[str, list[dict]]:
     return kept.strip(), calls
 
 
-def _completion(kind: str, record: EpisodeRecord, choice: dict, segment: Segment, reply: Trajectory) -> dict:
+def _completion(kind: str, record: EpisodeRecord, choice: dict, prompt: Prompt, reply: Trajectory) -> dict:
     """The answer to a turn; its ``system_fingerprint`` names the policy version that sampled it."""
-    prompt_tokens = len(segment.ids) - len(reply.completion_ids)
+    prompt_tokens = len(prompt.ids)
     return {
         "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
         "object": kind,
@@ -390,6 +565,33 @@ def _error(error: ApiError) -> Any:
     from aiohttp import web
 
     kind = "invalid_request_error" if error.status < 500 else "server_error"
-    return web.json_response(
+    response = web.json_response(
         {"error": {"message": error.message, "type": kind, "param": None, "code": error.code}}, status=error.status
     )
+    if error.close:
+        response.force_close()
+    return response
+
+
+ROUTES = "POST <base_url>/chat/completions, POST <base_url>/completions and GET <base_url>/models"
+
+
+def _as_api_error(error: Exception) -> ApiError:
+    """What any failure of a request answers: its own ``ApiError``, aiohttp's refusal (no such route or
+    method) in OpenAI's shape, or the endpoint's own defect named, without a traceback."""
+    from aiohttp import web
+
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, web.HTTPException) and error.status < 500:
+        code = error.reason.lower().replace(" ", "_")
+        return ApiError(error.status, code, f"{error.reason}: this endpoint serves {ROUTES}")
+    return ApiError(500, "server_error", f"the endpoint failed on this request ({type(error).__name__}: {error})")
+
+
+async def _openai_errors(request, handler) -> Any:
+    """Every answer that is not a turn's, in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except Exception as error:  # noqa: BLE001  answered, never a traceback: see _as_api_error
+        return _error(_as_api_error(error))

@@ -304,7 +304,7 @@ async def _spawn(status: int, limits: SandboxLimits) -> asyncio.subprocess.Proce
     ``preexec_fn`` is used: it is unsafe in a threaded trainer, and it would force a full fork of the trainer's
     memory."""
     try:
-        interpreter, view = await asyncio.to_thread(_host_view)  # the first call runs ldd: not on the event loop
+        interpreter, view = await asyncio.to_thread(host_view)  # the first call runs ldd: not on the event loop
         return await asyncio.create_subprocess_exec(
             *(interpreter, "-I", "-S", "-u", "-c", _RUNNER),
             *(str(status), str(limits.memory_bytes), str(int(limits.timeout_s) + 2), view),
@@ -320,7 +320,7 @@ async def _spawn(status: int, limits: SandboxLimits) -> asyncio.subprocess.Proce
 
 
 @functools.cache
-def _host_view() -> tuple[str, str]:
+def host_view() -> tuple[str, str]:
     """The interpreter the sandbox runs (a virtual environment's base: the sandbox takes nothing from
     site-packages) and, as the runner's JSON argument, what of the host its root shows: that interpreter, its
     standard library with site-packages hidden, the shared libraries they load and the loader's cache, each reached

@@ -6,9 +6,9 @@ taskset: ..., config: {...}}, params: {harness: null}}``. Each episode rebuilds 
 the problem's data (``VerifiersTask.task_of``) and runs ``vf.make_agent(config).run(task)``: the harness program
 talks to verifiers' interception server, which records each turn on the trace and relays it to the episode's
 endpoint (the config's client is ``endpoint.base_url``, whose path names the episode, and ``endpoint.model``; the
-key goes through the environment variable ``MESH_ENDPOINT_API_KEY``, as verifiers reads keys). The endpoint
-records the tokens the model sampled, which train; the finished trace's rubric reward (verifiers' weighted sum,
-``trace.reward``) is the episode's reward. A rollout that ends in an error (the endpoint refused a request, the
+episode's own key goes through a variable of its own, ``MESH_ENDPOINT_API_KEY_<random>``, as verifiers reads keys).
+The endpoint records the tokens the model sampled, which train; the finished trace's rubric reward (verifiers'
+weighted sum, ``trace.reward``) is the episode's reward. A rollout that ends in an error (the endpoint refused a request, the
 harness program failed) fails its episode, with verifiers' errors as its cause.
 
 The harness program runs on the generator's host. verifiers would prepare it with ``uv`` (``pip install uv`` when
@@ -68,10 +68,14 @@ class VerifiersAgent:
         self.problems, self.harness = problems, harness
 
     async def __call__(self, endpoint: Endpoint, problem: Problem) -> float:
-        os.environ[KEY_VARIABLE] = endpoint.api_key  # one key per generator process: every episode sets the same
-        agent = vf.make_agent(self._config(endpoint))
-        async with _host_runtime() as runtime:
-            trace = await agent.run(self.problems.task_of(problem), runtime=runtime)
+        variable = f"{KEY_VARIABLE}_{uuid.uuid4().hex}"  # each episode has a key of its own: a variable of its own
+        os.environ[variable] = endpoint.api_key
+        try:
+            agent = vf.make_agent(self._config(endpoint, variable))
+            async with _host_runtime() as runtime:
+                trace = await agent.run(self.problems.task_of(problem), runtime=runtime)
+        finally:
+            del os.environ[variable]
         if not trace.ok:
             errors = "; ".join(f"{error.type}: {error.message}" for error in trace.errors) or "no error recorded"
             raise RuntimeError(
@@ -81,8 +85,8 @@ class VerifiersAgent:
             )
         return float(trace.reward)
 
-    def _config(self, endpoint: Endpoint) -> vf.AgentConfig:
-        client = EvalClientConfig(base_url=endpoint.base_url, api_key_var=KEY_VARIABLE)
+    def _config(self, endpoint: Endpoint, key_variable: str) -> vf.AgentConfig:
+        client = EvalClientConfig(base_url=endpoint.base_url, api_key_var=key_variable)
         return vf.AgentConfig(
             harness={"id": self.harness}, runtime=SubprocessConfig(), model=endpoint.model, client=client
         )
