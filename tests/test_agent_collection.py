@@ -71,6 +71,7 @@ def test_group_collection_whose_later_groups_all_fail_stops_with_the_agents_own_
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a whole CLI run held to its episodes' timeout (~20 s); tests/test_groups.py drives the pool's drain
 def test_a_first_sigterm_ends_a_step_the_running_groups_cannot_finish(tmp_path):
     """The first group succeeds and every later one hangs until task.timeout_s. A first SIGTERM stops the pool
     starting groups: once those running have failed, step 0 cannot be filled and the run stops at once with the
@@ -100,6 +101,7 @@ SPLIT = [
 ]
 
 
+@pytest.mark.slow  # a run and its resume (~20 s); the default tier counts split episodes in tests/test_rollout.py
 def test_a_run_checkpointed_with_split_episodes_in_flight_resumes_exactly(tmp_path):
     """Each episode of the agent becomes two rows; the checkpoint after step 0 holds step 1's batch (lag 1), with
     more rows in a group than group_size. The resume's check counted rows and refused it; it counts episodes."""

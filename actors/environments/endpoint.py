@@ -146,8 +146,10 @@ class ChatServer:
             app.router.add_post(f"{prefix}/chat/completions", self._chat)
             app.router.add_post(f"{prefix}/completions", self._completions)
             app.router.add_get(f"{prefix}/models", self._models)
-        # keepalive_timeout: aiohttp drops a connection whose next request head has not arrived by then
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.read_timeout_s)
+        # keepalive_timeout: aiohttp drops a connection whose next request head has not arrived by then;
+        # lingering_time: how long it reads a refused request's unread body before closing (10 s by default)
+        timeouts = {"keepalive_timeout": self.read_timeout_s, "lingering_time": self.read_timeout_s}
+        self._runner = web.AppRunner(app, access_log=None, **timeouts)
         await self._runner.setup()
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(lambda: _Capped(self), "127.0.0.1", 0)
