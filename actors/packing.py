@@ -19,13 +19,23 @@ repeated in the next). Lanes are padded to the longest, and a padding token sees
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from torch.nn import Module
 
-LANE_TOKENS = 2048
+LANE_TOKENS = 2048  # the most a lane holds: its mask is a square of its length
+
+
+def lane_tokens(config) -> int:
+    """How many tokens a lane holds for a model of this Hugging Face ``config``: half the length at which a token's
+    attention over its lane costs as much as its linear layers (about ``2 hidden + 1.5 intermediate``), at most
+    ``LANE_TOKENS``. A lane's attention is a square of its length, so a small model's lanes are short: one long
+    lane would cost it more than padding its rows."""
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", None) or 4 * hidden
+    return min(LANE_TOKENS, (2 * hidden + 3 * inner // 2) // 2)
 
 
 @dataclass(frozen=True)
@@ -57,90 +67,97 @@ class PackedRows:
         return states.flatten(0, 1)[self.predicting]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Unit:
-    """A prompt and the rows that share it, placed in one lane together."""
+    """A prompt and the rows that share it, placed in one lane together (plain lists: packing a step's rows is
+    bookkeeping, and tensor indexing per row would cost a tiny model more than its forward pass)."""
 
-    prompt: tuple[Tensor, Tensor]  # its tokens and their positions
-    rows: list[int]
-    completions: list[tuple[Tensor, Tensor]]
+    prompt: tuple[list[int], list[int]]  # its tokens and their positions
+    rows: list[int] = field(default_factory=list)
+    completions: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    tokens: int = field(init=False)  # the prompt's and the completions' together
 
-    @property
-    def tokens(self) -> int:
-        return len(self.prompt[0]) + sum(len(ids) for ids, _ in self.completions)
+    def __post_init__(self) -> None:
+        self.tokens = len(self.prompt[0])
+
+    def add(self, row: int, completion: tuple[list[int], list[int]]) -> None:
+        self.rows.append(row)
+        self.completions.append(completion)
+        self.tokens += len(completion[0])
 
 
-def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int) -> PackedRows:
+def pack_rows(
+    input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, lane: int | None = None
+) -> PackedRows:
     """Pack rows laid out as a ``TrainBatch``'s (prompts left-padded to ``prompt_len``, completions right-padded after
-    it; ``attention_mask`` marks the real tokens, ``position_ids`` their positions)."""
-    real = attention_mask.bool()
+    it; ``attention_mask`` marks the real tokens, ``position_ids`` their positions) into lanes of ``lane`` tokens
+    (``lane_tokens`` of the model; None: ``LANE_TOKENS``)."""
     rows, width = input_ids.shape[0], input_ids.shape[1] - prompt_len
-    lanes = _lanes(_units(input_ids, real, position_ids, prompt_len))
+    lanes = _lanes(_units(input_ids, attention_mask, position_ids, prompt_len), lane or LANE_TOKENS)
     length = max(sum(unit.tokens for unit in lane) for lane in lanes)
-    ids = torch.zeros(len(lanes), length, dtype=torch.long)
-    positions = torch.zeros_like(ids)
-    unit_of = torch.full_like(ids, -1)  # -1: padding
-    owner = torch.full_like(ids, -1)  # the row a completion token belongs to; -1: a prompt's (shared) or padding
-    predicting = torch.zeros(rows, width, dtype=torch.long)
+    ids, positions = [[0] * length for _ in lanes], [[0] * length for _ in lanes]
+    unit_of = [[-1] * length for _ in lanes]  # -1: padding
+    owner = [[-1] * length for _ in lanes]  # the row a completion token belongs to; -1: a prompt's (shared) or padding
+    predicting = [[0] * width for _ in range(rows)]
     for lane, units in enumerate(lanes):
-        place = 0
+        place, base = 0, lane * length
         for number, unit in enumerate(units):
             prompt_ids, prompt_positions = unit.prompt
             end = place + len(prompt_ids)
-            ids[lane, place:end], positions[lane, place:end], unit_of[lane, place:end] = prompt_ids, prompt_positions, number
-            last_prompt = lane * length + end - 1
-            place = end
+            ids[lane][place:end], positions[lane][place:end] = prompt_ids, prompt_positions
+            unit_of[lane][place:end] = [number] * len(prompt_ids)
+            last_prompt, place = base + end - 1, end
             for row, (completion, completion_positions) in zip(unit.rows, unit.completions):
                 end = place + len(completion)
-                ids[lane, place:end], positions[lane, place:end] = completion, completion_positions
-                unit_of[lane, place:end], owner[lane, place:end] = number, row
-                if len(completion):
-                    predicting[row, 0] = last_prompt
-                    predicting[row, 1 : len(completion)] = torch.arange(place, end - 1) + lane * length
+                ids[lane][place:end], positions[lane][place:end] = completion, completion_positions
+                unit_of[lane][place:end], owner[lane][place:end] = [number] * len(completion), [row] * len(completion)
+                if completion:
+                    predicting[row][: len(completion)] = [last_prompt, *range(base + place, base + end - 1)]
                 place = end
-    return PackedRows(ids.to(input_ids.device), positions.to(input_ids.device),
-                      _visible(unit_of, owner).to(input_ids.device), predicting.to(input_ids.device))
+    device = input_ids.device
+    visible = _visible(torch.tensor(unit_of), torch.tensor(owner))
+    return PackedRows(torch.tensor(ids, device=device), torch.tensor(positions, device=device), visible.to(device),
+                      torch.tensor(predicting, device=device))
 
 
-def _units(input_ids: Tensor, real: Tensor, position_ids: Tensor, prompt_len: int) -> list[_Unit]:
+def _units(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int) -> list[_Unit]:
     """The rows grouped by their prompt's tokens, in the order each prompt first appears."""
-    ids, real, position_ids = input_ids.cpu(), real.cpu(), position_ids.cpu()
-    units: dict[bytes, _Unit] = {}
-    for row in range(ids.shape[0]):
-        in_prompt, in_completion = real[row, :prompt_len], real[row, prompt_len:]
-        prompt = (ids[row, :prompt_len][in_prompt], position_ids[row, :prompt_len][in_prompt])
-        if len(prompt[0]) == 0:
+    ids, real, places = input_ids.tolist(), attention_mask.bool().tolist(), position_ids.tolist()
+    units: dict[tuple[int, ...], _Unit] = {}
+    for row, (row_ids, row_real, row_places) in enumerate(zip(ids, real, places)):
+        kept = [(token, place, column < prompt_len) for column, (token, place, r) in
+                enumerate(zip(row_ids, row_places, row_real)) if r]
+        prompt = ([t for t, _, first in kept if first], [p for _, p, first in kept if first])
+        if not prompt[0]:
             raise ValueError(f"row {row} has no prompt token, so nothing predicts its completion's first token")
-        completion = (ids[row, prompt_len:][in_completion], position_ids[row, prompt_len:][in_completion])
-        unit = units.setdefault(prompt[0].numpy().tobytes(), _Unit(prompt, [], []))
-        unit.rows.append(row)
-        unit.completions.append(completion)
+        completion = ([t for t, _, first in kept if not first], [p for _, p, first in kept if not first])
+        units.setdefault(tuple(prompt[0]), _Unit(prompt)).add(row, completion)
     return list(units.values())
 
 
-def _lanes(units: list[_Unit]) -> list[list[_Unit]]:
-    """The units first-fit-decreasing into lanes of ``LANE_TOKENS``, a unit too long for one split by its rows."""
-    pieces = [piece for unit in units for piece in _split(unit)]
+def _lanes(units: list[_Unit], capacity: int) -> list[list[_Unit]]:
+    """The units first-fit-decreasing into lanes of ``capacity`` tokens, a unit too long for one split by its rows."""
+    pieces = [piece for unit in units for piece in _split(unit, capacity)]
     lanes: list[list[_Unit]] = []
+    filled: list[int] = []  # each lane's tokens
     for piece in sorted(pieces, key=lambda unit: -unit.tokens):
-        lane = next((lane for lane in lanes if sum(u.tokens for u in lane) + piece.tokens <= LANE_TOKENS), None)
+        lane = next((i for i, tokens in enumerate(filled) if tokens + piece.tokens <= capacity), None)
         if lane is None:
             lanes.append([piece])
+            filled.append(piece.tokens)
         else:
-            lane.append(piece)
+            lanes[lane].append(piece)
+            filled[lane] += piece.tokens
     return lanes
 
 
-def _split(unit: _Unit) -> list[_Unit]:
+def _split(unit: _Unit, capacity: int) -> list[_Unit]:
     """``unit`` in pieces that each fit a lane, the prompt in each (a row longer than a lane is a piece alone)."""
     pieces: list[_Unit] = []
     for row, completion in zip(unit.rows, unit.completions):
-        last = pieces[-1] if pieces else None
-        if last is None or last.tokens + len(completion[0]) > LANE_TOKENS:
-            last = _Unit(unit.prompt, [], [])
-            pieces.append(last)
-        last.rows.append(row)
-        last.completions.append(completion)
+        if not pieces or pieces[-1].tokens + len(completion[0]) > capacity:
+            pieces.append(_Unit(unit.prompt))
+        pieces[-1].add(row, completion)
     return pieces
 
 
@@ -156,9 +173,11 @@ def _visible(unit_of: Tensor, owner: Tensor) -> Tensor:
     return visible[:, None]
 
 
-def packed_states(model: Module, packed: PackedRows) -> Tensor:
-    """A Hugging Face causal LM's last hidden states that predict each packed row's completion tokens,
-    ``[rows, T, hidden]``, from one pass of its decoder (the LM head is the caller's: it may need only some)."""
+def packed_states(model: Module, sequences) -> Tensor:
+    """A Hugging Face causal LM's last hidden states that predict each completion token of ``sequences`` (a
+    ``Sequences`` or ``TrainBatch``), ``[rows, T, hidden]``, from one pass of its decoder over the rows packed in lanes
+    of its size (the LM head is the caller's: it may need only some)."""
+    packed = sequences.packed(lane_tokens(model.config))
     mask = packed.attention_mask(model.config._attn_implementation, model.dtype)
     out = model.get_decoder()(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids)
     return packed.gather(out.last_hidden_state)

@@ -38,9 +38,10 @@ class Sequences:
     def rows(self, rows: slice | Tensor) -> Sequences:
         return dataclasses.replace(self, **{k: getattr(self, k)[rows] for k in TOKEN_FIELDS})
 
-    def packed(self) -> PackedRows:
-        """These rows packed for one forward pass, each shared prompt once (``actors/packing.py``)."""
-        return pack_rows(self.input_ids, self.attention_mask, self.position_ids, self.prompt_len)
+    def packed(self, lane: int | None = None) -> PackedRows:
+        """These rows packed for one forward pass, each shared prompt once, in lanes of ``lane`` tokens
+        (``actors/packing.py``)."""
+        return pack_rows(self.input_ids, self.attention_mask, self.position_ids, self.prompt_len, lane)
 
     def to(self, device: torch.device) -> Sequences:
         return dataclasses.replace(self, **{k: getattr(self, k).to(device) for k in TOKEN_FIELDS})
@@ -88,8 +89,8 @@ class TrainBatch:
     def sequences(self) -> Sequences:
         return Sequences(self.input_ids, self.attention_mask, self.position_ids, self.prompt_len)
 
-    def packed(self) -> PackedRows:
-        return self.sequences().packed()
+    def packed(self, lane: int | None = None) -> PackedRows:
+        return self.sequences().packed(lane)
 
     def rows(self, rows: slice | Tensor) -> TrainBatch:
         """Some rows (a rank's share, a micro-batch); the caller keeps the global counts."""

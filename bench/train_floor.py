@@ -87,8 +87,8 @@ def main() -> None:
     topology = load_topology(args.run_dir / "topology.yaml", [f"loop.steps={args.steps}"], placed_here=False)
     plan = RunPlan.of(topology)
     cfg = topology.actors.trainer
-    model_path = str(plan.models["model.path"].directory()) if "model.path" in plan.models else None
-    assert model_path is not None, "the run's model is built from a recipe; time a run of a model on disk"
+    # a model built from a recipe (tiny.yaml's) is in the run directory, as the run built it
+    model_path = str(plan.models["model.path"].directory() if "model.path" in plan.models else args.run_dir / "model")
     estimator, longest = cfg.loss.policy.advantage, topology.actors.generator.max_new_tokens  # single-turn rows
     batches = [
         build_train_batch(c.groups, row_advantages(c.groups, estimator), 0, longest)

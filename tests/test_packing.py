@@ -3,6 +3,8 @@ row at its row's positions, lanes bounded, and the model's states at each comple
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_actors import TASK, a_batch
@@ -94,3 +96,13 @@ def test_eager_attention_takes_the_mask_as_scores_and_others_are_refused():
     assert (scores[packed.visible] == 0).all() and (scores[~packed.visible] == torch.finfo(torch.float32).min).all()
     with pytest.raises(ValueError, match="flash_attention_2.*does not take.*attn_implementation 'sdpa'"):
         packed.attention_mask("flash_attention_2", torch.float32)
+
+
+def test_a_lane_is_as_long_as_its_model_makes_attention_worth_it():
+    """A lane's attention is a square of its length: on a tiny model (hidden 64) one lane of a step's rows cost twice
+    the padded rows; lanes sized by the model keep attention below its linear layers' cost."""
+    assert packing.lane_tokens(SimpleNamespace(hidden_size=64, intermediate_size=256)) == 256
+    assert packing.lane_tokens(SimpleNamespace(hidden_size=576, intermediate_size=1536)) == 1728  # SmolLM2-135M
+    assert packing.lane_tokens(SimpleNamespace(hidden_size=2048, intermediate_size=8192)) == packing.LANE_TOKENS
+    rows = [([1, 2, 3], [4] * 10)] * 40  # 403 tokens in all
+    assert len(pack_rows(*rows_as_a_batch(rows), lane=256).input_ids) == 2

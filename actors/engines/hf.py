@@ -122,7 +122,7 @@ class HFEngine:
         encode = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
         pairs = [(encode(p), encode(c) + [self.tokenizer.eos_token_id]) for p, c in zip(prompts, completions)]
         sequences = pad_sequences(*zip(*pairs), self.tokenizer.pad_token_id).to(self.device)
-        states = packed_states(self.model, sequences.packed())
+        states = packed_states(self.model, sequences)
         logprobs = token_logprobs(states, head_weight(self.model), sequences.targets).cpu()
         return [
             Trajectory.single_turn(p, c, logprobs[row, : len(c)].tolist(), text)

@@ -41,7 +41,7 @@ class HiddenStates(nn.Module):
     def forward(self, batch: TrainBatch | Sequences) -> Tensor:
         """The states that predict each row's completion, from one pass over the rows packed
         (``actors/packing.py``): ``[rows, T, hidden]``."""
-        return packed_states(self.model, batch.packed())
+        return packed_states(self.model, batch)
 
 
 class NativeLoop(HFModelLoop):

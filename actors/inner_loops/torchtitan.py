@@ -104,6 +104,7 @@ from torchtitan.tools.utils import device_type as torchtitan_device_type
 from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, MicroBatchLoop
+from actors.packing import lane_tokens
 from actors.train_batch import TrainBatch
 from losses import Logits
 
@@ -358,6 +359,7 @@ class TorchTitanLoop(MicroBatchLoop):
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
         super().__init__(cfg, rank, world, device)
         hf, family = read_hf_config(model_path)
+        self.lane = lane_tokens(hf)  # the packed rows' lanes, sized as the HF model's (actors/packing.py)
         config = model_config(hf, family)
         config.update_from_config(config=_Job(PARALLELISM))
         with torch.device("meta"):
@@ -391,7 +393,7 @@ class TorchTitanLoop(MicroBatchLoop):
 
     def head(self, batch: TrainBatch) -> Logits:
         """The logits that predict each row's completion, from one pass over the rows packed (``actors/packing.py``)."""
-        packed = batch.packed()
+        packed = batch.packed(self.lane)
         logits = self.model(packed.input_ids, positions=packed.position_ids, attention_masks=packed.visible)
         return Logits(packed.gather(logits))
 

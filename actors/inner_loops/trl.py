@@ -35,6 +35,7 @@ from torch import Tensor
 from actors.adapters import peft_config
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
+from actors.packing import lane_tokens
 from actors.train_batch import TrainBatch
 from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
 
@@ -191,7 +192,7 @@ class TRLLoop(HFModelLoop):
         return {
             "completion_ids": batch.input_ids[:, completion],
             "completion_mask": batch.attention_mask[:, completion],
-            PACKED: batch.packed(),
+            PACKED: batch.packed(lane_tokens(self.model.config)),
         }
 
     def backward(self, loss: Tensor) -> None:
