@@ -60,6 +60,7 @@ def run_of(root: Path) -> Path:
     return run
 
 
+@pytest.mark.slow  # a whole CLI run (~12 s); tests/test_groups.py stops a half-filled step the same way in the pool
 def test_group_collection_whose_later_groups_all_fail_stops_with_the_agents_own_error(tmp_path):
     """Two prompts a step: the first group succeeds and every later one raises. The pool ran out of groups that
     could fill step 0 and waited for ever (11 minutes in the issue); now the run stops with the agent's error."""
