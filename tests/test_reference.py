@@ -95,7 +95,12 @@ async def test_both_placements_train_identically_and_the_kl_starts_at_zero(tmp_p
         ]
         placed = json.loads((run_dir.path / "procs.json").read_text())
         roles[mesh] = {name: m["roles"] for name, m in placed.items()}
-    assert learned["trainer"] == learned["service"]
+    # to float error: the two placements pack different rows together (actors/packing.py), so sums run in other orders
+    assert [row.keys() for row in learned["trainer"]] == [row.keys() for row in learned["service"]]
+    for ours, theirs in zip(learned["trainer"], learned["service"], strict=True):
+        for key, value in ours.items():
+            close = pytest.approx(theirs[key], rel=1e-4, abs=1e-6) if isinstance(value, float) else theirs[key]
+            assert value == close, (ours["step"], key)
     kl = [r["train/policy/kl"] for r in learned["trainer"]]
     assert kl[0] == 0.0  # step 0's policy is the initial weights
     assert all(value > 0 for value in kl[1:])  # then it moves away from them
