@@ -198,7 +198,7 @@ def row_advantages(groups: list[RolloutGroup], estimator: AdvantageEstimator = "
     policy (``group_advantages``), 0 for the others. The rows of one episode (``Row.episode``: an agent's
     episode split into several) count once, and each gets the episode's advantage, so an episode's weight in
     its group's mean and spread does not grow with the rows it became. Groups of equal size share one call."""
-    places = [_places(g) for g in groups]
+    places = [episode_places(g) for g in groups]
     trained = [[g.rows[i].reward.total for i in firsts] for g, (firsts, _) in zip(groups, places)]
     if len({len(t) for t in trained}) == 1:
         flat = group_advantages(torch.tensor(trained).reshape(-1), len(trained[0]), estimator)
@@ -210,7 +210,7 @@ def row_advantages(groups: list[RolloutGroup], estimator: AdvantageEstimator = "
     )
 
 
-def _places(group: RolloutGroup) -> tuple[list[int], list[int | None]]:
+def episode_places(group: RolloutGroup) -> tuple[list[int], list[int | None]]:
     """The rows that stand for the group's episodes in its advantages (a row of no episode stands for itself; an
     episode, by its first row), and each row's place among them (None: a row that does not train the policy)."""
     firsts: list[int] = []

@@ -335,6 +335,16 @@ def test_step_metrics_are_a_function_of_the_collected_rows_the_report_and_the_ag
     assert "time/reference" not in step_metrics(collected, report(), [2, 1, 1], reference=False)
 
 
+def test_an_episode_split_into_rows_is_one_reward_in_the_step_metrics():
+    """An agent that edits its history turns one episode into rows that share its reward: the step's reward
+    statistics count the episode once, as its group's advantages do (they averaged the rows)."""
+    split = [dataclasses.replace(row(5, reward=1.0), episode=0) for _ in range(3)]
+    group = RolloutGroup(TASK.problems(0, 0, 1)[0], 0, (*split, dataclasses.replace(row(5), episode=1)))
+    seconds = {"generate": 0.0, "load": 0.0, "reward": 0.0, "teachers": 0.0}
+    metrics = step_metrics(Collected([group], None, seconds, {}), report(), [1] * 4, reference=False)
+    assert metrics["reward/mean"] == 0.5 and metrics["reward/task"] == 0.5 and metrics["reward/exact"] == 0.5
+
+
 def test_the_distill_teachers_agreement_comes_from_the_trainers_report():
     seconds = {"generate": 0.0, "load": 0.0, "reward": 0.0, "teachers": 0.0}
     group = RolloutGroup(TASK.problems(0, 0, 1)[0], 0, (row(1),))

@@ -8,7 +8,8 @@ from collections import Counter
 
 import torch
 
-from actors.rollout import RolloutGroup, RowKind
+from actors.rollout import RolloutGroup, Row, RowKind
+from actors.train_batch import episode_places
 from actors.trainer import StepReport
 from mesh.controller.collected import Collected
 from mesh.controller.teacher_board import TeacherBinding
@@ -17,7 +18,8 @@ from mesh.controller.teacher_board import TeacherBinding
 def step_metrics(collected: Collected, report: StepReport, ages: list[int], reference: bool) -> dict:
     """``reference``: whether the loss has a reference model (its time is logged, wherever it runs)."""
     samples = collected.rows(RowKind.SAMPLE)  # a teacher's reward is never the policy's
-    rewards = torch.tensor([row.reward.total for row in samples])
+    episodes = sampled_episodes(collected.groups)
+    rewards = torch.tensor([row.reward.total for row in episodes])
     seconds = collected.seconds
     metrics = {
         "version": report.weights.version,
@@ -38,8 +40,8 @@ def step_metrics(collected: Collected, report: StepReport, ages: list[int], refe
     }
     if reference:
         metrics["time/reference"] = seconds.get("reference", 0.0) + report.reference_seconds
-    for name in sorted({name for row in samples for name in row.reward.parts}):
-        metrics[f"reward/{name}"] = sum(row.reward.parts.get(name, 0.0) for row in samples) / len(samples)
+    for name in sorted({name for row in episodes for name in row.reward.parts}):
+        metrics[f"reward/{name}"] = sum(row.reward.parts.get(name, 0.0) for row in episodes) / len(episodes)
     teachers = {name: dict(values) for name, values in collected.teacher_metrics.items()}
     if collected.distill_teacher is not None and "distill/agreement" in report.metrics:
         teachers[collected.distill_teacher]["agreement"] = report.metrics["distill/agreement"]
@@ -53,6 +55,12 @@ def step_metrics(collected: Collected, report: StepReport, ages: list[int], refe
         }
     metrics |= collected.episode_metrics
     return metrics | {f"train/{k}": v for k, v in report.metrics.items()}
+
+
+def sampled_episodes(groups: list[RolloutGroup]) -> list[Row]:
+    """The policy's samples, one row for each: an agent's episode split into several rows (it edited its history)
+    is one sample with one reward, as in its group's advantages."""
+    return [g.rows[i] for g in groups for i in episode_places(g)[0] if g.rows[i].kind is RowKind.SAMPLE]
 
 
 def teacher_metrics(groups: list[RolloutGroup], tracers: list[TeacherBinding], seconds: dict[str, float]) -> dict:
