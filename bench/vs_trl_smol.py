@@ -11,7 +11,9 @@ once, before either side starts; ``--model-dir`` puts a directory there instead)
 one after the other:
 
 - Ours: ``mesh.runtime.run.run`` on the topology's plan, its meshes and engine as written, without in-run
-  evaluation; the trained model is the run directory's ``final/``.
+  evaluation; the trained model is the run directory's ``final/``. Then ours again, bounded-async
+  (``max_policy_lag: 1``) with the generator in a process of its own, so that generation overlaps training
+  (the runtime splits the cores between the two processes).
 - TRL: ``GRPOTrainer`` (``bench/vs_trl.py``'s ``trl_trainer``) with every core's thread: the same model
   directory, each step's prompts as the runtime draws them (``problems(seed, step, prompts_per_step)``, in
   order) rendered with the model's chat template and the task's system prompt (``actors/prompts.py``), the
@@ -80,20 +82,27 @@ JOB = (  # DAPO alone, and no evaluation inside the run (both sides are evaluate
     "loop.evaluation.at_start=false",
 )
 QUICK = ("loop.steps=2", "loop.prompts_per_step=2", "loop.evaluation.prompts=4")
-SIDES = ("ours", "trl")
+PLACEMENTS = {  # ours, two ways: the topology's as written, and bounded-async with the generator apart
+    "ours": (),
+    "ours_async": ("meshes.gen={procs: 1}", "actors.generator.mesh=gen", "loop.max_policy_lag=1"),
+}
+SIDES = (*PLACEMENTS, "trl")
 
 
-def job_overrides(args: argparse.Namespace, root: Path) -> list[str]:
-    """The settings both sides read: the topology's, DAPO alone (and ``--quick``'s, ``--model-dir``'s)."""
+def job_overrides(args: argparse.Namespace, root: Path, side: str) -> list[str]:
+    """The settings every side reads: the topology's, DAPO alone (and ``--quick``'s, ``--model-dir``'s); then
+    the side's placement."""
     quick = QUICK if args.quick else ()
     model = [f"model.path={args.model_dir.expanduser().resolve()}"] if args.model_dir else []
     topology = load_topology(args.topology, [*model, *quick])
-    return loop_settings(topology.loop.max_policy_lag, topology.loop.steps, root, *model, *quick, *JOB)
+    placement = PLACEMENTS.get(side, ())
+    return loop_settings(topology.loop.max_policy_lag, topology.loop.steps, root, *model, *quick, *JOB, *placement)
 
 
-def job_plan(args: argparse.Namespace, root: Path) -> RunPlan:
-    """The job's plan (a GGUF model converted into the cache, once); refuses a job TRL's side would not match."""
-    plan = load_plan(args.topology, job_overrides(args, root), convert=True)
+def job_plan(args: argparse.Namespace, root: Path, side: str = "ours") -> RunPlan:
+    """The job's plan for ``side`` (a GGUF model converted into the cache, once); refuses a job TRL's side would
+    not match."""
+    plan = load_plan(args.topology, job_overrides(args, root, side), convert=True)
     actors = plan.topology.actors
     if actors.trainer.loss.policy.name != "dapo":
         raise SystemExit(f"{args.topology}: the comparison is DAPO's, but its policy loss is another")
@@ -177,11 +186,14 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+NAMES = {"ours": "ours (as written)", "ours_async": "ours, bounded-async, generator apart", "trl": "TRL GRPOTrainer"}
+
+
 def report(args: argparse.Namespace, topology: Topology, base: float, sides: dict[str, dict]) -> dict:
     loop, n = topology.loop, samples(topology)
     for side in sides.values():
         side["samples_per_s"] = n / side["wall_s"]
-    ours, trl = sides["ours"], sides["trl"]
+    trl = sides["trl"]
     result = {
         "date": str(datetime.date.today()),
         "machine": machine(),
@@ -194,30 +206,24 @@ def report(args: argparse.Namespace, topology: Topology, base: float, sides: dic
         "eval_prompts": loop.evaluation.prompts,
         "trl_generation": "transformers",
         "base_accuracy": base,
-        "ours": ours,
-        "trl": trl,
-        "accuracy_ours_over_trl": ratio(ours["accuracy"], trl["accuracy"]),
-        "wall_ours_over_trl": ours["wall_s"] / trl["wall_s"],
+        **sides,
+        **{f"accuracy_{side}_over_trl": ratio(sides[side]["accuracy"], trl["accuracy"]) for side in PLACEMENTS},
+        **{f"wall_{side}_over_trl": sides[side]["wall_s"] / trl["wall_s"] for side in PLACEMENTS},
     }
     print(
         f"job: {args.topology}, DAPO alone: {loop.steps} steps x {loop.prompts_per_step} prompts x "
         f"{loop.group_size} samples = {n} samples, up to {topology.actors.generator.max_new_tokens} new tokens; "
-        f"held-out: {loop.evaluation.prompts} prompts, greedy"
+        f"held-out: {loop.evaluation.prompts} prompts, greedy; TRL generates with {result['trl_generation']}"
     )
-    print("| model | held-out accuracy | wall s | samples/s | steady samples/s |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| base (untrained) | {base:.3f} | | | |")
-    for name, side in (("ours", ours), (f"TRL GRPOTrainer ({result['trl_generation']})", trl)):
+    print("| model | held-out accuracy | wall s | samples/s | steady samples/s | samples/s vs TRL |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| base (untrained) | {base:.3f} | | | | |")
+    for side, name in NAMES.items():
+        row = sides[side]
         print(
-            f"| {name} | {side['accuracy']:.3f} | {side['wall_s']:.0f} | {side['samples_per_s']:.2f} | "
-            f"{side['steady_samples_per_s']:.2f} |"
+            f"| {name} | {row['accuracy']:.3f} | {row['wall_s']:.0f} | {row['samples_per_s']:.2f} | "
+            f"{row['steady_samples_per_s']:.2f} | {trl['wall_s'] / row['wall_s']:.2f}x |"
         )
-    accuracy_ratio = result["accuracy_ours_over_trl"]
-    print(
-        "ours / TRL: accuracy "
-        + ("undefined (TRL's is 0)" if accuracy_ratio is None else f"{accuracy_ratio:.2f}x")
-        + f", wall time {result['wall_ours_over_trl']:.2f}x"
-    )
     return result
 
 
@@ -240,8 +246,8 @@ def compare(args: argparse.Namespace) -> None:
 
 
 def one_side(args: argparse.Namespace) -> None:
-    plan = job_plan(args, args.root)
-    result = train_ours(plan) if args.side == "ours" else train_trl(plan, args.root)
+    plan = job_plan(args, args.root, args.side)
+    result = train_trl(plan, args.root) if args.side == "trl" else train_ours(plan)
     (args.root / f"{args.side}.json").write_text(json.dumps(result))
 
 
