@@ -11,6 +11,11 @@ where its final number starts (the one the verifier reads), this compares the pr
 right number there under the student (no hint) and under the teacher with each hint wording, and
 the mean divergence KL(student || teacher) per token over the whole completion: most of the
 distillation signal, and not about the answer.
+
+Then the gap check: the hinted policy's own sampled accuracy against the student's, on the same
+problems, per hint (and with a correct sibling sample as the hint, SDPO's demonstration, on the
+problems where the student wrote one). A self-teacher can only teach what it knows better: the gain
+from self-distillation grows with this gap (arXiv 2605.30070), so a gap near zero predicts none.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from actors.engines.hf import HFEngine
 from actors.prompts import render
 from actors.tasks import Problem, build_task
 from actors.tasks.math import NUMBER
+from mesh.controller.hints import SIBLING_HINT
 from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +119,38 @@ def main() -> None:
     for name, values in right.items():
         kl = f"{statistics.median(divergence[name]):.3f}" if name in divergence else ""
         print(f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | {kl} |")
+    gap_check(engine, task, problems, groups, topology.seed)
+
+
+
+def accuracy(task, problems: list[Problem], groups) -> float:
+    return statistics.mean(task.reward(p, sample.text) >= 1.0 for p, group in zip(problems, groups) for sample in group)
+
+
+def gap_check(engine: HFEngine, task, problems: list[Problem], groups, seed: int) -> None:
+    """The hinted policy's sampled accuracy against the student's (``groups``, its samples of ``problems``)."""
+    tokenizer, student = engine.tokenizer, accuracy(task, problems, groups)
+    print(f"\ngap check: sampled accuracy, {len(problems)} problems x {SAMPLES} samples at the generator's sampling")
+    print("| context | problems | student | hinted policy | gap |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (where, wording) in HINTS.items():
+        hinted = [teacher_context(tokenizer, p, where, wording) for p in problems]
+        taught = accuracy(task, problems, engine.generate_now(hinted, SAMPLES, sampling_seeds(seed, name, len(hinted))))
+        print(f"| {name} | {len(problems)} | {student:.3f} | {taught:.3f} | {taught - student:+.3f} |")
+    right = [[task.reward(p, sample.text) >= 1.0 for sample in group] for p, group in zip(problems, groups)]
+    solved = [i for i, marks in enumerate(right) if any(marks)]
+    if not solved:
+        print("| a correct sibling, after the question | 0 | | | |")
+        return
+    chosen = [problems[i] for i in solved]
+    siblings = [groups[i][right[i].index(True)].text for i in solved]
+    hinted = [
+        render(tokenizer, p.prompt, p.system_prompt, SIBLING_HINT.format(completion=text))
+        for p, text in zip(chosen, siblings)
+    ]
+    own = accuracy(task, chosen, [groups[i] for i in solved])
+    taught = accuracy(task, chosen, engine.generate_now(hinted, SAMPLES, sampling_seeds(seed, "sibling", len(hinted))))
+    print(f"| a correct sibling, after the question | {len(chosen)} | {own:.3f} | {taught:.3f} | {taught - own:+.3f} |")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ channels switched off:
 - ``dapo``: the policy loss alone (no teachers, no warm start);
 - ``sdpo``: plus hint self-distillation, the policy reading the worked solution as its teacher;
 - ``sdpo_rkl``: the same with KL(student || teacher) as the divergence instead of the default JSD;
+- ``sdpo_opsd``: hint self-distillation as OPSD (arXiv 2601.18734) runs it: the worked solution as the
+  hint, the teacher frozen at the starting weights, the JSD, each token's divergence clipped at 0.05;
+- ``sdpo_sampled``: as SDPO (arXiv 2601.20802) and TRL's port run it: a correct sibling sample as the
+  hint, an EMA teacher (rate 0.05), the sampled-token reverse KL;
 - ``replay``: plus the task oracle's worked solution against the policy's samples (SimPO pairs);
 - ``all``: the three channels;
 - ``warm``: the three channels and the warm start (the oracle's solution in each group for the
@@ -51,10 +55,21 @@ TOPOLOGY = ROOT / "topologies" / "smol_math.yaml"
 PLOT = ROOT / "bench" / "smol_math_accuracy.png"
 NO_WARM_START = "loop.warm_start.steps=0"
 DAPO_AND_SDPO = ["actors.trainer.loss.beta_replay=0", "actors.teachers.bindings={hint: {kind: self_hint, use: [distill]}}"]
+SELF_HINT = "actors.teachers.bindings={{hint: {{kind: self_hint, use: [distill], {}}}}}"
 CONFIGS = {
     "dapo": ["actors.trainer.loss.alpha_sdpo=0", "actors.trainer.loss.beta_replay=0", "actors.teachers=null"],
     "sdpo": DAPO_AND_SDPO,
     "sdpo_rkl": [*DAPO_AND_SDPO, "actors.trainer.loss.distill.divergence=kl_student_teacher"],
+    "sdpo_opsd": [
+        "actors.trainer.loss.beta_replay=0",
+        SELF_HINT.format("weights: frozen"),
+        "actors.trainer.loss.distill.token_clip=0.05",
+    ],
+    "sdpo_sampled": [
+        "actors.trainer.loss.beta_replay=0",
+        SELF_HINT.format("weights: ema, hint: sibling"),
+        "actors.trainer.loss.distill.divergence=sampled_kl_student_teacher",
+    ],
     "replay": ["actors.trainer.loss.alpha_sdpo=0", "actors.teachers.bindings={oracle: {kind: task_oracle, use: [replay]}}"],
     "all": [],
     "warm": [],
@@ -63,6 +78,8 @@ LABELS = {
     "dapo": "DAPO alone",
     "sdpo": "+ SDPO (worked-solution hint)",
     "sdpo_rkl": "+ SDPO, reverse KL (the SDPO paper's divergence)",
+    "sdpo_opsd": "+ SDPO as OPSD (frozen teacher, JSD, token clip 0.05)",
+    "sdpo_sampled": "+ SDPO as SDPO (sibling hint, EMA teacher, sampled-token reverse KL)",
     "replay": "+ replay (oracle's solution, SimPO)",
     "all": "DAPO + SDPO + replay",
     "warm": "all three + warm start (smol_math.yaml)",

@@ -94,7 +94,9 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
             parts["entropy"] = mean_entropy(entropy, policy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
         if "distill" in active:
-            distill, parts = distill_loss(logits, inputs.distill.rows(rows), cfg.distill, taid_t)
+            distill, parts = distill_loss(
+                logits, inputs.distill.rows(rows), cfg.distill, taid_t, targets=inputs.targets[rows]
+            )
             metrics |= {"distill/loss": distill.detach()} | {f"distill/{k}": v for k, v in parts.items()}
             total = _plus(total, cfg.alpha_sdpo * distill)
         if inputs.pair_grads is not None:

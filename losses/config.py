@@ -353,7 +353,9 @@ def _validate_by_name(value: Any, validate: Any) -> Any:
         raise ValidationError.from_exception_data(error.title, untagged) from None
 
 
-Divergence = Literal["kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd"]
+Divergence = Literal[
+    "kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd", "sampled_kl_student_teacher"
+]
 
 
 @dataclass(frozen=True)
@@ -363,9 +365,13 @@ class DistillConfig:
     - ``divergence``: ``kl_teacher_student`` (forward KL), ``kl_student_teacher``
       (reverse KL, on-policy distillation), ``jsd`` (generalized JSD: ``jsd_beta`` = 0 is
       KL(T||S), 1 is KL(S||T), as TRL's GKD), ``taid`` (KL to the interpolation of the
-      detached student and the teacher at the loop's ``t``, arXiv 2501.16937), or
+      detached student and the teacher at the loop's ``t``, arXiv 2501.16937),
       ``entropy_opd`` (reverse KL plus forward KL where the teacher is uncertain,
-      arXiv 2603.07079).
+      arXiv 2603.07079), or ``sampled_kl_student_teacher`` (KL(S||T) estimated at the
+      student's own sampled token y alone, as on-policy distillation and TRL's SDPO
+      ``distillation_mode="sampled_token"``: the gradient ``sg[log S(y) - log T(y)] grad log S(y)``
+      is unbiased for KL(S||T)'s, and the value is ``log S(y) - log T(y)``; a position whose
+      teacher top-k lacks y carries no loss).
     - ``temperature``: both sides' logits are divided by it (full-logit teachers only).
     - ``token_clip``: per-token divergences above it are clipped (and get no gradient).
     - ``eopd_mode``: ``gate`` is the paper's hard indicator ``RKL + eopd_lambda *
@@ -383,8 +389,9 @@ class DistillConfig:
     eopd_lambda: float = 1.0  # gate: the forward KL's weight where the teacher is uncertain
 
     def __post_init__(self) -> None:
-        if self.divergence not in ("kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd"):
-            raise ValueError(f"unknown divergence {self.divergence!r}")
+        if self.divergence not in typing.get_args(Divergence):
+            known = ", ".join(typing.get_args(Divergence))
+            raise ValueError(f"unknown divergence {self.divergence!r}; choose one of {known}")
         if not 0.0 <= self.jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
         if self.temperature <= 0:

@@ -4,7 +4,9 @@ Divergences are named by argument order (``kl_teacher_student`` is KL(T || S), t
 "forward" KL of classic distillation), because forward/reverse is named inconsistently
 across papers. All of them work on log-probabilities over a shared *support*: the full
 vocabulary, or a teacher's top-k ids plus one tail bucket holding the remaining mass
-(so both sides sum to 1 and k = V reproduces the full divergence).
+(so both sides sum to 1 and k = V reproduces the full divergence). The one exception,
+``sampled_kl_student_teacher``, reads only the two log-probabilities of the token the
+student sampled (``LossInputs.targets``): the sampled-token form of on-policy distillation.
 
 SDPO (hint self-distillation) is this channel with the teacher being the live policy
 scoring the same completion with a hint in context (``actors/teachers/bindings/self_hint.py``).
@@ -82,6 +84,44 @@ def entropy_opd(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig) 
     return (1 - weight) * reverse + weight * forward
 
 
+def sampled_kl_student_teacher(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(S || T) estimated per position from the log-probs of the student's own sampled token y ~ S.
+
+    The value is ``k1 = log S(y) - log T(y)``, whose mean over y ~ S is KL(S || T); the
+    gradient is ``sg[k1] grad log S(y)``, whose mean is ``E_S[(log S - log T) grad log S]``
+    = grad KL(S || T) (the term ``E_S[grad log S]`` is 0). TRL's SDPO ``sampled_token`` mode
+    takes the same gradient from ``sg[k1] log S(y)``, whose value is not the KL; here the
+    value is k1, so the logged loss estimates the divergence trained on.
+    """
+    k1 = (student_logp - teacher_logp).detach()
+    return k1 + k1 * (student_logp - student_logp.detach())
+
+
+def _at_sampled(student_logp: Tensor, teacher_logp: Tensor, teacher, targets: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``sampled_kl_student_teacher`` at each position, and whether the teacher's logprob of its token is known.
+
+    A top-k teacher knows it where the token is among its ids with a finite logprob (a
+    teacher that cannot score every token, e.g. an API's top logprobs, may miss it; ``-inf``
+    marks a filler id, not a score). Elsewhere the position gets a divergence of 0 and no
+    gradient: the teacher's probability of the token is not known, only bounded by its top-k's.
+    """
+    if targets is None:
+        raise ValueError(
+            "divergence 'sampled_kl_student_teacher' needs the tokens the student sampled: pass distill_loss "
+            "targets= (the completion token ids on the logits' grid, as compose_loss does with LossInputs.targets)"
+        )
+    if isinstance(teacher, TeacherTopK):
+        hit = (teacher.ids == targets[..., None]) & teacher.logprobs.isfinite()
+        column, known = hit.long().argmax(-1), hit.any(-1)
+    else:
+        column, known = targets, torch.ones_like(targets, dtype=torch.bool)
+    student_y = student_logp.gather(-1, column[..., None]).squeeze(-1)
+    teacher_y = teacher_logp.gather(-1, column[..., None]).squeeze(-1)
+    # an unknown position's teacher logprob becomes the student's own: k1 = 0, so no value and no gradient
+    teacher_y = torch.where(known, teacher_y, student_y.detach())
+    return sampled_kl_student_teacher(student_y, teacher_y), known
+
+
 def _with_tail(logp_k: Tensor) -> Tensor:
     """Append a bucket holding the probability mass outside the k ids."""
     tail = (1 - logp_k.exp().sum(-1, keepdim=True)).clamp(min=torch.finfo(logp_k.dtype).tiny).log()
@@ -154,7 +194,7 @@ def _teacher_logits(teacher: TeacherLogits | TeacherHidden) -> Tensor:
 
 
 def divergence(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig, taid_t: float | None) -> Tensor:
-    """Per-position divergence chosen by ``cfg.divergence``."""
+    """Per-position divergence over the shared support chosen by ``cfg.divergence`` (any but the sampled form)."""
     if cfg.divergence == "kl_teacher_student":
         return kl_teacher_student(student_logp, teacher_logp)
     if cfg.divergence == "kl_student_teacher":
@@ -168,8 +208,11 @@ def divergence(student_logp: Tensor, teacher_logp: Tensor, cfg: DistillConfig, t
     return taid(student_logp, teacher_logp, taid_t)
 
 
-def _per_token(student_logits: Tensor, teacher, cfg: DistillConfig, taid_t: float | None):
-    """Per-position divergence, whether the two argmaxes agree, and the teacher's entropy.
+def _per_token(
+    student_logits: Tensor, teacher, cfg: DistillConfig, taid_t: float | None, targets: Tensor | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-position divergence, and per-position metrics: whether the two argmaxes agree, the
+    teacher's entropy, and for the sampled form whether the teacher's logprob of the sampled token is known.
 
     Full-vocabulary JSD strictly between its KL endpoints (the common case) takes the
     written-out gradient of ``_FullVocabJSD``; every other case goes through autograd.
@@ -177,27 +220,41 @@ def _per_token(student_logits: Tensor, teacher, cfg: DistillConfig, taid_t: floa
     if cfg.divergence == "jsd" and 0.0 < cfg.jsd_beta < 1.0 and not isinstance(teacher, TeacherTopK):
         teacher_logits = _teacher_logits(teacher)
         per_token, teacher_entropy = _FullVocabJSD.apply(student_logits, teacher_logits, cfg.jsd_beta, cfg.temperature)
-        return per_token, student_logits.detach().argmax(-1) == teacher_logits.argmax(-1), teacher_entropy
+        agree = student_logits.detach().argmax(-1) == teacher_logits.argmax(-1)
+        return per_token, {"agreement": agree, "teacher_entropy": teacher_entropy}
     student_logp, teacher_logp = supports(student_logits, teacher, cfg.temperature)
-    per_token = divergence(student_logp, teacher_logp, cfg, taid_t)
-    return per_token, student_logp.detach().argmax(-1) == teacher_logp.argmax(-1), entropy(teacher_logp)
+    metrics = {
+        "agreement": student_logp.detach().argmax(-1) == teacher_logp.argmax(-1),
+        "teacher_entropy": entropy(teacher_logp),
+    }
+    if cfg.divergence == "sampled_kl_student_teacher":
+        per_token, metrics["sampled_known"] = _at_sampled(student_logp, teacher_logp, teacher, targets)
+        return per_token, metrics
+    return divergence(student_logp, teacher_logp, cfg, taid_t), metrics
 
 
 def distill_loss(
-    student_logits: Tensor, inputs: DistillInputs, cfg: DistillConfig, taid_t: float | None = None
+    student_logits: Tensor,
+    inputs: DistillInputs,
+    cfg: DistillConfig,
+    taid_t: float | None = None,
+    targets: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Masked token-mean divergence over the *global* distilled-token count.
 
-    Metrics are row-additive; ``agreement`` is the share of distilled tokens where the
-    student's and teacher's most likely tokens coincide.
+    ``targets`` are the tokens the student sampled, ``[B, T]`` (needed by
+    ``sampled_kl_student_teacher`` only). Metrics are row-additive; ``agreement`` is the
+    share of distilled tokens where the student's and teacher's most likely tokens
+    coincide, ``sampled_known`` (sampled form) the share where the teacher's logprob of the
+    sampled token is known (the rest carry no loss but still count in the mean).
     """
-    per_token, agree, teacher_entropy = _per_token(student_logits, inputs.teacher, cfg, taid_t)
+    per_token, per_position = _per_token(student_logits, inputs.teacher, cfg, taid_t, targets)
     if cfg.token_clip is not None:
         per_token = per_token.clamp(max=cfg.token_clip)
     mask = inputs.mask.bool()
     metrics = {
-        "agreement": masked_sum_per_row(agree.to(per_token.dtype), mask).sum() / inputs.counts.tokens,
-        "teacher_entropy": masked_sum_per_row(teacher_entropy, mask).sum() / inputs.counts.tokens,
+        name: masked_sum_per_row(value.to(per_token.dtype), mask).sum() / inputs.counts.tokens
+        for name, value in per_position.items()
     }
     return masked_sum_per_row(per_token, mask).sum() / inputs.counts.tokens, metrics
 

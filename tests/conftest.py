@@ -63,6 +63,7 @@ DIVERGENCES = [
     DistillConfig(divergence="taid"),
     DistillConfig(divergence="entropy_opd", eopd_entropy=1.0),
     DistillConfig(divergence="entropy_opd", eopd_mode="soft", eopd_entropy=1.0, token_clip=2.0),
+    DistillConfig(divergence="sampled_kl_student_teacher"),
 ]
 
 

@@ -60,7 +60,8 @@ def a_batch(model_dir: str, rows_per_group: int = 4, prompts: int = 5, channels:
 
     def teacher_top_k(sample: Row) -> Row:
         logits = torch.randn(len(sample.trajectory.completion_ids), len(tokenizer), generator=gen).log_softmax(-1)
-        return dataclasses.replace(sample, distill=top_k_of(logits, 4, len(tokenizer), None))
+        top_k = top_k_of(logits, 4, len(tokenizer), None, sampled=sample.trajectory.completion_ids)
+        return dataclasses.replace(sample, distill=top_k)
 
     groups = []
     for index, problem in enumerate(TASK.problems(0, 0, prompts)):
@@ -196,6 +197,33 @@ def test_pair_loss_by_gradient_caching_equals_the_whole_graph(model_dir):
     assert metrics["loss"] == pytest.approx(total.item(), abs=1e-5)
     for name, grad in loop.gradients().items():
         torch.testing.assert_close(cached[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_the_sampled_token_kl_trains_through_the_native_loop(model_dir):
+    """Channel 2's sampled-token form in the native loop (packed micro-batches, completion columns trimmed, the
+    lean head in chunks): the teacher's top-k (``top_k_of``) holds every sampled token, the loss is the mean
+    ``log S(y) - log T(y)`` over the distilled tokens, and the gradient is that of TRL's ``sg[k1] log S(y)``."""
+    batch = a_batch(model_dir, channels=True)
+    batch = dataclasses.replace(batch, advantages=torch.zeros_like(batch.advantages))  # channel 1: no gradient
+    loss = LossConfig(distill=DistillConfig(divergence="sampled_kl_student_teacher"), alpha_sdpo=1.0, chunk_tokens=8)
+    cfg = TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_size=3)
+    loop = NativeLoop(model_dir, cfg, rank=0, world=1)
+    metrics = loop.forward_backward(batch)
+    trained = {name: grad.clone() for name, grad in loop.gradients().items()}
+
+    loop.zero_grad()
+    head = loop.head(batch)
+    student = torch.log_softmax(head.hidden @ head.weight.T, -1).gather(-1, batch.targets[..., None]).squeeze(-1)
+    sampled = batch.distill_ids == batch.targets[..., None]
+    teacher = torch.where(sampled, batch.distill_logprobs, 0.0).sum(-1)
+    mask = batch.distill_mask
+    assert sampled.any(-1)[mask].all() and metrics["distill/sampled_known"] == 1.0
+    k1 = (student - teacher)[mask]
+    assert metrics["distill/loss"] == pytest.approx(k1.mean().item(), abs=1e-6)
+    (k1.detach() * student[mask]).mean().backward()
+    for name, grad in loop.gradients().items():
+        torch.testing.assert_close(trained[name], grad, atol=1e-6, rtol=1e-5)
+    assert max(g.abs().max() for g in trained.values()) > 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from actors import registry
+from actors.inner_loops.config import LoRAConfig
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.tasks import Problem
 from actors.teachers.bindings import (
@@ -22,6 +23,7 @@ from actors.teachers.bindings import (
     TopKRequest,
     check_binding_class,
     top_k_from_entries,
+    top_k_of,
 )
 from actors.teachers.bindings.hf import HFTeacher
 from actors.teachers.bindings.replay import ReplayTeacher
@@ -55,19 +57,25 @@ def distribution(model_dir: str, context: list[int], completion: list[int]) -> t
     return logits[len(context) - 1 : len(context) + len(completion) - 1].log_softmax(-1)
 
 
-def assert_scores_are(scores, expected: torch.Tensor, k: int) -> None:
-    values, ids = expected.topk(k, dim=-1)
-    np.testing.assert_array_equal(scores.ids, ids.numpy())
-    np.testing.assert_allclose(scores.logprobs, values.numpy(), atol=1e-5)
+def assert_scores_are(scores, expected: torch.Tensor, k: int, completion: list[int]) -> None:
+    """The teacher's own logprobs at its k most likely tokens, each position's completion token in place of the
+    least likely where it is not among them."""
+    ids = expected.topk(k, dim=-1).indices.numpy()
+    own = np.array(completion)
+    np.testing.assert_array_equal(scores.ids[:, :-1], ids[:, :-1])
+    np.testing.assert_array_equal(scores.ids[:, -1], np.where((ids == own[:, None]).any(-1), ids[:, -1], own))
+    np.testing.assert_allclose(scores.logprobs, expected.gather(-1, torch.from_numpy(scores.ids)).numpy(), atol=1e-5)
 
 
 def test_hf_teacher_scores_the_students_tokens_with_its_own_distribution(student, teacher_dir):
     teacher = HFTeacher(BindingConfig("hf", use=("distill",), path=teacher_dir, top_k=3), student)
     completions = [[4, 5, 1], [6, 1]]
     scores = teacher.top_k([TopKRequest("abc=", completions[0]), TopKRequest("ab=", completions[1], hint="ba=")])
-    assert_scores_are(scores[0], distribution(teacher_dir, encode(teacher_dir, "abc="), completions[0]), 3)
+    expected = distribution(teacher_dir, encode(teacher_dir, "abc="), completions[0])
+    assert_scores_are(scores[0], expected, 3, completions[0])
     # an hf teacher reads no hint: the second request is scored after its prompt alone
-    assert_scores_are(scores[1], distribution(teacher_dir, encode(teacher_dir, "ab="), completions[1]), 3)
+    expected = distribution(teacher_dir, encode(teacher_dir, "ab="), completions[1])
+    assert_scores_are(scores[1], expected, 3, completions[1])
 
 
 def test_a_top_k_beyond_the_vocabulary_is_the_whole_distribution(student, teacher_dir):
@@ -117,10 +125,10 @@ def test_self_hint_teacher_is_the_policy_reading_the_hint(student):
     completion = [6, 5, 4, 1]
     plain, hinted = teacher.top_k([TopKRequest("abc=", completion), TopKRequest("abc=", completion, hint="cba=")])
     prompt = encode(student.model_path, "abc=")
-    assert_scores_are(plain, distribution(student.model_path, prompt, completion), 7)  # no hint: the student itself
-    assert_scores_are(
-        hinted, distribution(student.model_path, prompt + encode(student.model_path, "cba="), completion), 7
-    )
+    # no hint: the student itself
+    assert_scores_are(plain, distribution(student.model_path, prompt, completion), 7, completion)
+    hinted_context = prompt + encode(student.model_path, "cba=")
+    assert_scores_are(hinted, distribution(student.model_path, hinted_context, completion), 7, completion)
     assert not np.allclose(plain.logprobs, hinted.logprobs)
 
 
@@ -131,6 +139,37 @@ def test_self_hint_teacher_follows_the_weights_it_is_given(student):
     model, _ = load_policy(student.model_path)
     teacher.load_weights({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()})
     assert not np.allclose(teacher.top_k(request)[0].logprobs, before)
+
+
+def shifted(model_dir: str, by: float) -> dict[str, torch.Tensor]:
+    """The model's weights, each moved by ``by`` (a stand-in for a later policy version)."""
+    model, _ = load_policy(model_dir)
+    return {name: tensor + by for name, tensor in model.state_dict().items()}
+
+
+def test_a_frozen_self_hint_teacher_never_follows_the_policy(student):
+    teacher = SelfHintTeacher(BindingConfig("self_hint", top_k=7, weights="frozen"), student)
+    live = SelfHintTeacher(BindingConfig("self_hint", top_k=7), student)
+    assert not teacher.follows_policy and live.follows_policy  # the pool hands versions only to followers
+
+
+def test_an_ema_self_hint_teacher_averages_the_versions_it_is_given(student):
+    teacher = SelfHintTeacher(BindingConfig("self_hint", top_k=7, weights="ema", ema_rate=0.25), student)
+    first, second = shifted(student.model_path, 0.0), shifted(student.model_path, 0.4)
+    expected = {name: 0.75 * tensor + 0.25 * second[name] for name, tensor in first.items()}
+    teacher.load_weights(first)  # the average starts at the first version
+    teacher.load_weights(second)
+    for tensor in [*first.values(), *second.values()]:  # the store's slots are reused: the teacher holds its own
+        tensor.zero_()
+    held = teacher.model.state_dict()
+    for name, tensor in expected.items():  # a tied tensor (the embedding is the head here) is averaged once
+        torch.testing.assert_close(held[name], tensor)
+
+
+def test_an_ema_self_hint_teacher_is_refused_with_lora(student):
+    with_lora = Student(student.model_path, student.max_new_tokens, student.seed, adapter=LoRAConfig(rank=2))
+    with pytest.raises(BindingError, match="use weights: live or weights: frozen with LoRA"):
+        SelfHintTeacher(BindingConfig("self_hint", weights="ema"), with_lora)
 
 
 @pytest.mark.gpu
@@ -184,6 +223,11 @@ def test_task_oracle_traces_the_answer(student):
         ({"kind": "hf", "path": "/nonexistent"}, "hf teacher path '/nonexistent' names nothing"),
         ({"kind": "self_hint", "top_k": 0}, "top_k must be an integer >= 1"),
         ({"kind": "self_hint", "path": "/x"}, "takes no path"),
+        ({"kind": "self_hint", "weights": "slow"}, "unknown weights 'slow'"),
+        ({"kind": "self_hint", "weights": "ema", "ema_rate": 0}, r"ema_rate is each new version's share .* \(0, 1\]"),
+        ({"kind": "self_hint", "ema_rate": 0.1}, "ema_rate sets an EMA teacher's pace, but .* 'live'"),
+        ({"kind": "self_hint", "hint": "solution"}, "unknown hint 'solution'"),
+        ({"kind": "task_oracle", "hint": "sibling"}, "a task_oracle teacher has its own weights and reads no hint"),
         ({"kind": "nope"}, "unknown teacher 'nope'"),
     ],
 )
@@ -201,7 +245,23 @@ def test_a_registered_teachers_uses_are_what_its_class_implements(kind):
 
 
 def test_entries_become_exactly_k_distinct_ids_with_zero_probability_fill():
-    scores = top_k_from_entries([{3: -0.1, 5: -2.5, 0: -4.0}, {2: -0.01}], k=3, student_vocab_size=6)
+    scores = top_k_from_entries([{3: -0.1, 5: -2.5, 0: -4.0}, {2: -0.01}], k=3, student_vocab_size=6, sampled=[5, 2])
     np.testing.assert_array_equal(scores.ids[0], [3, 5, 0])
     assert scores.ids[1][0] == 2 and len(set(scores.ids[1])) == 3
     assert np.isneginf(scores.logprobs[1][1:]).all()
+
+
+def test_top_k_holds_the_sampled_token_in_place_of_the_least_likely():
+    """The sampled-token divergence needs the teacher's exact logprob of the token the student sampled."""
+    logprobs = torch.tensor([[0.0, -1.0, -2.0, -3.0, -4.0], [-4.0, -3.0, -2.0, 0.0, -1.0]]).log_softmax(-1)
+    scores = top_k_of(logprobs, 3, 5, None, sampled=[4, 3])
+    np.testing.assert_array_equal(scores.ids, [[0, 1, 4], [3, 4, 2]])  # row 1 already holds its token
+    np.testing.assert_array_equal(scores.logprobs, logprobs.gather(-1, torch.tensor(scores.ids)).numpy())
+
+
+def test_entries_hold_the_sampled_token_where_they_score_it():
+    entries = [{3: -0.1, 5: -2.5, 0: -4.0, 1: -5.0}, {2: -0.01, 4: -6.0, 0: -7.0}]
+    scores = top_k_from_entries(entries, k=2, student_vocab_size=6, sampled=[1, 5])
+    np.testing.assert_array_equal(scores.ids[0], [3, 1])
+    np.testing.assert_array_equal(scores.logprobs[0], np.float32([-0.1, -5.0]))
+    np.testing.assert_array_equal(scores.ids[1], [2, 4])  # the API gave no logprob of token 5 there

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import DIVERGENCES
 from torch.testing import assert_close
 
+from actors.teachers.bindings import top_k_of
 from actors.train_batch import pad_sequences
-
 from losses import (
     Counts,
     DistillConfig,
@@ -30,10 +31,19 @@ def logits_pair(generator, shape=(3, 5, 11)):
     return student, teacher
 
 
-def run(student, teacher, cfg, mask=None, taid_t=0.5):
+def run(student, teacher, cfg, mask=None, taid_t=0.5, targets=None):
+    """``distill_loss`` of all positions (or ``mask``'s) at ``targets``, by default tokens sampled from the student."""
     mask = torch.ones(student.shape[:-1], dtype=torch.bool) if mask is None else mask
+    targets = sampled_from(student) if targets is None else targets
     inputs = DistillInputs(teacher=teacher, mask=mask, counts=Counts.from_mask(mask))
-    return distill_loss(student, inputs, cfg, taid_t=taid_t)
+    return distill_loss(student, inputs, cfg, taid_t=taid_t, targets=targets)
+
+
+def sampled_from(student_logits):
+    """A token per position drawn from the student, as the sampler drew the completion (seeded)."""
+    probs = torch.softmax(student_logits.detach(), -1).reshape(-1, student_logits.shape[-1])
+    generator = torch.Generator().manual_seed(0)
+    return torch.multinomial(probs, 1, generator=generator).reshape(student_logits.shape[:-1])
 
 
 def grad_of(loss, leaf):
@@ -211,6 +221,84 @@ def test_top_k_teacher_refuses_temperature(generator):
     top = torch.log_softmax(teacher, -1).topk(3, dim=-1)
     with pytest.raises(ValueError, match="re-tempered"):
         run(student, TeacherTopK(top.indices, top.values), DistillConfig(temperature=2.0))
+
+
+# -- the sampled-token form: KL(S || T) at the student's own token ------------------------
+
+SAMPLED = DistillConfig(divergence="sampled_kl_student_teacher")
+
+
+def test_sampled_kl_averaged_over_the_students_tokens_is_the_reverse_kl_and_its_gradient(generator):
+    """Exact enumeration at one position: sum_y S(y) (value, gradient) at y = KL(S || T) and its gradient."""
+    student, teacher = logits_pair(generator, (1, 1, 7))
+    probs = torch.softmax(student.detach(), -1)[0, 0]
+    value, gradient = 0.0, torch.zeros_like(student)
+    for y in range(7):
+        loss, _ = run(student, TeacherLogits(teacher), SAMPLED, targets=torch.tensor([[y]]))
+        value += probs[y] * loss.detach()
+        gradient += probs[y] * grad_of(loss, student)
+    reverse, _ = run(student, TeacherLogits(teacher), DistillConfig(divergence="kl_student_teacher"))
+    assert reverse > 0.1
+    assert_close(value, reverse.detach(), atol=1e-12, rtol=0)
+    assert_close(gradient, grad_of(reverse, student), atol=1e-12, rtol=0)
+
+
+def test_sampled_kl_reads_a_top_k_teacher_exactly_at_the_sampled_token(generator):
+    """A binding's top-k (``top_k_of``) holds the sampled token even at k = 2, so the loss is the full-vocabulary
+    one (to the float32 the top-k travels in)."""
+    student, teacher = logits_pair(generator)
+    targets = sampled_from(student)
+    full, _ = run(student, TeacherLogits(teacher), SAMPLED, targets=targets)
+    teacher_logp = torch.log_softmax(teacher, -1)
+    tops = [top_k_of(logp, 2, 11, None, sampled=row.tolist()) for logp, row in zip(teacher_logp, targets)]
+    ids = torch.stack([torch.from_numpy(top.ids) for top in tops])
+    logprobs = torch.stack([torch.from_numpy(top.logprobs) for top in tops]).double()
+    top_k, metrics = run(student, TeacherTopK(ids, logprobs), SAMPLED, targets=targets)
+    assert metrics["sampled_known"] == 1.0
+    assert_close(top_k, full, atol=1e-5, rtol=0)
+    assert_close(grad_of(top_k, student), grad_of(full, student), atol=1e-5, rtol=0)
+
+
+def test_sampled_kl_leaves_out_a_token_the_top_k_does_not_score(generator):
+    """An API's top-k may lack the sampled token, or hold it as a ``-inf`` filler: no loss and no gradient
+    there, though the position still counts in the mean, and ``sampled_known`` says how many had one."""
+    student, teacher = logits_pair(generator)
+    targets = sampled_from(student)
+    top = torch.log_softmax(teacher, -1).topk(3, dim=-1)
+    logprobs = top.values.clone()
+    hit = top.indices == targets[..., None]
+    filler = hit.any(-1).nonzero()[0]  # one position that holds its token gets it as a filler
+    logprobs[(*filler, hit[tuple(filler)].nonzero()[0, 0])] = float("-inf")
+    known = (hit & logprobs.isfinite()).any(-1)
+    assert known.any() and not known.all()
+    loss, metrics = run(student, TeacherTopK(top.indices, logprobs), SAMPLED, targets=targets)
+    alone, _ = run(student, TeacherLogits(teacher), SAMPLED, mask=known, targets=targets)
+    assert_close(loss, alone * known.sum() / known.numel(), atol=1e-12, rtol=0)
+    assert_close(metrics["sampled_known"], known.double().mean())
+    grad = grad_of(loss, student)
+    assert grad[~known].abs().max() == 0 and grad[known].abs().max() > 0
+
+
+def test_sampled_kl_token_clip_stops_the_gradient_of_clipped_tokens(generator):
+    student, teacher = logits_pair(generator)
+    targets = sampled_from(student)
+    s, t = supports(student, TeacherLogits(teacher))
+    k1 = (s - t).gather(-1, targets[..., None]).squeeze(-1).detach()
+    under = k1 <= 0.5
+    assert under.any() and not under.all()
+    clipped, _ = run(student, TeacherLogits(teacher), replace(SAMPLED, token_clip=0.5), targets=targets)
+    assert_close(clipped, k1.clamp(max=0.5).mean(), atol=1e-12, rtol=0)
+    unclipped, _ = run(student, TeacherLogits(teacher), SAMPLED, mask=under, targets=targets)
+    expected = grad_of(unclipped, student) * under.sum() / under.numel()
+    assert_close(grad_of(clipped, student), expected, atol=1e-12, rtol=0)
+
+
+def test_sampled_kl_without_the_sampled_tokens_is_a_clear_error(generator):
+    student, teacher = logits_pair(generator)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    inputs = DistillInputs(teacher=TeacherLogits(teacher), mask=mask, counts=Counts.from_mask(mask))
+    with pytest.raises(ValueError, match="needs the tokens the student sampled"):
+        distill_loss(student, inputs, SAMPLED)
 
 
 # -- TAID schedule ----------------------------------------------------------------------

@@ -53,13 +53,19 @@ def policy(student_dir):
 
 
 def hf_top_k(policy, request: TopKRequest, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's own top-k at every completion position: what the teacher's scores must equal."""
+    """The model's own top-k at every completion position, the completion's token in place of the least likely where
+    it is not among them: what the teacher's scores must equal. Not at a closing EOS: the server scores that position
+    as the generated token's, whose top logprobs hold the generated token, not the student's EOS."""
     model, tokenizer = policy
     prompt = tokenizer(request.prompt).input_ids
     ids = torch.tensor([prompt + request.completion_ids])
     with torch.no_grad():
-        logprobs = model(input_ids=ids).logits[0].float().log_softmax(-1)
-    values, top = logprobs[len(prompt) - 1 : -1].topk(min(k, logprobs.shape[-1]), dim=-1)
+        logprobs = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    values, top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    own = torch.tensor(request.completion_ids)
+    missing = (top != own[:, None]).all(-1) & (own != tokenizer.eos_token_id)
+    top[missing, -1] = own[missing]
+    values[missing, -1] = logprobs[missing, own[missing]]
     return top, values
 
 

@@ -44,18 +44,21 @@ def records(path: Path) -> list[dict]:
     "loss",
     [
         [],  # tiny_distill.yaml's own: JSD and SimPO
-        [
-            "actors.trainer.loss.distill={divergence: entropy_opd, eopd_entropy: 1.0}",
+        [  # SDPO's recipe, but for its hint: an EMA of the policy as the teacher, the sampled-token reverse KL
+            "actors.trainer.loss.distill={divergence: sampled_kl_student_teacher}",
+            "actors.teachers.bindings.hint.weights=ema",
             "actors.trainer.loss.preference.kind=dpo",
         ],
     ],
-    ids=["jsd_simpo", "entropy_opd_dpo"],
+    ids=["jsd_simpo", "sampled_kl_ema_dpo"],
 )
 async def test_all_three_channels_train_in_the_loop(tmp_path, loss):
     rows = records((await run(small(tmp_path, *loss), progress=False)).path)
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["train/policy/skipped"] == r["train/distill/skipped"] == r["train/preference/skipped"] == 0
+        if "sampled_kl_student_teacher" in str(loss):  # the self_hint teacher's top-k holds every sampled token
+            assert r["train/distill/sampled_known"] == 1.0
         assert 0 <= r["teachers/hint/agreement"] <= 1 and r["teachers/hint/latency_s"] > 0
         assert r["teachers/oracle/reward"] == 1.0 and r["teachers/oracle/pairs"] > 0
         assert r["teachers/oracle/won"] == 1.0  # the oracle's trace is never beaten, and ties make no pair

@@ -229,9 +229,13 @@ def test_generator_copies_are_copies_of_its_mesh_behind_one_router(tmp_path):
 
 
 def test_dry_run_shows_which_teacher_feeds_which_channel(tmp_path):
-    result = _cli(str(ROOT / "topologies" / "tiny_distill.yaml"), "--dry-run", cwd=tmp_path)
+    frozen = "actors.teachers.bindings.hint.weights=frozen"
+    result = _cli(str(ROOT / "topologies" / "tiny_distill.yaml"), "--dry-run", "--set", frozen, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "teachers.hint (self_hint) -> trainer: top-20 scores of the policy's tokens (channel 2)" in result.stdout
+    assert (
+        "teachers.hint (self_hint: the frozen policy, reading the task hint) -> trainer: top-20 scores of the "
+        "policy's tokens (channel 2)" in result.stdout
+    )
     assert (
         "teachers.oracle (task_oracle) -> trainer: traces vs the policy's samples as pairs (channel 3)" in result.stdout
     )

@@ -3,8 +3,8 @@
 TRL is imported here only (never by ``losses/``). Every TRL side is TRL's own code on a real
 object: ``GRPOTrainer._compute_loss``, ``DPOTrainer._compute_loss``, ``CPOTrainer.cpo_loss`` /
 ``get_batch_loss_metrics`` run on real trainers built around one tiny random Qwen2 model and a
-character tokenizer saved to a temporary directory (no hub access), and GKD's
-``generalized_jsd_loss`` staticmethod.
+character tokenizer saved to a temporary directory (no hub access), GKD's
+``generalized_jsd_loss`` staticmethod and SDPO's sampled-token loss.
 
 Two levels of comparison where a model is involved:
 
@@ -59,6 +59,7 @@ transformers = pytest.importorskip("transformers")
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 from trl.experimental.gkd import GKDTrainer  # noqa: E402
+from trl.experimental.sdpo.loss_utils import compute_sampled_token_self_distillation_loss  # noqa: E402
 
 from actors.inner_loops.trl import ComposerGRPOTrainer  # noqa: E402
 
@@ -443,6 +444,33 @@ def test_jsd_matches_trl_generalized_jsd_loss(beta, temperature, num_items):
     assert_close(loss, trl_loss, **EXACT)
     assert_close(grad, trl_grad, **EXACT)
     assert grad[~mask].abs().max() == 0
+
+
+def test_sampled_token_kl_has_the_gradient_of_trls_sdpo_sampled_token_loss():
+    """TRL's SDPO ``distillation_mode="sampled_token"`` per-token loss ``sg[log S(y) - log T(y)] log S(y)``, as a
+    masked token mean: ours has its gradient, and as its value the mean ``log S(y) - log T(y)`` (TRL's is not the KL)."""
+    g = torch.Generator().manual_seed(11)
+    batch, length, vocab = 3, 5, 11
+    student = (2 * torch.randn(batch, length, vocab, generator=g, dtype=torch.float64)).requires_grad_()
+    teacher = 2 * torch.randn(batch, length, vocab, generator=g, dtype=torch.float64)
+    completion = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = torch.rand(batch, length, generator=g) < 0.7
+    per_token = compute_sampled_token_self_distillation_loss(student, teacher, completion, distillation_alpha=1.0)
+    trl_loss = per_token[mask].sum() / mask.sum()
+    (trl_grad,) = torch.autograd.grad(trl_loss, student)
+
+    loss, metrics = distill_loss(
+        student,
+        DistillInputs(teacher=TeacherLogits(teacher), mask=mask, counts=Counts.from_mask(mask)),
+        DistillConfig(divergence="sampled_kl_student_teacher"),
+        targets=completion,
+    )
+    (grad,) = torch.autograd.grad(loss, student)
+    log_ratio = selective_logprobs(student, completion) - selective_logprobs(teacher, completion)
+    assert_close(loss, log_ratio[mask].mean().detach(), **EXACT)
+    assert_close(grad, trl_grad, **EXACT)
+    assert trl_grad.abs().max() > 1e-3 and grad[~mask].abs().max() == 0
+    assert metrics["sampled_known"] == 1.0  # a full-logit teacher scores every token
 
 
 # ----------------------------------------------------------------------------- 3. DPO (sigmoid)

@@ -36,6 +36,7 @@ from actors.teachers.bindings import TopK, TopKRequest
 from actors.weights import WeightVersion
 from mesh.controller.collected import Collected
 from mesh.controller.groups import EnvironmentDown, GroupPool, PlayedGroup
+from mesh.controller.hints import hints_of
 from mesh.controller.metrics import teacher_metrics
 from mesh.controller.router import Routed, TargetLoad
 from mesh.controller.services import Rows, Services
@@ -96,10 +97,15 @@ class Rollout:
     trace_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # per tracing teacher
     distill_teacher: str | None = None  # the teacher whose top-k the rows carry, if any did
     distill_seconds: float = 0.0
+    distilled: int = 0  # the samples it scored: wrong ones with a hint (for a teacher that reads one)
     groups: list[RolloutGroup] = dataclasses.field(default_factory=list)  # once joined
 
     def collected(self) -> Collected:
-        distilled = {self.distill_teacher: {"latency_s": self.distill_seconds}} if self.distill_teacher else {}
+        distilled = (
+            {self.distill_teacher: {"latency_s": self.distill_seconds, "distilled": self.distilled}}
+            if self.distill_teacher
+            else {}
+        )
         return Collected(
             groups=self.groups,
             distill_teacher=self.distill_teacher,
@@ -236,6 +242,7 @@ class SampleCollection(_Collection):
             seconds=rollout.seconds | {"teachers": rollout.seconds["teachers"] + seconds},
             distill_teacher=distiller.name,
             distill_seconds=seconds,
+            distilled=len(top_k),
         )
 
     async def reference(self, rollout: Rollout) -> Rollout:
@@ -277,22 +284,20 @@ class SampleCollection(_Collection):
     ) -> tuple[dict[tuple[int, int], TopK], float]:
         """The distill teacher's top-k at the policy's own tokens, by (prompt, row), with the hint where it
         reads one; and the seconds it took."""
+        hints = {
+            (i, j): hint for i, group in enumerate(rows) for j, hint in enumerate(hints_of(teacher, problems[i], group))
+        }
         targets = [
             (i, j)
             for i, group in enumerate(rows)
             for j, row in enumerate(group)
-            if row.kind is RowKind.SAMPLE and (row.reward.hint is not None or not teacher.needs_hint)
+            if row.kind is RowKind.SAMPLE and (hints[i, j] is not None or not teacher.needs_hint)
         ]
         if not targets:
             return {}, 0.0
         requests = [
-            TopKRequest(
-                problems[i].prompt,
-                rows[i][j].trajectory.completion_ids,
-                rows[i][j].reward.hint,
-                problems[i].system_prompt,
-            )
-            for i, j in targets
+            TopKRequest(problems[i].prompt, rows[i][j].trajectory.completion_ids, hint, problems[i].system_prompt)
+            for (i, j), hint in ((target, hints[target]) for target in targets)
         ]
         reply = await self.services.teacher_pool.top_k.call_one(teacher.binding_id, requests, weights)
         return dict(zip(targets, reply.top_k)), reply.seconds + reply.load_seconds

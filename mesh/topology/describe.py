@@ -11,6 +11,7 @@ import math
 import yaml
 
 from actors.model_source import ModelSource, ModelSourceError
+from actors.teachers.bindings.config import BindingConfig
 from mesh.topology.gpus import describe_gpus, describe_memory
 from mesh.topology.plan import ReferencePlan, RunPlan
 from mesh.topology.preflight import describe_store
@@ -117,8 +118,8 @@ def _graph(plan: RunPlan) -> list[str]:
     for name, binding in bindings.items():
         if "distill" in binding.use:
             graph.append(
-                f"teachers.{name} ({binding.kind}) -> trainer: top-{binding.top_k} scores of the policy's tokens "
-                "(channel 2)"
+                f"teachers.{name} ({binding.kind}{_self_hint_words(binding)}) -> trainer: top-{binding.top_k} scores "
+                "of the policy's tokens (channel 2)"
             )
         if "replay" in binding.use:
             graph.append(
@@ -205,3 +206,11 @@ def describe_diloco(plan: RunPlan) -> list[str]:
         f"syncer <-> every replica's syncer, {when}: the mean of Δ = θ₀ − θ over the replicas present, then the "
         f"outer step ({sgd}) on every trainer rank, over the {where}",
     ]
+
+
+def _self_hint_words(binding: BindingConfig) -> str:
+    """A self_hint teacher's weights and hint, as chosen (``actors/teachers/bindings/config.py``)."""
+    if binding.kind != "self_hint":
+        return ""
+    weights = f"EMA of the policy at {binding.ema_rate}" if binding.weights == "ema" else f"{binding.weights} policy"
+    return f": the {weights}, reading the {binding.hint} hint"

@@ -19,6 +19,8 @@ from actors.urls import check_url
 HF_TEACHER_KEY = "hf teacher path"
 
 Use = Literal["distill", "replay"]
+TeacherWeights = Literal["live", "ema", "frozen"]
+Hint = Literal["task", "answer", "sibling"]
 USES = ("distill", "replay")
 WHAT_A_USE_NEEDS = {
     "distill": "gives no top-k at the student's tokens, so it cannot be used for distill",
@@ -41,6 +43,17 @@ class BindingConfig:
     - ``top_k``: scoring teachers keep this many logprobs per token (capped at the vocabulary).
     - ``token_map``: ``none`` (refuse a tokenizer that differs from the student's) or
       ``by_string`` (match token ids by their strings).
+    - ``weights`` (``self_hint``): whose weights score: ``live`` (the version that sampled the batch),
+      ``ema`` (an exponential moving average of the versions; it starts at the first version it sees,
+      so a resumed run's starts at the resumed policy) or ``frozen`` (the policy's starting weights,
+      ``model.path``, for the whole run). A live teacher follows its own drift; OPSD recommends a
+      frozen one, SDPO offers the EMA.
+    - ``ema_rate`` (``weights: ema``): each new version's share of the average.
+    - ``hint`` (teachers that read one): what a wrong sample's teacher reads after the question:
+      ``task`` (the task's feedback: the math task's worked solution where it has ``solution``, else
+      the answer), ``answer`` (the reference answer alone) or ``sibling`` (a correct completion of the
+      same group, SDPO's demonstration; a wrong sample with no correct sibling is not distilled).
+      A correct sample is never distilled.
     """
 
     kind: str
@@ -50,6 +63,9 @@ class BindingConfig:
     model: str | None = None
     top_k: int = 20
     token_map: Literal["none", "by_string"] = "none"
+    weights: TeacherWeights = "live"
+    ema_rate: float = 0.05
+    hint: Hint = "task"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "use", (self.use,) if isinstance(self.use, str) else tuple(self.use))
@@ -65,6 +81,19 @@ class BindingConfig:
             raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
         if self.token_map not in ("none", "by_string"):
             raise ValueError(f"unknown token_map {self.token_map!r}; choose 'none' or 'by_string'")
+        if self.weights not in ("live", "ema", "frozen"):
+            raise ValueError(f"unknown weights {self.weights!r}; choose 'live', 'ema' or 'frozen'")
+        if not 0.0 < self.ema_rate <= 1.0:
+            raise ValueError(f"ema_rate is each new version's share of the average, in (0, 1]; got {self.ema_rate}")
+        if self.ema_rate != BindingConfig.ema_rate and self.weights != "ema":
+            raise ValueError(f"ema_rate sets an EMA teacher's pace, but this teacher's weights are {self.weights!r}")
+        if self.hint not in ("task", "answer", "sibling"):
+            raise ValueError(f"unknown hint {self.hint!r}; choose 'task', 'answer' or 'sibling'")
+        if backend is not None and self.kind != "self_hint" and (self.weights, self.hint) != ("live", "task"):
+            raise ValueError(
+                f"weights and hint choose a self_hint teacher's weights and context; a {self.kind} teacher has its "
+                "own weights and reads no hint, so leave them out"
+            )
         if (check := registry.static_check("teacher", self.kind)) is not None:
             check(self)
 

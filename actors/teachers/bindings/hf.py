@@ -3,7 +3,7 @@
 ``CausalLMScorer`` is the scoring both this and ``self_hint`` do: one prefill of
 ``prompt ⊕ hint ⊕ completion`` (the hint only when the binding reads hints), the rows packed
 so that a context shared by a group's completions is computed once (``actors/packing.py``),
-and the teacher's top-k at each position that predicts a completion token.
+and the teacher's top-k at each position that predicts a completion token, that token among them.
 """
 
 from __future__ import annotations
@@ -52,8 +52,14 @@ class CausalLMScorer:
         states = packed_states(self.model, sequences)  # on the GPU a self_hint teacher's weights arrive on
         logprobs = F.linear(states, head_weight(self.model).to(states.dtype)).float().log_softmax(-1)
         return [
-            top_k_of(logprobs[row, : len(completion)], self.cfg.top_k, self.student_vocab_size, self.to_student)
-            for row, completion in enumerate(completions)
+            top_k_of(
+                logprobs[row, : len(r.completion_ids)],
+                self.cfg.top_k,
+                self.student_vocab_size,
+                self.to_student,
+                sampled=r.completion_ids,
+            )
+            for row, r in enumerate(requests)
         ]
 
     def _teacher_ids(self, completion_ids: list[int]) -> list[int]:

@@ -20,8 +20,12 @@ ignored). ``max_tokens`` is 1 and not 0 because that one position is needed, and
 because vLLM's sampling parameters long rejected ``max_tokens: 0``.
 
 vLLM's ``top_logprobs`` hold the top ``logprobs`` tokens plus the echoed token itself
-(so up to k+1); only the k most likely are kept, and strings the student's vocabulary
-lacks are dropped (their mass falls into the tail of the top-k divergence).
+(so up to k+1); the k most likely are kept, the echoed token (the student's) in place of
+the least likely where it is not among them (``top_k_from_entries``), and strings the
+student's vocabulary lacks are dropped (their mass falls into the tail of the top-k
+divergence). The EOS position's entries are the generated token's, so there the student's
+EOS is among the ids only if it is among the teacher's top k (the sampled-token divergence
+leaves such a position out).
 """
 
 from __future__ import annotations
@@ -170,7 +174,8 @@ class OpenAITeacher:
                 f"merge into one token across their boundary; {SAME_TOKENIZER}"
             )
         positions = tops[start:] if len(body) < len(request.completion_ids) else tops[start:-1]
-        return top_k_from_entries([self._entry(top) for top in positions], self.cfg.top_k, self.vocab_size)
+        entries = [self._entry(top) for top in positions]
+        return top_k_from_entries(entries, self.cfg.top_k, self.vocab_size, sampled=request.completion_ids)
 
     def _entry(self, top: dict[str, float] | None) -> dict[int, float]:
         """One position's ``{token string: logprob}`` in student ids; strings the student lacks are dropped."""

@@ -35,28 +35,46 @@ def vocab_map(teacher_vocab: dict[str, int], student_vocab: dict[str, int], cfg:
     return mapping
 
 
-def top_k_of(teacher_logprobs: Tensor, k: int, student_vocab_size: int, mapping: Tensor | None) -> TopK:
-    """Top-k of a teacher's full ``[T, V_teacher]`` log-distribution, in student ids."""
+def top_k_of(
+    teacher_logprobs: Tensor, k: int, student_vocab_size: int, mapping: Tensor | None, sampled: list[int]
+) -> TopK:
+    """Top-k of a teacher's full ``[T, V_teacher]`` log-distribution, in student ids, each position's
+    ``sampled`` token (the student's completion, student ids) among them.
+
+    Where the sampled token is not among the k most likely, it takes the least likely one's
+    place (the last column, so each row stays in descending order): the sampled-token
+    divergence reads the teacher's exact logprob of it, and the others stay exact over any
+    k distinct ids, the tail bucket holding the rest.
+    """
     if mapping is not None:
         mapping = mapping.to(teacher_logprobs.device)
         student = teacher_logprobs.new_full((teacher_logprobs.shape[0], student_vocab_size), float("-inf"))
         known = mapping[: teacher_logprobs.shape[-1]] >= 0
         student[:, mapping[: teacher_logprobs.shape[-1]][known]] = teacher_logprobs[:, known]
         teacher_logprobs = student
-    values, ids = teacher_logprobs.float().topk(min(k, teacher_logprobs.shape[-1]), dim=-1)
+    teacher_logprobs = teacher_logprobs.float()
+    values, ids = teacher_logprobs.topk(min(k, teacher_logprobs.shape[-1]), dim=-1)
+    sampled_ids = torch.as_tensor(sampled, dtype=torch.long, device=ids.device)
+    missing = (ids != sampled_ids[:, None]).all(-1)
+    ids[:, -1] = torch.where(missing, sampled_ids, ids[:, -1])
+    values[:, -1] = torch.where(missing, teacher_logprobs.gather(-1, sampled_ids[:, None]).squeeze(-1), values[:, -1])
     return TopK(ids.cpu().numpy().astype(np.int64), values.cpu().numpy().astype(np.float32))
 
 
-def top_k_from_entries(entries: list[dict[int, float]], k: int, student_vocab_size: int) -> TopK:
+def top_k_from_entries(entries: list[dict[int, float]], k: int, student_vocab_size: int, sampled: list[int]) -> TopK:
     """``TopK`` from per-position ``{student id: logprob}`` (e.g. an API's top logprobs).
 
-    Keeps the k most likely, then fills each row to exactly ``min(k, V)`` distinct ids at ``-inf``.
+    Keeps the k most likely, with each position's ``sampled`` token in place of the least
+    likely where its entry has it (as ``top_k_of``; an entry may lack it, and then so do
+    the ids), then fills each row to exactly ``min(k, V)`` distinct ids at ``-inf``.
     """
     width = min(k, student_vocab_size)
     ids = np.zeros((len(entries), width), dtype=np.int64)
     logprobs = np.full((len(entries), width), -np.inf, dtype=np.float32)
-    for t, entry in enumerate(entries):
+    for t, (entry, own) in enumerate(zip(entries, sampled, strict=True)):
         best = sorted(entry.items(), key=lambda item: -item[1])[:width]
+        if own in entry and all(own != token for token, _ in best):
+            best[-1] = (own, entry[own])
         taken = {token for token, _ in best}
         fill = (i for i in range(student_vocab_size) if i not in taken)
         for j in range(width):
