@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from actors.packing import PackedRows, pack_rows
-from actors.rollout import RolloutGroup, Row, Trajectory
+from actors.rollout import RolloutGroup, Row, RowKind, Trajectory
 from losses import group_advantages
 from losses.config import AdvantageEstimator
 
@@ -62,7 +63,7 @@ class TrainBatch:
     completions right-padded after it, so every row's completion starts at the same column.
 
     ``position_ids`` count real tokens only, as the sampler saw them under left padding.
-    ``ref_logprobs`` (the KL penalty's), the ``distill_*`` fields (channel 2) and ``pairs``
+    ``ref_logprobs`` (the KL penalty's), the ``distill_*`` fields and ``group_spread`` (channel 2) and ``pairs``
     (channel 3) are present only when the step has them; ``pairs`` index rows, so a row slice leaves them out.
     """
 
@@ -80,6 +81,7 @@ class TrainBatch:
     distill_ids: Tensor | None = None  # [B, T, K] long, the teacher's top-k (student ids)
     distill_logprobs: Tensor | None = None  # [B, T, K] float
     distill_mask: Tensor | None = None  # [B, T] bool, the distilled tokens
+    group_spread: Tensor | None = None  # [B] float, sqrt(p (1 - p)) of the row's group (channel 2's sample_weight)
     pairs: Tensor | None = None  # [P, 2] long, (chosen row, rejected row)
 
     @property
@@ -179,7 +181,7 @@ def build_train_batch(
         max_completion_len=max_completion_len,
         policy_rows=torch.tensor([r.kind.trains_policy for r in rows]),
         **_reference_field(rows, width),
-        **_distill_fields(rows, completion_mask),
+        **_distill_fields(groups, completion_mask),
         pairs=_pairs(groups),
     )
 
@@ -256,8 +258,22 @@ def _pairs(groups: list[RolloutGroup]) -> Tensor | None:
     return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2) if pairs else None
 
 
-def _distill_fields(rows: list[Row], completion_mask: Tensor) -> dict[str, Tensor]:
-    """The teacher's top-k per token as ``[B, T, K]``; rows without a teacher signal are masked out."""
+def _group_spread(groups: list[RolloutGroup]) -> Tensor:
+    """Per row, in batch order, ``sqrt(p (1 - p))`` with p the share of its group's policy samples that are correct
+    (a reward of 1 or more, as ``reward/exact`` counts; an episode split into rows counts once): channel 2's
+    ``sample_weight='group_spread'``, 0 where every sample agrees, 0.5 where half are right."""
+    spreads = []
+    for group in groups:
+        samples = [group.rows[i] for i in episode_places(group)[0] if group.rows[i].kind is RowKind.SAMPLE]
+        p = sum(row.reward.total >= 1.0 for row in samples) / max(len(samples), 1)
+        spreads += [math.sqrt(p * (1 - p))] * len(group.rows)
+    return torch.tensor(spreads)
+
+
+def _distill_fields(groups: list[RolloutGroup], completion_mask: Tensor) -> dict[str, Tensor]:
+    """The teacher's top-k per token as ``[B, T, K]``, rows without a teacher signal masked out, and each row's
+    ``group_spread``."""
+    rows = [row for group in groups for row in group.rows]
     scored = [r.distill for r in rows if r.distill is not None]
     if not scored:
         return {}
@@ -276,4 +292,9 @@ def _distill_fields(rows: list[Row], completion_mask: Tensor) -> dict[str, Tenso
             ids[i, :length] = torch.from_numpy(row.distill.ids)
             logprobs[i, :length] = torch.from_numpy(row.distill.logprobs)
             has_teacher[i, :length] = True
-    return {"distill_ids": ids, "distill_logprobs": logprobs, "distill_mask": completion_mask & has_teacher}
+    return {
+        "distill_ids": ids,
+        "distill_logprobs": logprobs,
+        "distill_mask": completion_mask & has_teacher,
+        "group_spread": _group_spread(groups),
+    }

@@ -106,6 +106,7 @@ class DistillInputs:
     teacher: Teacher
     mask: Tensor  # [B, T] bool, e.g. only the tokens after a hint
     counts: Counts  # tokens = global count of distilled tokens
+    weights: Tensor | None = None  # [B] float, each row's weight under sample_weight 'group_spread' (read only then)
 
     rows = _slice_rows
 

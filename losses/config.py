@@ -356,6 +356,7 @@ def _validate_by_name(value: Any, validate: Any) -> Any:
 Divergence = Literal[
     "kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd", "sampled_kl_student_teacher"
 ]
+SampleWeight = Literal["none", "entropy", "group_spread"]
 
 
 @dataclass(frozen=True)
@@ -378,6 +379,16 @@ class DistillConfig:
       1[H_T > eopd_entropy] * FKL``; ``soft`` mixes ``(1-w) RKL + w FKL`` with
       ``w = clamp(H_T / eopd_entropy, 0, 1)``. ``eopd_entropy`` (nats) has no published
       default, so it must be set.
+    - ``sample_weight``: a weight per distilled sample (row), as SRPO (arXiv 2604.02288) weights the
+      failed samples it sends to self-distillation: ``none``; ``entropy``, ``exp(-H)`` with H the
+      student's mean token entropy (nats) over the row's distilled tokens, so a confident sample's
+      distillation counts more (a weight: no gradient flows through it); or ``group_spread``,
+      ``sqrt(p (1 - p))`` with p the share of the row's group's policy samples that are correct
+      (reward >= 1), so a group whose samples all agree contributes nothing. The weight multiplies the
+      row's per-token divergences and the loss stays their mean over the distilled-token count, not
+      over the weights' sum: renormalizing would undo the weights' scale (a step whose groups nearly
+      all agree would be scaled back up to full strength, where ``group_spread`` means it to teach
+      little), and the sum would be a second global count for every micro-batch to share.
     """
 
     divergence: Divergence = "jsd"
@@ -387,11 +398,15 @@ class DistillConfig:
     eopd_mode: Literal["gate", "soft"] = "gate"
     eopd_entropy: float | None = None
     eopd_lambda: float = 1.0  # gate: the forward KL's weight where the teacher is uncertain
+    sample_weight: SampleWeight = "none"
 
     def __post_init__(self) -> None:
         if self.divergence not in typing.get_args(Divergence):
             known = ", ".join(typing.get_args(Divergence))
             raise ValueError(f"unknown divergence {self.divergence!r}; choose one of {known}")
+        if self.sample_weight not in typing.get_args(SampleWeight):
+            known = ", ".join(typing.get_args(SampleWeight))
+            raise ValueError(f"unknown distill sample_weight {self.sample_weight!r}; choose one of {known}")
         if not 0.0 <= self.jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
         if self.temperature <= 0:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from losses.batch import DistillInputs, TeacherHidden, TeacherLogits, TeacherTopK, masked_sum_per_row
 from losses.config import DistillConfig
-from losses.logprobs import backward_keeps_graph, scale_to
+from losses.logprobs import backward_keeps_graph, scale_to, token_entropy
 
 LOGP_FLOOR = -1e4  # log-probs are floored so that 0 * log 0 terms stay 0 in value and gradient
 
@@ -233,6 +233,28 @@ def _per_token(
     return divergence(student_logp, teacher_logp, cfg, taid_t), metrics
 
 
+def _row_weights(student_logits: Tensor, inputs: DistillInputs, cfg: DistillConfig, mask: Tensor) -> Tensor | None:
+    """Each row's weight under ``cfg.sample_weight``, ``[B]``; None where every row weighs 1.
+
+    ``entropy`` is computed here, from the detached logits (a weight carries no gradient), over
+    the row's distilled tokens: all of them are in ``student_logits``, since chunks and
+    micro-batches take whole rows and packed rows are gathered back into theirs. ``group_spread``
+    needs the row's group, so the batch builder computes it and ``inputs.weights`` carries it.
+    """
+    if cfg.sample_weight == "none":
+        return None
+    if cfg.sample_weight == "group_spread":
+        if inputs.weights is None:
+            raise ValueError(
+                "distill sample_weight 'group_spread' weights each row by its group's spread of correct samples, "
+                "which only the batch's groups give: pass DistillInputs(weights=...) (the trainer passes "
+                "TrainBatch.group_spread, which build_train_batch computes), or choose sample_weight 'none' or 'entropy'"
+            )
+        return inputs.weights
+    entropy_sum = masked_sum_per_row(token_entropy(student_logits.detach()), mask)
+    return torch.exp(-entropy_sum / mask.sum(-1).clamp(min=1))
+
+
 def distill_loss(
     student_logits: Tensor,
     inputs: DistillInputs,
@@ -243,10 +265,13 @@ def distill_loss(
     """Masked token-mean divergence over the *global* distilled-token count.
 
     ``targets`` are the tokens the student sampled, ``[B, T]`` (needed by
-    ``sampled_kl_student_teacher`` only). Metrics are row-additive; ``agreement`` is the
+    ``sampled_kl_student_teacher`` only). With a ``cfg.sample_weight``, each row's
+    divergences are multiplied by its weight and still divided by the token count
+    (``DistillConfig`` says why). Metrics are row-additive; ``agreement`` is the
     share of distilled tokens where the student's and teacher's most likely tokens
     coincide, ``sampled_known`` (sampled form) the share where the teacher's logprob of the
-    sampled token is known (the rest carry no loss but still count in the mean).
+    sampled token is known (the rest carry no loss but still count in the mean), and
+    ``sample_weight`` (with one) the rows' weights averaged over the distilled tokens.
     """
     per_token, per_position = _per_token(student_logits, inputs.teacher, cfg, taid_t, targets)
     if cfg.token_clip is not None:
@@ -256,7 +281,13 @@ def distill_loss(
         name: masked_sum_per_row(value.to(per_token.dtype), mask).sum() / inputs.counts.tokens
         for name, value in per_position.items()
     }
-    return masked_sum_per_row(per_token, mask).sum() / inputs.counts.tokens, metrics
+    per_row = masked_sum_per_row(per_token, mask)
+    weights = _row_weights(student_logits, inputs, cfg, mask)
+    if weights is not None:
+        weights = weights.to(per_row.dtype)
+        per_row = per_row * weights
+        metrics["sample_weight"] = (weights * mask.sum(-1)).sum() / inputs.counts.tokens
+    return per_row.sum() / inputs.counts.tokens, metrics
 
 
 @dataclass

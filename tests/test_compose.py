@@ -141,6 +141,22 @@ def test_linear_head_with_a_top_k_teacher(batch, generator):
     assert_close(lean.loss, full.loss, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("sample_weight", ["entropy", "group_spread"])
+def test_distill_sample_weights_are_the_same_chunk_by_chunk(batch, sample_weight, generator):
+    """Each row's weight is whole in every chunk (chunks take whole rows), so the lean head's loss is the full one."""
+    weights = torch.rand(B, generator=generator, dtype=torch.float64)
+    inputs = dataclasses.replace(batch["inputs"], distill=dataclasses.replace(batch["inputs"].distill, weights=weights))
+    cfg = LossConfig(alpha_sdpo=1.0, distill=DistillConfig(sample_weight=sample_weight), chunk_tokens=T)
+    full = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), inputs, cfg)
+    lean = compose_loss(LinearHead(batch["hidden"], batch["weight"]), inputs, cfg)
+    unweighted = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), inputs, LossConfig(alpha_sdpo=1.0))
+    assert_close(lean.loss, full.loss, atol=1e-12, rtol=0)
+    assert lean.metrics["distill/sample_weight"] == pytest.approx(full.metrics["distill/sample_weight"], abs=1e-12)
+    assert abs(full.metrics["distill/loss"] - unweighted.metrics["distill/loss"]) > 1e-3
+    for a, b in zip(grads(lean.loss, batch), grads(full.loss, batch)):
+        assert_close(a, b, atol=1e-12, rtol=0)
+
+
 def test_token_logprobs_head_serves_the_policy_channel(batch):
     logits = batch["hidden"] @ batch["weight"].T
     logprobs = selective_logprobs(logits, batch["inputs"].targets)

@@ -209,6 +209,7 @@ def test_masked_tokens_do_not_count(generator):
         (dict(token_clip=0.0), "token_clip"),
         (dict(divergence="entropy_opd"), "eopd_entropy"),
         (dict(eopd_mode="hard"), "eopd_mode"),
+        (dict(sample_weight="srpo"), "unknown distill sample_weight 'srpo'; choose one of none, entropy, group_spread"),
     ],
 )
 def test_invalid_distill_configs_fail_at_build_time(kwargs, message):
@@ -221,6 +222,67 @@ def test_top_k_teacher_refuses_temperature(generator):
     top = torch.log_softmax(teacher, -1).topk(3, dim=-1)
     with pytest.raises(ValueError, match="re-tempered"):
         run(student, TeacherTopK(top.indices, top.values), DistillConfig(temperature=2.0))
+
+
+# -- per-sample weights (DistillConfig.sample_weight) -------------------------------------
+
+FORWARD = DistillConfig(divergence="kl_teacher_student")
+
+
+def weighted_by_hand(student, teacher, mask, weights):
+    """The forward KL's per-token values times each row's weight, over the distilled-token count."""
+    per_token = kl_teacher_student(*supports(student, TeacherLogits(teacher)))
+    return (weights[:, None] * torch.where(mask, per_token, 0.0)).sum() / mask.sum()
+
+
+def sample_mask():
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    mask[2] = False  # a row with no distilled token: its weight must stay finite
+    return mask
+
+
+def test_without_a_sample_weight_the_loss_is_unchanged_and_ignores_given_weights(generator):
+    student, teacher = logits_pair(generator)
+    mask = sample_mask()
+    plain, _ = run(student, TeacherLogits(teacher), FORWARD, mask=mask)
+    weights = torch.rand(3, generator=generator)
+    inputs = DistillInputs(TeacherLogits(teacher), mask, Counts.from_mask(mask), weights=weights)
+    given, metrics = distill_loss(student, inputs, FORWARD)
+    assert torch.equal(given, plain) and "sample_weight" not in metrics
+    assert torch.equal(grad_of(given, student), grad_of(plain, student))
+    assert torch.equal(plain, weighted_by_hand(student, teacher, mask, torch.ones(3, dtype=torch.float64)))
+
+
+def test_the_entropy_weight_is_exp_of_minus_the_rows_mean_student_entropy_and_carries_no_gradient(generator):
+    student, teacher = logits_pair(generator)
+    mask = sample_mask()
+    loss, metrics = run(student, TeacherLogits(teacher), replace(FORWARD, sample_weight="entropy"), mask=mask)
+    logp = torch.log_softmax(student, -1)
+    token_entropy = -(logp.exp() * logp).sum(-1)
+    row_entropy = torch.where(mask, token_entropy, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    weights = torch.exp(-row_entropy)
+    assert_close(loss, weighted_by_hand(student, teacher, mask, weights.detach()))
+    grad = grad_of(loss, student)
+    assert_close(grad, grad_of(weighted_by_hand(student, teacher, mask, weights.detach()), student))
+    through_weight = grad_of(weighted_by_hand(student, teacher, mask, weights), student)
+    assert (grad - through_weight).abs().max() > 1e-3  # the weight's own gradient is left out
+    assert metrics["sample_weight"].item() == pytest.approx((weights * mask.sum(-1)).sum().item() / mask.sum().item())
+
+
+def test_the_group_spread_weight_is_the_inputs_and_rows_slice_it(generator):
+    student, teacher = logits_pair(generator)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    weights = torch.tensor([0.0, 0.5, 0.3], dtype=torch.float64)
+    inputs = DistillInputs(TeacherLogits(teacher), mask, Counts.from_mask(mask), weights=weights)
+    cfg = replace(FORWARD, sample_weight="group_spread")
+    loss, _ = distill_loss(student, inputs, cfg)
+    assert_close(loss, weighted_by_hand(student, teacher, mask, weights))
+    assert grad_of(loss, student)[0].abs().max() == 0  # a group where every sample agrees teaches nothing
+    halves = [distill_loss(student[rows], inputs.rows(rows), cfg)[0] for rows in (slice(0, 2), slice(2, 3))]
+    assert_close(sum(halves), loss)
+    with pytest.raises(ValueError, match=r"'group_spread' .* pass DistillInputs\(weights=...\)"):
+        distill_loss(student, replace(inputs, weights=None), cfg)
 
 
 # -- the sampled-token form: KL(S || T) at the student's own token ------------------------

@@ -1,8 +1,10 @@
 """Rows packed for one forward pass (``actors/packing.py``): each shared prompt once, every token seeing only its own
-row at its row's positions, lanes bounded, and the model's states at each completion token those of the row alone."""
+row at its row's positions, lanes bounded, the model's states at each completion token those of the row alone, and
+per-row loss inputs carried with their rows."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +12,12 @@ import torch
 from test_actors import TASK, a_batch
 
 from actors import packing
+from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.inner_loops.native import NativeLoop
 from actors.model import TinyModelSpec, build_tiny_model, load_policy
 from actors.packing import pack_rows
+from losses import DistillConfig, LossConfig, TeacherTopK
+from losses.distill import kl_teacher_student, supports
 
 
 def rows_as_a_batch(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -88,6 +94,37 @@ def test_the_models_states_are_each_rows_alone(model_dir, lane_tokens, monkeypat
     assert (ours[real] - theirs[:, batch.prompt_len - 1 : -1][real]).abs().max() <= 1e-5
     lanes = len(packed.input_ids)
     assert lanes == len(batch) if lane_tokens == 1 else 1 < lanes < len(batch) if lane_tokens == 24 else lanes == 1
+
+
+def test_group_spread_weights_train_the_same_packed_in_micro_batches_as_unpacked(model_dir):
+    """Channel 2's per-row ``group_spread`` weights travel with their rows through the native loop's micro-batches
+    (row slices, trimmed columns, packed lanes, the lean head in chunks): its loss and gradient are those of the
+    whole batch run unpacked, each row's forward KL times its weight, over the distilled-token count."""
+    batch = a_batch(model_dir, channels=True)
+    spread = torch.linspace(0.0, 0.5, len(batch))  # a different weight on every row
+    batch = replace(batch, advantages=torch.zeros_like(batch.advantages), group_spread=spread)  # channel 1: no grad
+    distill = DistillConfig(divergence="kl_teacher_student", sample_weight="group_spread")
+    cfg = TrainerConfig(
+        mesh="t",
+        optimizer=OptimizerConfig(grad_clip=0),
+        loss=LossConfig(distill=distill, alpha_sdpo=1.0, chunk_tokens=8),
+        micro_batch_size=3,
+    )
+    loop = NativeLoop(model_dir, cfg, rank=0, world=1)
+    metrics = loop.forward_backward(batch)
+    trained = {name: grad.clone() for name, grad in loop.gradients().items()}
+
+    loop.zero_grad()
+    logits = loop.model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+    teacher = TeacherTopK(batch.distill_ids, batch.distill_logprobs)
+    per_token = kl_teacher_student(*supports(logits[:, batch.prompt_len - 1 : -1], teacher))
+    mask = batch.distill_mask
+    loss = (spread[:, None] * torch.where(mask, per_token, 0.0)).sum() / mask.sum()
+    assert metrics["distill/loss"] == pytest.approx(loss.item(), abs=1e-6)
+    loss.backward()
+    for name, grad in loop.gradients().items():
+        torch.testing.assert_close(trained[name], grad, atol=1e-6, rtol=1e-5)
+    assert max(g.abs().max() for g in trained.values()) > 1e-3
 
 
 def test_eager_attention_takes_the_mask_as_scores_and_others_are_refused():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 
 import cloudpickle
@@ -143,6 +144,33 @@ def test_teacher_top_k_and_pairs_enter_the_batch():
     assert batch.rows(slice(0, 2)).pairs is None  # pairs index the whole batch, so a slice leaves them out
     copy = pickle.loads(cloudpickle.dumps(batch))
     assert torch.equal(copy.distill_logprobs, batch.distill_logprobs) and torch.equal(copy.pairs, batch.pairs)
+
+
+def test_each_rows_group_spread_is_that_of_its_groups_correct_samples():
+    """Channel 2's ``group_spread`` weight, sqrt(p (1 - p)): p counts the policy's samples with a reward of 1 or more,
+    an episode split into rows once, and neither a teacher's trace nor its reward."""
+    top = TopK(np.array([[4, 5], [1, 4]]), np.array([[-0.1, -2.5], [-0.2, -1.9]], dtype=np.float32))
+    sample = dict(completion=(4, 1), distill=top)
+    groups = [
+        group(row(reward=0.0, **sample), row(reward=0.5), row(kind=RowKind.REPLAY, reward=1.0, teacher="t")),
+        group(row(reward=1.0, **sample), row(reward=2.0), index=1),
+        group(
+            row(reward=1.0, episode=0, **sample),
+            row(reward=1.0, episode=0),
+            row(reward=0.0, episode=1),
+            row(kind=RowKind.WARM_START, reward=1.0, teacher="t"),
+            index=2,
+        ),
+        group(row(reward=1.0, **sample), row(reward=0.0), row(reward=0.0), index=3),
+    ]
+    batch = build_train_batch(groups, torch.zeros(12), pad_id=0, max_completion_len=4)
+    third = math.sqrt(2 / 9)
+    assert batch.group_spread.tolist() == pytest.approx([0.0] * 5 + [0.5] * 4 + [third] * 3)
+    assert batch.rows(slice(3, 6)).group_spread.tolist() == pytest.approx([0.0, 0.0, 0.5])
+    assert batch.rows(slice(3, 6)).trimmed().group_spread.tolist() == pytest.approx([0.0, 0.0, 0.5])
+    assert torch.equal(pickle.loads(cloudpickle.dumps(batch)).group_spread, batch.group_spread)
+    no_teacher = build_train_batch([group(row(reward=1.0), row())], torch.zeros(2), pad_id=0, max_completion_len=4)
+    assert no_teacher.group_spread is None  # no distillation, no weight
 
 
 def test_misaligned_teacher_top_k_is_refused_naming_the_shapes():

@@ -218,6 +218,7 @@ class MicroBatchLoop(ABC):
         counts = Counts.from_mask(policy_mask, batch.max_completion_len)
         distill = batch.distill_mask is not None and self.cfg.loss.alpha_sdpo > 0
         distill_counts = Counts.from_mask(batch.distill_mask) if distill else None
+        spread = self.cfg.loss.distill.sample_weight == "group_spread"
         held_back = None
         if self.cfg.loss.policy.name in COVARIANCE:  # chosen over the whole step, the same in every micro-batch
             advantages = batch.advantages[:, None]
@@ -237,7 +238,12 @@ class MicroBatchLoop(ABC):
                 held_back=None if held_back is None else held_back[sl, cut],
             )
             teacher = (
-                DistillInputs(TeacherTopK(part.distill_ids, part.distill_logprobs), part.distill_mask, distill_counts)
+                DistillInputs(
+                    TeacherTopK(part.distill_ids, part.distill_logprobs),
+                    part.distill_mask,
+                    distill_counts,
+                    weights=part.group_spread if spread else None,
+                )
                 if distill
                 else None
             )
