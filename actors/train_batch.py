@@ -231,6 +231,12 @@ def episode_places(group: RolloutGroup) -> tuple[list[int], list[int | None]]:
     return firsts, of_row
 
 
+def sampled_episodes(groups: list[RolloutGroup]) -> list[Row]:
+    """The policy's samples, one row for each: an agent's episode split into several rows (it edited its history)
+    is one sample with one reward, as in its group's advantages."""
+    return [g.rows[i] for g in groups for i in episode_places(g)[0] if g.rows[i].kind is RowKind.SAMPLE]
+
+
 def _padded(
     sequences: list[list], fill, dtype, *, right_aligned: bool = False, minimum_width: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -264,7 +270,7 @@ def _group_spread(groups: list[RolloutGroup]) -> Tensor:
     ``sample_weight='group_spread'``, 0 where every sample agrees, 0.5 where half are right."""
     spreads = []
     for group in groups:
-        samples = [group.rows[i] for i in episode_places(group)[0] if group.rows[i].kind is RowKind.SAMPLE]
+        samples = sampled_episodes([group])
         p = sum(row.reward.total >= 1.0 for row in samples) / max(len(samples), 1)
         spreads += [math.sqrt(p * (1 - p))] * len(group.rows)
     return torch.tensor(spreads)

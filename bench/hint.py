@@ -32,16 +32,16 @@ from actors.engines import sampling_seeds
 from actors.engines.hf import HFEngine
 from actors.prompts import render
 from actors.tasks import Problem, build_task
-from actors.tasks.math import NUMBER
-from mesh.controller.hints import SIBLING_HINT
+from actors.tasks.math import NUMBER, SOLUTION_HINT
+from mesh.controller.hints import ANSWER_HINT, SIBLING_HINT
 from mesh.topology.preflight import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "topologies" / "smol_math.yaml"
 SAMPLES = 4
 HINTS = {  # wording -> where it goes (after the question, as the runtime renders a hint; or the system turn)
-    "worked solution, after the question": ("user", "Here is a worked solution:\n{solution}"),
-    "the answer, after the question": ("user", "The answer is {answer}."),
+    "worked solution, after the question": ("user", SOLUTION_HINT),  # the runs' hint (hint: task)
+    "the answer, after the question": ("user", ANSWER_HINT),  # hint: answer
     "worked solution, system turn": ("system", "{system}\nA worked solution of the problem:\n{solution}"),
 }
 

@@ -296,8 +296,10 @@ class SampleCollection(_Collection):
         if not targets:
             return {}, 0.0
         requests = [
-            TopKRequest(problems[i].prompt, rows[i][j].trajectory.completion_ids, hint, problems[i].system_prompt)
-            for (i, j), hint in ((target, hints[target]) for target in targets)
+            TopKRequest(
+                problems[i].prompt, rows[i][j].trajectory.completion_ids, hints[i, j], problems[i].system_prompt
+            )
+            for i, j in targets
         ]
         reply = await self.services.teacher_pool.top_k.call_one(teacher.binding_id, requests, weights)
         return dict(zip(targets, reply.top_k)), reply.seconds + reply.load_seconds

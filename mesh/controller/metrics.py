@@ -8,8 +8,8 @@ from collections import Counter
 
 import torch
 
-from actors.rollout import RolloutGroup, Row, RowKind
-from actors.train_batch import episode_places
+from actors.rollout import RolloutGroup, RowKind
+from actors.train_batch import sampled_episodes
 from actors.trainer import StepReport
 from mesh.controller.collected import Collected
 from mesh.controller.teacher_board import TeacherBinding
@@ -55,12 +55,6 @@ def step_metrics(collected: Collected, report: StepReport, ages: list[int], refe
         }
     metrics |= collected.episode_metrics
     return metrics | {f"train/{k}": v for k, v in report.metrics.items()}
-
-
-def sampled_episodes(groups: list[RolloutGroup]) -> list[Row]:
-    """The policy's samples, one row for each: an agent's episode split into several rows (it edited its history)
-    is one sample with one reward, as in its group's advantages."""
-    return [g.rows[i] for g in groups for i in episode_places(g)[0] if g.rows[i].kind is RowKind.SAMPLE]
 
 
 def teacher_metrics(groups: list[RolloutGroup], tracers: list[TeacherBinding], seconds: dict[str, float]) -> dict:
