@@ -5,12 +5,14 @@
     python bench/smol_math.py --quick           # 2 steps each, to check that it runs
     python bench/smol_math.py --only sdpo --add dapo=RUN_DIR   # with a run of an earlier invocation
     python bench/smol_math.py --only --add dapo=RUN_DIR ...    # only the summary and plot of earlier runs
+    python bench/smol_math.py --only dapo warm --seeds 0 1 2 --set loop.steps=10   # over sampling seeds
 
 SmolLM2-135M-Instruct on the shipped arithmetic word problems, each configuration from the same
-weights with the same seed, so every run sees the same prompts and draws the same number of
-policy samples per step. Held-out accuracy is the runs' own evaluation: greedy, on the same 64
-test problems, at the start and every few steps. The configurations are smol_math.yaml with
-channels switched off:
+weights; under one seed every run sees the same prompts and draws the same number of policy
+samples per step, and ``--seeds`` repeats each configuration under other seeds (other prompts,
+other draws, the same base weights). Held-out accuracy is the runs' own evaluation: greedy, on
+all 400 test problems, at the start and every few steps. The configurations are smol_math.yaml
+with channels switched off:
 
 - ``dapo``: the policy loss alone (no teachers, no warm start);
 - ``sdpo``: plus hint self-distillation, the policy reading the worked solution as its teacher;
@@ -24,10 +26,12 @@ channels switched off:
 - ``warm``: the three channels and the warm start (the oracle's solution in each group for the
   first steps): smol_math.yaml as shipped.
 
-Printed and written to bench/out/smol_math.json: each run's final accuracy, the policy samples it
-needed to first reach ``dapo``'s final accuracy, its wall time and median step time; and
-bench/smol_math_accuracy.png, accuracy against policy samples. The run directories stay under
-bench/out/smol_math/ (their trained models, reports and timelines).
+Printed and written to bench/out/smol_math.json: each configuration's final accuracy (the mean over
+seeds and the lowest and highest), the policy samples it needed to first reach ``dapo``'s final
+accuracy under the same seed, its wall time and median step time; and bench/smol_math_accuracy.png,
+accuracy against policy samples (the mean over seeds, a band from the lowest to the highest). The
+run directories stay under bench/out/smol_math/CONFIG/seed-S/ (their trained models, reports and
+timelines).
 """
 
 from __future__ import annotations
@@ -86,8 +90,12 @@ LABELS = {
 }
 
 
-def overrides(config: str, root: Path, quick: bool) -> list[str]:
-    out = [*CONFIGS[config], f"logging.root={root}", "logging.trace=null"]
+TEST_PROBLEMS = 400  # the shipped set's whole test split: every seed scores the same problems
+
+
+def overrides(config: str, seed: int, root: Path, quick: bool) -> list[str]:
+    out = [*CONFIGS[config], f"seed={seed}", f"logging.root={root}", "logging.trace=null"]
+    out.append(f"loop.evaluation.prompts={TEST_PROBLEMS}")
     if config != "warm":
         out.append(NO_WARM_START)
     if quick:
@@ -95,9 +103,10 @@ def overrides(config: str, root: Path, quick: bool) -> list[str]:
     return out
 
 
-async def one_run(config: str, root: Path, quick: bool, extra: list[str]) -> dict:
-    """One configuration's evaluations (policy samples drawn -> accuracy), wall time and step times."""
-    plan = load_plan(TOPOLOGY, [*overrides(config, root, quick), *extra], convert=True)
+async def one_run(config: str, seed: int, quick: bool, extra: list[str]) -> dict:
+    """One configuration's evaluations under one seed (policy samples drawn -> accuracy), wall and step times."""
+    root = RUNS / config / f"seed-{seed}"
+    plan = load_plan(TOPOLOGY, [*overrides(config, seed, root, quick), *extra], convert=True)
     start = time.perf_counter()
     run_dir = await run(plan, progress=False)
     return result_of(run_dir.path, time.perf_counter() - start)
@@ -113,15 +122,17 @@ def result_of(run_dir: Path, wall_s: float) -> dict:
     return {"curve": curve, "wall_s": wall_s, "step_s": statistics.median(steps), "run_dir": str(run_dir)}
 
 
-def earlier_run(text: str) -> tuple[str, dict]:
-    """``CONFIG=RUN_DIR`` of an earlier invocation; its wall time from the run directory's files
-    (plan written at the start, metrics last at the end): the process start before it is left out."""
-    config, _, path = text.partition("=")
-    if config not in CONFIGS or not (Path(path) / "metrics.jsonl").is_file():
-        raise SystemExit(f"--add {text}: expected CONFIG=RUN_DIR, CONFIG one of {list(CONFIGS)}, a finished run")
+def earlier_run(text: str) -> tuple[str, int, dict]:
+    """``CONFIG[@SEED]=RUN_DIR`` of an earlier invocation (seed 0 unless named); its wall time from the run
+    directory's files (plan written at the start, metrics last at the end): the process start before it is
+    left out."""
+    name, _, path = text.partition("=")
+    config, _, seed = name.partition("@")
+    if config not in CONFIGS or (seed and not seed.isdigit()) or not (Path(path) / "metrics.jsonl").is_file():
+        raise SystemExit(f"--add {text}: expected CONFIG[@SEED]=RUN_DIR, CONFIG one of {list(CONFIGS)}, a finished run")
     run_dir = Path(path)
     wall = (run_dir / "metrics.jsonl").stat().st_mtime - (run_dir / "plan.yaml").stat().st_mtime
-    return config, result_of(run_dir, wall)
+    return config, int(seed or 0), result_of(run_dir, wall)
 
 
 def samples_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
@@ -129,29 +140,47 @@ def samples_to_reach(curve: list[tuple[int, float]], target: float) -> int | Non
     return next((samples for samples, accuracy in curve if accuracy >= target), None)
 
 
-def summarize(results: dict[str, dict]) -> dict:
-    target = results["dapo"]["curve"][-1][1] if "dapo" in results else None
+def spread(values: list[float]) -> dict:
+    """The mean over seeds and the lowest and highest value."""
+    return {"mean": statistics.fmean(values), "low": min(values), "high": max(values), "seeds": len(values)}
+
+
+def summarize(results: dict[str, dict[int, dict]]) -> dict:
+    """Per configuration, over its seeds: final accuracy, samples to ``dapo``'s final accuracy under the same
+    seed (None for a seed that never reached it or has no ``dapo`` run), wall and median step time."""
+    dapo = results.get("dapo", {})
+
+    def to_dapo(seed: int, result: dict) -> int | None:
+        return samples_to_reach(result["curve"], dapo[seed]["curve"][-1][1]) if seed in dapo else None
+
     return {
         config: {
-            "final_accuracy": result["curve"][-1][1],
-            "base_accuracy": result["curve"][0][1],
-            "samples_to_dapo_final": None if target is None else samples_to_reach(result["curve"], target),
-            "wall_s": result["wall_s"],
-            "median_step_s": result["step_s"],
+            "final_accuracy": spread([result["curve"][-1][1] for result in by_seed.values()]),
+            "base_accuracy": by_seed[min(by_seed)]["curve"][0][1],
+            "samples_to_dapo_final": {seed: to_dapo(seed, result) for seed, result in by_seed.items()},
+            "wall_s": statistics.fmean(result["wall_s"] for result in by_seed.values()),
+            "median_step_s": statistics.median(result["step_s"] for result in by_seed.values()),
         }
-        for config, result in results.items()
+        for config, by_seed in results.items()
     }
 
 
-def plot(results: dict[str, dict]) -> None:
+def plot(results: dict[str, dict[int, dict]]) -> None:
+    """Accuracy against samples per configuration: the mean over seeds, a band from the lowest to the highest."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.2))
-    for config, result in results.items():
-        samples, accuracy = zip(*result["curve"])
-        axes.plot(samples, accuracy, marker="o", label=LABELS[config])
+    for config, by_seed in results.items():
+        curves = [dict(result["curve"]) for result in by_seed.values()]
+        samples = sorted(set.intersection(*(set(curve) for curve in curves)))
+        values = [[curve[n] for curve in curves] for n in samples]
+        line = axes.plot(samples, [statistics.fmean(v) for v in values], marker="o", label=LABELS[config])
+        if len(curves) > 1:
+            low, high = [min(v) for v in values], [max(v) for v in values]
+            axes.fill_between(samples, low, high, alpha=0.15, color=line[0].get_color())
+    seeds = max(len(by_seed) for by_seed in results.values())
     axes.set_xlabel("policy samples drawn")
-    axes.set_ylabel("held-out accuracy (greedy, 64 problems)")
-    axes.set_title("SmolLM2-135M-Instruct on the arithmetic word problems (smol_math.yaml)")
+    axes.set_ylabel(f"held-out accuracy (greedy, {TEST_PROBLEMS} problems)")
+    axes.set_title(f"SmolLM2-135M-Instruct, arithmetic word problems: mean and range over {seeds} seed(s)", fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
@@ -162,19 +191,24 @@ def plot(results: dict[str, dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="the topology's seed, one run per seed")
     parser.add_argument("--quick", action="store_true", help="2 steps each, 4 evaluation prompts")
     parser.add_argument("--set", action="append", default=[], help="another override for every run (key=value)")
-    parser.add_argument("--add", action="append", default=[], help="CONFIG=RUN_DIR: an earlier run in the summary")
+    parser.add_argument("--add", action="append", default=[], help="CONFIG[@SEED]=RUN_DIR: an earlier run")
     args = parser.parse_args()
     print(f"machine: {machine()}\ndate: {datetime.date.today()}")
-    results = dict(earlier_run(text) for text in args.add)
-    if args.add:
-        args.only = [config for config in args.only if config not in results]
+    results: dict[str, dict[int, dict]] = {}
+    for config, seed, result in map(earlier_run, args.add):
+        results.setdefault(config, {})[seed] = result
     for config in args.only:
-        results[config] = asyncio.run(one_run(config, RUNS / config, args.quick, args.set))
-        curve = ", ".join(f"{samples}: {accuracy:.3f}" for samples, accuracy in results[config]["curve"])
-        print(f"{config:7s} wall {results[config]['wall_s']:.0f} s; accuracy by samples drawn: {curve}", flush=True)
-    results = {config: results[config] for config in CONFIGS if config in results}
+        for seed in args.seeds:
+            if seed in results.get(config, {}):
+                continue
+            result = asyncio.run(one_run(config, seed, args.quick, args.set))
+            results.setdefault(config, {})[seed] = result
+            curve = ", ".join(f"{samples}: {accuracy:.3f}" for samples, accuracy in result["curve"])
+            print(f"{config:7s} seed {seed} wall {result['wall_s']:.0f} s; accuracy by samples: {curve}", flush=True)
+    results = {config: dict(sorted(results[config].items())) for config in CONFIGS if config in results}
     summary = summarize(results)
     print(json.dumps(summary, indent=1))
     OUT.mkdir(exist_ok=True)
