@@ -21,6 +21,8 @@ with channels switched off:
   hint, the teacher frozen at the starting weights, the JSD, each token's divergence clipped at 0.05;
 - ``sdpo_sampled``: as SDPO (arXiv 2601.20802) and TRL's port run it: a correct sibling sample as the
   hint, an EMA teacher (rate 0.05), the sampled-token reverse KL;
+- ``rlsd``: the teacher only rescales the policy gradient (RLSD, arXiv 2604.03128): the policy told
+  the answer scores every sample, and each token's advantage is scaled by its clipped ratio;
 - ``replay``: plus the task oracle's worked solution against the policy's samples (SimPO pairs);
 - ``all``: the three channels;
 - ``warm``: the three channels and the warm start (the oracle's solution in each group for the
@@ -74,6 +76,11 @@ CONFIGS = {
         SELF_HINT.format("weights: ema, hint: sibling"),
         "actors.trainer.loss.distill.divergence=sampled_kl_student_teacher",
     ],
+    "rlsd": [
+        "actors.trainer.loss.beta_replay=0",
+        SELF_HINT.format("hint: answer"),
+        "actors.trainer.loss.distill={signal: rlsd, rlsd_clip: 0.2}",
+    ],
     "replay": ["actors.trainer.loss.alpha_sdpo=0", "actors.teachers.bindings={oracle: {kind: task_oracle, use: [replay]}}"],
     "all": [],
     "warm": [],
@@ -84,6 +91,7 @@ LABELS = {
     "sdpo_rkl": "+ SDPO, reverse KL (the SDPO paper's divergence)",
     "sdpo_opsd": "+ SDPO as OPSD (frozen teacher, JSD, token clip 0.05)",
     "sdpo_sampled": "+ SDPO as SDPO (sibling hint, EMA teacher, sampled-token reverse KL)",
+    "rlsd": "+ RLSD (the answer-hinted policy scales each token's advantage, clip 0.2)",
     "replay": "+ replay (oracle's solution, SimPO)",
     "all": "DAPO + SDPO + replay",
     "warm": "all three + warm start (smol_math.yaml)",

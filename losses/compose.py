@@ -1,5 +1,7 @@
 """``compose_loss``: total = policy + alpha_sdpo * distill + beta_replay * preference.
 
+Channel 2 with ``distill.signal: rlsd`` adds no term: it rescales channel 1's token advantages.
+
 Each channel is normalized by its own global token or pair count (as PRIME-RL's
 ``compute_loss``), so the channels do not dilute each other and alpha/beta keep their
 meaning as batches change. A channel whose inputs are absent, or whose weight is 0, is
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from losses.batch import DistillInputs, PairGrads, PolicyInputs, PreferenceInputs, masked_sum_per_row
 from losses.config import COVARIANCE, CovariancePolicyConfig, LossConfig
-from losses.distill import distill_loss
+from losses.distill import distill_loss, rlsd_advantages
 from losses.logprobs import (
     fused_linear_loss,
     selective_logprobs,
@@ -87,13 +89,16 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
         if "policy" in active:
             policy = inputs.policy.rows(rows)
             logprobs, entropy = selective_logprobs_and_entropy(logits, inputs.targets[rows])
+            if "rlsd" in active:
+                policy, rlsd = _rlsd(policy, logprobs, inputs.distill.rows(rows), inputs.targets[rows], cfg)
+                metrics |= {f"distill/{k}": v for k, v in rlsd.items()}
             total, parts = policy_loss(logprobs, policy, cfg.policy)
             if cfg.policy.entropy_coef:  # the bonus needs the entropy's gradient: log_softmax's temporaries
                 bonus = aggregate(token_entropy(logits), policy.mask, cfg.policy.aggregation, policy.counts)
                 total = total - cfg.policy.entropy_coef * bonus
             parts["entropy"] = mean_entropy(entropy, policy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
-        if "distill" in active:
+        if "distill" in active and "rlsd" not in active:
             distill, parts = distill_loss(
                 logits, inputs.distill.rows(rows), cfg.distill, taid_t, targets=inputs.targets[rows]
             )
@@ -106,6 +111,16 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
         return total, metrics
 
     return loss_of_rows
+
+
+def _rlsd(
+    policy: PolicyInputs, logprobs: Tensor, distill: DistillInputs, targets: Tensor, cfg: LossConfig
+) -> tuple[PolicyInputs, dict[str, Tensor]]:
+    """Channel 2 as RLSD (``distill.signal: rlsd``): the policy inputs with the teacher-scaled advantages."""
+    advantages, metrics = rlsd_advantages(
+        policy.advantages, logprobs, distill, targets, cfg.distill.rlsd_clip, cfg.alpha_sdpo
+    )
+    return replace(policy, advantages=advantages), metrics
 
 
 def _plus(total: Tensor | None, term: Tensor) -> Tensor:
@@ -150,7 +165,16 @@ def _active_channels(head: Head, inputs: LossInputs, cfg: LossConfig) -> set[str
                 "the entropy bonus (entropy_coef > 0) needs the policy's whole distribution, but the head only "
                 "gives sampled-token logprobs; pass Logits or LinearHead instead of TokenLogprobs"
             )
-    if inputs.distill is not None and cfg.alpha_sdpo > 0:
+    if inputs.distill is not None and cfg.alpha_sdpo > 0 and cfg.distill.signal == "rlsd":
+        if inputs.policy is None:
+            raise ValueError(
+                "distill.signal 'rlsd' rescales the policy gradient's token advantages, so the batch needs policy "
+                "inputs (channel 1) beside the teacher's; or use signal 'divergence' to distil alone"
+            )
+        if inputs.targets is None:
+            raise ValueError("distill.signal 'rlsd' reads the teacher at the sampled tokens: pass LossInputs.targets")
+        active |= {"distill", "rlsd"}
+    elif inputs.distill is not None and cfg.alpha_sdpo > 0:
         if isinstance(head, TokenLogprobs):
             raise ValueError(
                 "distillation (alpha_sdpo > 0) needs the student's whole distribution, but the head only "
@@ -182,7 +206,11 @@ def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid
 
     if isinstance(head, TokenLogprobs):
         if "policy" in active:
-            total, parts = policy_loss(head.logprobs, inputs.policy, cfg.policy)
+            policy = inputs.policy
+            if "rlsd" in active:
+                policy, rlsd = _rlsd(policy, head.logprobs, inputs.distill, inputs.targets, cfg)
+                metrics |= {f"distill/{k}": v for k, v in rlsd.items()}
+            total, parts = policy_loss(head.logprobs, policy, cfg.policy)
             if head.entropy is not None:
                 parts["entropy"] = mean_entropy(head.entropy, inputs.policy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}

@@ -357,6 +357,7 @@ Divergence = Literal[
     "kl_teacher_student", "kl_student_teacher", "jsd", "taid", "entropy_opd", "sampled_kl_student_teacher"
 ]
 SampleWeight = Literal["none", "entropy", "group_spread"]
+Signal = Literal["divergence", "rlsd"]
 
 
 @dataclass(frozen=True)
@@ -389,6 +390,16 @@ class DistillConfig:
       over the weights' sum: renormalizing would undo the weights' scale (a step whose groups nearly
       all agree would be scaled back up to full strength, where ``group_spread`` means it to teach
       little), and the sum would be a second global count for every micro-batch to share.
+    - ``signal``: what the teacher's distribution is used for. ``divergence`` (the default) trains the
+      student toward it by the divergence above, weighted ``alpha_sdpo``. ``rlsd`` adds no loss of its
+      own (RLSD, arXiv 2604.03128): the reward keeps the policy gradient's direction and the teacher only
+      rescales each token's share of it. With ``delta = log T(y) - log S(y)`` at the student's sampled
+      token y (detached), a token's advantage becomes ``A ((1 - alpha_sdpo) + alpha_sdpo w)``,
+      ``w = clip(exp(sign(A) delta), 1 - rlsd_clip, 1 + rlsd_clip)``: a correct sample's tokens the
+      hinted teacher favours and a wrong sample's tokens it disfavours count more. ``alpha_sdpo`` is the
+      mix (1: the paper's form), so at most 1. A token whose teacher logprob is unknown (an API teacher's
+      top-k without it) keeps weight 1. Needs only the sampled tokens' logprobs, so every head serves.
+    - ``rlsd_clip``: ``w``'s clip range (``signal: rlsd`` only, and then required: no published default).
     """
 
     divergence: Divergence = "jsd"
@@ -399,6 +410,8 @@ class DistillConfig:
     eopd_entropy: float | None = None
     eopd_lambda: float = 1.0  # gate: the forward KL's weight where the teacher is uncertain
     sample_weight: SampleWeight = "none"
+    signal: Signal = "divergence"
+    rlsd_clip: float | None = None
 
     def __post_init__(self) -> None:
         if self.divergence not in typing.get_args(Divergence):
@@ -407,6 +420,7 @@ class DistillConfig:
         if self.sample_weight not in typing.get_args(SampleWeight):
             known = ", ".join(typing.get_args(SampleWeight))
             raise ValueError(f"unknown distill sample_weight {self.sample_weight!r}; choose one of {known}")
+        self._check_signal()
         if not 0.0 <= self.jsd_beta <= 1.0:
             raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
         if self.temperature <= 0:
@@ -422,6 +436,29 @@ class DistillConfig:
             )
         if self.eopd_mode == "soft" and self.eopd_entropy is not None and self.eopd_entropy <= 0:
             raise ValueError("the soft entropy gate divides by eopd_entropy, so it must be > 0")
+
+    def _check_signal(self) -> None:
+        if self.signal not in typing.get_args(Signal):
+            raise ValueError(f"unknown distill signal {self.signal!r}; choose 'divergence' or 'rlsd'")
+        if self.signal == "divergence":
+            if self.rlsd_clip is not None:
+                raise ValueError("rlsd_clip is the clip of signal 'rlsd'; set signal: rlsd or remove rlsd_clip")
+            return
+        if self.rlsd_clip is None or not 0.0 < self.rlsd_clip < 1.0:
+            raise ValueError(
+                f"signal 'rlsd' needs rlsd_clip in (0, 1), the range its token weights are clipped to "
+                f"(1 +- rlsd_clip), got {self.rlsd_clip}; the paper gives no default: 0.2, as PPO's clip, is a start"
+            )
+        divergence_knobs = {
+            "token_clip": self.token_clip is not None,
+            "sample_weight": self.sample_weight != "none",
+            "temperature": self.temperature != 1.0,
+        }
+        if ignored := [name for name, is_set in divergence_knobs.items() if is_set]:
+            raise ValueError(
+                f"signal 'rlsd' adds no divergence, so {', '.join(ignored)} would do nothing: remove it, or use "
+                "signal: divergence"
+            )
 
 
 @dataclass(frozen=True)
@@ -455,7 +492,8 @@ class LossConfig:
 
     - ``policy``: channel 1, the config of one method (``policy_config(name, ...)``, or in a
       topology a mapping whose ``name`` picks the method); ``DEFAULT_POLICY`` unless set.
-    - ``alpha_sdpo``: weight of channel 2 (distillation, e.g. SDPO hint self-distillation).
+    - ``alpha_sdpo``: weight of channel 2 (distillation, e.g. SDPO hint self-distillation); under
+      ``distill.signal: rlsd`` the mix of the teacher's token weights into the advantages, at most 1.
     - ``beta_replay``: weight of channel 3 (DPO/SimPO over teacher-trace pairs).
     - ``chunk_tokens``: with a ``LinearHead``, about this many tokens' logits exist at
       once (rounded to whole rows, at least one row).
@@ -480,3 +518,8 @@ class LossConfig:
             )
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.distill.signal == "rlsd" and self.alpha_sdpo > 1:
+            raise ValueError(
+                f"under distill.signal 'rlsd', alpha_sdpo mixes the teacher's token weights into the advantages "
+                f"(1 - alpha_sdpo) + alpha_sdpo w, so it must be in [0, 1], got {self.alpha_sdpo}"
+            )

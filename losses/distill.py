@@ -7,6 +7,8 @@ vocabulary, or a teacher's top-k ids plus one tail bucket holding the remaining 
 (so both sides sum to 1 and k = V reproduces the full divergence). The one exception,
 ``sampled_kl_student_teacher``, reads only the two log-probabilities of the token the
 student sampled (``LossInputs.targets``): the sampled-token form of on-policy distillation.
+``rlsd_advantages`` uses the teacher otherwise: not as a target, as a per-token scale of channel 1's
+advantages (RLSD, ``DistillConfig.signal``).
 
 SDPO (hint self-distillation) is this channel with the teacher being the live policy
 scoring the same completion with a hint in context (``actors/teachers/bindings/self_hint.py``).
@@ -23,6 +25,7 @@ from torch import Tensor
 from losses.batch import DistillInputs, TeacherHidden, TeacherLogits, TeacherTopK, masked_sum_per_row
 from losses.config import DistillConfig
 from losses.logprobs import backward_keeps_graph, scale_to, token_entropy
+from losses.policy import LOG_WEIGHT_BOUND
 
 LOGP_FLOOR = -1e4  # log-probs are floored so that 0 * log 0 terms stay 0 in value and gradient
 
@@ -100,26 +103,66 @@ def sampled_kl_student_teacher(student_logp: Tensor, teacher_logp: Tensor) -> Te
 def _at_sampled(student_logp: Tensor, teacher_logp: Tensor, teacher, targets: Tensor | None) -> tuple[Tensor, Tensor]:
     """``sampled_kl_student_teacher`` at each position, and whether the teacher's logprob of its token is known.
 
-    A top-k teacher knows it where the token is among its ids with a finite logprob (a
-    teacher that cannot score every token, e.g. an API's top logprobs, may miss it; ``-inf``
-    marks a filler id, not a score). Elsewhere the position gets a divergence of 0 and no
-    gradient: the teacher's probability of the token is not known, only bounded by its top-k's.
+    Where it is not known (``_sampled_column``) the position gets a divergence of 0 and no gradient:
+    the teacher's probability of the token is only bounded by its top-k's there.
     """
     if targets is None:
         raise ValueError(
             "divergence 'sampled_kl_student_teacher' needs the tokens the student sampled: pass distill_loss "
             "targets= (the completion token ids on the logits' grid, as compose_loss does with LossInputs.targets)"
         )
-    if isinstance(teacher, TeacherTopK):
-        hit = (teacher.ids == targets[..., None]) & teacher.logprobs.isfinite()
-        column, known = hit.long().argmax(-1), hit.any(-1)
-    else:
-        column, known = targets, torch.ones_like(targets, dtype=torch.bool)
+    column, known = _sampled_column(teacher, targets)
     student_y = student_logp.gather(-1, column[..., None]).squeeze(-1)
     teacher_y = teacher_logp.gather(-1, column[..., None]).squeeze(-1)
     # an unknown position's teacher logprob becomes the student's own: k1 = 0, so no value and no gradient
     teacher_y = torch.where(known, teacher_y, student_y.detach())
     return sampled_kl_student_teacher(student_y, teacher_y), known
+
+
+def _sampled_column(teacher, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Where each sampled token sits in the teacher's support (its top-k column, or the token id for a
+    full-vocabulary teacher), and whether the teacher scored it there: a top-k teacher that cannot score
+    every token (an API's top logprobs) may miss it, and ``-inf`` marks a filler id, not a score."""
+    if isinstance(teacher, TeacherTopK):
+        hit = (teacher.ids == targets[..., None]) & teacher.logprobs.isfinite()
+        return hit.long().argmax(-1), hit.any(-1)
+    return targets, torch.ones_like(targets, dtype=torch.bool)
+
+
+def teacher_token_logprobs(teacher, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """The teacher's logprob of each sampled token ``[B, T]`` (detached), and whether it is known."""
+    column, known = _sampled_column(teacher, targets)
+    with torch.no_grad():
+        scores = teacher.logprobs if isinstance(teacher, TeacherTopK) else _teacher_logits(teacher)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        if not isinstance(teacher, TeacherTopK):
+            scores = torch.log_softmax(scores, dim=-1)
+        logprobs = scores.gather(-1, column[..., None]).squeeze(-1)
+    return torch.where(known, logprobs, torch.zeros_like(logprobs)), known
+
+
+def rlsd_advantages(
+    advantages: Tensor, student_logprobs: Tensor, inputs: DistillInputs, targets: Tensor, clip: float, mix: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """RLSD's per-token advantages ``[B, T]`` (``DistillConfig.signal``): ``A ((1 - mix) + mix w)``, with
+    ``w = clip(exp(sign(A) (log T(y) - log S(y))), 1 - clip, 1 + clip)`` at the distilled tokens whose
+    teacher logprob is known, and ``w = 1`` elsewhere. The reward sets each token's direction; the
+    teacher, only how much of it the token gets. Row-additive metrics over the distilled tokens: the
+    weights' mean (``rlsd_weight``), the share clipped (``rlsd_clipped``) and the share known."""
+    teacher, known = teacher_token_logprobs(inputs.teacher, targets)
+    advantages = (advantages if advantages.dim() == 2 else advantages[:, None]).expand_as(student_logprobs)
+    delta = teacher - student_logprobs.detach().to(teacher.dtype)
+    raw = (advantages.sign().to(delta.dtype) * delta).clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND).exp()
+    weighted = inputs.mask.bool() & known
+    weight = torch.where(weighted, raw.clamp(1 - clip, 1 + clip), torch.ones_like(raw))
+    clipped = weighted & ((raw < 1 - clip) | (raw > 1 + clip))
+    tokens = inputs.counts.tokens
+    metrics = {
+        "rlsd_weight": masked_sum_per_row(weight, inputs.mask.bool()).sum() / tokens,
+        "rlsd_clipped": masked_sum_per_row(clipped.to(weight.dtype), inputs.mask.bool()).sum() / tokens,
+        "sampled_known": masked_sum_per_row(known.to(weight.dtype), inputs.mask.bool()).sum() / tokens,
+    }
+    return advantages * ((1 - mix) + mix * weight).to(advantages.dtype), metrics
 
 
 def _with_tail(logp_k: Tensor) -> Tensor:

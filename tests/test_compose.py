@@ -205,9 +205,102 @@ def test_empty_batch_is_finite(generator):
         out.loss.backward()
 
 
+# -- channel 2 as RLSD: the teacher rescales channel 1's token advantages ------------------
+
+RLSD = DistillConfig(signal="rlsd", rlsd_clip=0.2)
+
+
+def near_teacher(batch, generator) -> LossInputs:
+    """The batch without pairs, its teacher the student's own hidden states a little moved: some tokens'
+    weights inside the clip, some outside."""
+    inputs = batch["inputs"]
+    noise = 0.03 * torch.randn(B, T, H, generator=generator, dtype=torch.float64)
+    teacher = TeacherHidden(batch["hidden"].detach() + noise, batch["weight"])
+    return dataclasses.replace(inputs, preference=None, distill=dataclasses.replace(inputs.distill, teacher=teacher))
+
+
+def rlsd_by_the_formula(batch, inputs: LossInputs, mix: float, clip: float = 0.2):
+    """The paper's advantages written out on their own: ``A ((1 - mix) + mix w)``, ``w = clip(exp(sign(A)
+    (log T(y) - log S(y))), 1 +- clip)`` at the distilled tokens, 1 elsewhere."""
+    logits = (batch["hidden"] @ batch["weight"].T).detach()
+    teacher_logits = inputs.distill.teacher.hidden @ inputs.distill.teacher.weight.detach().T
+    student = selective_logprobs(logits, inputs.targets)
+    teacher = selective_logprobs(teacher_logits, inputs.targets)
+    advantages = inputs.policy.advantages[:, None].expand(B, T)
+    weight = torch.exp(torch.sign(advantages) * (teacher - student)).clamp(1 - clip, 1 + clip)
+    weight = torch.where(inputs.distill.mask, weight, torch.ones_like(weight))
+    return advantages * ((1 - mix) + mix * weight)
+
+
+@pytest.mark.parametrize("mix", [1.0, 0.5])
+def test_rlsd_is_the_policy_loss_of_the_papers_advantages(batch, mix, generator):
+    """Every head gives the policy loss of the written-out advantages, in value and gradient, and no distill term."""
+    logits = batch["hidden"] @ batch["weight"].T
+    inputs = near_teacher(batch, generator)
+    cfg = LossConfig(policy=policy_config(name="dapo"), alpha_sdpo=mix, distill=RLSD, chunk_tokens=T)
+    policy = dataclasses.replace(inputs.policy, advantages=rlsd_by_the_formula(batch, inputs, mix))
+    expected, _ = policy_loss(selective_logprobs(logits, inputs.targets), policy, cfg.policy)
+    expected_grads = grads(expected, batch)[:2]
+    for head in (Logits(batch["hidden"] @ batch["weight"].T), LinearHead(batch["hidden"], batch["weight"])):
+        out = compose_loss(head, inputs, cfg)
+        assert_close(out.loss, expected, atol=1e-12, rtol=0)
+        assert "distill/loss" not in out.metrics and out.metrics["distill/skipped"] == 0
+        assert 0 < out.metrics["distill/rlsd_clipped"] < out.metrics["distill/sampled_known"] == 1.0
+        for a, b in zip(grads(out.loss, batch)[:2], expected_grads):
+            assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_rlsd_keeps_each_tokens_direction_and_bounds_its_magnitude(batch, generator):
+    """Against the policy loss alone, each token's gradient keeps its sign and is scaled by a factor in
+    [1 - clip, 1 + clip] at the distilled tokens, exactly 1 elsewhere (the PPO ratio is 1: one update)."""
+    inputs = near_teacher(batch, generator)
+    logprobs = selective_logprobs(batch["hidden"] @ batch["weight"].T, inputs.targets).detach()
+    logprobs.requires_grad_()
+    inputs = dataclasses.replace(inputs, policy=dataclasses.replace(inputs.policy, old_logprobs=logprobs.detach()))
+    plain = compose_loss(TokenLogprobs(logprobs), inputs, LossConfig())
+    rlsd = compose_loss(TokenLogprobs(logprobs), inputs, LossConfig(alpha_sdpo=1.0, distill=RLSD))
+    (plain_grad,) = torch.autograd.grad(plain.loss, logprobs)
+    (rlsd_grad,) = torch.autograd.grad(rlsd.loss, logprobs)
+    mask, distilled = inputs.policy.mask, inputs.distill.mask
+    scale = rlsd_grad[mask] / plain_grad[mask]
+    assert scale.min() >= 0.8 - 1e-12 and scale.max() <= 1.2 + 1e-12
+    inside = (scale > 0.8 + 1e-9) & (scale < 1.2 - 1e-9) & ((scale - 1).abs() > 1e-3)
+    assert inside.any() and (~inside).any()
+    assert torch.equal(rlsd_grad[mask & ~distilled], plain_grad[mask & ~distilled])
+
+
+def test_rlsd_leaves_a_token_the_top_k_teacher_does_not_score_at_weight_one(batch):
+    """A top-k teacher without the sampled token (an API's) gives that token weight 1; the sampled tokens'
+    logprobs, which every head gives, are all RLSD reads: token logprobs serve as well as logits."""
+    inputs = dataclasses.replace(batch["inputs"], preference=None)
+    logits = batch["hidden"] @ batch["weight"].T
+    teacher = torch.log_softmax(inputs.distill.teacher.hidden @ batch["weight"].detach().T, -1)
+    top = teacher.topk(5, dim=-1)
+    known = (top.indices == inputs.targets[..., None]).any(-1)
+    assert (known & inputs.distill.mask).any() and (~known & inputs.distill.mask).any()
+    distill = dataclasses.replace(inputs.distill, teacher=TeacherTopK(top.indices, top.values))
+    cfg = LossConfig(alpha_sdpo=1.0, distill=RLSD)
+    out = compose_loss(Logits(logits), dataclasses.replace(inputs, distill=distill), cfg)
+    only_known = dataclasses.replace(inputs.distill, mask=inputs.distill.mask & known)
+    expected = compose_loss(Logits(logits), dataclasses.replace(inputs, distill=only_known), cfg)
+    assert_close(out.loss, expected.loss, atol=1e-12, rtol=0)
+    share = (known & inputs.distill.mask).sum() / inputs.distill.mask.sum()
+    assert out.metrics["distill/sampled_known"] == pytest.approx(float(share))
+    tokens = TokenLogprobs(selective_logprobs(logits, inputs.targets))
+    from_tokens = compose_loss(tokens, dataclasses.replace(inputs, distill=distill), cfg)
+    assert_close(from_tokens.loss, out.loss, atol=1e-12, rtol=0)
+
+
+def test_rlsd_without_policy_inputs_is_a_clear_error(batch):
+    inputs = dataclasses.replace(batch["inputs"], policy=None)
+    with pytest.raises(ValueError, match="needs policy inputs"):
+        compose_loss(Logits(batch["hidden"] @ batch["weight"].T), inputs, LossConfig(alpha_sdpo=1.0, distill=RLSD))
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
+        (dict(alpha_sdpo=1.5, distill=RLSD), ValueError, "must be in \\[0, 1\\]"),
         (dict(alpha_sdpo=-0.1), ValueError, "channel weights"),
         (dict(chunk_tokens=0), ValueError, "chunk_tokens"),
         (dict(policy="dapo"), TypeError, "PolicyConfig"),

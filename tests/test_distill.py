@@ -210,6 +210,11 @@ def test_masked_tokens_do_not_count(generator):
         (dict(divergence="entropy_opd"), "eopd_entropy"),
         (dict(eopd_mode="hard"), "eopd_mode"),
         (dict(sample_weight="srpo"), "unknown distill sample_weight 'srpo'; choose one of none, entropy, group_spread"),
+        (dict(signal="advantage"), "unknown distill signal 'advantage'"),
+        (dict(signal="rlsd"), "needs rlsd_clip in \\(0, 1\\)"),
+        (dict(signal="rlsd", rlsd_clip=1.0), "needs rlsd_clip"),
+        (dict(rlsd_clip=0.2), "rlsd_clip is the clip of signal 'rlsd'"),
+        (dict(signal="rlsd", rlsd_clip=0.2, token_clip=0.05), "so token_clip would do nothing"),
     ],
 )
 def test_invalid_distill_configs_fail_at_build_time(kwargs, message):

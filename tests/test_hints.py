@@ -45,3 +45,14 @@ def test_the_sibling_hint_is_the_groups_first_correct_sample_shown_to_each_wrong
 def test_a_wrong_sample_with_no_correct_sibling_is_not_distilled(others):
     group = [row("4", False), row("6", False), *others]
     assert hints_of(teacher("sibling"), PROBLEM, group) == [None] * len(group)
+
+
+def test_for_rlsd_every_sample_gets_the_answer_or_another_correct_sibling_and_the_task_hint_stays_on_wrong_ones():
+    """RLSD rescales correct samples' tokens too, so they are hinted where the kind has a hint for them."""
+    answer = "The answer is 5."
+    assert hints_of(teacher("answer"), PROBLEM, GROUP, every_sample=True) == [answer] * 4 + [None]
+    first, second = (f"Here is a correct answer to it:\n{text}" for text in ("The sum is 5.", "5"))
+    assert hints_of(teacher("sibling"), PROBLEM, GROUP, every_sample=True) == [first, second, first, first, None]
+    alone = [row("4", False), row("5", True)]
+    assert hints_of(teacher("sibling"), PROBLEM, alone, every_sample=True) == ["Here is a correct answer to it:\n5", None]
+    assert hints_of(teacher("task"), PROBLEM, GROUP, every_sample=True) == hints_of(teacher("task"), PROBLEM, GROUP)

@@ -49,17 +49,27 @@ def records(path: Path) -> list[dict]:
             "actors.teachers.bindings.hint.weights=ema",
             "actors.trainer.loss.preference.kind=dpo",
         ],
+        [  # RLSD: the teacher, told the answer, rescales the policy gradient's tokens and adds no divergence
+            "actors.trainer.loss.distill={signal: rlsd, rlsd_clip: 0.2}",
+            "actors.trainer.loss.alpha_sdpo=1.0",
+            "actors.teachers.bindings.hint.hint=answer",
+        ],
     ],
-    ids=["jsd_simpo", "sampled_kl_ema_dpo"],
+    ids=["jsd_simpo", "sampled_kl_ema_dpo", "rlsd_answer"],
 )
 async def test_all_three_channels_train_in_the_loop(tmp_path, loss):
     rows = records((await run(small(tmp_path, *loss), progress=False)).path)
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["train/policy/skipped"] == r["train/distill/skipped"] == r["train/preference/skipped"] == 0
-        if "sampled_kl_student_teacher" in str(loss):  # the self_hint teacher's top-k holds every sampled token
+        if "sampled_kl_student_teacher" in str(loss) or "rlsd" in str(loss):  # the top-k holds every sampled token
             assert r["train/distill/sampled_known"] == 1.0
-        assert 0 <= r["teachers/hint/agreement"] <= 1 and r["teachers/hint/latency_s"] > 0
+        if "rlsd" in str(loss):  # every sample is scored, each token's weight within the clip
+            assert r["teachers/hint/distilled"] == 32 and "train/distill/loss" not in r
+            assert 0.8 <= r["train/distill/rlsd_weight"] <= 1.2 and 0 <= r["train/distill/rlsd_clipped"] <= 1
+        else:  # the argmaxes agree where a divergence is taken over the distributions
+            assert 0 <= r["teachers/hint/agreement"] <= 1
+        assert r["teachers/hint/latency_s"] > 0
         assert r["teachers/oracle/reward"] == 1.0 and r["teachers/oracle/pairs"] > 0
         assert r["teachers/oracle/won"] == 1.0  # the oracle's trace is never beaten, and ties make no pair
         assert 0 < r["teachers/oracle/agreement"] < 1

@@ -70,8 +70,9 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs: dict) -> Tensor:
         loss_inputs = inputs.get(LOSS_INPUTS)
-        distills = loss_inputs is not None and loss_inputs.distill is not None and self.loss_config.alpha_sdpo > 0
-        distribution = distills or self.loss_config.policy.entropy_coef > 0
+        loss = self.loss_config
+        distills = loss_inputs is not None and loss_inputs.distill is not None and loss.alpha_sdpo > 0
+        distribution = (distills and loss.distill.signal == "divergence") or loss.policy.entropy_coef > 0
         head = self.policy_head(model, inputs, distribution)
         if loss_inputs is not None:  # our inner loop: it reduces and reports the metrics
             out = compose_loss(head, loss_inputs, self.loss_config, taid_t=inputs.get(TAID_T))

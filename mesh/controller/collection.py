@@ -285,7 +285,9 @@ class SampleCollection(_Collection):
         """The distill teacher's top-k at the policy's own tokens, by (prompt, row), with the hint where it
         reads one; and the seconds it took."""
         hints = {
-            (i, j): hint for i, group in enumerate(rows) for j, hint in enumerate(hints_of(teacher, problems[i], group))
+            (i, j): hint
+            for i, group in enumerate(rows)
+            for j, hint in enumerate(hints_of(teacher, problems[i], group, self.settings.distill_every_sample))
         }
         targets = [
             (i, j)

@@ -16,15 +16,25 @@ SIBLING_HINT = "Here is a correct answer to it:\n{completion}"
 ANSWER_HINT = "The answer is {answer}."
 
 
-def hints_of(teacher: TeacherBinding, problem: Problem, group: list[Row]) -> list[str | None]:
-    """Per row of one prompt's group: the teacher's hint, or None where the row is not distilled."""
+def hints_of(teacher: TeacherBinding, problem: Problem, group: list[Row], every_sample: bool = False) -> list[str | None]:
+    """Per row of one prompt's group: the teacher's hint, or None where the row is not distilled.
+
+    ``every_sample`` (channel 2 as RLSD, which rescales correct samples' tokens as well) hints the correct
+    samples too where the kind has a hint for them: the answer, or another correct sibling; the task's
+    feedback is the rewarder's, given to wrong samples only."""
     samples = [row.kind is RowKind.SAMPLE for row in group]
     wrong = [sample and row.reward.hint is not None for sample, row in zip(samples, group)]
+    hinted = samples if every_sample else wrong
     if teacher.config.hint == "task":
         return [row.reward.hint if is_wrong else None for row, is_wrong in zip(group, wrong)]
     if teacher.config.hint == "answer":
         hint = ANSWER_HINT.format(answer=problem.answer) if problem.answer else None
-    else:
-        correct = [row.trajectory.text for row, ok in zip(group, samples) if ok and row.reward.hint is None]
-        hint = SIBLING_HINT.format(completion=correct[0]) if correct else None
-    return [hint if is_wrong else None for is_wrong in wrong]
+        return [hint if is_hinted else None for is_hinted in hinted]
+    correct = [j for j, (row, ok) in enumerate(zip(group, samples)) if ok and row.reward.hint is None]
+    return [_sibling(group, correct, j) if is_hinted else None for j, is_hinted in enumerate(hinted)]
+
+
+def _sibling(group: list[Row], correct: list[int], j: int) -> str | None:
+    """The first correct sample of the group other than row ``j``, as its hint; None if there is none."""
+    shown = next((i for i in correct if i != j), None)
+    return None if shown is None else SIBLING_HINT.format(completion=group[shown].trajectory.text)

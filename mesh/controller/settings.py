@@ -24,6 +24,7 @@ class CollectSettings:
     warm_start_steps: int  # ... in the steps before this one
     replay: bool  # replay teachers' traces enter channel 3's pairs (``beta_replay > 0``)
     distill: bool  # the distill teacher's top-k is asked (``alpha_sdpo > 0``)
+    distill_every_sample: bool = False  # for correct samples too (``distill.signal: rlsd`` rescales their tokens)
     by_group: bool = False  # an episode task's step takes the first groups to finish (``groups.py``)
 
 

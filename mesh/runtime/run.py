@@ -470,6 +470,7 @@ def _loop_settings(
         warm_start_steps=loop.warm_start.steps,
         replay=loss.beta_replay > 0,
         distill=loss.alpha_sdpo > 0,
+        distill_every_sample=loss.distill.signal == "rlsd",
         by_group=loop.collect == "group",
     )
     lag = loop.max_policy_lag if recorded is None else oldest_age(recorded)
