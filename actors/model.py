@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from actors.model_config import (
     BPE_VOCAB_SIZE,
@@ -152,6 +153,16 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model, tokenizer
+
+
+def number_tokens(path: str | Path) -> Tensor:
+    """``[V]`` bool: True at each token of the model's tokenizer whose text holds a digit (the tokens that spell
+    numbers), so a step's metrics can say how its number tokens and its wording differ (``TokenSplit``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
+    return torch.tensor([any(character.isdigit() for character in text) for text in texts], dtype=torch.bool)
 
 
 def _quiet_transformers() -> None:

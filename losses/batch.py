@@ -47,6 +47,34 @@ def _slice_rows(obj, rows: slice):
 
 
 @dataclass(frozen=True)
+class TokenSplit:
+    """A channel's loss tokens in two classes, for metrics only: the number tokens (in a word problem's
+    completion, its arithmetic and its answer) and the rest (the wording). OPSD found the wording carrying most
+    of a self-teacher's divergence; ``means`` says how much here. Each class has its global count, so its
+    metrics add up over row slices like every other."""
+
+    numbers: Tensor  # [B, T] bool, the channel's tokens that spell numbers
+    words: Tensor  # [B, T] bool, its other tokens
+    counts: tuple[float, float]  # global tokens of each class (at least 1)
+
+    rows = _slice_rows
+
+    @classmethod
+    def of(cls, mask: Tensor, numbers: Tensor) -> TokenSplit:
+        """The split of a whole step's channel ``mask`` by the ``numbers`` mask of its tokens."""
+        numbers, words = mask & numbers, mask & ~numbers
+        return cls(numbers, words, (max(float(numbers.sum()), 1.0), max(float(words.sum()), 1.0)))
+
+    def means(self, name: str, per_token: Tensor) -> dict[str, Tensor]:
+        """``name``'s mean per token of each class: ``{name}_numbers`` and ``{name}_words``."""
+        per_token = per_token.detach()
+        return {
+            f"{name}_numbers": masked_sum_per_row(per_token, self.numbers).sum() / self.counts[0],
+            f"{name}_words": masked_sum_per_row(per_token, self.words).sum() / self.counts[1],
+        }
+
+
+@dataclass(frozen=True)
 class PolicyInputs:
     """Channel 1: what the policy-gradient losses need besides the trainer's logprobs."""
 
@@ -58,6 +86,7 @@ class PolicyInputs:
     ref_logprobs: Tensor | None = None  # [B, T] frozen reference, for the KL penalty
     token_weights: Tensor | None = None  # [B, T] per-token loss weights (PRIME-RL's loss_weights)
     held_back: Tensor | None = None  # [B, T] bool, Clip-Cov/KL-Cov's tokens over the step (covariance_selection)
+    split: TokenSplit | None = None  # the entropy's mean per token class, logged
 
     rows = _slice_rows
 
@@ -107,6 +136,7 @@ class DistillInputs:
     mask: Tensor  # [B, T] bool, e.g. only the tokens after a hint
     counts: Counts  # tokens = global count of distilled tokens
     weights: Tensor | None = None  # [B] float, each row's weight under sample_weight 'group_spread' (read only then)
+    split: TokenSplit | None = None  # the divergence's mean per token class, logged
 
     rows = _slice_rows
 

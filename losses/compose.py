@@ -97,6 +97,8 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
                 bonus = aggregate(token_entropy(logits), policy.mask, cfg.policy.aggregation, policy.counts)
                 total = total - cfg.policy.entropy_coef * bonus
             parts["entropy"] = mean_entropy(entropy, policy)
+            if policy.split is not None:
+                parts |= policy.split.means("entropy", entropy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
         if "distill" in active and "rlsd" not in active:
             distill, parts = distill_loss(
@@ -213,6 +215,8 @@ def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid
             total, parts = policy_loss(head.logprobs, policy, cfg.policy)
             if head.entropy is not None:
                 parts["entropy"] = mean_entropy(head.entropy, inputs.policy)
+                if policy.split is not None:
+                    parts |= policy.split.means("entropy", head.entropy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
         if inputs.pair_grads is not None:
             total = _plus(total, _cached_pair_loss(head.logprobs, inputs.pair_grads))

@@ -314,7 +314,8 @@ def distill_loss(
     share of distilled tokens where the student's and teacher's most likely tokens
     coincide, ``sampled_known`` (sampled form) the share where the teacher's logprob of the
     sampled token is known (the rest carry no loss but still count in the mean), and
-    ``sample_weight`` (with one) the rows' weights averaged over the distilled tokens.
+    ``sample_weight`` (with one) the rows' weights averaged over the distilled tokens; with a
+    ``split``, ``divergence_numbers`` and ``divergence_words`` the per-token divergence of each class.
     """
     per_token, per_position = _per_token(student_logits, inputs.teacher, cfg, taid_t, targets)
     if cfg.token_clip is not None:
@@ -324,6 +325,8 @@ def distill_loss(
         name: masked_sum_per_row(value.to(per_token.dtype), mask).sum() / inputs.counts.tokens
         for name, value in per_position.items()
     }
+    if inputs.split is not None:
+        metrics |= inputs.split.means("divergence", per_token)
     per_row = masked_sum_per_row(per_token, mask)
     weights = _row_weights(student_logits, inputs, cfg, mask)
     if weights is not None:

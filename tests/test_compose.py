@@ -24,6 +24,7 @@ from losses import (
     TeacherLogits,
     TeacherTopK,
     TokenLogprobs,
+    TokenSplit,
     compose_loss,
     policy_config,
     policy_loss,
@@ -42,12 +43,22 @@ def batch(generator):
     old = selective_logprobs(hidden.detach() @ weight.detach().T, targets) + 0.3 * torch.randn(
         B, T, generator=generator, dtype=torch.float64
     )
+    numbers = torch.rand(B, T, generator=generator) > 0.6  # the targets that spell numbers
     policy = PolicyInputs(
-        mask, torch.randn(B, generator=generator, dtype=torch.float64), Counts.from_mask(mask), old_logprobs=old
+        mask,
+        torch.randn(B, generator=generator, dtype=torch.float64),
+        Counts.from_mask(mask),
+        old_logprobs=old,
+        split=TokenSplit.of(mask, numbers),
     )
     distill_mask = mask & (torch.rand(B, T, generator=generator) > 0.4)
     teacher_hidden = torch.randn(B, T, H, generator=generator, dtype=torch.float64)
-    distill = DistillInputs(TeacherHidden(teacher_hidden, weight), distill_mask, Counts.from_mask(distill_mask))
+    distill = DistillInputs(
+        TeacherHidden(teacher_hidden, weight),
+        distill_mask,
+        Counts.from_mask(distill_mask),
+        split=TokenSplit.of(distill_mask, numbers),
+    )
     pair_logps = (-torch.rand(2, 3, generator=generator, dtype=torch.float64) * 5).requires_grad_()
     preference = PreferenceInputs(
         pair_logps[0],
@@ -129,6 +140,28 @@ def test_linear_head_equals_full_logits_for_all_channels(batch):
         assert lean.metrics[key] == pytest.approx(full.metrics[key], abs=1e-12)
     for a, b in zip(grads(lean.loss, batch), grads(full.loss, batch)):
         assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_the_entropy_and_the_divergence_per_token_class_make_up_their_means(batch):
+    """The number tokens' and the wording's means, weighted by their counts, are the channel's own mean; the split
+    only reports (the loss is the same without it); and each class's mean is its own, not the other's."""
+    inputs = batch["inputs"]
+    out = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), inputs, LossConfig(alpha_sdpo=1.0))
+    for channel, name, whole in (("policy", "entropy", "policy/entropy"), ("distill", "divergence", "distill/loss")):
+        split = getattr(inputs, channel).split
+        numbers, words = out.metrics[f"{channel}/{name}_numbers"], out.metrics[f"{channel}/{name}_words"]
+        assert numbers != pytest.approx(words)
+        assert (split.counts[0] * numbers + split.counts[1] * words) / sum(split.counts) == pytest.approx(
+            out.metrics[whole], abs=1e-12
+        )
+    unsplit = LossInputs(
+        inputs.targets,
+        dataclasses.replace(inputs.policy, split=None),
+        dataclasses.replace(inputs.distill, split=None),
+        inputs.preference,
+    )
+    plain = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), unsplit, LossConfig(alpha_sdpo=1.0))
+    assert torch.equal(plain.loss, out.loss) and "policy/entropy_numbers" not in plain.metrics
 
 
 def test_linear_head_with_a_top_k_teacher(batch, generator):
@@ -214,7 +247,7 @@ def near_teacher(batch, generator) -> LossInputs:
     """The batch without pairs, its teacher the student's own hidden states a little moved: some tokens'
     weights inside the clip, some outside."""
     inputs = batch["inputs"]
-    noise = 0.03 * torch.randn(B, T, H, generator=generator, dtype=torch.float64)
+    noise = 0.08 * torch.randn(B, T, H, generator=generator, dtype=torch.float64)
     teacher = TeacherHidden(batch["hidden"].detach() + noise, batch["weight"])
     return dataclasses.replace(inputs, preference=None, distill=dataclasses.replace(inputs.distill, teacher=teacher))
 

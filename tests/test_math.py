@@ -153,6 +153,9 @@ def test_math_small_trains_from_the_command_line_on_prompts_its_chat_template_re
     (run_dir,) = [path for path in tmp_path.iterdir() if path.name.startswith("math_small-")]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1] and 0 <= rows[-1]["eval/reward"] <= 1
+    for row in rows:  # the policy's entropy per token class: the number tokens' and the wording's, either side of it
+        numbers, words = row["train/policy/entropy_numbers"], row["train/policy/entropy_words"]
+        assert numbers > 0 and words > 0 and min(numbers, words) <= row["train/policy/entropy"] <= max(numbers, words)
     state = json.loads((run_dir / "checkpoints" / "step_000001" / "state.json").read_text())
     group = state["inflight"]["collected"][0]["groups"][0]
     assert group["problem"]["system_prompt"] == "Solve it."
@@ -180,5 +183,6 @@ def test_smol_math_trains_the_packaged_real_model_with_every_channel_from_the_co
     assert at_start["step"] == -1 and 0 <= at_start["eval/accuracy"] <= 1
     assert step["warm_start"] == 1 and 0 <= step["eval/accuracy"] <= 1
     assert [step[f"train/{channel}/skipped"] for channel in ("policy", "distill", "preference")] == [0, 0, 0]
+    assert step["train/distill/divergence_words"] > 0  # the real tokenizer's number tokens are its ten digits
     config = json.loads((run_dir / "final" / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"]) == ("llama", 30)

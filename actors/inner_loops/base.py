@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from actors.adapters import adapter_state, load_adapter_state, saved_name
 from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
+from actors.model import number_tokens
 from actors.shares import split_evenly
 from actors.train_batch import TrainBatch
 from losses import (
@@ -53,6 +54,7 @@ from losses import (
     PreferenceInputs,
     TeacherTopK,
     TokenLogprobs,
+    TokenSplit,
     compose_loss,
     covariance_selection,
     selective_logprobs,
@@ -118,8 +120,9 @@ class MicroBatchLoop(ABC):
     lockstep = False
     model: nn.Module
 
-    def __init__(self, cfg: TrainerConfig, rank: int, world: int, device: torch.device):
+    def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.number_tokens = number_tokens(model_path)  # the metrics' token classes (``TokenSplit``)
         bf16 = cfg.precision_on(device.type == "cuda") == "bf16"
         self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
 
@@ -218,6 +221,9 @@ class MicroBatchLoop(ABC):
         counts = Counts.from_mask(policy_mask, batch.max_completion_len)
         distill = batch.distill_mask is not None and self.cfg.loss.alpha_sdpo > 0
         distill_counts = Counts.from_mask(batch.distill_mask) if distill else None
+        numbers = self._numbers(batch.targets)
+        policy_split = TokenSplit.of(policy_mask, numbers)
+        distill_split = TokenSplit.of(batch.distill_mask, numbers) if distill else None
         spread = self.cfg.loss.distill.sample_weight == "group_spread"
         held_back = None
         if self.cfg.loss.policy.name in COVARIANCE:  # chosen over the whole step, the same in every micro-batch
@@ -236,6 +242,7 @@ class MicroBatchLoop(ABC):
                 inference_logprobs=part.inference_logprobs,  # the old policy is the loss's choice (is_mode)
                 ref_logprobs=part.ref_logprobs,
                 held_back=None if held_back is None else held_back[sl, cut],
+                split=_trimmed(policy_split.rows(sl), cut),
             )
             teacher = (
                 DistillInputs(
@@ -243,6 +250,7 @@ class MicroBatchLoop(ABC):
                     part.distill_mask,
                     distill_counts,
                     weights=part.group_spread if spread else None,
+                    split=_trimmed(distill_split.rows(sl), cut) if distill else None,
                 )
                 if distill
                 else None
@@ -254,6 +262,12 @@ class MicroBatchLoop(ABC):
             return LossInputs(targets=part.targets, policy=policy, distill=teacher, pair_grads=pairs)
 
         return rows
+
+    def _numbers(self, targets: Tensor) -> Tensor:
+        """``[B, T]`` bool: the targets that spell numbers (an id past the tokenizer's, e.g. padding: none)."""
+        table = self.number_tokens.to(targets.device)
+        inside = targets < len(table)
+        return inside & table[targets.clamp(max=len(table) - 1)]
 
     def sequence_logprobs(self, batch: TrainBatch) -> Tensor:
         """Each row's completion logprob under the current policy, summed over its tokens."""
@@ -323,6 +337,11 @@ class MicroBatchLoop(ABC):
             dist.all_reduce(values, op=op)
             out |= {n: (v / self.world if n.endswith("/skipped") else v) for n, v in zip(names, values.tolist())}
         return out
+
+
+def _trimmed(split: TokenSplit, columns: slice) -> TokenSplit:
+    """A row slice's split cut to the completion columns its micro-batch keeps."""
+    return replace(split, numbers=split.numbers[:, columns], words=split.words[:, columns])
 
 
 class HFModelLoop(MicroBatchLoop):

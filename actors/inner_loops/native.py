@@ -46,7 +46,7 @@ class HiddenStates(nn.Module):
 
 class NativeLoop(HFModelLoop):
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
-        super().__init__(cfg, rank, world, device)
+        super().__init__(model_path, cfg, rank, world, device)
         self.model, _ = load_policy(model_path)
         if cfg.lora is not None:  # the base frozen, fresh adapters trained (seeded by the trainer)
             self.model = with_adapter(self.model, cfg.lora)

@@ -357,7 +357,7 @@ class TorchTitanLoop(MicroBatchLoop):
     lockstep = True
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
-        super().__init__(cfg, rank, world, device)
+        super().__init__(model_path, cfg, rank, world, device)
         hf, family = read_hf_config(model_path)
         self.lane = lane_tokens(hf)  # the packed rows' lanes, sized as the HF model's (actors/packing.py)
         config = model_config(hf, family)

@@ -137,7 +137,7 @@ class TRLLoop(HFModelLoop):
     """Our step (micro-batches, channel 3 by gradient caching) through a ``ComposerGRPOTrainer``."""
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
-        super().__init__(cfg, rank, world, device)
+        super().__init__(model_path, cfg, rank, world, device)
         opt = cfg.optimizer
         self._output_dir = tempfile.TemporaryDirectory(prefix="trl-")
         args = GRPOConfig(
