@@ -30,8 +30,9 @@ with channels switched off:
 
 Printed and written to bench/out/smol_math.json: each configuration's final accuracy (the mean over
 seeds and the lowest and highest), the policy samples it needed to first reach ``dapo``'s final
-accuracy under the same seed, its wall time and median step time; and bench/smol_math_accuracy.png,
-accuracy against policy samples (the mean over seeds, a band from the lowest to the highest). The
+accuracy under the same seed, its wall time and median step time; and bench/smol_math_accuracy.png
+(bench/smol_math_seeds.png with several seeds), accuracy against policy samples (the mean over seeds, a
+band from the lowest to the highest). The
 run directories stay under bench/out/smol_math/CONFIG/seed-S/ (their trained models, reports and
 timelines).
 """
@@ -59,6 +60,7 @@ OUT = ROOT / "bench" / "out"
 RUNS = OUT / "smol_math"
 TOPOLOGY = ROOT / "topologies" / "smol_math.yaml"
 PLOT = ROOT / "bench" / "smol_math_accuracy.png"
+SEEDS_PLOT = ROOT / "bench" / "smol_math_seeds.png"  # where several seeds' bands go, beside the one-seed curves
 NO_WARM_START = "loop.warm_start.steps=0"
 DAPO_AND_SDPO = ["actors.trainer.loss.beta_replay=0", "actors.teachers.bindings={hint: {kind: self_hint, use: [distill]}}"]
 SELF_HINT = "actors.teachers.bindings={{hint: {{kind: self_hint, use: [distill], {}}}}}"
@@ -127,7 +129,14 @@ def result_of(run_dir: Path, wall_s: float) -> dict:
     per_step = loop["prompts_per_step"] * loop["group_size"]
     curve = [((r["step"] + 1) * per_step, r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     steps = [r["time/step"] for r in rows if r["step"] >= 0 and "time/step" in r]
-    return {"curve": curve, "wall_s": wall_s, "step_s": statistics.median(steps), "run_dir": str(run_dir)}
+    entropy = [r["train/policy/entropy"] for r in rows if "train/policy/entropy" in r]
+    return {
+        "curve": curve,
+        "entropy": entropy,
+        "wall_s": wall_s,
+        "step_s": statistics.median(steps),
+        "run_dir": str(run_dir),
+    }
 
 
 def earlier_run(text: str) -> tuple[str, int, dict]:
@@ -154,7 +163,8 @@ def spread(values: list[float]) -> dict:
 
 
 def summarize(results: dict[str, dict[int, dict]]) -> dict:
-    """Per configuration, over its seeds: final accuracy, samples to ``dapo``'s final accuracy under the same
+    """Per configuration, over its seeds: final accuracy, the policy's token entropy at the first step and over
+    the last three (whether distillation makes it climb), samples to ``dapo``'s final accuracy under the same
     seed (None for a seed that never reached it or has no ``dapo`` run), wall and median step time."""
     dapo = results.get("dapo", {})
 
@@ -164,6 +174,8 @@ def summarize(results: dict[str, dict[int, dict]]) -> dict:
     return {
         config: {
             "final_accuracy": spread([result["curve"][-1][1] for result in by_seed.values()]),
+            "entropy_first_step": spread([result["entropy"][0] for result in by_seed.values()]),
+            "entropy_last_3_steps": spread([statistics.fmean(result["entropy"][-3:]) for result in by_seed.values()]),
             "base_accuracy": by_seed[min(by_seed)]["curve"][0][1],
             "samples_to_dapo_final": {seed: to_dapo(seed, result) for seed, result in by_seed.items()},
             "wall_s": statistics.fmean(result["wall_s"] for result in by_seed.values()),
@@ -192,7 +204,7 @@ def plot(results: dict[str, dict[int, dict]]) -> None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(PLOT, dpi=120)
+    figure.savefig(PLOT if seeds == 1 else SEEDS_PLOT, dpi=120)
     plt.close(figure)
 
 
