@@ -204,22 +204,31 @@ class Generator(Actor):
         repeated = [problem for problem in problems for _ in range(per_prompt)]
         return self.reward_functions.reward(repeated, [t.text for t in rows])
 
-    def _prompts(self, problems: list[Problem]) -> list[str]:
-        return [render(self.tokenizer, p.prompt, p.system_prompt) for p in problems]
+    def _prompts(self, problems: list[Problem], hints: list[str | None] | None = None) -> list[str]:
+        hints = hints or [None] * len(problems)
+        return [render(self.tokenizer, p.prompt, p.system_prompt, hint) for p, hint in zip(problems, hints)]
 
     def _switch(self, weights: WeightVersion) -> float:
         return self.weights.hold(weights, self.engine.load_weights)
 
     @concurrent_endpoint
     async def generate(
-        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], greedy: bool = False
+        self,
+        problems: list[Problem],
+        group_size: int,
+        weights: WeightVersion,
+        seeds: list[int],
+        greedy: bool = False,
+        hints: list[str | None] | None = None,
     ) -> Generation:
         """``group_size`` samples of each problem; ``seeds`` (one per problem) fix the sampling
         randomness, so a request sampled again (a retry, a resumed run) gives the same samples.
-        ``greedy``: each problem's argmax continuation instead (the evaluation's, one per problem)."""
+        ``greedy``: each problem's argmax continuation instead (the evaluation's, one per problem).
+        ``hints`` (one per problem, or None): each read after its question as a self-hinting teacher reads
+        its hint (``actors/prompts.py``), so the policy samples as its hinted self (the gap check's)."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
-            groups = await self.engine.generate(self._prompts(problems), group_size, seeds, greedy)
+            groups = await self.engine.generate(self._prompts(problems, hints), group_size, seeds, greedy)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         rows = [t for group in groups for t in group]
         rewards = self._rewards(problems, rows, group_size)

@@ -12,9 +12,10 @@ right number there under the student (no hint) and under the teacher with each h
 the mean divergence KL(student || teacher) per token over the whole completion: most of the
 distillation signal, and not about the answer.
 
-Then the gap check: the hinted policy's own sampled accuracy against the student's, on the same
-problems, per hint (and with a correct sibling sample as the hint, SDPO's demonstration, on the
-problems where the student wrote one). A self-teacher can only teach what it knows better: the gain
+Then that divergence by token class: the tokens of the final number, of the other numbers and of the
+wording (OPSD found style tokens carrying most of it). Then the gap check: the hinted policy's own
+sampled accuracy against the student's, on the same problems, per hint (and with a correct sibling
+sample as the hint, SDPO's demonstration, on the problems where the student wrote one). A self-teacher can only teach what it knows better: the gain
 from self-distillation grows with this gap (arXiv 2605.30070), so a gap near zero predicts none.
 """
 
@@ -39,6 +40,7 @@ from mesh.topology.preflight import load_plan
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "topologies" / "smol_math.yaml"
 SAMPLES = 4
+CLASSES = ("the final answer", "other numbers", "the wording")  # token_classes' 0, 1, 2
 HINTS = {  # wording -> where it goes (after the question, as the runtime renders a hint; or the system turn)
     "worked solution, after the question": ("user", SOLUTION_HINT),  # the runs' hint (hint: task)
     "the answer, after the question": ("user", ANSWER_HINT),  # hint: answer
@@ -61,14 +63,20 @@ def logprobs(model, context_ids: list[int], completion_ids: list[int]) -> torch.
     return logits.float().log_softmax(-1)
 
 
-def right_answer_after(tokenizer, problem: Problem, completion_ids: list[int]) -> tuple[list[int], list[int]] | None:
-    """(the completion's tokens before the one where its last number starts, that token's text up to the
-    number followed by the right answer, as tokens); None without a number."""
+def decoded(tokenizer, completion_ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The completion's text token by token, and each token's span of characters in it."""
     text, spans = "", []
     for token in completion_ids:
         piece = tokenizer.decode([token])
         spans.append((len(text), len(text) + len(piece)))
         text += piece
+    return text, spans
+
+
+def right_answer_after(tokenizer, problem: Problem, completion_ids: list[int]) -> tuple[list[int], list[int]] | None:
+    """(the completion's tokens before the one where its last number starts, that token's text up to the
+    number followed by the right answer, as tokens); None without a number."""
+    text, spans = decoded(tokenizer, completion_ids)
     matches = list(NUMBER.finditer(text))
     if not matches:
         return None
@@ -76,6 +84,21 @@ def right_answer_after(tokenizer, problem: Problem, completion_ids: list[int]) -
     at = next(i for i, (a, b) in enumerate(spans) if a <= start < b)
     lead = text[spans[at][0] : start]
     return completion_ids[:at], tokenizer(lead + problem.answer, add_special_tokens=False).input_ids
+
+
+def token_classes(tokenizer, completion_ids: list[int]) -> torch.Tensor:
+    """Each completion token's class, ``[T]``: 0 where it spells the final number (the answer the verifier
+    reads), 1 where it spells another number, 2 elsewhere (the wording)."""
+    text, spans = decoded(tokenizer, completion_ids)
+    numbers = [(m.start(2), m.end(2)) for m in NUMBER.finditer(text)]
+    classes = [2 if not any(_overlap(span, n) for n in numbers) else 1 for span in spans]
+    if numbers:
+        classes = [0 if _overlap(span, numbers[-1]) else c for span, c in zip(spans, classes)]
+    return torch.tensor(classes)
+
+
+def _overlap(span: tuple[int, int], other: tuple[int, int]) -> bool:
+    return span[0] < other[1] and other[0] < span[1]
 
 
 def answer_probability(model, context_ids: list[int], prefix_ids: list[int], answer_ids: list[int]) -> float:
@@ -97,6 +120,8 @@ def main() -> None:
     groups = engine.generate_now(prompts, SAMPLES, sampling_seeds(topology.seed, "hint bench", len(prompts)))
     right = {name: [] for name in ["student (no hint)", *HINTS]}
     divergence = {name: [] for name in HINTS}
+    by_class = {name: torch.zeros(len(CLASSES)) for name in HINTS}  # the summed divergence per token class
+    tokens = torch.zeros(len(CLASSES))
     wrong = 0
     for problem, prompt, group in zip(problems, prompts, groups):
         for sample in group:
@@ -105,6 +130,8 @@ def main() -> None:
             wrong += 1
             context = tokenizer(prompt, add_special_tokens=False).input_ids
             student = logprobs(model, context, sample.completion_ids)
+            classes = token_classes(tokenizer, sample.completion_ids)
+            tokens += torch.bincount(classes, minlength=len(CLASSES))
             right["student (no hint)"].append(answer_probability(model, context, *cut))
             for name, (where, wording) in HINTS.items():
                 hinted = tokenizer(teacher_context(tokenizer, problem, where, wording), add_special_tokens=False).input_ids
@@ -112,6 +139,7 @@ def main() -> None:
                 right[name].append(answer_probability(model, hinted, *cut))
                 kl = (student.exp() * (student - teacher)).sum(-1)  # KL(student || teacher) per position
                 divergence[name].append(kl.mean().item())
+                by_class[name] += torch.zeros(len(CLASSES)).index_add_(0, classes, kl)
     print(f"machine: {machine()}\ndate: {datetime.date.today()}")
     print(f"{wrong} wrong completions with a final number, of {len(problems) * SAMPLES} sampled")
     print("| context | P(right number) where the final number starts, median | mean | KL(student \\|\\| teacher) per token, median |")
@@ -119,8 +147,21 @@ def main() -> None:
     for name, values in right.items():
         kl = f"{statistics.median(divergence[name]):.3f}" if name in divergence else ""
         print(f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | {kl} |")
+    divergence_by_class(by_class, tokens)
     gap_check(engine, task, problems, groups, topology.seed)
 
+
+
+def divergence_by_class(by_class: dict[str, torch.Tensor], tokens: torch.Tensor) -> None:
+    """KL(student || teacher) per token of each class, pooled over the wrong completions, and each class's share of
+    the whole divergence: where the distillation signal lies."""
+    shares = ", ".join(f"{name} {count / tokens.sum():.0%}" for name, count in zip(CLASSES, tokens.tolist()))
+    print(f"\ndivergence by token class (tokens: {shares})")
+    print("| context | " + " | ".join(f"KL per token, {name}" for name in CLASSES) + " | the wording's share of it |")
+    print("|---|" + "---:|" * (len(CLASSES) + 1))
+    for name, sums in by_class.items():
+        means = " | ".join(f"{value:.3f}" for value in (sums / tokens.clamp(min=1)).tolist())
+        print(f"| {name} | {means} | {sums[2] / sums.sum():.0%} |")
 
 
 def accuracy(task, problems: list[Problem], groups) -> float:

@@ -20,8 +20,8 @@ only what the report shows (``Series``), so a run of any length (or a file of an
 bounded memory; a file that is not a regular one (a pipe, a device, a link) is refused, never waited on.
 Rows past the plan's ``loop.steps`` (another run writing to the directory, or an edited file) are flagged.
 A run from an older version lacks some keys: what is missing shows as ``-``. A run that evaluated its
-initial weights (``loop.evaluation.at_start``) has a row for step -1 holding that evaluation alone: it
-counts as an evaluation ("at start"), never as a step.
+initial weights (``loop.evaluation.at_start``) or checked their gap to their hinted selves (``loop.gap_check``) has a
+row for step -1 holding those alone: it counts as an evaluation ("at start"), never as a step.
 
 Exit codes: 0 the report was printed, also for a run with no finished step yet (it says so: a run that
 is starting is not an error); 2 nothing could be reported (the directory is missing, is not a run
@@ -63,10 +63,11 @@ OPTIONAL_STAGES = ("reference",)  # logged only by runs that have one: left out 
 STOPPED_ENTRY = re.compile(r"^== \S+ \S+ the run stopped")  # runtime's error.log title of the run's end
 KL_KEYS = {"train/policy/kl": "KL to the reference", "train/policy/mismatch_k3": "trainer vs sampler (k3)"}
 CHANNEL_LOSSES = ("train/policy/loss", "train/distill/loss", "train/preference/loss")
+GAP_KEYS = ("gap/problems", "gap/student", "gap/hinted")  # the gap check's, at step -1
 REPORTED = (  # the keys of metrics.jsonl the report reads; the others are skipped as they are read
     REWARD_KEY, "reward/exact", "eval/reward", "eval/accuracy", "samples_per_s", "policy_age/mean", "policy_age/max",
     "diloco/round", "diloco/sync_s", "faults/restarts", "faults/seconds_lost", "train/loss", "train/policy/entropy",
-    *CHANNEL_LOSSES, *KL_KEYS, "time/step", *(f"time/{stage}" for stage in STAGES),
+    *CHANNEL_LOSSES, *KL_KEYS, "time/step", *(f"time/{stage}" for stage in STAGES), *GAP_KEYS,
 )
 LONGEST_LINE = 1 << 20  # a metrics.jsonl, events.jsonl or error.log line is a few kilobytes
 SAMPLE = 4096  # the points of a key kept for its median, its start and end, and its curve
@@ -450,9 +451,9 @@ def run_lines(run: Run) -> list[str]:
     lines = [_run_line(run.path), f"state     {run.state.word}: {run.state.detail}"]
     metrics = run.metrics
     if metrics.first_trained is None:
-        evaluated = _eval(run) if metrics.rows else []  # the initial weights', before the first step
+        evaluated = [*_eval(run), *_gap(run)] if metrics.rows else []  # the initial weights', before the first step
         return [*lines, "steps     no step has finished yet", *evaluated, *_past_plan(run), *_saved(run)]
-    lines += [_steps(run), *_past_plan(run), *_sampled(run), _reward(run), *_eval(run)]
+    lines += [_steps(run), *_past_plan(run), *_sampled(run), _reward(run), *_eval(run), *_gap(run)]
     lines += [f"samples/s {_fmt(run.median('samples_per_s'), '.1f')} (median)", _age(run), *_diloco(run)]
     lines += [*_stages(run), *_faults(run), *_teachers(run), *_saved(run)]
     return lines
@@ -512,6 +513,18 @@ def _eval(run: Run) -> list[str]:
     reward, accuracy = _best_and_last(run, "eval/reward"), _best_and_last(run, "eval/accuracy")
     lines = [f"eval      {reward or '-'}"]
     return lines + ([f"accuracy  {accuracy} (eval: share exactly right)"] if accuracy else [])
+
+
+def _gap(run: Run) -> list[str]:
+    """The gap check before the first step (``loop.gap_check``): the initial policy's share exactly right, and its
+    hinted self's, on the problems its self-hinting teacher hints."""
+    problems, student, hinted = (_last(run, key) for key in GAP_KEYS)
+    if problems is None:
+        return []
+    if student is None or hinted is None:
+        return ["gap       none measured before training: the teacher hinted none of the problems checked"]
+    shares = f"the policy with its hint {hinted:.3f}, the student {student:.3f} ({problems:g} problems)"
+    return [f"gap       {hinted - student:+.3f} before training: {shares}"]
 
 
 def _best_and_last(run: Run, key: str) -> str | None:

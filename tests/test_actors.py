@@ -235,7 +235,7 @@ def vllm_model_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_stale_or_torn(engine, request, tmp_path):
     model_dir = request.getfixturevalue("model_dir" if engine == "hf" else "vllm_model_dir")
-    model, _ = load_policy(model_dir)
+    model, tokenizer = load_policy(model_dir)
     publisher = WeightPublisher(tmp_path / "store", model.state_dict(), slots=2)
     v0 = publisher.publish(model.state_dict(), 0)
     mesh = local_procs(1)
@@ -249,6 +249,10 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
         assert generation.version == 0 and [len(group) for group in generation.trajectories()] == [3, 3]
         for t in (t for group in generation.trajectories() for t in group):
             assert len(t.logprobs) == len(t.completion_ids) == len(t.loss_mask) and all(t.loss_mask)
+        hint = problems[0].answer + "="  # the gap check's hinted policy: the hint read right after the question
+        hinted = await generator.generate.call_one(problems, 1, v0, seeds, False, [hint, None])
+        read = [tokenizer.decode(group[0].prompt_ids) for group in hinted.trajectories()]
+        assert read == [problems[0].prompt + hint, problems[1].prompt]
 
         with torch.no_grad():  # a real update: version 1 samples differently
             for p in model.parameters():

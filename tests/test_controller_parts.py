@@ -33,6 +33,7 @@ from mesh.controller import (
 from mesh.controller.collected import Collected
 from mesh.controller.collection import Evaluated, SampleCollection
 from mesh.controller.diloco import DiLoCoHook
+from mesh.controller.gap import GapCheck
 from mesh.controller.metrics import step_metrics, teacher_metrics
 from mesh.controller.router import Router, TargetLoad
 from mesh.controller.scheduler import Abandoned, Scheduler, policy_ages
@@ -180,12 +181,14 @@ class Endpoint:
 class Generators:
     """A generator proc: of each prompt's completions it writes every second one is the answer but its last
     letter, the others all wrong; greedy, the answer to every second prompt and the answer but its last letter
-    to the others. With ``rewarding`` it rewards them itself, with the task's real reward functions. ``asked``:
-    each generate call's prompts and whether it was greedy."""
+    to the others; after a hint that holds the answer, the answer (it copies). With ``rewarding`` it rewards
+    them itself, with the task's real reward functions. ``asked``: each generate call's prompts and whether it
+    was greedy; ``hinted``: each call's hints and seeds."""
 
     def __init__(self, log: list[str], rewarding: bool):
         self.rewarding = rewarding
         self.asked: list[tuple[list[str], bool]] = []
+        self.hinted: list[tuple[list[str | None] | None, list[int]]] = []
         self.generate = Endpoint("generator.generate", log, self._generate)
         self.logprobs_of = Endpoint("generator.logprobs_of", log, self._logprobs_of)
 
@@ -195,12 +198,18 @@ class Generators:
         rewards = REWARDS.reward(expanded, texts) if self.rewarding else None
         return Generation.of(rows, per_prompt, weights.version, 0.01, 0.0, rewards=rewards)
 
-    def _generate(self, problems, group_size, weights, seeds, greedy):
+    def _generate(self, problems, group_size, weights, seeds, greedy, hints):
         self.asked.append(([p.prompt for p in problems], greedy))
+        self.hinted.append((hints, seeds))
+        copies = [hints is not None and p.answer in (hints[i] or "") for i, p in enumerate(problems)]
         if greedy:
             texts = [p.answer[: len(p.answer) - i % 2] for i, p in enumerate(problems) for _ in range(group_size)]
         else:
-            texts = [p.answer[:-1] if j % 2 else "zz" for p in problems for j in range(group_size)]
+            texts = [
+                p.answer if copies[i] else p.answer[:-1] if j % 2 else "zz"
+                for i, p in enumerate(problems)
+                for j in range(group_size)
+            ]
         return self._generation(problems, texts, group_size, weights)
 
     def _logprobs_of(self, problems, texts, weights):
@@ -310,6 +319,51 @@ async def test_a_greedy_evaluation_asks_the_generators_for_the_argmax_and_counts
         assert evaluated[0] == evaluated[1] == evaluated[2]
         assert evaluated[0].accuracy == 0.5  # two of four exactly right; the others' partial credit is no hit
         assert 0.5 < evaluated[0].reward < 1.0
+
+
+def self_hint(hint: str) -> TeacherBinding:
+    return TeacherBinding("hint", "hint#0", BindingConfig("self_hint", use="distill", hint=hint), 0, needs_hint=True)
+
+
+async def test_the_gap_check_samples_training_problems_then_again_after_the_hint_the_teacher_reads():
+    held = services([], in_generators=False, remote_reference=False)
+    check = await SampleCollection(SETTINGS, TASK, held).gap_check(3, version(0), {"hint": self_hint("task")})
+    assert check == GapCheck(drawn=3, checked=3, samples=2, hint="task", rlsd=False, student=0.0, hinted=1.0)
+    assert check.metrics() == {"gap/problems": 3, "gap/student": 0.0, "gap/hinted": 1.0}
+    assert "a gap of +1.000, so the self-hinting teacher knows more than its student" in check.summary()
+    (generators,) = held.generators.handles
+    problems = TASK.problems(SETTINGS.seed, 0, 3)  # step 0's, the training stream's first
+    assert [prompts for prompts, _ in generators.asked] == [[p.prompt for p in problems]] * 2
+    (none, student_seeds), (hints, hinted_seeds) = generators.hinted
+    assert none is None and hints == [p.answer + "=" for p in problems]  # Reverse's feedback: the rewarder's hint
+    assert len(set(student_seeds + hinted_seeds)) == 6  # two draws, not one twice
+
+
+async def test_a_gap_check_where_the_teacher_hints_no_problem_samples_once_and_says_so():
+    held = services([], in_generators=True, remote_reference=False)
+    check = await SampleCollection(SETTINGS, TASK, held).gap_check(3, version(0), {"hint": self_hint("sibling")})
+    assert (check.checked, check.student, check.hinted, check.metrics()) == (0, None, None, {"gap/problems": 0})
+    none = "hint (sibling) gives none of the 3 problems a hint (it shows a right sample, and the student wrote none)"
+    assert none in check.summary()
+    assert len(held.generators.handles[0].asked) == 1
+
+
+@pytest.mark.parametrize(
+    ("hinted", "rlsd", "verdict"),
+    [
+        (0.625, False, "a gap of +0.125, so the self-hinting teacher knows more than its student"),
+        (0.55, False, "less than one sample per problem, so the self-hinting teacher knows no more"),
+        (0.375, True, "the hint makes the policy worse, so the self-hinting teacher knows no more"),
+    ],
+)
+def test_the_gap_check_counts_a_gap_under_one_sample_per_problem_as_none(hinted, rlsd, verdict):
+    check = GapCheck(drawn=16, checked=12, samples=8, hint="answer", rlsd=rlsd, student=0.5, hinted=hinted)
+    summary = check.summary()
+    assert summary.startswith("gap check on 12 of 16 problems (those the teacher hints) x 8 samples: the student 0.500")
+    assert verdict in summary
+    suggests = "knows no more" in verdict
+    assert ("consider actors.trainer.loss.alpha_sdpo: 0" in summary) == suggests
+    assert ("distill.signal: rlsd" in summary) == (suggests and not rlsd)  # an RLSD run is told of alpha_sdpo alone
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -217,6 +217,7 @@ async def test_a_generator_plays_episodes_as_trajectories_the_game_and_its_rewar
             ),
         ),
         (["actors.rewarder.functions=[tests.test_episodes:replayed]"], "actors.rewarder.functions (drop them)"),
+        (["loop.gap_check.problems=4"], "plays environment episodes, where there is no single completion"),
         (["task.url=http://127.0.0.1:8000"], "needs exactly one of url (a running server"),
         (["task.serve={app: guess}"], "write serve: {app: package.module:factory"),
     ],

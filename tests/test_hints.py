@@ -8,7 +8,7 @@ import pytest
 from actors.rollout import Reward, Row, RowKind, Trajectory
 from actors.tasks import Problem
 from actors.teachers.bindings.config import BindingConfig
-from mesh.controller.hints import hints_of
+from mesh.controller.hints import hints_of, problem_hint
 from mesh.controller.teacher_board import TeacherBinding
 
 PROBLEM = Problem("What is 2 + 3?", "5", solution="2 + 3 = 5")
@@ -56,3 +56,17 @@ def test_for_rlsd_every_sample_gets_the_answer_or_another_correct_sibling_and_th
     alone = [row("4", False), row("5", True)]
     assert hints_of(teacher("sibling"), PROBLEM, alone, every_sample=True) == ["Here is a correct answer to it:\n5", None]
     assert hints_of(teacher("task"), PROBLEM, GROUP, every_sample=True) == hints_of(teacher("task"), PROBLEM, GROUP)
+
+
+def test_the_gap_check_reads_the_hint_the_teacher_would_read_for_some_sample_of_the_problem():
+    """The rewarder's hint for a wrong sample, the answer (right samples or not), a right sample (to any other):
+    none where the kind has none for the group."""
+    assert problem_hint(teacher("task"), PROBLEM, GROUP) == "Here is a worked solution:\n2 + 3 = 5"
+    assert problem_hint(teacher("answer"), PROBLEM, GROUP) == "The answer is 5."
+    assert problem_hint(teacher("sibling"), PROBLEM, GROUP) == "Here is a correct answer to it:\nThe sum is 5."
+    right, wrong = [row("5", True), row("5", True)], [row("4", False), row("6", False)]
+    assert problem_hint(teacher("task"), PROBLEM, right) is None  # the rewarder hints no right sample
+    assert problem_hint(teacher("answer"), PROBLEM, right) == "The answer is 5."
+    assert problem_hint(teacher("answer"), Problem("What is 2 + 3?", ""), wrong) is None  # no answer to state
+    assert problem_hint(teacher("sibling"), PROBLEM, right) == "Here is a correct answer to it:\n5"
+    assert problem_hint(teacher("sibling"), PROBLEM, wrong) is None

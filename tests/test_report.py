@@ -196,6 +196,21 @@ def test_a_live_run_before_its_first_step(tmp_path, capsys):
     assert not (run / REPORT_PNG).exists()
 
 
+def test_the_gap_check_before_the_first_step_is_reported_and_is_not_a_step(copied, capsys):
+    trained = (copied / "metrics.jsonl").read_text()
+    checked = {"step": -1, "gap/problems": 16, "gap/student": 0.125, "gap/hinted": 0.375}
+    (copied / "metrics.jsonl").write_text(json.dumps(checked) + "\n" + trained)
+    lines = report(capsys, copied, "--no-plot")
+    assert line(lines, "gap") == (
+        "gap       +0.250 before training: the policy with its hint 0.375, the student 0.125 (16 problems)"
+    )
+    assert line(lines, "steps").startswith(f"steps     {STEPS} of {STEPS}; 1 warm-start step; ")  # not resumed at -1
+    (copied / "metrics.jsonl").write_text(json.dumps({"step": -1, "gap/problems": 0}) + "\n")
+    lines = report(capsys, copied, "--no-plot")
+    assert "steps     no step has finished yet" in lines
+    assert line(lines, "gap") == "gap       none measured before training: the teacher hinted none of the problems checked"
+
+
 def test_a_killed_run_and_a_failed_one_are_told_apart(copied, capsys):
     rows = (copied / "metrics.jsonl").read_text().splitlines(keepends=True)
     (copied / "metrics.jsonl").write_text("".join(rows[:6]))  # stopped at step 6 of 10

@@ -67,9 +67,9 @@ class FakeReplica:
             self.in_flight.remove(weights.version)
 
     async def _generate(
-        self, problems, group_size: int, weights: WeightVersion, seeds: list[int], greedy: bool
+        self, problems, group_size: int, weights: WeightVersion, seeds: list[int], greedy: bool, hints: list | None
     ) -> Generation:
-        assert len(seeds) == len(problems)
+        assert len(seeds) == len(problems) and (hints is None or len(hints) == len(problems))
         return await self._serve("generate", problems, group_size, weights)
 
     async def _logprobs_of(self, problems, texts, weights: WeightVersion) -> Generation:

@@ -12,11 +12,16 @@ from pathlib import Path
 import pytest
 from local_procs import local_procs
 
+from actors.engines import sampling_seeds
+from actors.engines.hf import HFEngine
 from actors.model import TinyModelSpec, build_tiny_model
+from actors.prompts import render
+from actors.reward_functions import RewardFunctions
 from actors.rewarder import Rewarder, RewarderConfig
-from actors.tasks import TaskConfig
+from actors.tasks import TaskConfig, build_task
 from actors.tasks.strings import Reverse
 from mesh import ctl
+from mesh.controller.hints import ANSWER_HINT
 from mesh.runtime.run import run
 from mesh.topology.preflight import load_plan
 
@@ -40,6 +45,29 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+GAP_CHECK = "loop.gap_check.problems=8"
+
+
+def answer_gap_sampled_here(run_path: Path, topology) -> dict:
+    """The gap check of a self_hint teacher that reads the answer (every problem has one, so all are checked), by
+    the run's initial weights, written and rewarded here as its generator and rewarder do (one request each)."""
+    loop = topology.loop
+    problems = build_task(topology.task.config).problems(topology.seed, 0, loop.gap_check.problems)
+    engine = HFEngine(str(run_path / "model"), topology.actors.generator.sampling)
+    reward = RewardFunctions(topology.task.config, topology.actors.rewarder).reward
+
+    def share_right(stream: str, hints: list[str | None]) -> float:
+        prompts = [render(engine.tokenizer, p.prompt, p.system_prompt, hint) for p, hint in zip(problems, hints)]
+        groups = engine.generate_now(prompts, loop.group_size, sampling_seeds(topology.seed, stream, len(problems)))
+        repeated = [p for p in problems for _ in range(loop.group_size)]
+        totals = reward(repeated, [sample.text for group in groups for sample in group]).totals
+        return sum(total >= 1.0 for total in totals) / len(totals)
+
+    answers = [ANSWER_HINT.format(answer=p.answer) for p in problems]
+    student, hinted = share_right("gap", [None] * len(problems)), share_right("gap, hinted", answers)
+    return {"gap/problems": len(problems), "gap/student": student, "gap/hinted": hinted}
+
+
 @pytest.mark.parametrize(
     "loss",
     [
@@ -49,16 +77,25 @@ def records(path: Path) -> list[dict]:
             "actors.teachers.bindings.hint.weights=ema",
             "actors.trainer.loss.preference.kind=dpo",
         ],
-        [  # RLSD: the teacher, told the answer, rescales the policy gradient's tokens and adds no divergence
+        [  # RLSD: the teacher, told the answer, rescales the policy gradient's tokens and adds no divergence; and
+            # the gap check before the first step
             "actors.trainer.loss.distill={signal: rlsd, rlsd_clip: 0.2}",
             "actors.trainer.loss.alpha_sdpo=1.0",
             "actors.teachers.bindings.hint.hint=answer",
+            GAP_CHECK,
         ],
     ],
     ids=["jsd_simpo", "sampled_kl_ema_dpo", "rlsd_answer"],
 )
-async def test_all_three_channels_train_in_the_loop(tmp_path, loss):
-    rows = records((await run(small(tmp_path, *loss), progress=False)).path)
+async def test_all_three_channels_train_in_the_loop(tmp_path, loss, capsys):
+    plan = small(tmp_path, *loss)
+    run_path = (await run(plan, progress=False)).path
+    rows = records(run_path)
+    if GAP_CHECK in loss:  # the initial policy against itself told the answer, logged as step -1 and said
+        checked, rows = rows[0], rows[1:]
+        assert checked == {"step": -1} | answer_gap_sampled_here(run_path, plan.topology)
+        said = f"gap check on 8 problems x 4 samples: the student {checked['gap/student']:.3f}, the policy with its hint"
+        assert said in capsys.readouterr().err
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["train/policy/skipped"] == r["train/distill/skipped"] == r["train/preference/skipped"] == 0
@@ -164,8 +201,10 @@ async def test_hot_swap_during_a_live_run(tmp_path):
 
 @pytest.mark.slow  # two runs and a resume
 async def test_taid_schedule_survives_checkpoint_and_resume(tmp_path):
-    topology = small(tmp_path, "actors.trainer.loss.distill={divergence: taid}", "loop.steps=4")
-    first = records((await run(topology, progress=False)).path)
+    """TAID's schedule goes on from the checkpoint; the gap check runs before the fresh run's first step only."""
+    topology = small(tmp_path, "actors.trainer.loss.distill={divergence: taid}", "loop.steps=4", GAP_CHECK)
+    checked, *first = records((await run(topology, progress=False)).path)
+    assert checked["step"] == -1 and checked["gap/problems"] == 8
     ts = [r["train/distill/taid_t"] for r in first]
     assert ts[0] == pytest.approx(0.4) and ts[-1] > ts[1] >= ts[0]  # the loop advances it (from its 2nd loss on)
     (run_path,) = tmp_path.iterdir()
@@ -173,5 +212,5 @@ async def test_taid_schedule_survives_checkpoint_and_resume(tmp_path):
         topology, tmp_path / "resumed", progress=False, resume=str(run_path / "checkpoints" / "step_000002")
     )
     again = records(resumed.path)
-    assert [r["step"] for r in again] == [2, 3] and [r["version"] for r in again] == [3, 4]
+    assert [r["step"] for r in again] == [2, 3] and [r["version"] for r in again] == [3, 4]  # no gap check again
     assert [r["train/distill/taid_t"] for r in again] == pytest.approx(ts[2:], abs=1e-9)

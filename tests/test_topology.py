@@ -229,8 +229,8 @@ def test_generator_copies_are_copies_of_its_mesh_behind_one_router(tmp_path):
 
 
 def test_dry_run_shows_which_teacher_feeds_which_channel(tmp_path):
-    frozen = "actors.teachers.bindings.hint.weights=frozen"
-    result = _cli(str(ROOT / "topologies" / "tiny_distill.yaml"), "--dry-run", "--set", frozen, cwd=tmp_path)
+    frozen = ["--set", "actors.teachers.bindings.hint.weights=frozen", "--set", "loop.gap_check.problems=16"]
+    result = _cli(str(ROOT / "topologies" / "tiny_distill.yaml"), "--dry-run", *frozen, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (
         "teachers.hint (self_hint: the frozen policy, reading the task hint) -> trainer: top-20 scores of the "
@@ -238,6 +238,10 @@ def test_dry_run_shows_which_teacher_feeds_which_channel(tmp_path):
     )
     assert (
         "teachers.oracle (task_oracle) -> trainer: traces vs the policy's samples as pairs (channel 3)" in result.stdout
+    )
+    assert (
+        "gap check, before step 0 of a fresh run: 16 training problems x 8 samples by the initial policy, then those "
+        "it hints again with teachers.hint's task hint after the question" in result.stdout
     )
 
 
@@ -298,6 +302,10 @@ def test_resume_from_a_missing_or_finished_checkpoint_is_refused_before_anything
             ["warm_start.teacher is 'oracle', a self_hint teacher, which writes no traces", "task_oracle"],
         ),
         ("task.name=os:system", ["task 'os:system' names a builtin_function_or_method", "problems and reward"]),
+        (
+            "loop.gap_check.problems=8",
+            ["loop.gap_check.problems is 8", "no teacher is bound for distill", "{kind: self_hint, use: [distill]}"],
+        ),
     ],
 )
 def test_values_that_would_fail_later_are_refused_at_load(override, expected):

@@ -35,8 +35,9 @@ from actors.tasks import Problem, Task
 from actors.teachers.bindings import TopK, TopKRequest
 from actors.weights import WeightVersion
 from mesh.controller.collected import Collected
+from mesh.controller.gap import GapCheck, exact_share
 from mesh.controller.groups import EnvironmentDown, GroupPool, PlayedGroup
-from mesh.controller.hints import hints_of
+from mesh.controller.hints import hints_of, problem_hint
 from mesh.controller.metrics import teacher_metrics
 from mesh.controller.router import Routed, TargetLoad
 from mesh.controller.services import Rows, Services
@@ -64,6 +65,11 @@ class Collection(Protocol):
 
     async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
         """How ``weights`` do on the held-out prompts (after step ``step``; -1: the initial weights)."""
+        ...
+
+    async def gap_check(self, problems: int, weights: WeightVersion, teachers: Snapshot) -> GapCheck:
+        """``loop.gap_check``: ``weights`` against themselves reading the distill teacher's hint (``gap.py``), on
+        ``problems`` training problems."""
         ...
 
     async def close(self) -> None:
@@ -181,12 +187,41 @@ class SampleCollection(_Collection):
         """One completion per held-out prompt (sampled, or greedy with ``evaluation_greedy``): its mean
         reward and the share exactly right (a reward of 1 or more, as ``reward/exact`` counts)."""
         problems, seeds = self._evaluation_prompts(step)
-        greedy = self.settings.evaluation_greedy
-        sampled = await self.services.generators.generate(problems, 1, weights, seeds, greedy)
-        rows = [_sampled_rows(i, sampled) for i in range(len(problems))]
-        rows, _ = await self.services.rewarding.reward(problems, rows)
+        rows = await self._rewarded(problems, 1, weights, seeds, self.settings.evaluation_greedy)
         rewards = [row.reward.total for group in rows for row in group]
-        return Evaluated(sum(rewards) / len(problems), sum(r >= 1.0 for r in rewards) / len(problems))
+        return Evaluated(sum(rewards) / len(problems), exact_share(rows))
+
+    async def gap_check(self, problems: int, weights: WeightVersion, teachers: Snapshot) -> GapCheck:
+        """``group_size`` samples of each of the first ``problems`` of step 0's training problems (under the
+        topology's seed, so every run of it checks the same), rewarded; then, on the problems the distill teacher
+        hints, as many samples again with its hint after the question; both with ``weights``."""
+        teacher, seed, group_size = _distiller(teachers), self.settings.seed, self.settings.group_size
+        drawn = self.task.problems(seed, 0, problems)
+        student = await self._rewarded(drawn, group_size, weights, sampling_seeds(seed, "gap", problems))
+        hints = [problem_hint(teacher, problem, rows) for problem, rows in zip(drawn, student)]
+        checked = [i for i, hint in enumerate(hints) if hint is not None]
+        check = GapCheck(problems, len(checked), group_size, teacher.config.hint, self.settings.distill_every_sample)
+        if not checked:
+            return check
+        seeds = sampling_seeds(seed, "gap, hinted", len(checked))
+        hinted = await self._rewarded(
+            [drawn[i] for i in checked], group_size, weights, seeds, hints=[hints[i] for i in checked]
+        )
+        return replace(check, student=exact_share([student[i] for i in checked]), hinted=exact_share(hinted))
+
+    async def _rewarded(
+        self,
+        problems: list[Problem],
+        per_prompt: int,
+        weights: WeightVersion,
+        seeds: list[int],
+        greedy: bool = False,
+        hints: list[str | None] | None = None,
+    ) -> Rows:
+        """``per_prompt`` samples of each problem (read after its hint, where given), as rows with their rewards."""
+        sampled = await self.services.generators.generate(problems, per_prompt, weights, seeds, greedy, hints)
+        rows = [_sampled_rows(i, sampled) for i in range(len(problems))]
+        return (await self.services.rewarding.reward(problems, rows))[0]
 
     # ------------------------------------------------------------------------- the stages
 
@@ -226,7 +261,7 @@ class SampleCollection(_Collection):
 
     async def teachers(self, rollout: Rollout) -> Rollout:
         """The distill teacher's top-k joined into the rows it scored (when the loss distills)."""
-        distiller = next((t for t in rollout.teachers.values() if "distill" in t.config.use), None)
+        distiller = _distiller(rollout.teachers)
         if distiller is None or not self.settings.distill:
             return rollout
         top_k, seconds = await self._distill(distiller, rollout.problems, rollout.rows, rollout.weights)
@@ -436,6 +471,11 @@ class RecordedCollection:
 
     async def restart(self) -> None:
         """Nothing runs: step k's batch is the same whenever it is asked for."""
+
+
+def _distiller(teachers: Snapshot) -> TeacherBinding | None:
+    """The teacher bound for distill (channel 2), if any."""
+    return next((t for t in teachers.values() if "distill" in t.config.use), None)
 
 
 def _joined(problems: list[Problem], rows: Rows) -> list[RolloutGroup]:

@@ -21,7 +21,8 @@ What runs where, and the buffers between them (``max_policy_lag: L``):
       -> metrics (metrics.py), recorded rows (samples.py, written on the logging thread),
          evaluation, checkpoint (with batches k+1 ... in flight)
 
-A run that starts afresh with ``loop.evaluation.at_start`` first evaluates the initial weights (logged as step -1).
+A run that starts afresh first evaluates the initial weights with ``loop.evaluation.at_start``, and checks with
+``loop.gap_check`` how much its self-hinting teacher knows that they do not (``gap.py``), both logged as step -1.
 
 With ``max_policy_lag: 0`` each step samples with the weights the previous step just
 published (synchronous). With lag L > 0 up to L+1 batches are collected ahead, each
@@ -113,8 +114,8 @@ class Controller:
         self.trained_at = time.perf_counter()
         self.step = await self._begin(checkpoint)
         self._write_teachers()
-        if checkpoint is None and self.settings.evaluation_at_start:
-            await self._evaluate_initial()
+        if checkpoint is None:
+            await self._look_at_initial()
         if stopper is not None:
             stopper.start_training(self.collection.drain)
         try:
@@ -160,12 +161,20 @@ class Controller:
         self.context.progress.move_to(step)
         return step
 
-    async def _evaluate_initial(self) -> None:
-        """The initial weights on the held-out prompts (``loop.evaluation.at_start``), logged as step -1: an
-        evaluation logged at step s scores the weights step s trained, so those before any step are -1's."""
-        metrics = (await self.collection.evaluate(-1, self.weights)).metrics()
-        self.context.run.log(-1, metrics)
-        self.context.progress.evaluated(metrics)
+    async def _look_at_initial(self) -> None:
+        """A fresh run's initial weights on the held-out prompts (``loop.evaluation.at_start``) and against their
+        hinted selves (``loop.gap_check``), logged as step -1: what is logged at step s is about the weights
+        step s trained, so those before any step are -1's."""
+        metrics, progress = {}, self.context.progress
+        if self.settings.evaluation_at_start:
+            metrics |= (await self.collection.evaluate(-1, self.weights)).metrics()
+            progress.evaluated(metrics)
+        if problems := self.settings.gap_check_problems:
+            check = await self.collection.gap_check(problems, self.weights, self.board.snapshot())
+            metrics |= check.metrics()
+            progress.note(check.summary())
+        if metrics:
+            self.context.run.log(-1, metrics)
 
     async def _train_step(self, step: int) -> dict:
         """Step ``step``: wait for its batch, train on it, start the next collections, then log.

@@ -34,6 +34,14 @@ def hints_of(teacher: TeacherBinding, problem: Problem, group: list[Row], every_
     return [_sibling(group, correct, j) if is_hinted else None for j, is_hinted in enumerate(hinted)]
 
 
+def problem_hint(teacher: TeacherBinding, problem: Problem, group: list[Row]) -> str | None:
+    """The hint the teacher reads for some sample of one prompt's group (the first it would give one, correct
+    samples counted as RLSD counts them), or None where it would read none: what the gap check puts in the
+    hinted policy's context (``mesh/controller/gap.py``). So ``task``: the rewarder's hint for a wrong sample;
+    ``answer``: the answer; ``sibling``: a correct sample, where the group holds one."""
+    return next((hint for hint in hints_of(teacher, problem, group, every_sample=True) if hint is not None), None)
+
+
 def _sibling(group: list[Row], correct: list[int], j: int) -> str | None:
     """The first correct sample of the group other than row ``j``, as its hint; None if there is none."""
     shown = next((i for i in correct if i != j), None)

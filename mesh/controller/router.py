@@ -154,14 +154,22 @@ class Router:
         return [target.handle for target in self.targets]
 
     async def generate(
-        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], greedy: bool = False
+        self,
+        problems: list[Problem],
+        group_size: int,
+        weights: WeightVersion,
+        seeds: list[int],
+        greedy: bool = False,
+        hints: list[str | None] | None = None,
     ) -> Routed:
         """``group_size`` samples of each prompt, sampled with ``weights``, in prompt order.
         ``seeds`` (one per prompt) fix each prompt's sampling, whichever target serves it;
-        ``greedy``: each prompt's argmax continuation instead."""
+        ``greedy``: each prompt's argmax continuation instead; ``hints``: one per prompt, read after it
+        (``Generator.generate``)."""
 
         def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
-            return handle.generate.call_one(problems[share], group_size, weights, seeds[share], greedy)
+            shared = None if hints is None else hints[share]
+            return handle.generate.call_one(problems[share], group_size, weights, seeds[share], greedy, shared)
 
         return await self._route(problems, group_size, weights.version, call)
 

@@ -37,6 +37,7 @@ class LoopSettings:
     max_policy_lag: int
     evaluation_every: int  # 0: never
     evaluation_at_start: bool  # also evaluate the initial weights, before the first step (a run that starts afresh)
+    gap_check_problems: int  # the training problems of the gap check before that step (``gap.py``); 0: none
     checkpoint_every: int  # 0: only the last step
     advantage: AdvantageEstimator | None
     max_completion_len: int  # the most tokens the model writes in one row (Dr. GRPO's normalizer)

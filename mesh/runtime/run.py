@@ -479,6 +479,7 @@ def _loop_settings(
         max_policy_lag=lag,
         evaluation_every=loop.evaluation.every if recorded is None else 0,
         evaluation_at_start=loop.evaluation.at_start and recorded is None,
+        gap_check_problems=loop.gap_check.problems if recorded is None else 0,
         checkpoint_every=topology.checkpointing.every,
         advantage=loss.policy.advantage,
         # every reply of an episode

@@ -125,6 +125,12 @@ def _graph(plan: RunPlan) -> list[str]:
             graph.append(
                 f"teachers.{name} ({binding.kind}) -> trainer: traces vs the policy's samples as pairs (channel 3)"
             )
+        if "distill" in binding.use and (problems := topology.loop.gap_check.problems):
+            graph.append(
+                f"gap check, before step 0 of a fresh run: {problems} training problems x {topology.loop.group_size} "
+                f"samples by the initial policy, then those it hints again with teachers.{name}'s {binding.hint} hint "
+                "after the question: the two shares exactly right, logged at step -1"
+            )
     if topology.diloco is not None:
         graph += describe_diloco(plan)
     return graph

@@ -230,6 +230,17 @@ class Evaluation(Section):
     at_start: bool = False
 
 
+class GapCheckSection(Section):
+    """Before the first step of a fresh run (not a resumed one), how much the self-hinting distill teacher (a
+    ``self_hint`` binding) knows that its student does not: self-distillation's gain follows this gap (arXiv
+    2605.30070). The initial policy samples ``group_size`` completions of each of the first ``problems`` training
+    problems (step 0's, under the topology's seed), then again on the problems the teacher hints, with the hint it
+    reads there after the question. The run prints the two shares exactly right, their gap and what it predicts, and
+    logs them at step -1 as ``gap/student``, ``gap/hinted`` and ``gap/problems`` (those hinted)."""
+
+    problems: int = Field(0, ge=0, description="training problems it samples; 0 = no gap check")
+
+
 class LoopSection(Section):
     steps: int = Field(ge=1, le=MAX_STEPS, description="trainer steps, each one optimizer step on one batch")
     prompts_per_step: int = Field(ge=1, description="prompts a step's batch samples")
@@ -240,6 +251,7 @@ class LoopSection(Section):
     )
     warm_start: WarmStart = WarmStart()
     evaluation: Evaluation = Evaluation()
+    gap_check: GapCheckSection = GapCheckSection()
 
 
 class Checkpointing(Section):
@@ -414,6 +426,7 @@ class Topology(Section):
                 self._check_sharing(name)
         self._check_teachers()
         self._check_episodes()
+        self._check_gap_check()
         self._check_diloco()
         self._facts = self._read_model()
         self._check_lora()
@@ -559,6 +572,32 @@ class Topology(Section):
             raise ValueError(
                 f"task.serve starts the environment server on this host, which generators placed by launcher "
                 f"{self.launcher.kind!r} would not reach; start the server where they do and set task.url instead"
+            )
+
+    def _check_gap_check(self) -> None:
+        """The gap check compares the policy with its self-hinting teacher on single completions."""
+        problems = self.loop.gap_check.problems
+        if not problems:
+            return
+        if self.task.episodic:
+            raise ValueError(
+                f"loop.gap_check.problems is {problems}, but task {self.task.name!r} plays environment episodes, "
+                "where there is no single completion whose hinted rereading the check could sample, nor a "
+                "self-hinting teacher; remove loop.gap_check"
+            )
+        bound = self.actors.teachers.bindings if self.actors.teachers else {}
+        distill = next((b.kind for b in bound.values() if "distill" in b.use), None)  # one at most
+        if distill != "self_hint":
+            has = (
+                "no teacher is bound for distill"
+                if distill is None
+                else f"the distill teacher is a {distill} teacher, a model of its own rather than the policy"
+            )
+            raise ValueError(
+                f"loop.gap_check.problems is {problems}: it measures what the policy knows with the hint a self_hint "
+                f"distill teacher reads that it does not know without, but {has}; bind one (e.g. "
+                "actors.teachers.bindings.hint: {kind: self_hint, use: [distill]}, with actors.trainer.loss.alpha_sdpo "
+                "> 0), or remove loop.gap_check"
             )
 
     def _check_lora(self) -> None:
