@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -122,7 +123,7 @@ class MicroBatchLoop(ABC):
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
-        self.number_tokens = number_tokens(model_path)  # the metrics' token classes (``TokenSplit``)
+        self.model_path = model_path
         bf16 = cfg.precision_on(device.type == "cuda") == "bf16"
         self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
 
@@ -262,6 +263,12 @@ class MicroBatchLoop(ABC):
             return LossInputs(targets=part.targets, policy=policy, distill=teacher, pair_grads=pairs)
 
         return rows
+
+    @cached_property
+    def number_tokens(self) -> Tensor:
+        """The metrics' token classes (``TokenSplit``), read from the tokenizer at the first step: a loop's own
+        checks of its model directory come first."""
+        return number_tokens(self.model_path)
 
     def _numbers(self, targets: Tensor) -> Tensor:
         """``[B, T]`` bool: the targets that spell numbers (an id past the tokenizer's, e.g. padding: none)."""
