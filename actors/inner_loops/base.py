@@ -266,13 +266,13 @@ class MicroBatchLoop(ABC):
 
     @cached_property
     def number_tokens(self) -> Tensor:
-        """The metrics' token classes (``TokenSplit``), read from the tokenizer at the first step: a loop's own
-        checks of its model directory come first."""
-        return number_tokens(self.model_path)
+        """The metrics' token classes (``TokenSplit``), read from the tokenizer at the first step (a loop's own
+        checks of its model directory come first) and kept on the loop's device."""
+        return number_tokens(self.model_path).to(self.device)
 
     def _numbers(self, targets: Tensor) -> Tensor:
         """``[B, T]`` bool: the targets that spell numbers (an id past the tokenizer's, e.g. padding: none)."""
-        table = self.number_tokens.to(targets.device)
+        table = self.number_tokens
         inside = targets < len(table)
         return inside & table[targets.clamp(max=len(table) - 1)]
 
