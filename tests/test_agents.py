@@ -57,17 +57,34 @@ def test_a_step_whose_every_agent_fails_stops_the_run_with_the_agents_own_error(
     assert "the agent raised ValueError: the agent's tool exploded" in message and "Traceback" not in result.stderr
 
 
+DEMONSTRATED = [
+    "task.demonstration=actors.environments.examples.tool_agents:make_number_demonstration",
+    "actors.teachers={mesh: trainer, bindings: {oracle: {kind: task_oracle, use: [replay]}}}",
+    "actors.trainer.loss.preference={kind: simpo}",
+    "actors.trainer.loss.beta_replay=0.1",
+    "loop.warm_start={steps: 2, teacher: oracle}",
+]
+
+
 @pytest.mark.slow  # 12 steps of a whole CLI run (~45 s on 2 cores)
 @pytest.mark.parametrize("collect", ["step", "group"])
 def test_agent_tools_learns_through_the_endpoint(tmp_path, collect):
+    """By step, from its own episodes alone; by group, with the agent's demonstrations too (each group's for the
+    warm start's two steps, then replayed against its episodes), every sampled token trained."""
     settings = [f"loop.collect={collect}", "loop.steps=12", "loop.evaluation.every=0", "checkpointing.every=0"]
-    result, run_dir = run_cli(tmp_path, *settings)
+    result, run_dir = run_cli(tmp_path, *settings, *(DEMONSTRATED if collect == "group" else []))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(run_dir)
     rewards = [row["reward/mean"] for row in rows]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
     assert all(row["episodes/failed"] == 0 and row["episodes/turns"] >= 1 for row in rows)
     assert all(("groups/dropped" in row) == (collect == "group") for row in rows)
+    if collect == "group":
+        assert [row["warm_start"] for row in rows] == [1, 1] + [0] * 10
+        assert all(row["teachers/oracle/reward"] == 1.0 and row["teachers/oracle/pairs"] > 0 for row in rows)
+        assert all(row["groups/untrained_tokens"] == 0.0 for row in rows)  # nothing failed, nothing dropped
+        shown = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+        assert {row["kind"] for row in shown if row["teacher"] == "oracle"} >= {"warm_start", "replay"}
 
 
 @pytest.mark.parametrize(
@@ -78,9 +95,24 @@ def test_agent_tools_learns_through_the_endpoint(tmp_path, collect):
         (["task.problems=math"], "name the task whose problems the agent works"),
         (["task.timeout_s=0"], "timeout_s in (0, 86400] seconds"),
         (["task={name: reverse}", "loop.collect=group"], "loop.collect is group, which takes episode tasks"),
+        (
+            ["actors.teachers={mesh: trainer, bindings: {oracle: {kind: task_oracle}}}", DEMONSTRATED[-1]],
+            "cannot be used with loop.warm_start.steps (set it to 0) (an agent task with a task.demonstration",
+        ),
+        (["task.demonstration=no_such_package.shown:replies"], "cannot import module 'no_such_package.shown'"),
+        (
+            [*DEMONSTRATED[:-1], "actors.teachers.bindings.oracle={kind: openai, url: 'http://x:1/v1', model: m, use: [replay]}"],
+            "task agent plays its task.demonstration for the task_oracle teacher",
+        ),
     ],
 )
 def test_an_agent_task_refuses_what_it_cannot_run_at_check_time(overrides, said):
     with pytest.raises(TopologyError) as refused:
         load_topology(TOPOLOGY, overrides)
     assert said in " ".join(str(refused.value).split())
+
+
+def test_an_agent_task_with_a_demonstration_takes_a_warm_start_and_replay_from_its_task_oracle():
+    topology = load_topology(TOPOLOGY, DEMONSTRATED)
+    assert topology.oracle == "oracle" and topology.task.demonstration.endswith(":make_number_demonstration")
+    assert load_topology(TOPOLOGY, []).oracle is None

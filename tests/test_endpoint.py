@@ -100,6 +100,40 @@ async def test_an_agent_that_edits_its_history_gets_a_row_of_its_own_not_wrong_t
     assert sum(second.loss_mask) == len(server.sampler.replies[2].completion_ids)
 
 
+async def test_a_demonstration_answers_with_its_replies_scored_by_the_policy_and_ends_where_they_do(engine):
+    """A demonstration's episode: each turn is its next reply (tokens, then EOS), recorded to train with the
+    logprobs the policy gives those tokens, which are those it reports when it samples them itself."""
+
+    async def score(ids, reply_ids):
+        return await engine.score(ids, reply_ids), 3
+
+    server = ChatServer(engine.tokenizer, Recording(engine), BPE.max_positions, max_new_tokens=8, score=score)
+    await server.start()
+    try:
+        async with server.episode(sampling_seeds(0, "shown", TURNS), False, ["ab", "cd"]) as record:
+            client = client_of(server, record)
+            messages = [{"role": "user", "content": "Hello there!"}]
+            said = []
+            for _ in range(2):
+                reply = await client.chat.completions.create(model=SERVED_MODEL, messages=messages)
+                said.append(reply.choices[0].message.content)
+                messages += [{"role": "assistant", "content": said[-1]}, {"role": "user", "content": "more"}]
+            with pytest.raises(openai.BadRequestError, match="a demonstration writes every reply its agent asks for"):
+                await client.chat.completions.create(model=SERVED_MODEL, messages=messages)
+    finally:
+        await server.stop()
+    assert said == ["ab", "cd"] and record.turn_versions == [(3, 3), (3, 3)]
+    (trajectory,) = record.trajectories()
+    eos = engine.tokenizer.eos_token_id
+    trained = [t for t, m in zip(trajectory.completion_ids, trajectory.loss_mask, strict=True) if m]
+    encoded = [engine.tokenizer(text, add_special_tokens=False).input_ids + [eos] for text in said]
+    assert trained == encoded[0] + encoded[1]
+    sampled = await engine.continue_from(trajectory.prompt_ids, seed=0)
+    rescored = await engine.score(trajectory.prompt_ids, sampled.completion_ids)
+    assert rescored.completion_ids == sampled.completion_ids
+    assert rescored.logprobs == pytest.approx(sampled.logprobs, abs=1e-4)
+
+
 async def test_streaming_and_completions_give_the_reply_and_its_logprobs(server, engine):
     async with server.episode(sampling_seeds(0, "e3", TURNS), True) as record:
         client = client_of(server, record)

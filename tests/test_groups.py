@@ -51,20 +51,41 @@ async def take(pool: GroupPool, step: int):
         return await pool.take(step)
 
 
-async def test_groups_run_continuously_and_a_step_takes_the_first_to_finish():
+async def test_groups_start_as_the_admission_rule_lets_them_and_a_step_takes_the_first_to_finish():
     stream = Stream()
     pool = GroupPool(max_policy_lag=1, per_step=2, play=stream.play)
     pool.follow(Weights(0))
     await asyncio.sleep(0)
-    assert [n for n, _ in stream.started] == [0, 1, 2, 3]  # (lag + 1) x per_step running
+    assert [n for n, _ in stream.started] == [0, 1, 2, 3]  # (lag + 0 + 1) x per_step admitted
     await stream.finish(3, 1)
-    assert [n for n, _ in stream.started] == [0, 1, 2, 3, 4, 5]  # each finish started the next group
+    assert len(stream.started) == 4  # finished groups still fill a step: no work runs ahead of the lag
     taken, dropped = await take(pool, 0)
-    assert [g.index for g in taken] == [3, 1] and dropped == 0  # step 0 did not wait for groups 0 and 2
+    assert [g.index for g in taken] == [3, 1] and dropped == []  # step 0 did not wait for groups 0 and 2
     pool.follow(Weights(1))
+    await asyncio.sleep(0)
+    assert stream.started[-2:] == [(4, 1), (5, 1)]  # a new version admits the next step's, with its weights
     await stream.finish(0, 4)
-    assert stream.started[-2:] == [(6, 1), (7, 1)]  # new groups start with the newest weights
     assert [g.index for g in (await take(pool, 1))[0]] == [0, 4]
+
+
+async def test_a_group_that_fails_or_is_dropped_gives_its_place_back():
+    stream = Stream()
+    stream.failing.add(0)
+    pool = GroupPool(max_policy_lag=1, per_step=1, play=stream.play)
+    pool.follow(Weights(0))
+    await asyncio.sleep(0)
+    await stream.finish(0)
+    assert [n for n, _ in stream.started] == [0, 1]  # a failed group holds its place while none has succeeded
+    await stream.finish(1)
+    assert [n for n, _ in stream.started] == [0, 1, 2]  # then gives it back
+    pool.follow(Weights(2))
+    await stream.finish(3)  # group 3, started with version 2
+    taken, dropped = await take(pool, 2)
+    assert [g.index for g in dropped] == [1]  # version 0: too old for step 2
+    assert [(g.index, g.failed) for g in taken] == [(3, False), (0, True)]
+    await asyncio.sleep(0)
+    assert [n for n, _ in stream.started] == [0, 1, 2, 3, 4]  # the dropped group's place went to group 4
+    await pool.cancel()
 
 
 async def test_a_group_older_than_the_lag_is_dropped_and_the_step_waits_for_a_fresh_one():
@@ -80,7 +101,7 @@ async def test_a_group_older_than_the_lag_is_dropped_and_the_step_waits_for_a_fr
     assert not taking.done()
     await stream.finish(2)  # started with version 2 when group 0 finished
     taken, dropped = await taking
-    assert [g.index for g in taken] == [2] and dropped == 2
+    assert [g.index for g in taken] == [2] and len(dropped) == 2
 
 
 async def test_a_failed_group_fails_the_step_that_takes_and_cancel_stops_the_rest():
@@ -133,17 +154,17 @@ async def test_a_drained_pool_starts_no_group_and_abandons_a_step_its_running_gr
     """A first signal drains the pool (the run stops after this step): the step waits only for the groups
     running, and once they cannot fill it, it is abandoned instead of waiting for groups that never start."""
     stream = Stream()
-    stream.failing |= {1, 2, 3, 4}
+    stream.failing |= {1, 2, 3}
     pool = GroupPool(max_policy_lag=1, per_step=2, play=stream.play)
     pool.follow(Weights(0))
     await asyncio.sleep(0)
-    await stream.finish(0)  # good: it starts group 4
+    await stream.finish(0)  # good
     taking = asyncio.ensure_future(take(pool, 0))
     pool.drain()
-    await stream.finish(1, 2, 3)
-    assert not taking.done()  # group 4 still runs: it could fill the step
-    assert [n for n, _ in stream.started] == [0, 1, 2, 3, 4]  # nothing started once drained
-    await stream.finish(4)
+    await stream.finish(1, 2)
+    assert not taking.done()  # group 3 still runs: it could fill the step
+    assert [n for n, _ in stream.started] == [0, 1, 2, 3]  # nothing started once drained
+    await stream.finish(3)
     with pytest.raises(Abandoned, match="step 0 has 1 of its 2 groups"):
         await taking
     fresh = Stream()

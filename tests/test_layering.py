@@ -54,6 +54,7 @@ CHECKED = [  # every shipped topology, and the backends a --set can name where t
     ("smol_math.yaml", []),  # a GGUF model: its header read in pure Python, nothing converted
     ("env_multiturn.yaml", []),
     ("agent_tools.yaml", []),  # the agent and its python tool are found, not run
+    ("smol_tools.yaml", []),  # a GGUF model and an agent with demonstrations: found, none run
     ("tiny_diloco.yaml", ["diloco.transport=object_store", "diloco.store=s3://bucket/run", "diloco.replica=1"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=trl"]),
     ("tiny.yaml", ["actors.trainer.inner_loop=torchtitan"]),

@@ -1,8 +1,8 @@
 """Generator engines: sample completions and their per-token logprobs from a policy.
 
 An engine implements ``Engine``; the Generator actor owns weight versions, the engine
-only samples with whatever weights it was last given. ``generate``, ``continue_from`` and ``logprobs_of``
-are coroutines so that one engine can serve concurrent requests: ``vllm`` batches them
+only samples with whatever weights it was last given. ``generate``, ``continue_from``, ``logprobs_of`` and
+``score`` are coroutines so that one engine can serve concurrent requests: ``vllm`` batches them
 continuously, ``hf`` takes them one at a time.
 """
 
@@ -59,3 +59,7 @@ class Engine(Protocol):
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """Each given completion (EOS appended) as a ``Trajectory``, its logprobs under the loaded weights."""
+
+    async def score(self, ids: list[int], completion_ids: list[int]) -> Trajectory:
+        """A reply the policy did not sample (a demonstration's turn), continuing ``ids``, with its logprobs
+        under the loaded weights: what ``continue_from`` would report had it sampled these tokens."""

@@ -14,6 +14,7 @@ so a sync moves and touches the adapters alone.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -71,6 +72,10 @@ class HFEngine:
         async with self._one_at_a_time:
             return await asyncio.to_thread(self.logprobs_of_now, prompts, completions)
 
+    async def score(self, ids: list[int], completion_ids: list[int]) -> Trajectory:
+        async with self._one_at_a_time:
+            return (await asyncio.to_thread(self.scored_now, [(ids, completion_ids)]))[0]
+
     def generate_now(
         self, prompts: list[str], samples_per_prompt: int, seeds: list[int], greedy: bool = False
     ) -> list[list[Trajectory]]:
@@ -114,20 +119,22 @@ class HFEngine:
         encoded, tokens, logprobs = encoded.to("cpu"), tokens.cpu(), logprobs.cpu()
         return [self._sample(encoded, i, tokens[i], logprobs[i]) for i in range(len(tokens))]
 
-    @torch.no_grad()
     def logprobs_of_now(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """The model's own logprobs of given completions (not truncated by top-k/top-p:
-        a teacher's trace may hold tokens the sampler would never draw), from one pass over
-        the rows packed (``actors/packing.py``)."""
+        a teacher's trace may hold tokens the sampler would never draw)."""
         encode = lambda text: self.tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
         pairs = [(encode(p), encode(c) + [self.tokenizer.eos_token_id]) for p, c in zip(prompts, completions)]
+        return [replace(t, text=text) for t, text in zip(self.scored_now(pairs), completions)]
+
+    @torch.no_grad()
+    def scored_now(self, pairs: list[tuple[list[int], list[int]]]) -> list[Trajectory]:
+        """Each (prompt ids, completion ids) with the completion's logprobs, from one pass over the rows packed
+        (``actors/packing.py``)."""
         sequences = pad_sequences(*zip(*pairs), self.tokenizer.pad_token_id).to(self.device)
         states = packed_states(self.model, sequences)
         logprobs = token_logprobs(states, head_weight(self.model), sequences.targets).cpu()
-        return [
-            Trajectory.single_turn(p, c, logprobs[row, : len(c)].tolist(), text)
-            for row, ((p, c), text) in enumerate(zip(pairs, completions))
-        ]
+        text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return [Trajectory.single_turn(p, c, logprobs[row, : len(c)].tolist(), text(c)) for row, (p, c) in enumerate(pairs)]
 
     def _sample(self, encoded, row: int, tokens: Tensor, logprobs: Tensor) -> Trajectory:
         eos = (tokens == self.tokenizer.eos_token_id).nonzero()

@@ -197,16 +197,15 @@ class VLLMEngine:
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """Prompt logprobs of prompt + completion + EOS (vLLM computes them from raw logits:
         the model's own distribution, as the ``hf`` engine's ``logprobs_of``)."""
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
         pairs = [
             (self._encode(p), self._encode(c) + [self.tokenizer.eos_token_id]) for p, c in zip(prompts, completions)
         ]
-        outputs = await asyncio.gather(*(self._run(p + c, params) for p, c in pairs))
-        samples = []
-        for (prompt, completion), out in zip(pairs, outputs):
-            scored = out.prompt_logprobs[len(prompt) :]
-            samples.append(self._sample(prompt, completion, scored))
-        return samples
+        return list(await asyncio.gather(*(self.score(p, c) for p, c in pairs)))
+
+    async def score(self, ids: list[int], completion_ids: list[int]) -> Trajectory:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        out = await self._run(ids + completion_ids, params)
+        return self._sample(ids, completion_ids, out.prompt_logprobs[len(ids) :])
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids

@@ -12,11 +12,19 @@ model sampled trains, as sampled (``actors.environments.chat_tokens``).
 The generators run the agents: each process serves the endpoint on loopback
 (``actors.environments.endpoint``) and runs each episode's agent in a process of its own, forked from an
 agent host that loaded the agent once (``actors/environments/agent_host.py``; a class agent's instance is built
-there, and each episode runs on a copy of it), and kills it at ``timeout_s``. An
+there, and each episode runs on a copy of it; ``AGENTS_AT_ONCE`` at a time), and kills it at ``timeout_s``. An
 agent that exits, raises anything, hangs, spins, allocates, returns what is not a reward, never
 calls the endpoint, or asks for more turns or tokens than the run allows fails only its episode: a
 counted fault with its cause in ``events.jsonl``; the generator never waits on one, and the run goes
 on, stopping only when every episode of a step failed.
+
+``demonstration: package.module:attr`` names ``def demonstration(problem) -> list[str] | None``: the replies a
+model that uses the agent's tools well would write for ``problem``, in order (None: it has none). The run
+then has the agent play its own demonstrations (a warm start's rows, channel 3's replayed traces: the
+topology's ``task_oracle`` teacher, ``topologies/smol_tools.yaml``): the same agent, the same tools and
+their real outputs, and at each turn the endpoint answers with the demonstration's next reply instead of
+a sample, with the policy's logprobs of its tokens. A demonstration the agent asks more replies of than
+it has fails as an episode does. So a demonstration is in the agent's own format by construction.
 
 This module imports nothing heavy: the topology check builds the task.
 """
@@ -39,6 +47,10 @@ from actors.environments.agent_host import load_agent
 from actors.environments.openenv_task import MAX_TIMEOUT_S, OBSERVATION_ALPHABET
 from actors.tasks import Problem, Task, TaskConfig, build_task
 
+NO_DEMONSTRATION = "the problem has no demonstration"  # a demonstration's outcome where it returns None
+# Episodes a generator process runs at once, each an agent process of its own (tens of MB once it imports its
+# client): the rest wait their turn, so a call of hundreds (a held-out evaluation) cannot exhaust the host's memory.
+AGENTS_AT_ONCE = 64
 _HOST_MARGIN_S = 30.0  # past an episode's timeout_s, how long its reply may take before the host counts as stuck
 
 
@@ -54,6 +66,8 @@ class AgentSpec:
     timeout_s: float
     params: dict = field(default_factory=dict, hash=False)
     greedy: bool = False
+    demonstration: str | None = None  # package.module:attr: a problem's correct replies (``Demonstration``)
+    demonstrating: bool = False  # each turn's reply is the demonstration's, scored by the policy, not sampled
 
     def shared_by(self, players: int) -> AgentSpec:
         """Each generator runs its own share of the episodes; nothing is shared between them."""
@@ -71,8 +85,11 @@ class AgentTask:
         timeout_s: float = 120.0,  # per episode
         params: dict | None = None,  # the agent's keyword arguments (a class: its constructor's)
         alphabet: str = OBSERVATION_ALPHABET,  # a tiny model's characters
+        demonstration: str | None = None,  # package.module:attr, def (problem) -> list[str] | None
     ):
         registry.resolve("agent", agent)  # the module must be findable; nothing runs
+        if demonstration is not None:
+            registry.resolve("demonstration", demonstration)
         if not isinstance(problems, dict) or not isinstance(problems.get("name"), str):
             raise ValueError(
                 f"task agent: problems is {problems!r}; name the task whose problems the agent works, e.g. "
@@ -85,7 +102,7 @@ class AgentTask:
             )
         inner = TaskConfig(problems["name"], {k: v for k, v in problems.items() if k != "name"})
         self.inner: Task = build_task(inner)
-        self.spec = AgentSpec(agent, inner, max_turns, timeout_s, dict(params or {}))
+        self.spec = AgentSpec(agent, inner, max_turns, timeout_s, dict(params or {}), demonstration=demonstration)
         inner_alphabet = getattr(self.inner, "alphabet", None)  # a tiny model's tokenizer also reads the agent's text
         self.alphabet = "".join(dict.fromkeys(inner_alphabet + alphabet)) if isinstance(inner_alphabet, str) else None
         self.serve = None
@@ -114,17 +131,33 @@ class Agents:
         # error, not in every episode
         _, _, self.task = load_agent(spec)
         self.spec = spec
+        self._demonstration = registry.load("demonstration", spec.demonstration) if spec.demonstration else None
         self._host: _Host | None = None
         self._starting = asyncio.Lock()  # a step's first episodes arrive at once: one host for them all
+        self._running = asyncio.Semaphore(AGENTS_AT_ONCE)
         self._keys = itertools.count()
 
     async def run(self, endpoint: Any, problem: Problem) -> AgentOutcome:
-        """The agent's run on ``problem`` in a process of its own, within ``timeout_s``."""
-        async with self._starting:
-            if self._host is None or self._host.ended:
-                self._host = await _Host.start(self.spec)
-            host = self._host
-        return await host.episode(next(self._keys), endpoint, problem)
+        """The agent's run on ``problem`` in a process of its own, within ``timeout_s`` once it starts (at most
+        ``AGENTS_AT_ONCE`` run at once)."""
+        async with self._running:
+            async with self._starting:
+                if self._host is None or self._host.ended:
+                    self._host = await _Host.start(self.spec)
+                host = self._host
+            return await host.episode(next(self._keys), endpoint, problem)
+
+    def demonstration(self, problem: Problem) -> list[str] | None:
+        """The replies of ``problem``'s demonstration (the task's ``demonstration``); None: it has none."""
+        if self._demonstration is None:
+            raise ValueError("the agent task has no demonstration: set task.demonstration to package.module:attr")
+        replies = self._demonstration(problem)
+        if replies is not None and not (isinstance(replies, list) and all(isinstance(r, str) for r in replies)):
+            raise ValueError(
+                f"task.demonstration {self.spec.demonstration!r} returned {type(replies).__name__}; it returns the "
+                "replies of a problem's demonstration as a list of strings, or None where it has none"
+            )
+        return replies
 
     def score(self, problem: Problem, last_reply: str) -> float:
         return float(self.task.reward(problem, last_reply))

@@ -31,7 +31,9 @@ weights the generator holds, and records the prompt ids, the sampled ids, their 
 update; the answer's ``system_fingerprint`` names the version). A reply
 that writes ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format that
 Qwen's and SmolLM's templates teach) is answered as OpenAI tool calls when the request offered
-tools. The whole reply is sampled before it is sent: a streamed answer is that reply in one chunk.
+tools. The whole reply is sampled before it is sent: a streamed answer is that reply in one chunk. An
+episode opened with a demonstration (``actors/environments/agent_task.py``) answers each turn with the
+demonstration's next reply, scored by the policy instead of sampled, and recorded the same way.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ from actors.rollout import Trajectory
 # Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone and the policy
 # version that sampled it.
 Sample = Callable[[list[int], int, bool], Awaitable[tuple[Trajectory, int]]]
+# Continue a token sequence with given reply tokens (a demonstration's): (ids, reply ids) -> the reply with the
+# policy's logprobs of its tokens, and the policy version that scored them.
+Score = Callable[[list[int], list[int]], Awaitable[tuple[Trajectory, int]]]
 SERVED_MODEL = "policy"
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 READ_TIMEOUT_S = 5.0  # a connection's next request head, then its body, arrive within it or it is dropped
@@ -94,6 +99,7 @@ class EpisodeRecord:
     turns: int = 0
     last_reply: str = ""
     turn_versions: list[tuple[int, int]] = field(default_factory=list)  # each reply's tokens and the version
+    demonstration: list[str] | None = None  # the replies the endpoint answers with, in order, instead of sampling
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # an agent's concurrent requests take turns
 
     def redact(self, text: str | None) -> str | None:
@@ -115,6 +121,15 @@ class EpisodeRecord:
         self.turns += 1
         return self.seeds[self.turns - 1]
 
+    def demonstrated(self) -> str:
+        """The demonstration's reply for the turn ``next_seed`` opened; ``EpisodeOver`` past its last."""
+        if self.turns > len(self.demonstration):
+            raise EpisodeOver(
+                f"the agent asked for reply {self.turns} of a demonstration of {len(self.demonstration)}; a "
+                "demonstration writes every reply its agent asks for"
+            )
+        return self.demonstration[self.turns - 1]
+
 
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "code"}}``."""
@@ -128,8 +143,11 @@ class ApiError(Exception):
 class ChatServer:
     """The endpoint of one generator process: ``start`` it once, open an ``episode`` per agent run."""
 
-    def __init__(self, tokenizer: Any, sample: Sample, positions: int, max_new_tokens: int):
-        self.tokenizer, self.sample = tokenizer, sample
+    def __init__(
+        self, tokenizer: Any, sample: Sample, positions: int, max_new_tokens: int, score: Score | None = None
+    ):
+        """``score``: how a demonstration's replies get the policy's logprobs (episodes opened with one)."""
+        self.tokenizer, self.sample, self.score = tokenizer, sample, score
         self.positions, self.max_new_tokens = positions, max_new_tokens
         self.max_body = max(MIN_BODY_BYTES, BODY_BYTES_PER_POSITION * positions)
         self.read_timeout_s, self.spare_connections = READ_TIMEOUT_S, SPARE_CONNECTIONS
@@ -170,12 +188,15 @@ class ChatServer:
         return Endpoint(f"http://127.0.0.1:{self.port}/episodes/{record.episode_id}/v1", record.key)
 
     @asynccontextmanager
-    async def episode(self, seeds: list[int], greedy: bool) -> AsyncIterator[EpisodeRecord]:
-        """An episode open for requests while the body runs (the agent's run), with an id and a key of its own."""
+    async def episode(
+        self, seeds: list[int], greedy: bool, demonstration: list[str] | None = None
+    ) -> AsyncIterator[EpisodeRecord]:
+        """An episode open for requests while the body runs (the agent's run), with an id and a key of its own;
+        with a ``demonstration``, each turn answers with its next reply instead of a sample."""
         key = "mesh-" + secrets.token_urlsafe(24)
         record = EpisodeRecord(
             secrets.token_urlsafe(12), key, seeds, greedy, self.positions, self.max_new_tokens,
-            ChatTokens(self.tokenizer),
+            ChatTokens(self.tokenizer), demonstration=demonstration,
         )
         self._episodes[_digest(key)] = record
         try:
@@ -312,17 +333,31 @@ class ChatServer:
     async def _sample(self, record: EpisodeRecord, prompt: Prompt, limit: int | None) -> Trajectory:
         try:
             seed = record.next_seed(len(prompt.ids))
+            demonstrated = None if record.demonstration is None else self._encoded_reply(record.demonstrated())
         except EpisodeOver as error:
             record.failure = str(error)
             raise ApiError(400, "context_length_exceeded", f"the episode has ended: {error}") from None
         try:
-            reply, version = await self.sample(prompt.ids, seed, record.greedy)
+            if demonstrated is None:
+                reply, version = await self.sample(prompt.ids, seed, record.greedy)
+            else:
+                reply, version = await self.score(prompt.ids, demonstrated)
         except Exception as error:  # the generator's own failure (a weight switch, the engine): the episode ends
             record.failure = f"the generator could not sample turn {record.turns}: {type(error).__name__}: {error}"
             raise ApiError(500, "server_error", record.failure) from None
         reply = _cut(reply, limit, self.tokenizer)
         record.turn_versions.append((len(reply.completion_ids), version))
         return reply
+
+    def _encoded_reply(self, text: str) -> list[int]:
+        """A demonstration's reply as the model would end it: its tokens, then the end of the turn."""
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+        if len(ids) > self.max_new_tokens:
+            raise EpisodeOver(
+                f"a demonstration's reply is {len(ids)} tokens, more than a reply may be "
+                f"(actors.generator.max_new_tokens: {self.max_new_tokens}); raise it or write shorter replies"
+            )
+        return ids
 
     def _token_logprobs(self, reply: Trajectory) -> list[dict]:
         tokens = [self.tokenizer.decode([t]) for t in reply.completion_ids]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from actors.engines import sampling_seeds
-from actors.environments.agent_task import AgentSpec
+from actors.environments.agent_task import NO_DEMONSTRATION, AgentSpec
 from actors.environments.openenv_task import EpisodeSpec
 from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem, Task
@@ -36,7 +36,7 @@ from actors.teachers.bindings import TopK, TopKRequest
 from actors.weights import WeightVersion
 from mesh.controller.collected import Collected
 from mesh.controller.gap import GapCheck, exact_share
-from mesh.controller.groups import EnvironmentDown, GroupPool, PlayedGroup
+from mesh.controller.groups import Demonstration, EnvironmentDown, GroupPool, PlayedGroup
 from mesh.controller.hints import hints_of, problem_hint
 from mesh.controller.metrics import teacher_metrics
 from mesh.controller.router import Routed, TargetLoad
@@ -364,18 +364,22 @@ class EpisodeCollection(_Collection):
         """Step ``step``'s episodes: each prompt's group is its episodes that did not fail, each row
         rewarded with the environment's return (or the agent's reward). Failures are reported and counted,
         not trained on; a step where every episode failed stops the run (the environment is down). No
-        teacher is asked. By group, the step trains on the first groups to finish (``groups.py``)."""
+        teacher is asked: an agent's demonstrations (the ``task_oracle`` teacher's traces) are played by the
+        agent itself. By group, the step trains on the first groups to finish (``groups.py``)."""
         problems, seeds = self._prompts(step)
+        oracle = teachers.get(self.settings.oracle) if self.settings.oracle else None
         if self.pool is None:
-            played, routed = await self._play(problems, seeds, weights, 0)
-            return await self._batch(step, played, routed.loads, routed.sampling_seconds, routed.load_seconds)
-        start = time.perf_counter()
-        self.pool.follow(weights)
-        async with self.pool.in_order:
-            played, dropped = await self.pool.take(step)
-        loads = [sum(per, TargetLoad()) for per in zip(*(group.loads for group in played))]
-        collected = await self._batch(step, played, loads, time.perf_counter() - start, 0.0)
-        collected.episode_metrics["groups/dropped"] = dropped
+            played, routed = await self._play(problems, seeds, weights, step, 0)
+            loads, generate, load, dropped = routed.loads, routed.sampling_seconds, routed.load_seconds, []
+        else:
+            start = time.perf_counter()
+            self.pool.follow(weights)
+            async with self.pool.in_order:
+                played, dropped = await self.pool.take(step)
+            loads = [sum(per, TargetLoad()) for per in zip(*(group.loads for group in played))]
+            generate, load = time.perf_counter() - start, 0.0
+        collected = await self._batch(step, played, loads, generate, load, oracle)
+        collected.episode_metrics |= _untrained(played, dropped, by_group=self.pool is not None)
         return collected
 
     async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
@@ -400,12 +404,33 @@ class EpisodeCollection(_Collection):
             await self.pool.restart()
 
     async def _play(
-        self, problems: list[Problem], seeds: list[int], weights: WeightVersion, first: int
+        self, problems: list[Problem], seeds: list[int], weights: WeightVersion, step: int, first: int
     ) -> tuple[list[PlayedGroup], Routed]:
-        """``group_size`` episodes of each problem (the step's prompts ``first`` on), in one routed call."""
-        routed = await self.services.generators.play(problems, self.settings.group_size, weights, seeds, self.episodes)
+        """``group_size`` episodes of each problem (step ``step``'s prompts ``first`` on), in one routed call;
+        beside them, the agent's demonstration of each, where the step has the oracle's rows."""
+        generators, settings = self.services.generators, self.settings
+        warm_start, replay = step < settings.warm_start_steps, settings.replay
+        demonstrating = settings.oracle is not None and (warm_start or replay)
+        start = time.perf_counter()
+        routed, demonstrated = await asyncio.gather(
+            generators.play(problems, settings.group_size, weights, seeds, self.episodes),
+            generators.play(problems, 1, weights, seeds, replace(self.episodes, demonstrating=True))
+            if demonstrating
+            else _nothing(),
+        )
+        seconds = time.perf_counter() - start
+        shown = lambda i: Demonstration(  # noqa: E731
+            demonstrated.trajectories[i][0], demonstrated.outcomes[i][0], warm_start, replay, seconds
+        )
         return [
-            PlayedGroup(problem, first + i, routed.trajectories[i], routed.outcomes[i], routed.version)
+            PlayedGroup(
+                problem,
+                first + i,
+                routed.trajectories[i],
+                routed.outcomes[i],
+                routed.version,
+                demonstration=shown(i) if demonstrated else None,
+            )
             for i, problem in enumerate(problems)
         ], routed
 
@@ -416,36 +441,46 @@ class EpisodeCollection(_Collection):
         if self._step_prompts is None or self._step_prompts[0] != step:
             self._step_prompts = (step, *self._prompts(step))
         _, problems, seeds = self._step_prompts
-        (group,), routed = await self._play([problems[index]], [seeds[index]], weights, index)
+        (group,), routed = await self._play([problems[index]], [seeds[index]], weights, step, index)
         return replace(group, loads=routed.loads)
 
     async def _batch(
-        self, step: int, played: list[PlayedGroup], loads: list[TargetLoad], generate: float, load: float
+        self,
+        step: int,
+        played: list[PlayedGroup],
+        loads: list[TargetLoad],
+        generate: float,
+        load: float,
+        oracle: TeacherBinding | None,
     ) -> Collected:
         """The step's batch of ``played`` groups, their reference logprobs scored; ``loads``, ``generate`` and
-        ``load``: what playing them took (per target, seconds sampling, seconds adopting weights)."""
+        ``load``: what playing them took (per target, seconds sampling, seconds adopting weights); ``oracle``:
+        the teacher whose rows the agent's demonstrations are, where they are played."""
         outcomes = [outcome for group in played for outcome in group.outcomes]
         failures = [outcome.failure for outcome in outcomes if outcome.failure is not None]
         if len(failures) == len(outcomes):
             raise EnvironmentDown(
                 f"every episode of step {step} failed, so there is nothing to train on; the first: {failures[0]}"
             )
-        if failures:
-            self.failed(step, failures)
-        rows, reference_seconds = await self.services.reference.score(
-            [_episode_rows(group.trajectories, group.outcomes, group.version) for group in played]
-        )
+        shown_failures = [f"a demonstration: {failure}" for failure in _demonstration_failures(played)]
+        if failures or shown_failures:
+            self.failed(step, failures + shown_failures)
+        name = oracle.name if oracle is not None else None
+        rows, reference_seconds = await self.services.reference.score([_episode_rows(group, name) for group in played])
+        groups = [RolloutGroup(g.problem, g.index, tuple(r)) for g, r in zip(played, rows) if r]
+        demonstrations = [g.demonstration for g in played if g.demonstration is not None]
         finished = [outcome for outcome in outcomes if outcome.failure is None]
         return Collected(
-            groups=[RolloutGroup(g.problem, g.index, tuple(r)) for g, r in zip(played, rows) if r],
+            groups=groups,
             distill_teacher=None,
             seconds={"generate": generate, "load": load, "reward": 0.0, "teachers": 0.0}
             | {"reference": reference_seconds},
-            teacher_metrics={},
+            teacher_metrics=_oracle_metrics(groups, oracle, demonstrations),
             generators=loads,
             episode_metrics={
                 "episodes/failed": len(failures),
                 "episodes/turns": sum(o.turns for o in finished) / len(finished),
+                "episodes/multi_turn": sum(o.turns > 1 for o in finished) / len(finished),
                 "episodes/ended_by_environment": sum(o.done for o in finished) / len(finished),
                 "episodes/split": sum(len(o.split) for o in finished),
                 "episodes/tokens_after_update": sum(o.updated_tokens for o in finished),
@@ -506,16 +541,55 @@ def _sampled_rows(i: int, sampled: Routed) -> list[Row]:
     ]
 
 
-def _episode_rows(trajectories: list[Trajectory], outcomes: list[EpisodeOutcome], version: int) -> list[Row]:
+def _episode_rows(group: PlayedGroup, oracle: str | None) -> list[Row]:
     """A prompt's episodes as rows, rewarded with the environment's return (an agent's requests that could not
     be stitched into one sequence are rows of their own, with the same reward and episode); the failed ones
-    left out."""
+    left out. Its demonstration, played, joins as the ``oracle`` teacher's rows: the warm start's, channel 3's."""
+    played = [(RowKind.SAMPLE, t, o, j) for j, (t, o) in enumerate(zip(group.trajectories, group.outcomes))]
+    if (shown := group.demonstration) is not None and shown.outcome.failure is None:
+        j = len(group.outcomes)
+        kinds = [RowKind.WARM_START] * shown.warm_start + [RowKind.REPLAY] * shown.replay
+        played += [(kind, shown.trajectory, shown.outcome, j) for kind in kinds]
+    teacher = lambda kind: None if kind is RowKind.SAMPLE else oracle  # noqa: E731
     return [
-        Row(RowKind.SAMPLE, part, _oldest(outcome, version), reward=Reward(outcome.reward), episode=j)
-        for j, (trajectory, outcome) in enumerate(zip(trajectories, outcomes))
+        Row(kind, part, _oldest(outcome, group.version), teacher(kind), Reward(outcome.reward), episode=j)
+        for kind, trajectory, outcome, j in played
         if outcome.failure is None
         for part in (trajectory, *outcome.split)
     ]
+
+
+def _oracle_metrics(
+    groups: list[RolloutGroup], oracle: TeacherBinding | None, demonstrations: list[Demonstration]
+) -> dict[str, dict[str, float]]:
+    """The ``task_oracle`` teacher's metrics, its traces being the agent's demonstrations (where played)."""
+    if oracle is None or not demonstrations:
+        return {}
+    return teacher_metrics(groups, [oracle], {oracle.name: max(d.seconds for d in demonstrations)})
+
+
+def _demonstration_failures(played: list[PlayedGroup]) -> list[str]:
+    """The failures of the demonstrations played (a problem without one is none): a demonstration that does not
+    fit its agent or the run's limits."""
+    return [
+        g.demonstration.outcome.failure
+        for g in played
+        if g.demonstration is not None and g.demonstration.outcome.failure not in (None, NO_DEMONSTRATION)
+    ]
+
+
+def _untrained(played: list[PlayedGroup], dropped: list[PlayedGroup], by_group: bool) -> dict[str, float]:
+    """Of the model's tokens sampled in the groups this step took or dropped, the share never trained (the
+    failed episodes', the dropped groups'); by group, how many groups were dropped as too old."""
+    taken, lost = [g.sampled_tokens for g in played], [g.sampled_tokens[0] for g in dropped]
+    untrained = sum(failed for _, failed in taken) + sum(lost)
+    total = sum(sampled for sampled, _ in taken) + sum(lost)
+    share = {"groups/untrained_tokens": untrained / total if total else 0.0}
+    return share | {"groups/dropped": len(dropped)} if by_group else share
+
+
+async def _nothing() -> None:
+    return None
 
 
 def _oldest(outcome: EpisodeOutcome, requested: int) -> int:

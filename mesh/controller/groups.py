@@ -2,19 +2,26 @@
 
 An episode task's groups take very different times (an agent that calls its tools ten times, one
 that answers at once). Collected by step, every step waits for its slowest group, and a new step's
-groups start only when the trainer takes a batch. Collected by group, the pool keeps
-``(max_policy_lag + 1) x prompts_per_step`` groups running at all times, each its own request with
-the newest weights: when one finishes, the next group of the prompt stream starts. A step takes
-the first ``prompts_per_step`` finished groups, the steps in step order::
+groups start only when the trainer takes a batch. Collected by group, each group of the prompt stream
+is its own request with the newest weights, started as soon as the admission rule lets it; a step
+takes the first ``prompts_per_step`` finished groups, the steps in step order::
 
-    running:   g0 g1 ... g15                  (group n: prompt n % P of step n // P's prompts)
-    finished:  g3 g1 g7 g0 g12 ...            each finish starts the next group, g16, g17, ...
+    running:   g0 g1 ... g7                   (group n: prompt n % P of step n // P's prompts)
+    finished:  g3 g1 g7 g0 ...                a new version admits the next P groups, g8 ... g11
     take(k):   the first P fresh enough; a slow group is taken by a later step, or dropped
 
-``max_policy_lag`` becomes a staleness rule on groups: a group whose oldest token is more than
-``max_policy_lag`` versions behind the step that takes it is dropped (``groups/dropped``), never
-trained on. Which groups a step takes depends on timing, so a run collected by group is not
-reproduced exactly by a rerun or a resume (its checkpoint keeps the batches taken, not the pool).
+The admission rule is AReaL's: with the newest weights ``v`` versions past the pool's first, at most
+``(max_policy_lag + v + 1) x P`` groups that fill or may fill a step have started (a group whose every
+episode failed, or that was dropped, gives its place back). A group started under it is at most
+``max_policy_lag`` versions behind the step it fills, as long as the groups finish in about the order
+they started, so the pool runs no work ahead that it would have to throw away; only a group slower than
+the ``P`` after it can still come too late.
+
+``max_policy_lag`` stays a rule on the groups taken: a group whose oldest token is more than
+``max_policy_lag`` versions behind the step that takes it is dropped (``groups/dropped``, and its tokens
+counted in ``groups/untrained_tokens``), never trained on. Which groups a step takes depends on timing, so a
+run collected by group is not reproduced exactly by a rerun or a resume (its checkpoint keeps the batches
+taken, not the pool).
 
 A step always ends: it fills, or the pool is ``down`` (every place's last group failed in every
 episode: ``EnvironmentDown`` with the first of those failures), or the run is stopping (a first
@@ -53,6 +60,7 @@ class PlayedGroup:
     outcomes: list[EpisodeOutcome]
     version: int  # the weights of the request (an agent's turns may have used newer ones)
     loads: list[TargetLoad] = field(default_factory=list)  # by generator target: its own request's, by group
+    demonstration: Demonstration | None = None  # the agent's demonstration of the problem, where one is played
 
     @property
     def failed(self) -> bool:
@@ -61,8 +69,30 @@ class PlayedGroup:
 
     @property
     def oldest(self) -> int:
-        """The oldest version that sampled a token of it."""
-        return min((o.version for o in self.outcomes if o.version is not None), default=self.version)
+        """The oldest version that sampled (or, a demonstration's, scored) a token of it."""
+        outcomes = self.outcomes + ([self.demonstration.outcome] if self.demonstration else [])
+        return min((o.version for o in outcomes if o.version is not None), default=self.version)
+
+    @property
+    def sampled_tokens(self) -> tuple[int, int]:
+        """The model's sampled tokens in its episodes: all of them, and those of failed episodes (never trained)."""
+        counts = [
+            (sum(sum(t.loss_mask) for t in (trajectory, *outcome.split)), outcome.failure is not None)
+            for trajectory, outcome in zip(self.trajectories, self.outcomes)
+        ]
+        return sum(n for n, _ in counts), sum(n for n, failed in counts if failed)
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    """An agent's demonstration of a group's problem, played as an episode (``actors/environments/agent_task.py``):
+    it joins the group as a warm start's row (``warm_start``) and as channel 3's replayed trace (``replay``)."""
+
+    trajectory: Trajectory
+    outcome: EpisodeOutcome
+    warm_start: bool
+    replay: bool
+    seconds: float  # the call that played it (beside its group's episodes)
 
 
 class GroupPool:
@@ -70,9 +100,11 @@ class GroupPool:
 
     def __init__(self, max_policy_lag: int, per_step: int, play: Play):
         self.max_policy_lag, self.per_step, self.play = max_policy_lag, per_step, play
-        self.budget = (max_policy_lag + 1) * per_step  # groups running at once
+        self.budget = (max_policy_lag + 1) * per_step  # a lag window of groups: the failed ones that stop the pool
         self.streamed = 0  # the next group of the prompt stream
+        self.admitted = 0  # groups started that filled a step or may still fill one
         self.weights: WeightVersion | None = None  # the newest: what groups start with
+        self.first_version: int | None = None  # the version the pool's stream started with
         self.finished: deque[PlayedGroup] = deque()
         self.running: set[asyncio.Future] = set()
         self.changed = asyncio.Event()
@@ -86,24 +118,30 @@ class GroupPool:
         """Groups start with ``weights`` from now on (a newer version than any before), and the pool is full."""
         if self.weights is None or weights.version > self.weights.version:
             self.weights = weights
+        if self.first_version is None:
+            self.first_version = weights.version
         self._refill()
 
-    async def take(self, step: int) -> tuple[list[PlayedGroup], int]:
+    async def take(self, step: int) -> tuple[list[PlayedGroup], list[PlayedGroup]]:
         """The first ``per_step`` finished groups fresh enough for ``step`` that have rows to train on, with
-        the failed groups met on the way (their failures are the step's to report), and how many stale groups
-        were dropped. Failed groups do not fill the batch, or fast failures would crowd out every episode
+        the failed groups met on the way (their failures are the step's to report), and the stale groups
+        dropped. Failed groups do not fill the batch, or fast failures would crowd out every episode
         that takes longer. A drained pool whose running groups cannot fill the step raises ``Abandoned``; a
         ``down`` one ``EnvironmentDown`` (whatever good groups the step has, none will join them)."""
-        good, failed, dropped = [], [], 0
+        good, failed, dropped = [], [], []
         while True:
             if self.error is not None:
                 raise self.error
             while self.finished and len(good) < self.per_step:
                 group = self.finished.popleft()
-                if step - group.oldest > self.max_policy_lag:
-                    dropped += 1
+                if group.failed:  # its place was given back as it arrived
+                    failed.append(group)
+                elif step - group.oldest > self.max_policy_lag:
+                    dropped.append(group)
+                    self.admitted -= 1
+                    self._refill()
                 else:
-                    (failed if group.failed else good).append(group)
+                    good.append(group)
             if len(good) == self.per_step:
                 return good + failed, dropped
             if self.drained and len(good) + len(self.running) < self.per_step:  # the stop the user asked for
@@ -132,6 +170,7 @@ class GroupPool:
         self.weights = None  # first: a group that finishes while the others stop starts none
         await self._stop()
         self.error, self.failed_since_success, self.first_failure = None, 0, None
+        self.admitted, self.first_version = 0, None
 
     async def cancel(self) -> None:
         """Stop every group running and forget the finished ones (the run's end); none starts after."""
@@ -146,13 +185,25 @@ class GroupPool:
         self.finished.clear()
 
     def _refill(self) -> None:
-        """Start groups until ``budget`` run; a group that failed keeps its place until one succeeds, so fast
-        failures cannot cycle without end while slower groups run."""
-        while self._may_start() and len(self.running) + self.failed_since_success < self.budget:
+        """Start the groups the admission rule admits (see the module docstring). A group whose every episode
+        failed gives its place back, but holds one of the lag window's until a group succeeds, so fast failures
+        cannot cycle without end while slower groups run."""
+        while self._may_start() and self.admitted < self._admissible and self._failures_allow:
             group = asyncio.ensure_future(self.play(self.streamed, self.weights))
             self.streamed += 1
+            self.admitted += 1
             self.running.add(group)
             group.add_done_callback(self._arrived)
+
+    @property
+    def _failures_allow(self) -> bool:
+        """Groups that failed since one succeeded hold places of a lag window, ``(max_policy_lag + 1) x P``."""
+        return len(self.running) + self.failed_since_success < self.budget
+
+    @property
+    def _admissible(self) -> int:
+        """How many groups may have been admitted with the newest weights: AReaL's ``(lag + v + 1) x P``."""
+        return (self.max_policy_lag + self.weights.version - self.first_version + 1) * self.per_step
 
     def _arrived(self, group: asyncio.Future) -> None:
         self.running.discard(group)
@@ -166,6 +217,7 @@ class GroupPool:
             if not played.failed:
                 self.failed_since_success = 0
             else:
+                self.admitted -= 1
                 if self.failed_since_success == 0:
                     self.first_failure = next(o.failure for o in played.outcomes if o.failure is not None)
                 self.failed_since_success += 1

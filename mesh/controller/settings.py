@@ -26,6 +26,7 @@ class CollectSettings:
     distill: bool  # the distill teacher's top-k is asked (``alpha_sdpo > 0``)
     distill_every_sample: bool = False  # for correct samples too (``distill.signal: rlsd`` rescales their tokens)
     by_group: bool = False  # an episode task's step takes the first groups to finish (``groups.py``)
+    oracle: str | None = None  # an agent task's: the task_oracle binding its demonstrations stand for; None: none
 
 
 @dataclass(frozen=True)

@@ -472,6 +472,7 @@ def _loop_settings(
         distill=loss.alpha_sdpo > 0,
         distill_every_sample=loss.distill.signal == "rlsd",
         by_group=loop.collect == "group",
+        oracle=topology.oracle,
     )
     lag = loop.max_policy_lag if recorded is None else oldest_age(recorded)
     return LoopSettings(

@@ -112,6 +112,12 @@ def _graph(plan: RunPlan) -> list[str]:
     ]
     if plan.reference is not None:
         graph.append(describe_reference(plan, plan.reference))
+    if topology.oracle is not None:
+        graph.append(
+            f"generator <-> agent: the agent plays task.demonstration ({topology.task.demonstration}) for "
+            f"teachers.{topology.oracle}, each reply the demonstration's, scored by the policy -> controller: one "
+            "episode per group, its trace"
+        )
     if topology.loop.warm_start.steps:
         graph.append(f"teachers.{topology.loop.warm_start.teacher} -> controller: traces (warm start)")
     bindings = topology.actors.teachers.bindings if topology.actors.teachers else {}

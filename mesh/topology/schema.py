@@ -165,6 +165,11 @@ class TaskSection(Section):
         return (self.model_extra or {}).get("agent") if self.name == "agent" else None
 
     @property
+    def demonstration(self) -> str | None:
+        """An agent task's demonstration (``actors/environments/agent_task.py``), else None."""
+        return (self.model_extra or {}).get("demonstration") if self.name == "agent" else None
+
+    @property
     def serves(self) -> bool:
         """The run starts its environment server."""
         return self._serves
@@ -556,23 +561,53 @@ class Topology(Section):
             )
         if not self.task.episodic:
             return
-        loss = self.actors.trainer.loss
+        loss, demonstrates = self.actors.trainer.loss, self.task.demonstration is not None
         conflicts = {
-            "loop.warm_start.steps (set it to 0)": self.loop.warm_start.steps > 0,
+            "loop.warm_start.steps (set it to 0)": self.loop.warm_start.steps > 0 and not demonstrates,
             "actors.trainer.loss.alpha_sdpo (set it to 0)": loss.alpha_sdpo > 0,
-            "actors.trainer.loss.beta_replay (set it to 0)": loss.beta_replay > 0,
+            "actors.trainer.loss.beta_replay (set it to 0)": loss.beta_replay > 0 and not demonstrates,
             "actors.rewarder.functions (drop them)": bool(self.actors.rewarder.functions),
         }
         if clashing := [key for key, clashes in conflicts.items() if clashes]:
             raise ValueError(
                 f"task {self.task.name!r} plays environment episodes, whose reward is the environment's and which "
-                f"no teacher plays, so it cannot be used with {', '.join(clashing)}"
+                f"no teacher plays, so it cannot be used with {', '.join(clashing)} (an agent task with a "
+                "task.demonstration plays its own demonstrations for a warm start and channel 3's replay)"
             )
+        if demonstrates:
+            self._check_demonstrations()
         if self.task.serves and self.launcher.kind not in ("local", "process"):
             raise ValueError(
                 f"task.serve starts the environment server on this host, which generators placed by launcher "
                 f"{self.launcher.kind!r} would not reach; start the server where they do and set task.url instead"
             )
+
+    def _check_demonstrations(self) -> None:
+        """An agent's demonstrations are the ``task_oracle`` teacher's traces: the one teacher that may feed its
+        warm start or replay, since no other plays the agent's episodes."""
+        bound = self.actors.teachers.bindings if self.actors.teachers else {}
+        warm = [self.loop.warm_start.teacher] if self.loop.warm_start.steps else []
+        replay = [name for name, b in bound.items() if "replay" in b.use] if self.actors.trainer.loss.beta_replay else []
+        others = sorted({f"{name} ({bound[name].kind})" for name in warm + replay if bound[name].kind != "task_oracle"})
+        oracles = [name for name, b in bound.items() if b.kind == "task_oracle"]
+        if others:
+            raise ValueError(
+                f"task agent plays its task.demonstration for the task_oracle teacher, the only kind that plays an "
+                f"agent's episodes, but teachers {', '.join(others)} would feed its warm start or replay; bind them "
+                "as kind task_oracle (use: [replay] for channel 3)"
+            )
+        if len(oracles) > 1:
+            raise ValueError(
+                f"task agent's demonstrations are one task_oracle teacher's traces, but {', '.join(oracles)} are all "
+                "task_oracle bindings; bind one"
+            )
+
+    @property
+    def oracle(self) -> str | None:
+        """The ``task_oracle`` binding whose traces an agent task's demonstrations are; None: none are played."""
+        if self.task.demonstration is None or not self.actors.teachers:
+            return None
+        return next((n for n, b in self.actors.teachers.bindings.items() if b.kind == "task_oracle"), None)
 
     def _check_gap_check(self) -> None:
         """The gap check compares the policy with its self-hinting teacher on single completions."""

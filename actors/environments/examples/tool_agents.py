@@ -9,6 +9,12 @@ a later one.
 the tool runs it and the output comes back as the next message, until the model answers
 without code or runs out of tool calls. It returns no reward: the task scores the last reply.
 
+Each has a demonstration (``task: {demonstration: ...}``): the replies of an episode that uses the tool
+well, which the run has the agent play as a warm start and replays to the model (channel 3).
+``python_demonstration`` writes, for a problem with a worked solution of one operation per line (the
+shipped ``math`` set's ``solution`` column), a python block that computes the answer, then the answer alone
+after the tool's output.
+
 Every tool call runs in its own sandboxed process (``actors.environments.sandbox``): the model's
 code sees nothing of the host but the interpreter and a scratch directory (no network, no file of the run's,
 no answer), and a call that hangs is killed.
@@ -24,6 +30,7 @@ from actors.environments.sandbox import SandboxLimits, run_python
 from actors.tasks import Problem
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+SOLUTION_STEP = re.compile(r"^\s*([\d\s+*/().-]+?)\s*=\s*(-?\d+)\s*$")  # "17 - 12 = 5": one worked step
 TOOL_LIMITS = SandboxLimits(timeout_s=5.0, memory_bytes=256 * 2**20, output_bytes=2048)
 SOLVER_PROMPT = (
     "Solve the problem. You may run Python: write a ```python code block and you will get what it prints. "
@@ -94,3 +101,34 @@ async def python_solver(endpoint, problem: Problem, tool_calls: int = 2) -> None
             messages.append({"role": "assistant", "content": text})
             messages.append({"role": "user", "content": f"Output:\n{said.strip()}"})
     return None
+
+
+def make_number_demonstration(problem: Problem) -> list[str]:
+    """The target itself, the first try: an expression whose value it is."""
+    return [problem.answer]
+
+
+def python_demonstration(problem: Problem) -> list[str] | None:
+    """A python block that prints the answer from the problem's numbers, then the answer alone; None when
+    the problem's worked solution is not steps of arithmetic on numbers (``solution_code``)."""
+    code = solution_code(problem.solution or "")
+    return None if code is None else [f"```python\n{code}\n```", problem.answer]
+
+
+def solution_code(solution: str) -> str | None:
+    """One ``print`` of the worked solution's steps as a single expression: ``7 + 10 = 17`` then
+    ``17 - 12 = 5`` is ``print((7 + 10) - 12)`` (each earlier result stands in its step's expression; ``/`` is
+    ``//`` where it divides exactly, so the output is the answer's digits). None when a line other than the
+    final ``#### answer`` is no such step."""
+    results: dict[str, str] = {}
+    expression = None
+    for line in filter(str.strip, solution.splitlines()):
+        if line.startswith("####"):
+            continue
+        step = SOLUTION_STEP.match(line)
+        if step is None:
+            return None
+        expression = re.sub(r"\d+", lambda n: results.get(n.group(), n.group()), step.group(1))
+        expression = expression.replace(" / ", " // ")
+        results[step.group(2)] = f"({expression})"
+    return None if expression is None else f"print({expression})"
