@@ -31,9 +31,10 @@ from actors.compute import Compute
 from actors.engines import sampling_seeds
 from actors.environments import Environments
 from actors.environments.agent_task import NO_DEMONSTRATION, Agents, AgentSpec
+from actors.environments.chat_tokens import ChatTokens
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
-from actors.environments.tokens import ChatFrame, TokenPolicy
+from actors.environments.tokens import TokenPolicy
 from actors.generator_config import GeneratorConfig
 from actors.inner_loops.config import LoRAConfig
 from actors.lifecycle import ProcInfo, this_proc
@@ -164,7 +165,6 @@ class Generator(Actor):
         self.weights = WeightFollower()
         self.gate = VersionGate()
         self._clients: dict[OpenEnvConfig, Environments] = {}  # environment clients, by the environment they play
-        self._frame: ChatFrame | None = None  # how the chat template frames an observation, read once
         self._agent_code: Agents | None = None  # an agent task's code and endpoint (``_agents``), made once
         self._server = None
         self._starting_agents = asyncio.Lock()
@@ -267,10 +267,8 @@ class Generator(Actor):
         self, environments: Environments, spec: EpisodeSpec, problem: Problem, seed: int, j: int
     ) -> tuple[Trajectory, EpisodeOutcome]:
         turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
-        if self._frame is None:
-            self._frame = ChatFrame.of(self.tokenizer)
         policy = TokenPolicy(
-            self.tokenizer, self._frame, lambda ids, turn: self.engine.continue_from(ids, turn_seeds[turn], spec.greedy)
+            ChatTokens(self.tokenizer), lambda ids, turn: self.engine.continue_from(ids, turn_seeds[turn], spec.greedy)
         )
         episode = await run_episode(
             environments,
@@ -280,7 +278,8 @@ class Generator(Actor):
             max_turns=spec.max_turns,
             system_prompt=spec.system_prompt,
         )
-        return policy.trajectory(), EpisodeOutcome(episode.reward, episode.turns, episode.done, episode.failure)
+        outcome = EpisodeOutcome(episode.reward, episode.turns, episode.done, episode.failure, policy.split)
+        return policy.trajectory(), outcome
 
     @staticmethod
     async def _played(one: Callable, problems: list[Problem], seeds: list[int], group_size: int) -> list:

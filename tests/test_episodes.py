@@ -22,10 +22,11 @@ from tiny_runs import run_topology
 from actors.compute import Compute
 from actors.engines import sampling_seeds
 from actors.environments import Turn
+from actors.environments.chat_tokens import ChatTokens
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import OBSERVATION_ALPHABET, OpenEnvTask, episode_seed
 from actors.environments.serve import EnvironmentServer
-from actors.environments.tokens import ChatFrame, TokenPolicy
+from actors.environments.tokens import TokenPolicy
 from actors.generator import Generator, GeneratorConfig
 from actors.model import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
 from actors.rollout import Trajectory
@@ -81,7 +82,7 @@ class Scripted:
 
 async def play_scripted(tokenizer, replies: list[list[int]], answers: list[str], system: str | None):
     script = Script(tokenizer, replies)
-    policy = TokenPolicy(tokenizer, ChatFrame.of(tokenizer), script)
+    policy = TokenPolicy(ChatTokens(tokenizer), script)
     episode = await run_episode(
         Scripted("Guess my number.", answers), policy, episode_id="e", seed=0, max_turns=5, system_prompt=system
     )

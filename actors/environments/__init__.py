@@ -8,9 +8,9 @@ backends here (``openenv``) turn a remote environment into this interface, so th
 loop knows nothing of transports.
 
 Only text crosses this boundary. Tokens are the generator's business: it renders
-each observation as a chat message (``observation_message``) with the model's chat
-template and masks those tokens out of the loss, so an episode trains only on the
-model's own replies.
+each observation as a user message with the model's chat template and masks those
+tokens out of the loss (``actors.environments.tokens``, by the stitcher agents use), so
+an episode trains only on the model's own replies.
 """
 
 from __future__ import annotations
@@ -59,10 +59,3 @@ class Environments(Protocol):
 
     def episode(self, episode_id: str) -> AbstractAsyncContextManager[Environment]:
         """A session for one episode, closed on exit; raises ``EpisodeError`` if it cannot open."""
-
-
-def observation_message(observation: str, role: str = "user") -> dict[str, str]:
-    """The chat message an observation becomes, in the ``{"role", "content"}`` form chat templates
-    read. ``user`` suits any template; ``tool`` needs a template that renders tool results without
-    a preceding tool call."""
-    return {"role": role, "content": observation}

@@ -1,6 +1,7 @@
-"""An agent's episode as the tokens the policy really sampled, whatever its messages re-tokenize to.
+"""An episode as the tokens the policy really sampled, whatever its messages re-tokenize to.
 
-An agent talks to the run in OpenAI messages (``actors.environments.endpoint``). Rendering each
+The one stitcher of every multi-turn path: an agent's requests (``actors.environments.endpoint``) and an
+environment's episodes (``actors.environments.tokens``). An agent talks to the run in OpenAI messages. Rendering each
 request's messages with the chat template and tokenizing them would train on tokens the engine
 never produced: a reply's text can tokenize differently from the ids sampled, most visibly
 where a tokenizer merges characters across the end of the reply and the next turn's header.
