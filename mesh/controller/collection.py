@@ -52,10 +52,12 @@ class Evaluated:
 
     reward: float
     accuracy: float | None  # None for environment episodes, whose returns follow no such contract
+    multi_turn: float | None = None  # episodes: the share with more than one model turn (a tool agent's calls)
 
     def metrics(self) -> dict[str, float]:
-        """As logged: ``eval/reward``, and ``eval/accuracy`` where there is one."""
-        return {"eval/reward": self.reward} | ({} if self.accuracy is None else {"eval/accuracy": self.accuracy})
+        """As logged: ``eval/reward``, and ``eval/accuracy`` and ``eval/multi_turn`` where there are."""
+        shares = {"eval/accuracy": self.accuracy, "eval/multi_turn": self.multi_turn}
+        return {"eval/reward": self.reward} | {key: value for key, value in shares.items() if value is not None}
 
 
 class Collection(Protocol):
@@ -383,13 +385,14 @@ class EpisodeCollection(_Collection):
         return collected
 
     async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
-        """Mean return of one episode per held-out prompt (every turn greedy with ``evaluation_greedy``); a
-        failed episode earns nothing."""
+        """Mean return of one episode per held-out prompt (every turn greedy with ``evaluation_greedy``), and the
+        share that took more than one model turn; a failed episode earns nothing and counts as one turn."""
         problems, seeds = self._evaluation_prompts(step)
         spec = replace(self.episodes, greedy=self.settings.evaluation_greedy)
         played = await self.services.generators.play(problems, 1, weights, seeds, spec)
-        returns = sum(o.reward for per in played.outcomes for o in per if o.failure is None)
-        return Evaluated(returns / len(problems), accuracy=None)
+        finished = [o for per in played.outcomes for o in per if o.failure is None]
+        returns, continued = sum(o.reward for o in finished), sum(o.turns > 1 for o in finished)
+        return Evaluated(returns / len(problems), accuracy=None, multi_turn=continued / len(problems))
 
     async def close(self) -> None:
         if self.pool is not None:

@@ -225,7 +225,7 @@ class Evaluation(Section):
     """The held-out evaluation: one completion for each of ``prompts`` prompts, drawn once from the task's step -1
     with the topology's seed, so every evaluation (and every DiLoCo replica) scores the same prompts and the points
     of a curve compare. It logs ``eval/reward`` (the mean) and ``eval/accuracy`` (the share exactly right; not for
-    environment episodes). ``greedy`` decodes each prompt's argmax continuation instead of sampling at the
+    environment episodes, which log ``eval/multi_turn``, the share of more than one model turn). ``greedy`` decodes each prompt's argmax continuation instead of sampling at the
     generator's settings, so a score is the policy's and not the draw's. ``at_start`` also evaluates the initial
     weights before the first step, logged as step -1 (a resumed run does not again)."""
 
