@@ -148,6 +148,14 @@ async def test_streaming_and_completions_give_the_reply_and_its_logprobs(server,
         assert completion.choices[0].logprobs.token_logprobs == cut.logprobs[:2]
         assert completion.usage.prompt_tokens == 3
         assert completion.usage.completion_tokens == min(2, len(cut.completion_ids))
+        text = engine.tokenizer.decode(cut.completion_ids, skip_special_tokens=True)  # greedy: the same again
+        assert len(text) >= 3
+        stop = text[1:3]
+        stopped = await client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7], stop=[stop])
+        kept = stopped.usage.completion_tokens  # the tokens up to the one that completes the stop string
+        assert stopped.choices[0].text == text[: text.find(stop)] and stopped.choices[0].finish_reason == "stop"
+        assert stop not in engine.tokenizer.decode(cut.completion_ids[: kept - 1], skip_special_tokens=True)
+        assert record.trajectories()[-1].completion_ids[-kept:] == cut.completion_ids[:kept]  # those train
 
 
 async def test_bad_requests_are_refused_in_openais_shape_saying_what_to_send(server):
@@ -366,6 +374,8 @@ MALFORMED = [  # (what the body changes, what the refusal says)
     ({"tools": "python"}, "tools"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "5"}, "max_tokens"),
+    ({"n": 2}, "send n requests for n replies"),
+    ({"stop": ["a", 3]}, "stop must be a string or a list"),
     ({"messages": [{"role": "user", "content": "Hi", "extra": json.loads("[" * 100 + "]" * 100)}]}, "nested"),
 ]
 

@@ -24,8 +24,8 @@ call nested deeper than ``MAX_NESTING`` is refused or left as text. Whatever a r
 answer is OpenAI's shape, never a traceback.
 
 Each turn samples with the engine the run trains (its sampling settings: a request's
-``temperature`` or ``top_p`` does not change what the trainer assumes; ``max_tokens`` cuts the
-reply, which keeps what was sampled exact), with the episode's seed for that turn and the newest
+``temperature`` or ``top_p`` does not change what the trainer assumes; ``max_tokens`` and ``stop`` cut the
+reply, which keeps what was sampled exact; ``n`` above 1 is refused), with the episode's seed for that turn and the newest
 weights the generator holds, and records the prompt ids, the sampled ids, their logprobs
 (``ChatTokens``) and the policy version that sampled them (an episode goes on across a weight
 update; the answer's ``system_fingerprint`` names the version). A reply
@@ -289,7 +289,7 @@ class ChatServer:
     # ------------------------------------------------------------------------- one turn
 
     async def _chat_turn(self, record: EpisodeRecord, body: dict) -> dict:
-        messages, tools, limit = _messages(body), _tools(body), _max_tokens(body)
+        messages, tools, limit = _messages(body), _tools(body), _limits(body)
         try:
             if tools and record.tokens.render(messages, None, True) == record.tokens.render(messages, tools, True):
                 raise ApiError(
@@ -306,14 +306,14 @@ class ChatServer:
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         record.tokens.add(prompt, reply, message, self.tokenizer.eos_token_id)
         record.last_reply = reply.text
-        finish = "tool_calls" if calls else _finish(reply, self.tokenizer.eos_token_id)
+        finish = "tool_calls" if calls else _finish(reply, limit, self.tokenizer)
         choice = {"index": 0, "message": message, "finish_reason": finish}
         if body.get("logprobs"):
             choice["logprobs"] = {"content": self._token_logprobs(reply)}
         return _completion("chat.completion", record, choice, prompt, reply)
 
     async def _completion_turn(self, record: EpisodeRecord, body: dict) -> dict:
-        text, limit = body.get("prompt"), _max_tokens(body)
+        text, limit = body.get("prompt"), _limits(body)
         ids = self.tokenizer(text, add_special_tokens=False).input_ids if isinstance(text, str) else text
         if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < len(self.tokenizer) for t in ids)):
             raise ApiError(
@@ -324,13 +324,13 @@ class ChatServer:
         reply = await self._sample(record, prompt, limit)
         record.tokens.add(prompt, reply, {"role": "assistant", "content": reply.text}, self.tokenizer.eos_token_id)
         record.last_reply = reply.text
-        choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, self.tokenizer.eos_token_id)}
+        choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, limit, self.tokenizer)}
         if body.get("logprobs") is not None:
             tokens = [self.tokenizer.decode([t]) for t in reply.completion_ids]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": reply.logprobs, "top_logprobs": None}
         return _completion("text_completion", record, choice, prompt, reply)
 
-    async def _sample(self, record: EpisodeRecord, prompt: Prompt, limit: int | None) -> Trajectory:
+    async def _sample(self, record: EpisodeRecord, prompt: Prompt, limit: Limits) -> Trajectory:
         try:
             seed = record.next_seed(len(prompt.ids))
             demonstrated = None if record.demonstration is None else self._encoded_reply(record.demonstrated())
@@ -510,26 +510,59 @@ def _check_model(body: dict) -> None:
         )
 
 
-def _max_tokens(body: dict) -> int | None:
+@dataclass(frozen=True)
+class Limits:
+    """Where a request ends its reply: ``max_tokens`` tokens, or the first of its ``stop`` strings (left out of the
+    text, as OpenAI does). Applied after sampling, so what the trainer sees is exactly what was sampled up to there."""
+
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+def _limits(body: dict) -> Limits:
+    """The request's ``max_tokens`` and ``stop``; ``n`` is one choice or refused."""
+    if body.get("n") not in (None, 1):
+        raise ApiError(
+            400, "unsupported_n",
+            f"n is {body['n']!r}, but each request is one turn of the episode with one reply; send n requests for n "
+            "replies",
+        )
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is None:
-        return None
-    if type(limit) is not int or limit < 1:
+    if limit is not None and (type(limit) is not int or limit < 1):
         raise ApiError(400, "invalid_max_tokens", f"max_tokens must be a positive integer, got {limit!r}")
-    return limit
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+        raise ApiError(400, "invalid_stop", f"stop must be a string or a list of up to 4 non-empty strings, got {stop!r}")
+    return Limits(limit, stops)
 
 
-def _cut(reply: Trajectory, limit: int | None, tokenizer: Any) -> Trajectory:
-    """The reply's first ``limit`` tokens: what sampling with that limit would have given."""
-    if limit is None or len(reply.completion_ids) <= limit:
+def _cut(reply: Trajectory, limits: Limits, tokenizer: Any) -> Trajectory:
+    """The reply up to its limits: its first ``max_tokens`` tokens, then up to the token that completes a stop
+    string (its text ends before it): what sampling with those limits would have given."""
+    ids = reply.completion_ids[: limits.max_tokens]
+    text = None
+    if limits.stop:
+        for end in range(1, len(ids) + 1):
+            decoded = tokenizer.decode(ids[:end], skip_special_tokens=True)
+            found = [decoded.index(s) for s in limits.stop if s in decoded]
+            if found:
+                ids, text = ids[:end], decoded[: min(found)]
+                break
+    if len(ids) == len(reply.completion_ids):
         return reply
-    ids = reply.completion_ids[:limit]
-    return Trajectory(reply.prompt_ids, ids, reply.logprobs[:limit], reply.loss_mask[:limit], tokenizer.decode(ids))
+    n = len(ids)
+    text = tokenizer.decode(ids, skip_special_tokens=True) if text is None else text
+    return Trajectory(reply.prompt_ids, ids, reply.logprobs[:n], reply.loss_mask[:n], text)
 
 
-def _finish(reply: Trajectory, eos_id: int | None) -> str:
-    """``stop`` when the reply ended itself (EOS), ``length`` when a token limit cut it."""
-    return "stop" if reply.completion_ids and reply.completion_ids[-1] == eos_id else "length"
+def _finish(reply: Trajectory, limits: Limits, tokenizer: Any) -> str:
+    """``stop`` when the reply ended itself (EOS) or at a stop string, ``length`` when a token limit cut it."""
+    ids = reply.completion_ids
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        return "stop"
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    return "stop" if any(s in decoded for s in limits.stop) else "length"
 
 
 def _tool_calls(text: str) -> tuple[str, list[dict]]:
