@@ -293,9 +293,14 @@ class Generator(Actor):
         """One run of the agent on ``problem``, its turns sampled through this process's endpoint with seeds of
         (``seed``, ``j``), recorded as the tokens sampled (``actors/environments/chat_tokens.py``)."""
         turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
-        replies = agents.demonstration(problem) if spec.demonstrating else None
-        if spec.demonstrating and replies is None:
-            return Trajectory([], [], [], [], ""), EpisodeOutcome(0.0, 0, False, NO_DEMONSTRATION)
+        replies = None
+        if spec.demonstrating:
+            try:
+                replies = agents.demonstration(problem)
+            except Exception as error:  # the user's demonstration code: it fails this demonstration only
+                return _unplayed(f"task.demonstration raised {type(error).__name__}: {error}")
+            if replies is None:
+                return _unplayed(NO_DEMONSTRATION)
         async with self._server.episode(turn_seeds, spec.greedy, replies) as record:
             outcome = await agents.run(self._server.endpoint(record), problem)
         failure = record.redact(record.failure or outcome.failure)
@@ -385,3 +390,8 @@ class Generator(Actor):
     @concurrent_endpoint
     async def held_version(self) -> int | None:
         return None if self.gate.held is None else self.gate.held.version
+
+
+def _unplayed(failure: str) -> tuple[Trajectory, EpisodeOutcome]:
+    """An episode that never started, and why."""
+    return Trajectory([], [], [], [], ""), EpisodeOutcome(0.0, 0, False, failure)

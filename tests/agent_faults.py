@@ -7,7 +7,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from actors.environments.examples.tool_agents import make_number
+from actors.environments.examples.tool_agents import make_number, make_number_demonstration
 
 
 async def agent(endpoint, problem, always: str | None = None):
@@ -31,6 +31,15 @@ async def agent(endpoint, problem, always: str | None = None):
             for _ in range(3):
                 await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": "5="}])
     return await make_number(endpoint, problem)
+
+
+def demonstration(problem):
+    """A demonstration that raises for target 6 and returns what is no list of replies for 7."""
+    if problem.answer == "6":
+        raise ValueError("the demonstration's data is missing")
+    if problem.answer == "7":
+        return problem.answer
+    return make_number_demonstration(problem)
 
 
 async def all_but(endpoint, problem, spared: str, way: str, mark: str | None = None):

@@ -23,14 +23,25 @@ def run_cli(tmp_path: Path, *settings: str) -> tuple[subprocess.CompletedProcess
     return run_topology(TOPOLOGY, tmp_path, *settings)
 
 
+DEMONSTRATED = [
+    "task.demonstration=actors.environments.examples.tool_agents:make_number_demonstration",
+    "actors.teachers={mesh: trainer, bindings: {oracle: {kind: task_oracle, use: [replay]}}}",
+    "actors.trainer.loss.preference={kind: simpo}",
+    "actors.trainer.loss.beta_replay=0.1",
+    "loop.warm_start={steps: 2, teacher: oracle}",
+]
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_agents_that_misbehave_fail_only_their_episodes_and_say_why(tmp_path):
     """One agent per way to misbehave (tests/agent_faults.py): the run goes on. Collected by step, so each step
-    reports all of its own failures (by group, a step takes what finished first and a hung episode is seldom in)."""
-    settings = [f"task.agent={FAULTS}", "task.timeout_s=10", "loop.steps=2"]
+    reports all of its own failures (by group, a step takes what finished first and a hung episode is seldom in).
+    Their demonstrations fail with them, and so do those of a demonstration that raises or returns no list."""
+    settings = [f"task.agent={FAULTS}", "task.timeout_s=10", "loop.steps=2", *DEMONSTRATED]
+    settings.append("task.demonstration=tests.agent_faults:demonstration")
     result, run_dir = run_cli(tmp_path, *settings, "loop.prompts_per_step=10", "loop.evaluation.every=0")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(run_dir)
@@ -42,6 +53,10 @@ def test_agents_that_misbehave_fail_only_their_episodes_and_say_why(tmp_path):
         "the agent returned without calling the endpoint",
         "the agent returned 'yes', not a reward (a number) or None",
         "the agent asked for a turn past the task's max_turns (2)",
+        "a demonstration: the agent raised ValueError: the agent's tool exploded",
+        "a demonstration: task.demonstration raised ValueError: the demonstration's data is missing",
+        "a demonstration: task.demonstration raised ValueError: task.demonstration 'tests.agent_faults:demonstration'"
+        " returned str",
     ]
     for said in expected:
         assert any(said in cause for cause in causes), (said, causes)
@@ -55,15 +70,6 @@ def test_a_step_whose_every_agent_fails_stops_the_run_with_the_agents_own_error(
     message = " ".join(result.stderr.split())
     assert "every episode of step 0 failed, so there is nothing to train on" in message
     assert "the agent raised ValueError: the agent's tool exploded" in message and "Traceback" not in result.stderr
-
-
-DEMONSTRATED = [
-    "task.demonstration=actors.environments.examples.tool_agents:make_number_demonstration",
-    "actors.teachers={mesh: trainer, bindings: {oracle: {kind: task_oracle, use: [replay]}}}",
-    "actors.trainer.loss.preference={kind: simpo}",
-    "actors.trainer.loss.beta_replay=0.1",
-    "loop.warm_start={steps: 2, teacher: oracle}",
-]
 
 
 @pytest.mark.slow  # 12 steps of a whole CLI run (~45 s on 2 cores)
