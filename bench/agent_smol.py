@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import machine  # bench/ is on sys.path when this runs as a script
+from common import machine, runs_over_seeds  # bench/ is on sys.path when this runs as a script
 
 from mesh.records.figures import pyplot
 from mesh.records.rundir import read_metrics
@@ -166,21 +166,17 @@ def main() -> None:
     parser.add_argument("--add", action="append", default=[], help="CONFIG@SEED=RUN_DIR: an earlier run")
     args = parser.parse_args()
     print(f"machine: {machine()}\ndate: {datetime.date.today()}")
-    results: dict[str, dict[int, dict]] = {}
-    for config, seed, result in map(earlier_run, args.add):
-        results.setdefault(config, {})[seed] = result
-    for config in args.only:
-        for seed in args.seeds:
-            if seed in results.get(config, {}):
-                continue
-            result = asyncio.run(one_run(config, seed, args.quick, args.set))
-            results.setdefault(config, {})[seed] = result
-            tools = " ".join(f"{share:.2f}" for share in result["tool_share"])
-            print(
-                f"{config} seed {seed}: accuracy {result['accuracy'][0][1]:.3f} -> {result['accuracy'][-1][1]:.3f} in "
-                f"{result['accuracy'][-1][0]} episodes, {result['wall_s'] / 60:.1f} min; tool share by step: {tools}",
-                flush=True,
-            )
+
+    def said(config: str, seed: int, result: dict) -> str:
+        (_, start), (episodes, end) = result["accuracy"][0], result["accuracy"][-1]
+        tools = " ".join(f"{share:.2f}" for share in result["tool_share"])
+        return (
+            f"{config} seed {seed}: accuracy {start:.3f} -> {end:.3f} in {episodes} episodes, "
+            f"{result['wall_s'] / 60:.1f} min; tool share by step: {tools}"
+        )
+
+    run_one = lambda config, seed: asyncio.run(one_run(config, seed, args.quick, args.set))  # noqa: E731
+    results = runs_over_seeds(args.only, args.seeds, list(map(earlier_run, args.add)), run_one, said)
     summary = summarize(results)
     print(json.dumps(summary, indent=1))
     OUT.mkdir(exist_ok=True)

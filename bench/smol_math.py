@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import machine  # bench/ is on sys.path when this runs as a script
+from common import machine, runs_over_seeds  # bench/ is on sys.path when this runs as a script
 
 from mesh.records.figures import pyplot
 from mesh.records.rundir import read_metrics
@@ -217,17 +217,13 @@ def main() -> None:
     parser.add_argument("--add", action="append", default=[], help="CONFIG[@SEED]=RUN_DIR: an earlier run")
     args = parser.parse_args()
     print(f"machine: {machine()}\ndate: {datetime.date.today()}")
-    results: dict[str, dict[int, dict]] = {}
-    for config, seed, result in map(earlier_run, args.add):
-        results.setdefault(config, {})[seed] = result
-    for config in args.only:
-        for seed in args.seeds:
-            if seed in results.get(config, {}):
-                continue
-            result = asyncio.run(one_run(config, seed, args.quick, args.set))
-            results.setdefault(config, {})[seed] = result
-            curve = ", ".join(f"{samples}: {accuracy:.3f}" for samples, accuracy in result["curve"])
-            print(f"{config:7s} seed {seed} wall {result['wall_s']:.0f} s; accuracy by samples: {curve}", flush=True)
+
+    def said(config: str, seed: int, result: dict) -> str:
+        curve = ", ".join(f"{samples}: {accuracy:.3f}" for samples, accuracy in result["curve"])
+        return f"{config:7s} seed {seed} wall {result['wall_s']:.0f} s; accuracy by samples: {curve}"
+
+    run_one = lambda config, seed: asyncio.run(one_run(config, seed, args.quick, args.set))  # noqa: E731
+    results = runs_over_seeds(args.only, args.seeds, list(map(earlier_run, args.add)), run_one, said)
     results = {config: dict(sorted(results[config].items())) for config in CONFIGS if config in results}
     summary = summarize(results)
     print(json.dumps(summary, indent=1))
