@@ -547,9 +547,11 @@ def _sampled_rows(i: int, sampled: Routed) -> list[Row]:
 def _episode_rows(group: PlayedGroup, oracle: str | None) -> list[Row]:
     """A prompt's episodes as rows, rewarded with the environment's return (an agent's requests that could not
     be stitched into one sequence are rows of their own, with the same reward and episode); the failed ones
-    left out. Its demonstration, played, joins as the ``oracle`` teacher's rows: the warm start's, channel 3's."""
+    left out. Its demonstration, played, joins as the ``oracle`` teacher's rows (the warm start's, channel 3's)
+    while that teacher is bound."""
     played = [(RowKind.SAMPLE, t, o, j) for j, (t, o) in enumerate(zip(group.trajectories, group.outcomes))]
-    if (shown := group.demonstration) is not None and shown.outcome.failure is None:
+    shown = group.demonstration
+    if oracle is not None and shown is not None and shown.outcome.failure is None:  # the oracle may be unbound
         j = len(group.outcomes)
         kinds = [RowKind.WARM_START] * shown.warm_start + [RowKind.REPLAY] * shown.replay
         played += [(kind, shown.trajectory, shown.outcome, j) for kind in kinds]
