@@ -96,10 +96,10 @@ BACKENDS: dict[str, dict[str, Backend]] = {
         "torchtitan": Backend("actors.inner_loops.torchtitan:TorchTitanLoop", abilities=LoopAbilities()),
     },
     "engine": {
-        "hf": Backend("actors.engines.hf:HFEngine", abilities=EngineAbilities("bfloat16", padded_batches=True)),
+        "hf": Backend("actors.generator.engines.hf:HFEngine", abilities=EngineAbilities("bfloat16", padded_batches=True)),
         "vllm": Backend(
-            "actors.engines.vllm:VLLMEngine",
-            check="actors.generator_config:check_vllm",
+            "actors.generator.engines.vllm:VLLMEngine",
+            check="actors.generator.config:check_vllm",
             abilities=EngineAbilities("bfloat16", tensor_parallel=True, memory_share=True),
         ),
     },

@@ -34,7 +34,7 @@ from pathlib import Path
 from common import machine  # bench/ is on sys.path when this runs as a script
 from monarch.actor import Actor, endpoint, this_host
 
-from actors.lifecycle import ProcInfo, this_proc
+from actors.basics.proc_info import ProcInfo, this_proc
 from mesh.records.rundir import read_metrics
 from mesh.runtime.fleet import Fleet, Role
 from mesh.runtime.run import run

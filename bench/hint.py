@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from actors.engines import sampling_seeds
-from actors.engines.hf import HFEngine
-from actors.prompts import render
+from actors.generator.engines import sampling_seeds
+from actors.generator.engines.hf import HFEngine
+from actors.models.chat import render
 from actors.tasks import Problem, build_task
 from actors.tasks.math import NUMBER, SOLUTION_HINT
 from mesh.controller.hints import ANSWER_HINT, SIBLING_HINT

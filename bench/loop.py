@@ -44,8 +44,8 @@ import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 from monarch.actor import Actor, endpoint, this_host
 
-from actors.lifecycle import ProcInfo
-from actors.train_batch import row_advantages
+from actors.basics.proc_info import ProcInfo
+from actors.contract.train_batch import row_advantages
 from actors.weights import WeightPublisher, WeightSubscriber, WeightVersion
 from mesh.controller.samples import SampleRecording, sample_records
 from mesh.records.logthread import LogThread

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from actors.adapters import adapter_state, load_adapter_state, with_adapter
+from actors.models.lora import adapter_state, load_adapter_state, with_adapter
 from actors.inner_loops.config import LoRAConfig
-from actors.model import causal_lm
-from actors.model_config import TinyModelSpec
+from actors.models.tiny import causal_lm
+from actors.models.facts import TinyModelSpec
 from actors.weights import WeightFollower, WeightPublisher, create_store, remove_store
 from mesh.topology.schema import load_topology
 
@@ -150,7 +150,7 @@ def main(args) -> None:
             f"{(full.publish_s + full.load_s) / (lora.publish_s + lora.load_s):.1f}x less time"
         )
     with tempfile.TemporaryDirectory() as directory:
-        from actors.model import build_tiny_model
+        from actors.models.tiny import build_tiny_model
 
         model = str(build_tiny_model(Path(directory), HALF_B, "abc=", seed=0))
         full, lora = trainer_peak(model, False), trainer_peak(model, True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from vs_trl_smol import accuracy  # bench/ is on sys.path when this runs as a script
 
-from actors.prompts import render
+from actors.models.chat import render
 from actors.tasks import build_task
 from mesh.records.rundir import read_metrics
 from mesh.topology.schema import Topology, load_topology

@@ -7,7 +7,7 @@ recorded steps are rebuilt into the very ``TrainBatch``es the trainer took, and 
 the other on this machine, in the topology's trainer configuration (its loss, micro-batch size and precision), one
 process, all cores:
 
-- ``packed``: the native loop's ``forward_backward`` as it runs, its micro-batches packed (``actors/packing.py``);
+- ``packed``: the native loop's ``forward_backward`` as it runs, its micro-batches packed (``actors/models/packing.py``);
 - ``padded``: the same loop with every row a sequence of its own, padded to the step's longest, as it ran before
   packing (the baseline packing is measured against);
 - ``floor``: a bare forward and backward of the same real tokens in plain torch, no loss library: each
@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from actors.adapters import head_weight
+from actors.models.lora import head_weight
 from actors.inner_loops.native import NativeLoop
-from actors.train_batch import TrainBatch, build_train_batch, row_advantages
+from actors.contract.train_batch import TrainBatch, build_train_batch, row_advantages
 from losses import LinearHead
 from mesh.runtime.retrain import recorded_batches
 from mesh.topology.plan import RunPlan

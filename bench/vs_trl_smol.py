@@ -16,7 +16,7 @@ one after the other:
   (the runtime splits the cores between the two processes).
 - TRL: ``GRPOTrainer`` (``bench/vs_trl.py``'s ``trl_trainer``) with every core's thread: the same model
   directory, each step's prompts as the runtime draws them (``problems(seed, step, prompts_per_step)``, in
-  order) rendered with the model's chat template and the task's system prompt (``actors/prompts.py``), the
+  order) rendered with the model's chat template and the task's system prompt (``actors/models/chat.py``), the
   task's reward, ``num_generations = group_size``, ``loss_type="dapo"`` with the topology's clip range, no KL,
   one update per generation (micro-batches of at most the trainer's ``micro_batch_size`` rows, accumulated
   into one optimizer step of ``prompts_per_step x group_size`` samples), the topology's AdamW settings at a
@@ -66,8 +66,8 @@ from common import machine  # noqa: E402  bench/ is on sys.path when this runs a
 from loop import loop_settings  # noqa: E402
 from vs_trl import trl_trainer  # noqa: E402
 
-from actors.engines import Sampling  # noqa: E402
-from actors.prompts import render  # noqa: E402
+from actors.generator.engines import Sampling  # noqa: E402
+from actors.models.chat import render  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from mesh.topology.plan import RunPlan  # noqa: E402
 from mesh.topology.preflight import load_plan  # noqa: E402
@@ -169,7 +169,7 @@ def timed_side(side: str, root: Path) -> dict:
 
 def accuracy(model: Path, topology: Topology) -> float:
     """Share of the held-out prompts whose greedy continuation scores exactly 1 (see the module doc)."""
-    from actors.engines.hf import HFEngine
+    from actors.generator.engines.hf import HFEngine
 
     task = build_task(topology.task.config)
     problems = task.problems(topology.seed, -1, topology.loop.evaluation.prompts)

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from actors import registry
-from actors.model_source import PACKAGE
+from actors.models.source import PACKAGE
 from actors.teachers.bindings.config import BindingConfig
 from mesh.runtime.commands import EVENTS, NAME_PATTERN, ControlError, read_teachers, send
 from mesh.topology.schema import TopologyError, parse_yaml

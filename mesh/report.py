@@ -7,7 +7,7 @@ how far it got, whether the reward rose, where a step's time goes, whether anyth
 and what it saved. It reads only; it starts nothing and needs no torch, so it is quick on a live run.
 
 The state comes from what is in the directory: ``final/`` present is finished; ``control/pid`` naming a
-process that is still the run's (``actors.procs.alive_since``) is live (``live?`` when it is on another
+process that is still the run's (``actors.basics.pids.alive_since``) is live (``live?`` when it is on another
 host); an ``error.log`` entry for the end of the run is failed; every step trained but no ``final/`` yet is
 ``finishing?`` (the run exports it after closing its channel; an export that fails is the run's end in
 error.log, so this is an export under way, or one a kill cut short);
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from actors.disk import RefusedFile, lines, open_regular, read_regular
+from actors.basics.disk import RefusedFile, lines, open_regular, read_regular
 from mesh.records.figures import pyplot
 from mesh.records.rundir import ERROR_LOG, METRICS_FILE, REWARD_KEY, draw
 from mesh.runtime.commands import CONTROL, EVENTS, ControlError, read_owner

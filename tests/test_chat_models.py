@@ -16,11 +16,11 @@ from test_actors import a_batch
 from test_engine import check_groups, forward_logprobs, seeds_for
 from test_inner_loops import TOLERANCE, config, gradients_of
 
-from actors.engines import Sampling
-from actors.engines.hf import HFEngine
-from actors.model import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
-from actors.model_config import BPE_VOCAB_SIZE
-from actors.prompts import render
+from actors.generator.engines import Sampling
+from actors.generator.engines.hf import HFEngine
+from actors.models.tiny import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
+from actors.models.facts import BPE_VOCAB_SIZE
+from actors.models.chat import render
 from actors.tasks.dataset import PRINTABLE
 from mesh.checkpoints.fingerprint import fingerprint, topology_fingerprint
 from mesh.topology.schema import load_topology
@@ -104,7 +104,7 @@ async def test_the_hf_engine_samples_a_bpe_model_after_its_chat_template(bpe_dir
 async def test_the_vllm_engine_samples_a_bpe_model_as_hf_computes_it(bpe_dir):
     import monarch.job  # noqa: F401  as in any process that launched a topology (tests/test_engine.py)
 
-    from actors.engines.vllm import VLLMEngine
+    from actors.generator.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(bpe_dir, Sampling(max_new_tokens=6))
     model, tokenizer = load_policy(bpe_dir)

@@ -15,7 +15,7 @@ import xxhash
 from tmpfs import fill, tmpfs
 
 from actors import registry
-from actors.checkpoint import (
+from actors.inner_loops.checkpoint import (
     CheckpointError,
     checkpoint_state,
     load_checkpoint,
@@ -23,10 +23,10 @@ from actors.checkpoint import (
     save_checkpoint,
 )
 from actors.inner_loops import OptimizerConfig, TrainerConfig
-from actors.model import TinyModelSpec, build_tiny_model
-from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.models.tiny import TinyModelSpec, build_tiny_model
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
-from actors.train_batch import build_train_batch
+from actors.contract.train_batch import build_train_batch
 from mesh.checkpoints.fingerprint import fingerprint, topology_fingerprint
 from mesh.run import check_resume, main
 from mesh.topology.schema import load_topology

@@ -15,8 +15,8 @@ import pytest
 import torch
 from test_actors import TASK, a_batch
 
-import actors.trainer
-from actors.checkpoint import CheckpointError
+import actors.trainer.actor
+from actors.inner_loops.checkpoint import CheckpointError
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.diloco.outer import OuterLoop
 from actors.diloco.syncer import DiLoCoSyncer, TrainerParameters, checkpoint_name
@@ -24,7 +24,7 @@ from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import ParameterShard
 from actors.inner_loops.config import LoRAConfig
 from actors.inner_loops.native import NativeLoop
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
 
 PLAIN = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)  # θ becomes the replicas' mean
 NESTEROV = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True)

@@ -11,7 +11,7 @@ from conftest import DIVERGENCES
 from torch.testing import assert_close
 
 from actors.teachers.bindings import top_k_of
-from actors.train_batch import pad_sequences
+from actors.contract.train_batch import pad_sequences
 from losses import (
     Counts,
     DistillConfig,

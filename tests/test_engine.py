@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from actors.engines import Sampling, sampling_seeds
-from actors.engines.hf import HFEngine
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
+from actors.generator.engines import Sampling, sampling_seeds
+from actors.generator.engines.hf import HFEngine
+from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
 
 ALPHABET = "abcdef="
 VLLM_TINY = TinyModelSpec(hidden_size=128, heads=4, kv_heads=2)  # head size 32
@@ -49,7 +49,7 @@ def vllm_engine(vllm_path):
     which vLLM's CPU kernel scan trips on), as any process that launched a topology has."""
     import monarch.job  # noqa: F401
 
-    from actors.engines.vllm import VLLMEngine
+    from actors.generator.engines.vllm import VLLMEngine
 
     return VLLMEngine(vllm_path, Sampling(max_new_tokens=6))
 
@@ -171,7 +171,7 @@ async def test_vllm_samples_seeded_prompts_whose_prefills_overflow_an_engine_ste
     """More prompt tokens than one engine step takes (a multi-turn agent's prompts arriving together): on CPU a
     prefill split across steps would fail every seeded request ("CPU Generator does not use offset"); whole
     prefills wait for the next step, and each prompt samples as it does alone."""
-    from actors.engines.vllm import CPU_STEP_TOKENS
+    from actors.generator.engines.vllm import CPU_STEP_TOKENS
 
     prompts = [("abcdef" * 10)[i % 6 :][:55] + "=" for i in range(CPU_STEP_TOKENS // 50 + 8)]
     together = await vllm_engine.generate(prompts, 1, seeds_for(prompts))
@@ -214,7 +214,7 @@ async def test_vllm_reloads_weights_in_place_and_forgets_cached_prefixes(vllm_en
 
 
 def test_vllm_refuses_a_head_size_its_cpu_kernels_lack(tmp_path):
-    from actors.engines.vllm import VLLMEngine
+    from actors.generator.engines.vllm import VLLMEngine
 
     path = build_tiny_model(tmp_path / "m", TinyModelSpec(), ALPHABET, seed=0)  # head size 16
     with pytest.raises(ValueError, match="head size is 16.*hidden_size / heads"):
@@ -222,7 +222,7 @@ def test_vllm_refuses_a_head_size_its_cpu_kernels_lack(tmp_path):
 
 
 async def test_vllm_takes_its_sampling_parameters_from_the_topology(vllm_path):
-    from actors.engines.vllm import VLLMEngine
+    from actors.generator.engines.vllm import VLLMEngine
 
     greedy = VLLMEngine(vllm_path, Sampling(4, temperature=0.7, top_k=1))
     samples = [s for g in await greedy.generate(["abc=", "abc="], 4, seeds_for(["abc=", "abc="])) for s in g]

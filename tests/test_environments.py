@@ -353,8 +353,8 @@ def test_a_taskset_whose_module_is_missing_is_refused_when_built():
 async def test_the_rewarder_logs_each_verifiers_reward_function_as_its_own_part():
     from local_procs import local_procs
 
-    from actors.rewarder import Rewarder
-    from actors.rewarder_config import RewarderConfig
+    from actors.rewarder.actor import Rewarder
+    from actors.rewarder.config import RewarderConfig
 
     cfg = TaskConfig("verifiers", {"taskset": "actors.environments.examples.vf_arith:ArithTaskset", "config": {}})
     (problem,) = build_task(cfg).problems(0, 0, 1)

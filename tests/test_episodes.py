@@ -19,17 +19,17 @@ import pytest
 from local_procs import local_procs
 from tiny_runs import run_topology
 
-from actors.compute import Compute
-from actors.engines import sampling_seeds
+from actors.basics.compute import Compute
+from actors.generator.engines import sampling_seeds
 from actors.environments import Turn
 from actors.environments.chat_tokens import ChatTokens
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import OBSERVATION_ALPHABET, OpenEnvTask, episode_seed
 from actors.environments.serve import EnvironmentServer
-from actors.environments.tokens import TokenPolicy
-from actors.generator import Generator, GeneratorConfig
-from actors.model import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
-from actors.rollout import Trajectory
+from actors.environments.token_policy import TokenPolicy
+from actors.generator.actor import Generator, GeneratorConfig
+from actors.models.tiny import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
+from actors.contract.rollouts import Trajectory
 from actors.weights import WeightPublisher
 from mesh.topology.schema import TopologyError, load_topology
 

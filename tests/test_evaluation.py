@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 from tiny_runs import SHORT, TINY, finished_tiny_run
 
-from actors.engines.hf import HFEngine
-from actors.prompts import render
-from actors.reward_functions import RewardFunctions
+from actors.generator.engines.hf import HFEngine
+from actors.models.chat import render
+from actors.rewarder.functions import RewardFunctions
 from actors.tasks import build_task
 from mesh.report import main
 from mesh.runtime.progress import Progress

@@ -17,10 +17,10 @@ import pytest
 from gguf_files import SMOLLM2, TinyGGUF, write_gguf
 from tmpfs import FILLER, fill, tmpfs
 
-from actors import gguf_model
-from actors.gguf_header import GGML_TYPES, ArrayOf, read_header
-from actors.model_config import ModelFacts, TinyModelSpec
-from actors.model_source import CACHE_ENV, MARKER, ModelSource, ModelSourceError
+from actors.models.gguf import convert as gguf_model
+from actors.models.gguf.header import GGML_TYPES, ArrayOf, read_header
+from actors.models.facts import ModelFacts, TinyModelSpec
+from actors.models.source import CACHE_ENV, MARKER, ModelSource, ModelSourceError
 from mesh.run import dry_run
 from mesh.topology.schema import TopologyError, load_topology
 
@@ -281,7 +281,7 @@ def test_a_tensor_a_model_has_no_place_for_or_one_it_lacks_is_refused(tmp_path):
 def test_a_package_or_gguf_library_that_is_not_installed_is_refused_naming_the_install(tiny, monkeypatch):
     message = refused(as_model("package:no_such_pkg/x.gguf"))
     assert "package no_such_pkg, which is not installed" in message and "pip install no_such_pkg" in message
-    monkeypatch.setattr("actors.model_source.find_module", lambda name: name != "gguf")
+    monkeypatch.setattr("actors.models.source.find_module", lambda name: name != "gguf")
     assert "pip install -e '.[models]'" in refused(as_model(tiny))
 
 

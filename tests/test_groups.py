@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from actors.rollout import EpisodeOutcome, Trajectory
+from actors.contract.rollouts import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
 from mesh.controller.groups import EnvironmentDown, GroupPool, PlayedGroup
 from mesh.controller.scheduler import Abandoned

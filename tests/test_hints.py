@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.rollout import Reward, Row, RowKind, Trajectory
+from actors.contract.rollouts import Reward, Row, RowKind, Trajectory
 from actors.tasks import Problem
 from actors.teachers.bindings.config import BindingConfig
 from mesh.controller.hints import hints_of, problem_hint

@@ -2,7 +2,7 @@
 the directory, a line that never ends, a number no process has. Before, a pipe or /dev/zero hung
 ``mesh.export``, ``--resume --dry-run`` (checksumming), ``mesh.report`` and ``mesh.ctl``; a huge pid, a byte
 that is not UTF-8 or a line nested past Python's stack ended in a traceback. Every reader now opens regular
-files only (``actors.disk.open_regular``), without following a link, reads within a bound, and refuses the
+files only (``actors.basics.disk.open_regular``), without following a link, reads within a bound, and refuses the
 rest in one paragraph. Each case runs under an alarm: a reader that waits fails the test instead of hanging it.
 """
 
@@ -19,9 +19,9 @@ import pytest
 import torch
 from tiny_runs import TINY
 
-from actors.checkpoint import CheckpointError, checkpoint_state, save_checkpoint
-from actors.disk import RefusedFile, lines, open_regular, read_regular
-from actors.model_config import header_shapes
+from actors.inner_loops.checkpoint import CheckpointError, checkpoint_state, save_checkpoint
+from actors.basics.disk import RefusedFile, lines, open_regular, read_regular
+from actors.models.facts import header_shapes
 from mesh import ctl, export, report
 from mesh.run import dry_run
 from mesh.runtime.commands import MAX_PID

@@ -23,9 +23,9 @@ from test_actors import ALL_CHANNELS, TASK, a_batch
 from actors import registry
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.base import NonFiniteLoss
-from actors.model import TinyModelSpec, build_tiny_model
-from actors.reward_functions import InvalidReward, RewardFunctions
-from actors.rewarder_config import RewarderConfig
+from actors.models.tiny import TinyModelSpec, build_tiny_model
+from actors.rewarder.functions import InvalidReward, RewardFunctions
+from actors.rewarder.config import RewarderConfig
 from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
 from losses import LossConfig, policy_config

@@ -18,7 +18,7 @@ import pytest
 from test_checkpoint import reseal
 from tiny_runs import TINY, finished_tiny_run
 
-from actors.checkpoint import CheckpointError, checkpoint_state
+from actors.inner_loops.checkpoint import CheckpointError, checkpoint_state
 from mesh.checkpoints.resume import check_state
 from mesh.controller.inflight import collected_from_json, collected_to_json
 from mesh.run import check_resume, main

@@ -21,7 +21,7 @@ import pytest
 
 import mesh.run
 from actors.weights.storedir import OWNER, StoreOwner
-from actors.weights_config import store_root
+from actors.weights.config import store_root
 from mesh.run import QuietStop, main
 from mesh.runtime.interrupts import Interrupted, newest_checkpoint
 
@@ -202,7 +202,7 @@ def test_a_second_signal_during_a_checkpoint_write_names_the_checkpoint_and_it_r
 
 
 def whole(run: Path, step: int, *files: str) -> Path:
-    """A checkpoint directory as ``actors/checkpoint.py`` leaves it once renamed into place."""
+    """A checkpoint directory as ``actors/inner_loops/checkpoint.py`` leaves it once renamed into place."""
     path = run / "checkpoints" / f"step_{step:06d}"
     path.mkdir(parents=True)
     for name in ("checksums.json", *files):
@@ -300,10 +300,10 @@ def test_a_signal_a_library_turns_into_its_own_exception_still_stops_work_at_onc
 
 
 def test_a_signal_a_library_turns_into_its_own_exception_stops_an_export(monkeypatch, capsys, tmp_path):
-    import actors.checkpoint
+    import actors.inner_loops.checkpoint
     from mesh import export as command
 
-    monkeypatch.setattr(actors.checkpoint, "checkpoint_model", lambda checkpoint: library_call_the_signal_lands_in())
+    monkeypatch.setattr(actors.inner_loops.checkpoint, "checkpoint_model", lambda checkpoint: library_call_the_signal_lands_in())
     previous = signal.getsignal(signal.SIGINT)
     assert command.main([str(tmp_path / "step_000001"), str(tmp_path / "out")]) == 130
     assert capsys.readouterr().err == f"stopped: SIGINT while exporting; nothing was written to {tmp_path / 'out'}\n"

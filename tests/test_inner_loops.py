@@ -21,13 +21,13 @@ from test_actors import ALL_CHANNELS, TASK, a_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors import registry
-from actors.adapters import adapter_state, head_weight, load_adapter_state
-from actors.checkpoint import load_checkpoint
+from actors.models.lora import adapter_state, head_weight, load_adapter_state
+from actors.inner_loops.checkpoint import load_checkpoint
 from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
 from actors.inner_loops.config import LoRAConfig
 from actors.inner_loops.native import NativeLoop
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from actors.train_batch import TrainBatch
+from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.contract.train_batch import TrainBatch
 from losses import LinearHead, LossConfig, policy_config, prime_rl
 from losses.logprobs import token_logprobs
 
@@ -135,7 +135,7 @@ class PaddedNative(NativeLoop):
 @pytest.mark.parametrize("channels", [False, True], ids=["policy", "all_channels"])
 @pytest.mark.parametrize("policy", POLICY_LOSSES)
 def test_packed_rows_give_the_padded_rows_loss_and_gradients(policy, channels, model_dir, native, monkeypatch):
-    """Packed micro-batches (each group's prompt once, actors/packing.py; completion columns trimmed) against the
+    """Packed micro-batches (each group's prompt once, actors/models/packing.py; completion columns trimmed) against the
     rows padded to the step's longest, as every loop ran before: the same loss and gradients to float error. Every
     other loop matches the packed native loop (above), so each matches its padded self too."""
     batch, (packed_metrics, packed_gradients) = native(policy, channels)

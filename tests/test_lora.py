@@ -19,11 +19,11 @@ from test_actors import TASK, a_batch
 from test_checkpoint import TINY, resume_error, small_checkpoint
 from test_runtime import ROOT, records
 
-from actors.adapters import adapter_state, load_adapter_state, with_adapter
+from actors.models.lora import adapter_state, load_adapter_state, with_adapter
 from actors.inner_loops.config import LoRAConfig
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from actors.reference import ReferenceModel
-from actors.weights_config import slot_bytes
+from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.reference_model.actor import ReferenceModel
+from actors.weights.config import slot_bytes
 from mesh.checkpoints.fingerprint import base_digest, fingerprint, topology_fingerprint
 from mesh.runtime.run import run
 from mesh.topology.describe import describe

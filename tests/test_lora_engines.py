@@ -11,14 +11,14 @@ import pytest
 import torch
 from peft import PeftModel
 
-from actors.adapters import adapter_state, load_adapter_state, with_adapter
-from actors.engines import Sampling
-from actors.engines.hf import HFEngine
-from actors.generator_config import VLLM_LORA_RANKS, vllm_lora_rank
+from actors.models.lora import adapter_state, load_adapter_state, with_adapter
+from actors.generator.engines import Sampling
+from actors.generator.engines.hf import HFEngine
+from actors.generator.config import VLLM_LORA_RANKS, vllm_lora_rank
 from actors.inner_loops.config import LoRAConfig
-from actors.model import build_tiny_model, load_policy
+from actors.models.tiny import build_tiny_model, load_policy
 from actors.weights import WeightFollower, WeightPublisher, create_store, remove_store
-from actors.weights_config import store_root
+from actors.weights.config import store_root
 from test_engine import (  # noqa: F401  no_process_group_left: an autouse fixture, shared
     ALPHABET,
     LOGPROB_TOLERANCE,
@@ -49,7 +49,7 @@ def reference(base_path) -> PeftModel:
 @pytest.fixture(scope="module")
 def vllm_engine(base_path):
     pytest.importorskip("vllm", reason="vllm is not installed")
-    from actors.engines.vllm import VLLMEngine
+    from actors.generator.engines.vllm import VLLMEngine
 
     return VLLMEngine(base_path, Sampling(6, top_k=1), adapter=ADAPTER)  # top-k 1: greedy
 

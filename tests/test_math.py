@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.prompts import render
-from actors.reward_functions import RewardFunctions
-from actors.rewarder_config import RewarderConfig
+from actors.models.chat import render
+from actors.rewarder.functions import RewardFunctions
+from actors.rewarder.config import RewarderConfig
 from actors.tasks import Problem, TaskConfig, build_task
 from actors.tasks.arithmetic_data import DATA_DIR, SIZES, generate
 from actors.tasks.math import SOLUTION_HINT, Math, extract_answer, numeric_reward

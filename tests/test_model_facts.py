@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.model import build_tiny_model, load_policy
-from actors.model_config import ModelFacts, TinyModelSpec
+from actors.models.tiny import build_tiny_model, load_policy
+from actors.models.facts import ModelFacts, TinyModelSpec
 from actors.weights import HEADER_BYTES, WeightPublisher, slot_file
-from actors.weights_config import SLOT_HEADER_BYTES, slot_bytes
+from actors.weights.config import SLOT_HEADER_BYTES, slot_bytes
 
 ALPHABET = "abc="
 

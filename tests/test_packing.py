@@ -1,4 +1,4 @@
-"""Rows packed for one forward pass (``actors/packing.py``): each shared prompt once, every token seeing only its own
+"""Rows packed for one forward pass (``actors/models/packing.py``): each shared prompt once, every token seeing only its own
 row at its row's positions, lanes bounded, the model's states at each completion token those of the row alone, and
 per-row loss inputs carried with their rows."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from test_actors import TASK, a_batch
 
-from actors import packing
+from actors.models import packing
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from actors.packing import pack_rows
+from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.packing import pack_rows
 from losses import DistillConfig, LossConfig, TeacherTopK
 from losses.distill import kl_teacher_student, supports
 

@@ -1,4 +1,4 @@
-"""The reference model of the KL penalty (``actors/reference.py``): on the trainer's own ranks or
+"""The reference model of the KL penalty (``actors/reference_model/actor.py``): on the trainer's own ranks or
 a mesh of its own, the same logprobs and the same training; a reference that cannot score the
 policy's tokens is refused with its reason."""
 
@@ -12,9 +12,9 @@ from test_actors import TASK, a_batch
 from test_runtime import TIMED, TINY, records, small
 from test_topology import _cli
 
-from actors.model import TinyModelSpec, build_tiny_model, load_policy
-from actors.reference import ReferenceMismatch, ReferenceModel
-from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.reference_model.actor import ReferenceMismatch, ReferenceModel
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from mesh.controller import Collected
 from mesh.controller.inflight import collected_from_json, collected_to_json
 from mesh.runtime.run import run
@@ -95,7 +95,7 @@ async def test_both_placements_train_identically_and_the_kl_starts_at_zero(tmp_p
         ]
         placed = json.loads((run_dir.path / "procs.json").read_text())
         roles[mesh] = {name: m["roles"] for name, m in placed.items()}
-    # to float error: the two placements pack different rows together (actors/packing.py), so sums run in other orders
+    # to float error: the two placements pack different rows together (actors/models/packing.py), so sums run in other orders
     assert [row.keys() for row in learned["trainer"]] == [row.keys() for row in learned["service"]]
     for ours, theirs in zip(learned["trainer"], learned["service"], strict=True):
         for key, value in ours.items():

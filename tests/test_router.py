@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.generator import Generation
-from actors.rollout import Trajectory
+from actors.generator.actor import Generation
+from actors.contract.rollouts import Trajectory
 from actors.tasks.strings import Reverse
 from actors.weights import WeightVersion
 from mesh.controller import Controller

@@ -13,8 +13,8 @@ import yaml
 from safetensors.torch import load_file
 from tiny_runs import run_topology
 
-from actors.model import TinyModelSpec, build_tiny_model
-from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.models.tiny import TinyModelSpec, build_tiny_model
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks.strings import Reverse
 from mesh.controller import Collected, StalenessError
 from mesh.controller.scheduler import Scheduler

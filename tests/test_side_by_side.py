@@ -1,7 +1,7 @@
 """Runs side by side on one host: four tiny runs at once, each a two-rank trainer with its process group's store,
 all finish while another program holds nearly every ephemeral port and keeps taking the free ones.
 
-No listening socket of a run is chosen free and bound later (``actors/trainer.py``'s store, the served environment,
+No listening socket of a run is chosen free and bound later (``actors/trainer/actor.py``'s store, the served environment,
 the agents' endpoint, the torchft stores and lighthouse): each is bound at port 0 by the process that serves it.
 """
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.procs import start_ticks
+from actors.basics.pids import start_ticks
 from actors.weights import (
     TornWeightsError,
     WeightFollower,

@@ -12,8 +12,8 @@ import sys
 import pytest
 from local_procs import local_procs
 
-from actors.compute import Compute
-from actors.model import TinyModelSpec, build_tiny_model
+from actors.basics.compute import Compute
+from actors.models.tiny import TinyModelSpec, build_tiny_model
 from actors.tasks import Problem
 from actors.teachers.bindings import Student
 from actors.teachers.bindings.config import BindingConfig

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from local_procs import local_procs
 
-from actors.engines import sampling_seeds
-from actors.engines.hf import HFEngine
-from actors.model import TinyModelSpec, build_tiny_model
-from actors.prompts import render
-from actors.reward_functions import RewardFunctions
-from actors.rewarder import Rewarder, RewarderConfig
+from actors.generator.engines import sampling_seeds
+from actors.generator.engines.hf import HFEngine
+from actors.models.tiny import TinyModelSpec, build_tiny_model
+from actors.models.chat import render
+from actors.rewarder.functions import RewardFunctions
+from actors.rewarder.actor import Rewarder, RewarderConfig
 from actors.tasks import TaskConfig, build_task
 from actors.tasks.strings import Reverse
 from mesh import ctl

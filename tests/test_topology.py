@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.checkpoint import save_checkpoint
-from actors.generator_config import VLLM_CPU_HEAD_SIZES
+from actors.inner_loops.checkpoint import save_checkpoint
+from actors.generator.config import VLLM_CPU_HEAD_SIZES
 from actors.inner_loops import TrainerConfig
-from actors.weights_config import slot_bytes
+from actors.weights.config import slot_bytes
 from mesh.checkpoints.fingerprint import topology_fingerprint
 from mesh.run import main
 from mesh.topology import preflight

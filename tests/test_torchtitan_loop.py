@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.inner_loops.torchtitan import TorchTitanLoop, TorchTitanModelError
-from actors.model import TinyModelSpec, build_tiny_model, char_tokenizer, load_policy
+from actors.models.tiny import TinyModelSpec, build_tiny_model, char_tokenizer, load_policy
 from losses import LossConfig
 
 ARCHS = ("qwen2", "qwen3", "llama")
@@ -76,7 +76,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_logits_match_hf_on_each_padded_row(model_dirs, arch):
-    """The loop's logits come from the rows packed (shared prompts once, ``actors/packing.py``); HF's here from
+    """The loop's logits come from the rows packed (shared prompts once, ``actors/models/packing.py``); HF's here from
     the rows as the batch pads them, left and right."""
     batch = a_batch(model_dirs[arch], channels=True)
     assert not batch.attention_mask[:, 0].all() and not batch.attention_mask[:, -1].all()  # left and right pads
@@ -167,7 +167,7 @@ async def test_bf16_over_two_gloo_ranks_makes_the_one_rank_step(model_dirs):
         for procs in (1, 2)
     ]
     (one, weights_one), (two, weights_two) = runs
-    # each rank packs its own share of the rows (actors/packing.py), so bf16 rounds the two runs' lanes differently
+    # each rank packs its own share of the rows (actors/models/packing.py), so bf16 rounds the two runs' lanes differently
     assert two.metrics["loss"] == pytest.approx(one.metrics["loss"], abs=1e-4)
     assert {tensor.dtype for tensor in weights_one.values()} == {torch.float32}
     assert two.metrics["grad_norm"] == pytest.approx(one.metrics["grad_norm"], rel=1e-3)

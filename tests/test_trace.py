@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.lifecycle import ProcInfo
+from actors.basics.proc_info import ProcInfo
 from mesh.records.logthread import LogThread
 from mesh.records.rundir import TIMELINE_FILE, RunDir
 from mesh.records.trace import STEP, TRACE_FILE, Tracer, at_step, in_step, plot_timeline

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlparse
 
-from actors.urls import check_url
+from actors.basics.urls import check_url
 
 Transport = Literal["torchft", "object_store"]
 STORE_SCHEMES = {"file": None, "s3": "s3fs"}  # fsspec protocols the object store is tested on -> the module they need

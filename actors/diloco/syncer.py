@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from actors.checkpoint import CheckpointError
+from actors.inner_loops.checkpoint import CheckpointError
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.outer import OuterLoop
 from actors.diloco.transport import Transport

@@ -9,7 +9,7 @@ loop knows nothing of transports.
 
 Only text crosses this boundary. Tokens are the generator's business: it renders
 each observation as a user message with the model's chat template and masks those
-tokens out of the loss (``actors.environments.tokens``, by the stitcher agents use), so
+tokens out of the loss (``actors.environments.token_policy``, by the stitcher agents use), so
 an episode trains only on the model's own replies.
 """
 

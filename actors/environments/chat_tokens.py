@@ -1,7 +1,7 @@
 """An episode as the tokens the policy really sampled, whatever its messages re-tokenize to.
 
 The one stitcher of every multi-turn path: an agent's requests (``actors.environments.endpoint``) and an
-environment's episodes (``actors.environments.tokens``). An agent talks to the run in OpenAI messages. Rendering each
+environment's episodes (``actors.environments.token_policy``). An agent talks to the run in OpenAI messages. Rendering each
 request's messages with the chat template and tokenizing them would train on tokens the engine
 never produced: a reply's text can tokenize differently from the ids sampled, most visibly
 where a tokenizer merges characters across the end of the reply and the next turn's header.
@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.prompts import has_chat_template
-from actors.rollout import Trajectory
+from actors.models.chat import has_chat_template
+from actors.contract.rollouts import Trajectory
 
 Message = dict[str, Any]
 
@@ -197,7 +197,7 @@ def _for_template(message: Message) -> Message:
 
 def _plain(messages: list[Message], eos: str) -> str:
     """A conversation without a chat template: the system prompt on its own line, each other message's
-    text in order, each reply closed by EOS (``actors.prompts.render`` for the first turn)."""
+    text in order, each reply closed by EOS (``actors.models.chat.render`` for the first turn)."""
     parts = []
     for message in messages:
         text = message.get("content") or ""

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.environments.chat_tokens import ChatTokens, Message, Prompt, TemplateError
-from actors.rollout import Trajectory
+from actors.contract.rollouts import Trajectory
 
 # Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone and the policy
 # version that sampled it.

@@ -36,12 +36,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from actors.adapters import adapter_state, load_adapter_state, saved_name
-from actors.checkpoint import load_checkpoint, save_checkpoint
+from actors.models.lora import adapter_state, load_adapter_state, saved_name
+from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
-from actors.model import number_tokens
-from actors.shares import split_evenly
-from actors.train_batch import TrainBatch
+from actors.models.tiny import number_tokens
+from actors.basics.shares import split_evenly
+from actors.contract.train_batch import TrainBatch
 from losses import (
     Counts,
     DistillInputs,
@@ -98,7 +98,7 @@ class InnerLoop(Protocol):
 
     def state_dict(self) -> dict[str, Tensor]:
         """The policy's full weights under the names the generator engines load (HF naming); with LoRA
-        (``TrainerConfig.lora``) its adapters only, under PEFT's saved names (``actors/adapters.py``)."""
+        (``TrainerConfig.lora``) its adapters only, under PEFT's saved names (``actors/models/lora.py``)."""
 
     def parameter_shards(self) -> dict[str, ParameterShard]:
         """This rank's part of every parameter (``ParameterShard``), changed in place by DiLoCo's outer step."""

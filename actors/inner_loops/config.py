@@ -166,7 +166,7 @@ class TrainerConfig:
     inner_loop: str = "native"  # native, trl, prime_rl, torchtitan, or package.module:Class
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    micro_batch_size: int = 64  # rows per forward/backward on one rank, packed (actors/packing.py)
+    micro_batch_size: int = 64  # rows per forward/backward on one rank, packed (actors/models/packing.py)
     custom_loss: CustomLossConfig | None = None
     # The dtype of the matmuls; weights, gradients and optimizer state stay fp32 either way.
     # auto: bf16 where the trainer has GPUs, fp32 on CPU (a CPU without native bf16 runs bf16 matmuls slowly).

@@ -22,12 +22,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from actors.adapters import head_weight, with_adapter
+from actors.models.lora import head_weight, with_adapter
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
-from actors.model import load_policy
-from actors.packing import packed_states
-from actors.train_batch import Sequences, TrainBatch
+from actors.models.tiny import load_policy
+from actors.models.packing import packed_states
+from actors.contract.train_batch import Sequences, TrainBatch
 from losses import LinearHead
 
 
@@ -40,7 +40,7 @@ class HiddenStates(nn.Module):
 
     def forward(self, batch: TrainBatch | Sequences) -> Tensor:
         """The states that predict each row's completion, from one pass over the rows packed
-        (``actors/packing.py``): ``[rows, T, hidden]``."""
+        (``actors/models/packing.py``): ``[rows, T, hidden]``."""
         return packed_states(self.model, batch)
 
 

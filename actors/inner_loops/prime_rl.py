@@ -33,7 +33,7 @@ from torch import Tensor
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU
 from actors.inner_loops.native import NativeLoop
-from actors.train_batch import TrainBatch
+from actors.contract.train_batch import TrainBatch
 from losses import (
     LinearHead,
     LossInputs,

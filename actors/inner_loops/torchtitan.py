@@ -20,7 +20,7 @@ Fixes that make it run on CPU and over gloo, and why:
   nothing is patched.
 - Attention: FlexAttention (TorchTitan's default) has no CPU backward, and TorchTitan's
   SDPA backend takes no mask. ``MaskedSDPA`` is SDPA with an explicit boolean mask: the
-  packed rows' (``actors/packing.py``), each token seeing its own row's prompt and
+  packed rows' (``actors/models/packing.py``), each token seeing its own row's prompt and
   completion, at its row's positions, which reproduces HF's logits on each row.
 - gloo has no ``PREMUL_SUM``: FSDP2 modules reduce with a plain sum
   (``set_force_sum_reduction_for_comms``). TorchTitan also turns off FSDP2's gradient
@@ -101,11 +101,11 @@ from torchtitan.protocols.module import Module
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.utils import device_type as torchtitan_device_type
 
-from actors.checkpoint import load_checkpoint, save_checkpoint
+from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, MicroBatchLoop
-from actors.packing import lane_tokens
-from actors.train_batch import TrainBatch
+from actors.models.packing import lane_tokens
+from actors.contract.train_batch import TrainBatch
 from losses import Logits
 
 
@@ -359,7 +359,7 @@ class TorchTitanLoop(MicroBatchLoop):
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device = CPU):
         super().__init__(model_path, cfg, rank, world, device)
         hf, family = read_hf_config(model_path)
-        self.lane = lane_tokens(hf)  # the packed rows' lanes, sized as the HF model's (actors/packing.py)
+        self.lane = lane_tokens(hf)  # the packed rows' lanes, sized as the HF model's (actors/models/packing.py)
         config = model_config(hf, family)
         config.update_from_config(config=_Job(PARALLELISM))
         with torch.device("meta"):
@@ -392,7 +392,7 @@ class TorchTitanLoop(MicroBatchLoop):
     # -- the step's hooks ----------------------------------------------------------------------
 
     def head(self, batch: TrainBatch) -> Logits:
-        """The logits that predict each row's completion, from one pass over the rows packed (``actors/packing.py``)."""
+        """The logits that predict each row's completion, from one pass over the rows packed (``actors/models/packing.py``)."""
         packed = batch.packed(self.lane)
         logits = self.model(packed.input_ids, positions=packed.position_ids, attention_masks=packed.visible)
         return Logits(packed.gather(logits))
@@ -460,7 +460,7 @@ class TorchTitanLoop(MicroBatchLoop):
 
 def _by_index(optimizer: dict) -> dict:
     """An FQN-keyed optimizer state dict keyed by parameter position instead, as torch's own
-    (and ``actors.checkpoint``) key it."""
+    (and ``actors.inner_loops.checkpoint``) key it."""
     names = [name for group in optimizer["param_groups"] for name in group["params"]]
     index = {name: i for i, name in enumerate(names)}
     groups = [{**group, "params": [index[name] for name in group["params"]]} for group in optimizer["param_groups"]]

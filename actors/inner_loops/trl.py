@@ -32,11 +32,11 @@ import trl
 from datasets import Dataset
 from torch import Tensor
 
-from actors.adapters import peft_config
+from actors.models.lora import peft_config
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
-from actors.packing import lane_tokens
-from actors.train_batch import TrainBatch
+from actors.models.packing import lane_tokens
+from actors.contract.train_batch import TrainBatch
 from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
 
 TRL_VERSION = "1.16.0"  # the pin in pyproject.toml's ``trl`` extra; tests check both agree
@@ -52,7 +52,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 LOSS_INPUTS = "composer_loss_inputs"  # the inputs key under which our loop passes the step-normalized LossInputs
 TAID_T = "composer_taid_t"
-PACKED = "composer_packed"  # the inputs key of the micro-batch's rows packed for one pass (``actors/packing.py``)
+PACKED = "composer_packed"  # the inputs key of the micro-batch's rows packed for one pass (``actors/models/packing.py``)
 
 
 class ComposerGRPOTrainer(GRPOTrainer):
@@ -86,7 +86,7 @@ class ComposerGRPOTrainer(GRPOTrainer):
 
     def policy_head(self, model, inputs: dict, distribution: bool) -> Head:
         """Under our inner loop, the logits that predict each row's completion from one pass over the rows
-        packed (``actors/packing.py``). Under TRL's own training, TRL's token logprobs (its fused LM head never
+        packed (``actors/models/packing.py``). Under TRL's own training, TRL's token logprobs (its fused LM head never
         builds ``[B, T, V]``), or the full logits when a loss channel needs the whole distribution
         (distillation, the entropy bonus)."""
         if (packed := inputs.get(PACKED)) is not None:

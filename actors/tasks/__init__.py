@@ -14,7 +14,7 @@ from typing import Protocol
 @dataclass(frozen=True)
 class Problem:
     """One prompt and its reference answer, as plain text: each model renders the prompt with its
-    own chat template (``actors/prompts.py``). Plain data, since checkpoints store it as JSON."""
+    own chat template (``actors/models/chat.py``). Plain data, since checkpoints store it as JSON."""
 
     prompt: str
     answer: str

@@ -17,8 +17,8 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from actors import registry
-from actors.compute import Compute
-from actors.lifecycle import ProcInfo, this_proc
+from actors.basics.compute import Compute
+from actors.basics.proc_info import ProcInfo, this_proc
 from actors.tasks import Problem
 from actors.teachers.bindings import Binding, BindingConfig, Student, TopK, TopKRequest, check_binding_class
 from actors.weights import WeightFollower, WeightVersion
@@ -49,7 +49,7 @@ class TopKReply:
 
 class TeacherPool(Actor):
     def __init__(self, student: Student, compute: Compute):
-        self.student, self.compute = student, compute  # built in ``start`` (actors/lifecycle.py)
+        self.student, self.compute = student, compute  # built in ``start`` (actors/basics/proc_info.py)
         self.bindings: dict[str, Binding] = {}
         self.followers: dict[str, WeightFollower] = {}  # per binding that follows the policy: each holds a model
 

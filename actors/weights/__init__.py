@@ -22,7 +22,7 @@ before any view is built.
 The store directory (``storedir.py``) is created exclusively under an unguessable name,
 mode 0700; the publisher and every follower check its owner and mode when they open it
 and never follow a link inside it, so another local user can neither plant the files a
-follower reads nor redirect the publisher's writes. Trainer rank 0 (``actors/trainer.py``),
+follower reads nor redirect the publisher's writes. Trainer rank 0 (``actors/trainer/actor.py``),
 not the publisher, owns the directory's life, on its own host:
 
     reclaim_dead_stores(root)       # as it starts: stores that dead trainers on this host left behind
@@ -42,7 +42,7 @@ from actors.weights.transports import TRANSPORTS, SlotBackend, slot_backend
 from actors.weights.transports.in_place import WeightSubscriber
 from actors.weights.transports.rdma import RdmaReceiver
 from actors.weights.transports.shm import slot_file
-from actors.weights_config import choose_transport
+from actors.weights.config import choose_transport
 
 __all__ = [
     "CHUNK_BYTES",

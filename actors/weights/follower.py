@@ -1,4 +1,4 @@
-"""The one follower API generators and teachers use, whatever the transport (chosen in ``actors/weights_config.py``).
+"""The one follower API generators and teachers use, whatever the transport (chosen in ``actors/weights/config.py``).
 
 The record's transport names the slot backend whose receiving end attaches (``transports/``).
 """

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Self
 
-from actors.procs import is_running, start_ticks
+from actors.basics.pids import is_running, start_ticks
 from actors.weights.errors import WeightSyncError
 
 PREFIX = "composer-mesh-"

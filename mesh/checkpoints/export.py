@@ -33,7 +33,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.disk import KINDS
+from actors.basics.disk import KINDS
 from actors.inner_loops.config import LoRAConfig
 
 if TYPE_CHECKING:
@@ -60,8 +60,8 @@ class Policy:
 def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     """Write the policy of ``checkpoint`` as a Hugging Face directory ``out`` (new, or empty); with LoRA
     and ``merge`` the adapters merged into the base, else PEFT's adapter directory. Returns ``out``."""
-    from actors.checkpoint import ANOTHER, CheckpointError, checkpoint_model  # torch: not for --help
-    from actors.disk import why_not_written
+    from actors.inner_loops.checkpoint import ANOTHER, CheckpointError, checkpoint_model  # torch: not for --help
+    from actors.basics.disk import why_not_written
 
     checkpoint, out = Path(checkpoint), _out_path(Path(out))
     partial = out.with_name(out.name + PARTIAL)
@@ -105,7 +105,7 @@ def _failed(checkpoint: Path, out: Path, base: Path, error: Exception) -> Export
     disk, with the number only in its message) is the filesystem's refusal, and its fix is another place or free
     space; without one it is transformers or PEFT refusing the base model's files (their OSError for a damaged
     generation_config.json included), and the fix is in the base."""
-    from actors.disk import errno_of, why_not_written
+    from actors.basics.disk import errno_of, why_not_written
 
     if errno_of(error) is not None:
         cause = why_not_written(error, out.with_name(out.name + PARTIAL), "choose another OUT")
@@ -137,7 +137,7 @@ def _write(weights: dict[str, Tensor], policy: Policy, partial: Path, merge: boo
     elif merge:
         _write_model(_merged(weights, policy), policy.base, partial)
     else:
-        from actors.adapters import write_adapter
+        from actors.models.lora import write_adapter
 
         write_adapter(partial, weights, policy.lora, str(policy.base))
     _write_tokenizer(policy.base, partial)
@@ -163,7 +163,7 @@ def _clear_leftover(partial: Path) -> None:
 def _policy(checkpoint: Path, state: dict) -> Policy:
     """The checkpoint's policy record, its base present with the config and tokenizer trained on, its tensors
     the ones that base and its LoRA config give and, with LoRA, the base holding the weights it was trained on."""
-    from actors.checkpoint import ANOTHER, CheckpointError, validated
+    from actors.inner_loops.checkpoint import ANOTHER, CheckpointError, validated
     from mesh.checkpoints.resume import SavedPolicy, recorded_fingerprint
 
     if "policy" not in state:
@@ -198,7 +198,7 @@ def _check_trained_on(checkpoint: Path, policy: Policy) -> None:
     """The base's config and tokenizer are the ones the checkpoint records training with, and its tensors are
     the ones they give (every weight, or the adapters of its LoRA config): a base that lost its tokenizer.json
     would export a tokenizer of a few special tokens, an adapter of another rank one no loader takes."""
-    from actors.checkpoint import ANOTHER, CheckpointError
+    from actors.inner_loops.checkpoint import ANOTHER, CheckpointError
     from mesh.checkpoints.fingerprint import FingerprintError, model_files
     from mesh.checkpoints.resume import check_tensors
 
@@ -234,7 +234,7 @@ def _check_trained_on(checkpoint: Path, policy: Policy) -> None:
 
 
 def _base_tensors(base: Path) -> dict[str, tuple[int, ...]]:
-    from actors.model_config import ModelFacts
+    from actors.models.facts import ModelFacts
 
     tensors = ModelFacts.of_directory(base).tensors
     if tensors is None:
@@ -248,8 +248,8 @@ def _verify(partial: Path, policy: Policy) -> None:
     config) and their values (``_read_back``); raises ``ExportError`` naming the first that does not."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from actors.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-    from actors.model_config import ModelFacts, header_shapes
+    from actors.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from actors.models.facts import ModelFacts, header_shapes
 
     tokens = policy.trained["tokenizer"].get("tokens")
     found = len(AutoTokenizer.from_pretrained(partial))
@@ -383,8 +383,8 @@ def _merged(adapters: dict[str, Tensor], policy: Policy) -> dict[str, Tensor]:
     """The base's weights with the adapters merged in (in fp32, cast once when written)."""
     import torch
 
-    from actors.adapters import load_adapter_state, with_adapter
-    from actors.model import load_policy
+    from actors.models.lora import load_adapter_state, with_adapter
+    from actors.models.tiny import load_policy
 
     model, _ = load_policy(policy.base, torch.float32)
     adapted = with_adapter(model, policy.lora)

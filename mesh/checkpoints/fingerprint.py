@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from actors.disk import open_regular, read_regular
+from actors.basics.disk import open_regular, read_regular
 from actors.inner_loops.config import LoRAConfig
-from actors.model_config import TINY_MODEL_MARKER, char_vocabulary, tiny_recipe
-from actors.model_source import ModelSource, ModelSourceError
+from actors.models.facts import TINY_MODEL_MARKER, char_vocabulary, tiny_recipe
+from actors.models.source import ModelSource, ModelSourceError
 from actors.tasks import TaskConfig, build_task
 
 if TYPE_CHECKING:
-    from actors.model import TinyModelSpec
+    from actors.models.tiny import TinyModelSpec
     from mesh.topology.schema import Topology
 
 ARCHITECTURE = (
@@ -242,13 +242,13 @@ def _digest(vocab: dict[str, int]) -> dict:
 
 def _bpe_vocabulary() -> dict[str, int]:
     """The tiny model's BPE vocabulary, trained as ``build_tiny_model`` trains it (a fraction of a second)."""
-    from actors.model import bpe_tokenizer  # actors.model imports torch; the model_dir path stays light
+    from actors.models.tiny import bpe_tokenizer  # actors.models.tiny imports torch; the model_dir path stays light
 
     return bpe_tokenizer().get_vocab()
 
 
 def _tiny_architecture(spec: TinyModelSpec, vocab_size: int) -> dict:
-    """The ARCHITECTURE fields ``actors.model.build_tiny_model`` writes to config.json for ``spec``."""
+    """The ARCHITECTURE fields ``actors.models.tiny.build_tiny_model`` writes to config.json for ``spec``."""
     return {
         "model_type": spec.arch,
         "hidden_size": spec.hidden_size,

@@ -2,7 +2,7 @@
 
 A checkpoint's checksums catch damage, not intent: whoever can write the run directory
 can rewrite state.json and its checksum. So everything in it is validated by the models
-here (``actors/checkpoint.py``'s for the optimizer's param groups, ``mesh/controller/inflight.py``'s
+here (``actors/inner_loops/checkpoint.py``'s for the optimizer's param groups, ``mesh/controller/inflight.py``'s
 for the batches in flight) against the topology that resumes it: token ids below the
 policy's vocabulary, one logprob and mask value per completion token, finite numbers,
 JSON's own types, versions not after the step, rows and batches no larger than the topology
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from actors.checkpoint import ANOTHER, MODEL_FILE, CheckpointError, FiniteJson, validated
-from actors.model_config import header_shapes
+from actors.inner_loops.checkpoint import ANOTHER, MODEL_FILE, CheckpointError, FiniteJson, validated
+from actors.models.facts import header_shapes
 from mesh.controller.inflight import Saved, SavedInFlight, bounds
 
 if TYPE_CHECKING:

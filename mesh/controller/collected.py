@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from actors.rollout import RolloutGroup, Row, RowKind
+from actors.contract.rollouts import RolloutGroup, Row, RowKind
 from mesh.controller.router import TargetLoad
 
 

@@ -27,10 +27,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from actors.engines import sampling_seeds
+from actors.generator.engines import sampling_seeds
 from actors.environments.agent_task import NO_DEMONSTRATION, AgentSpec
 from actors.environments.openenv_task import EpisodeSpec
-from actors.rollout import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.rollouts import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem, Task
 from actors.teachers.bindings import TopK, TopKRequest
 from actors.weights import WeightVersion

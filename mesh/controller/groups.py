@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from actors.rollout import EpisodeOutcome, Trajectory
+from actors.contract.rollouts import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
 from actors.weights import WeightVersion
 from mesh.controller.router import TargetLoad

@@ -7,7 +7,7 @@ the rewarder's hint is a correct one, and gets none here either.
 
 from __future__ import annotations
 
-from actors.rollout import Row, RowKind
+from actors.contract.rollouts import Row, RowKind
 from actors.tasks import Problem
 from mesh.controller.teacher_board import TeacherBinding
 

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, Field, Strict, ValidationInfo, field_validator
 
-from actors.checkpoint import STRICT
-from actors.rollout import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.inner_loops.checkpoint import STRICT
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.tasks import Problem
 from actors.teachers.bindings import TopK
 from mesh.controller.collected import Collected

@@ -8,9 +8,9 @@ from collections import Counter
 
 import torch
 
-from actors.rollout import RolloutGroup, RowKind
-from actors.train_batch import sampled_episodes
-from actors.trainer import StepReport
+from actors.contract.rollouts import RolloutGroup, RowKind
+from actors.contract.train_batch import sampled_episodes
+from actors.trainer.actor import StepReport
 from mesh.controller.collected import Collected
 from mesh.controller.teacher_board import TeacherBinding
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from actors.environments.openenv_task import EpisodeSpec
-from actors.generator import Generation
-from actors.rollout import EpisodeOutcome, Reward, Trajectory
-from actors.shares import split_evenly
+from actors.generator.actor import Generation
+from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
+from actors.basics.shares import split_evenly
 from actors.tasks import Problem
 from actors.weights import WeightVersion
 

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from actors.rollout import Row
+from actors.contract.rollouts import Row
 from actors.tasks import Problem
 from mesh.controller.router import Router
 

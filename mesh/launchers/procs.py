@@ -30,7 +30,7 @@ def spawn_procs(host_mesh, procs: int, start: ProcStart, fork_server: str | None
     from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
     from monarch.actor import default_bootstrap_cmd  # only a launch needs Monarch, not a check
 
-    from actors.lifecycle import import_libraries
+    from actors.basics.proc_info import import_libraries
 
     proc = default_bootstrap_cmd()
     program = [proc.program, *proc.args]

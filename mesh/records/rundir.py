@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from actors.disk import DISK_FULL, errno_of, lines, open_regular, write_cause
+from actors.basics.disk import DISK_FULL, errno_of, lines, open_regular, write_cause
 from mesh.records import events
 from mesh.records.figures import pyplot
 from mesh.records.logthread import LogThread

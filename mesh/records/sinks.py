@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from actors.disk import read_regular
+from actors.basics.disk import read_regular
 from mesh.topology.schema import MAX_FILE_BYTES, Logging, TrackioLogging, WandbLogging, install_hint
 
 TRACKERS_FILE = "trackers.json"

@@ -38,8 +38,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from actors.disk import write_cause
-from actors.lifecycle import ProcInfo, this_proc
+from actors.basics.disk import write_cause
+from actors.basics.proc_info import ProcInfo, this_proc
 
 T = TypeVar("T")
 TRACE_FILE = "trace.json"

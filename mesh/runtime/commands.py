@@ -44,8 +44,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.disk import RefusedFile, open_regular, read_regular
-from actors.procs import alive_since
+from actors.basics.disk import RefusedFile, open_regular, read_regular
+from actors.basics.pids import alive_since
 from mesh.topology.schema import MAX_FILE_BYTES, TopologyError, check_bounded
 
 CONTROL = "control"

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 from monarch.actor import ProcMesh
 
-from actors.lifecycle import ProcInfo
+from actors.basics.proc_info import ProcInfo
 from mesh.runtime.faults import Cause, explain, explain_report, name_actor
 from mesh.topology.schema import FaultTolerance
 

@@ -34,20 +34,20 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
-from actors.compute import Compute  # noqa: E402
+from actors.basics.compute import Compute  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import checkpoint_name  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
-from actors.generator import Generator  # noqa: E402
-from actors.lifecycle import ProcInfo  # noqa: E402
-from actors.model import build_tiny_model  # noqa: E402
-from actors.reference import Reference  # noqa: E402
-from actors.rewarder import Rewarder  # noqa: E402
+from actors.generator.actor import Generator  # noqa: E402
+from actors.basics.proc_info import ProcInfo  # noqa: E402
+from actors.models.tiny import build_tiny_model  # noqa: E402
+from actors.reference_model.actor import Reference  # noqa: E402
+from actors.rewarder.actor import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers.bindings import Student  # noqa: E402
 from actors.teachers.pool import TeacherPool  # noqa: E402
-from actors.trainer import Trainer, TrainerSetup, start_trainers  # noqa: E402
+from actors.trainer.actor import Trainer, TrainerSetup, start_trainers  # noqa: E402
 from mesh.checkpoints.fingerprint import built_weights, topology_fingerprint  # noqa: E402
 from mesh.controller import (  # noqa: E402
     Collected,
@@ -269,7 +269,7 @@ async def _stop(launcher) -> None:
 
 async def _stop_trainer(fleet: Fleet) -> None:
     """Stop the trainer's actors before the meshes: rank 0's ``__cleanup__`` removes the weight
-    store on its host, which only a process there can (``actors/trainer.py``). The actors placed beside it stop
+    store on its host, which only a process there can (``actors/trainer/actor.py``). The actors placed beside it stop
     first: the trainer destroys its processes' whole torch.distributed world as it stops, and a vLLM generator in
     the same process must shut its engine down while the groups it made in that world exist."""
     mesh = fleet.trainer_mesh

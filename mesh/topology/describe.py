@@ -10,7 +10,7 @@ import math
 
 import yaml
 
-from actors.model_source import ModelSource, ModelSourceError
+from actors.models.source import ModelSource, ModelSourceError
 from actors.teachers.bindings.config import BindingConfig
 from mesh.topology.gpus import describe_gpus, describe_memory
 from mesh.topology.plan import ReferencePlan, RunPlan

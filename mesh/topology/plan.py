@@ -20,11 +20,11 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from actors import registry
-from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype
-from actors.model_config import ModelFacts
-from actors.model_source import ModelSource
-from actors.reference_config import REFERENCE_KEY
-from actors.weights_config import choose_transport
+from actors.generator.config import VLLM_OWN_GPU_SHARE, policy_dtype
+from actors.models.facts import ModelFacts
+from actors.models.source import ModelSource
+from actors.reference_model.config import REFERENCE_KEY
+from actors.weights.config import choose_transport
 from mesh.topology.schema import MeshSpec, Topology
 
 RewarderPlacement = Literal["in_generator", "own_mesh"]

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors import registry
-from actors.disk import is_regular
-from actors.model_config import ModelFacts
-from actors.model_source import ModelSource
-from actors.reference_config import REFERENCE_KEY
-from actors.weights_config import SHM, slot_bytes
+from actors.basics.disk import is_regular
+from actors.models.facts import ModelFacts
+from actors.models.source import ModelSource
+from actors.reference_model.config import REFERENCE_KEY
+from actors.weights.config import SHM, slot_bytes
 from mesh.topology.gpus import check_gpus, gpus_needed
 from mesh.topology.plan import RunPlan
 from mesh.topology.schema import Topology, TopologyError, load_topology, one_line

@@ -41,12 +41,12 @@ from pydantic import (
 
 from actors import registry
 from actors.diloco.config import DiLoCoConfig
-from actors.generator_config import GeneratorConfig
+from actors.generator.config import GeneratorConfig
 from actors.inner_loops.config import TrainerConfig, linear_layers
-from actors.model_config import ModelFacts, TinyModelSpec
-from actors.model_source import ModelSource
-from actors.reference_config import REFERENCE_KEY, ReferenceConfig
-from actors.rewarder_config import RewarderConfig
+from actors.models.facts import ModelFacts, TinyModelSpec
+from actors.models.source import ModelSource
+from actors.reference_model.config import REFERENCE_KEY, ReferenceConfig
+from actors.rewarder.config import RewarderConfig
 from actors.tasks import TaskConfig, build_task
 from actors.teachers.config import TeachersConfig, check_weighted
 from mesh.topology.launcher import LauncherOptions, launcher_options
@@ -107,7 +107,7 @@ class Section(BaseModel):
 class ModelSection(Section):
     """Exactly one of: ``init`` (a random-init tiny model with a character tokenizer built
     from the task's alphabet, or ``tokenizer: bpe``) or ``path`` (a local Hugging Face model directory,
-    a GGUF file, or ``package:<import name>/<file>``: ``actors/model_source.py``)."""
+    a GGUF file, or ``package:<import name>/<file>``: ``actors/models/source.py``)."""
 
     init: TinyModelSpec | None = None
     path: str | None = None

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 from actors import registry
-from actors.model_source import ModelSource
-from actors.urls import check_url
+from actors.models.source import ModelSource
+from actors.basics.urls import check_url
 
 HF_TEACHER_KEY = "hf teacher path"
 
@@ -37,7 +37,7 @@ class BindingConfig:
     - ``use``: what the loop does with it: ``distill`` (its top-k at the student's tokens,
       channel 2; at most one binding at a time) and/or ``replay`` (its traces become
       preference pairs, channel 3). A binding with no use can still be the warm-start teacher.
-    - ``path``: ``hf``: the model (a directory or a GGUF file, ``actors/model_source.py``); ``replay``: the JSONL
+    - ``path``: ``hf``: the model (a directory or a GGUF file, ``actors/models/source.py``); ``replay``: the JSONL
       file of traces.
     - ``url``/``model``: ``openai``: the server's base URL (``http://host:port/v1``) and model name.
     - ``top_k``: scoring teachers keep this many logprobs per token (capped at the vocabulary).

@@ -2,7 +2,7 @@
 
 ``CausalLMScorer`` is the scoring both this and ``self_hint`` do: one prefill of
 ``prompt ⊕ hint ⊕ completion`` (the hint only when the binding reads hints), the rows packed
-so that a context shared by a group's completions is computed once (``actors/packing.py``),
+so that a context shared by a group's completions is computed once (``actors/models/packing.py``),
 and the teacher's top-k at each position that predicts a completion token, that token among them.
 """
 
@@ -12,16 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from actors.adapters import head_weight
-from actors.model import load_policy
-from actors.model_source import ModelSource
-from actors.packing import packed_states
-from actors.prompts import render
+from actors.models.lora import head_weight
+from actors.models.tiny import load_policy
+from actors.models.source import ModelSource
+from actors.models.packing import packed_states
+from actors.models.chat import render
 from actors.tasks import Problem
 from actors.teachers.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
 from actors.teachers.bindings.config import HF_TEACHER_KEY
 from actors.teachers.bindings.tokens import top_k_of, vocab_map
-from actors.train_batch import pad_sequences
+from actors.contract.train_batch import pad_sequences
 
 
 class CausalLMScorer:

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from actors.prompts import render
+from actors.models.chat import render
 from actors.tasks import Problem
 from actors.teachers.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
 from actors.teachers.bindings.tokens import top_k_from_entries

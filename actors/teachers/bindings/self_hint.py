@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from actors.adapters import load_adapter_state, with_adapter
+from actors.models.lora import load_adapter_state, with_adapter
 from actors.teachers.bindings import BindingConfig, BindingError, Student
 from actors.teachers.bindings.hf import CausalLMScorer
 

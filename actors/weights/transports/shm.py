@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from actors.disk import DISK_FULL, errno_of, write_cause
+from actors.basics.disk import DISK_FULL, errno_of, write_cause
 from actors.weights.errors import WeightSyncError
 from actors.weights.manifest import HEADER_BYTES, Manifest
 from actors.weights.slot import Slot, header_words

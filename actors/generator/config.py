@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from actors import registry
 from actors.inner_loops.config import OUTPUT_HEAD, LoRAConfig
-from actors.model_config import ModelFacts
+from actors.models.facts import ModelFacts
 
 ROUTERS = ("round_robin", "least_loaded")
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() of the pinned

@@ -1,5 +1,5 @@
 """``TrainBatch``: the padded tensors one optimizer step consumes, built once from a step's
-rollout groups (``actors/rollout.py``) and read by every inner loop.
+rollout groups (``actors/contract/rollouts.py``) and read by every inner loop.
 
 It travels as an endpoint argument, which is fine at kilobytes to megabytes (weights never do).
 """
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actors.packing import PackedRows, pack_rows
-from actors.rollout import RolloutGroup, Row, RowKind, Trajectory
+from actors.models.packing import PackedRows, pack_rows
+from actors.contract.rollouts import RolloutGroup, Row, RowKind, Trajectory
 from losses import group_advantages
 from losses.config import AdvantageEstimator
 
@@ -41,7 +41,7 @@ class Sequences:
 
     def packed(self, lane: int | None = None) -> PackedRows:
         """These rows packed for one forward pass, each shared prompt once, in lanes of ``lane`` tokens
-        (``actors/packing.py``)."""
+        (``actors/models/packing.py``)."""
         return pack_rows(self.input_ids, self.attention_mask, self.position_ids, self.prompt_len, lane)
 
     def to(self, device: torch.device) -> Sequences:

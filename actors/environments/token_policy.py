@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from actors.environments.chat_tokens import ChatTokens
-from actors.rollout import Trajectory
+from actors.contract.rollouts import Trajectory
 
 # Continue a token sequence with one sampled reply: (ids so far, turn) -> the reply alone.
 Sampler = Callable[[list[int], int], Awaitable[Trajectory]]

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from actors.disk import DISK_FULL, RefusedFile, errno_of, open_regular, read_regular, write_cause
+from actors.basics.disk import DISK_FULL, RefusedFile, errno_of, open_regular, read_regular, write_cause
 
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
 CHECKSUMS_FILE, ALGORITHM = "checksums.json", "xxh3_128"

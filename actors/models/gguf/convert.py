@@ -1,6 +1,6 @@
 """A GGUF file as the Hugging Face model it becomes: what the check knows of it, and the conversion.
 
-The check (``gguf_facts``) reads the header only (``actors/gguf_header.py``) and refuses what
+The check (``gguf_facts``) reads the header only (``actors/models/gguf/header.py``) and refuses what
 transformers' GGUF loader would turn into a wrong model or fail on late: an architecture whose
 tensor names are not mapped here, a tensor the Hugging Face model has no place for, a missing
 one (transformers would leave it randomly initialized), a ggml type the ``gguf`` package cannot
@@ -21,8 +21,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from actors.gguf_header import GGML_TYPES, GGUFError, GGUFHeader
-from actors.model_config import ModelFacts
+from actors.models.gguf.header import GGML_TYPES, GGUFError, GGUFHeader
+from actors.models.facts import ModelFacts
 
 LLAMA_BLOCK = (
     "attn_norm",

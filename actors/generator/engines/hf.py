@@ -20,15 +20,15 @@ import torch
 from torch import Tensor
 from transformers import BatchEncoding
 
-from actors.adapters import head_weight
-from actors.compute import Compute
-from actors.engines import Sampling, request_seed
-from actors.generator_config import policy_dtype
+from actors.models.lora import head_weight
+from actors.basics.compute import Compute
+from actors.generator.engines import Sampling, request_seed
+from actors.generator.config import policy_dtype
 from actors.inner_loops.config import LoRAConfig
-from actors.model import load_policy
-from actors.packing import packed_states
-from actors.rollout import Trajectory
-from actors.train_batch import pad_sequences
+from actors.models.tiny import load_policy
+from actors.models.packing import packed_states
+from actors.contract.rollouts import Trajectory
+from actors.contract.train_batch import pad_sequences
 from losses import token_logprobs
 
 
@@ -41,7 +41,7 @@ class HFEngine:
         self.model, self.tokenizer = load_policy(model_path, dtype)
         self.adapter = adapter
         if adapter is not None:
-            from actors.adapters import with_adapter
+            from actors.models.lora import with_adapter
 
             self.model = with_adapter(self.model, adapter)  # B is zero: the base's policy until a version loads
         self.model.to(self.device).eval()
@@ -51,7 +51,7 @@ class HFEngine:
 
     def load_weights(self, state_dict: dict[str, Tensor]) -> None:
         if self.adapter is not None:  # the adapters' tensors (PEFT's saved names), copied in; the base stays as is
-            from actors.adapters import load_adapter_state
+            from actors.models.lora import load_adapter_state
 
             load_adapter_state(self.model, state_dict)
             return
@@ -129,7 +129,7 @@ class HFEngine:
     @torch.no_grad()
     def scored_now(self, pairs: list[tuple[list[int], list[int]]]) -> list[Trajectory]:
         """Each (prompt ids, completion ids) with the completion's logprobs, from one pass over the rows packed
-        (``actors/packing.py``)."""
+        (``actors/models/packing.py``)."""
         sequences = pad_sequences(*zip(*pairs), self.tokenizer.pad_token_id).to(self.device)
         states = packed_states(self.model, sequences)
         logprobs = token_logprobs(states, head_weight(self.model), sequences.targets).cpu()

@@ -14,7 +14,7 @@ one when it starts (first reclaiming those that dead trainers on the host left b
 a replaced trainer's included) and removes it in ``__cleanup__``, which runs when the
 runtime stops the trainer's actors before their processes.
 
-With the reference model on the trainer's mesh (``actors/reference.py``), each rank also
+With the reference model on the trainer's mesh (``actors/reference_model/actor.py``), each rank also
 holds a frozen copy of it and fills in its rows' reference logprobs before its step; with
 LoRA the reference is the rank's own base, scored with its adapters switched off.
 
@@ -42,16 +42,16 @@ from monarch.actor import Actor, endpoint
 from torch.distributed import TCPStore
 
 from actors import registry
-from actors.compute import Compute
+from actors.basics.compute import Compute
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.syncer import DiLoCoSyncer, SyncReport, TrainerParameters
 from actors.inner_loops import TrainerConfig
-from actors.lifecycle import ProcInfo, this_proc
-from actors.reference import ReferenceModel
-from actors.shares import split_evenly
-from actors.train_batch import TrainBatch
+from actors.basics.proc_info import ProcInfo, this_proc
+from actors.reference_model.actor import ReferenceModel
+from actors.basics.shares import split_evenly
+from actors.contract.train_batch import TrainBatch
 from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store
-from actors.weights_config import store_root
+from actors.weights.config import store_root
 from losses import TAIDScheduler
 
 if TYPE_CHECKING:  # monarch does not export it publicly
@@ -96,7 +96,7 @@ class TrainerSetup:
 
 class Trainer(Actor):
     def __init__(self, setup: TrainerSetup):
-        # built in ``start`` (actors/lifecycle.py)
+        # built in ``start`` (actors/basics/proc_info.py)
         self.model_path, self.cfg, self.seed = setup.model_path, setup.config, setup.seed
         self.compute, self.total_steps = setup.compute, setup.total_steps
         self.slots, self.transport, self.weights_dtype = setup.store_slots, setup.transport, setup.weights_dtype

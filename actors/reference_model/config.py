@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from actors.model_source import ModelSource
+from actors.models.source import ModelSource
 
 REFERENCE_KEY = "actors.reference.path"
 
@@ -20,7 +20,7 @@ class ReferenceConfig:
       right before its step; ``own_mesh`` (the default): a ``Reference`` actor on ``mesh``,
       asked while the batch is collected.
     - ``path``: a model with the policy's tokenizer (a Hugging Face directory or a GGUF file,
-      ``actors/model_source.py``); None: the
+      ``actors/models/source.py``); None: the
       policy's initial weights (the model the run starts from, also after a resume).
     """
 

@@ -2,7 +2,7 @@
 
 ``TinyModelSpec`` is the ``model.init`` section; ``ModelFacts`` are the policy's attention
 head size and the shapes of the state dict the trainer publishes, computed from the spec
-(the architecture ``actors/model.py`` builds from it) or read from a Hugging Face
+(the architecture ``actors/models/tiny.py`` builds from it) or read from a Hugging Face
 directory's ``config.json`` and safetensors headers. The checks that need them (an
 engine's head sizes, the weight store's memory) then run before anything is spawned.
 """
@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.disk import open_regular
+from actors.basics.disk import open_regular
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 # The bpe tokenizer's: padding, the end of a turn (its EOS), the start of a turn. Padding and EOS
@@ -28,7 +28,7 @@ SAFETENSORS_HEADER_LIMIT = 100_000_000  # the safetensors format's own cap on a 
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """``model.init``: a random-init decoder of these shapes, built by the run (``actors/model.py``)."""
+    """``model.init``: a random-init decoder of these shapes, built by the run (``actors/models/tiny.py``)."""
 
     arch: str = "qwen2"  # one of ARCHITECTURES: qwen3, qwen2, llama
     hidden_size: int = 64  # the residual stream's width
@@ -75,7 +75,7 @@ class TinyModelSpec:
         return 4 * self.hidden_size if self.intermediate_size is None else self.intermediate_size
 
     def tensors(self, vocab_size: int) -> dict[str, tuple[int, ...]]:
-        """The built model's state dict, name -> shape (``actors/model.py`` ``causal_lm``; a test holds them equal)."""
+        """The built model's state dict, name -> shape (``actors/models/tiny.py`` ``causal_lm``; a test holds them equal)."""
         h, head = self.hidden_size, self.head_size
         q, kv, mlp = self.heads * head, self.kv_heads * head, self.mlp_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab_size, h)}

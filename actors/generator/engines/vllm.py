@@ -41,12 +41,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from actors.compute import Compute
-from actors.engines import Sampling
-from actors.generator_config import VLLM_OWN_GPU_SHARE, policy_dtype, vllm_lora_rank
+from actors.basics.compute import Compute
+from actors.generator.engines import Sampling
+from actors.generator.config import VLLM_OWN_GPU_SHARE, policy_dtype, vllm_lora_rank
 from actors.inner_loops.config import LoRAConfig
-from actors.rollout import Trajectory
-from actors.weights_config import store_root
+from actors.contract.rollouts import Trajectory
+from actors.weights.config import store_root
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per weight reload under the progress bar
@@ -155,7 +155,7 @@ class VLLMEngine:
         it (it loads an id once), and a fresh directory keeps prefixes cached with the old one from being reused
         (vLLM's prefix cache keys blocks by the adapter's name and path). Requests queued but not yet in vLLM
         take the new one."""
-        from actors.adapters import write_adapter
+        from actors.models.lora import write_adapter
 
         if self.engine.has_unfinished_requests():
             raise RuntimeError("a new adapter version arrived while vLLM still runs requests with the old one")

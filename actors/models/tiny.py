@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from actors.model_config import (
+from actors.models.facts import (
     BPE_VOCAB_SIZE,
     CHAT_SPECIAL_TOKENS,
     TINY_MODEL_MARKER,

@@ -1,4 +1,4 @@
-"""The Rewarder actor: the reward functions (``actors/reward_functions.py``) in an actor of their own.
+"""The Rewarder actor: the reward functions (``actors/rewarder/functions.py``) in an actor of their own.
 
 Placed on the generator's mesh it is not spawned: each generator runs the same functions
 on what it writes, in the same call.
@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from monarch.actor import Actor, endpoint
 
-from actors.lifecycle import ProcInfo, this_proc
-from actors.reward_functions import RewardFunctions, RewardReply
-from actors.rewarder_config import RewarderConfig
+from actors.basics.proc_info import ProcInfo, this_proc
+from actors.rewarder.functions import RewardFunctions, RewardReply
+from actors.rewarder.config import RewarderConfig
 from actors.tasks import Problem, TaskConfig
 
 
 class Rewarder(Actor):
     def __init__(self, task: TaskConfig, cfg: RewarderConfig):
-        self.task_config, self.cfg = task, cfg  # built in ``start`` (actors/lifecycle.py)
+        self.task_config, self.cfg = task, cfg  # built in ``start`` (actors/basics/proc_info.py)
 
     @endpoint
     def start(self) -> ProcInfo:

@@ -1,0 +1,1 @@
+"""The rollout data contract: what a generator hands the trainer (rollouts) and the batch made of it."""

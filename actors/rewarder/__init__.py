@@ -1,0 +1,1 @@
+"""The Rewarder actor and the reward functions it runs on each completion."""
