@@ -23,10 +23,11 @@ from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
+from actors.environments.endpoint import SERVED_MODEL, ChatServer
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
-from actors.environments.endpoint import SERVED_MODEL, ChatServer
-from actors.models.tiny import TinyModelSpec, build_tiny_model
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

@@ -31,8 +31,9 @@ from common import machine  # bench/ is on sys.path when this runs as a script
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
 from actors.generator.engines.vllm import VLLMEngine
-from actors.models.tiny import TinyModelSpec, build_tiny_model
 from actors.models.chat import render
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 from actors.tasks import build_task
 from actors.tasks.strings import Reverse
 from mesh.topology.schema import load_topology

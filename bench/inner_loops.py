@@ -28,12 +28,14 @@ import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 
 from actors import registry
-from actors.inner_loops import OptimizerConfig, TrainerConfig
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.train_batch import TrainBatch, build_train_batch, row_advantages
+from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.models.facts import TinyModelSpec
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from actors.tasks.strings import Reverse
 from actors.teachers.bindings import top_k_of
-from actors.contract.train_batch import TrainBatch, build_train_batch, row_advantages
 from losses import DistillConfig, LossConfig, PreferenceConfig
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -46,7 +46,9 @@ from monarch.actor import Actor, endpoint, this_host
 
 from actors.basics.proc_info import ProcInfo
 from actors.contract.train_batch import row_advantages
-from actors.weights import WeightPublisher, WeightSubscriber, WeightVersion
+from actors.weights.record import WeightVersion
+from actors.weights.store import WeightPublisher
+from actors.weights.transports.in_place import WeightSubscriber
 from mesh.controller.samples import SampleRecording, sample_records
 from mesh.records.logthread import LogThread
 from mesh.records.rundir import read_metrics

@@ -30,11 +30,13 @@ from pathlib import Path
 import torch
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from actors.models.lora import adapter_state, load_adapter_state, with_adapter
-from actors.inner_loops.config import LoRAConfig
-from actors.models.tiny import causal_lm
 from actors.models.facts import TinyModelSpec
-from actors.weights import WeightFollower, WeightPublisher, create_store, remove_store
+from actors.models.lora import adapter_state, load_adapter_state, with_adapter
+from actors.models.lora_config import LoRAConfig
+from actors.models.tiny import causal_lm
+from actors.weights.follower import WeightFollower
+from actors.weights.store import WeightPublisher
+from actors.weights.storedir import create_store, remove_store
 from mesh.topology.schema import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]

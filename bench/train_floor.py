@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from actors.models.lora import head_weight
-from actors.inner_loops.native import NativeLoop
 from actors.contract.train_batch import TrainBatch, build_train_batch, row_advantages
+from actors.inner_loops.native import NativeLoop
+from actors.models.lora import head_weight
 from losses import LinearHead
 from mesh.runtime.retrain import recorded_batches
 from mesh.topology.plan import RunPlan

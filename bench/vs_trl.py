@@ -41,8 +41,8 @@ from loop import loop_run  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from actors.models.tiny import build_tiny_model  # noqa: E402
 from actors.models.chat import render  # noqa: E402
+from actors.models.tiny import build_tiny_model  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from mesh.topology.schema import Topology, load_topology  # noqa: E402
 

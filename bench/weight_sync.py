@@ -36,7 +36,9 @@ from common import machine  # bench/ is on sys.path when this runs as a script
 from monarch.actor import Actor, endpoint, this_host
 from monarch.rdma import RDMATcpFallbackWarning, get_rdma_backend
 
-from actors.weights import WeightFollower, WeightPublisher, WeightVersion
+from actors.weights.follower import WeightFollower
+from actors.weights.record import WeightVersion
+from actors.weights.store import WeightPublisher
 
 OUT = Path(__file__).resolve().parent / "out"
 VOCAB = 151936

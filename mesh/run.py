@@ -285,7 +285,10 @@ def check_resume(topology: Topology, checkpoint: Path) -> None:
     """Refuse, before anything starts, a checkpoint that is damaged, was trained for another
     model, tokenizer or task, has nothing left to train, or holds a state.json this version
     does not write (``mesh/checkpoints/resume.py``): exit 2, like a bad topology."""
-    from actors.inner_loops.checkpoint import CheckpointError, checkpoint_state  # torch: only a resume reads a checkpoint
+    from actors.inner_loops.checkpoint import (  # torch: only a resume reads a checkpoint
+        CheckpointError,
+        checkpoint_state,
+    )
     from mesh.checkpoints.fingerprint import FingerprintError, topology_fingerprint
     from mesh.checkpoints.resume import check_state, check_weights, recorded_fingerprint
 

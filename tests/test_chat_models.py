@@ -18,9 +18,11 @@ from test_inner_loops import TOLERANCE, config, gradients_of
 
 from actors.generator.engines import Sampling
 from actors.generator.engines.hf import HFEngine
-from actors.models.tiny import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
-from actors.models.facts import BPE_VOCAB_SIZE
 from actors.models.chat import render
+from actors.models.facts import BPE_VOCAB_SIZE, TinyModelSpec
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
+from actors.models.tokenizers import bpe_tokenizer, char_tokenizer
 from actors.tasks.dataset import PRINTABLE
 from mesh.checkpoints.fingerprint import fingerprint, topology_fingerprint
 from mesh.topology.schema import load_topology

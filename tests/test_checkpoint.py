@@ -15,6 +15,9 @@ import xxhash
 from tmpfs import fill, tmpfs
 
 from actors import registry
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.train_batch import build_train_batch
+from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.checkpoint import (
     CheckpointError,
     checkpoint_state,
@@ -22,11 +25,9 @@ from actors.inner_loops.checkpoint import (
     read_extra,
     save_checkpoint,
 )
-from actors.inner_loops import OptimizerConfig, TrainerConfig
-from actors.models.tiny import TinyModelSpec, build_tiny_model
-from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 from actors.tasks import Problem
-from actors.contract.train_batch import build_train_batch
 from mesh.checkpoints.fingerprint import fingerprint, topology_fingerprint
 from mesh.run import check_resume, main
 from mesh.topology.schema import load_topology

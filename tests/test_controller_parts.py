@@ -11,16 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.diloco.syncer import STOP_FILE, SyncReport
 from actors.generator.actor import Generation
-from actors.rewarder.functions import RewardFunctions
 from actors.rewarder.config import RewarderConfig
-from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.rewarder.functions import RewardFunctions
 from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
 from actors.teachers.bindings.config import BindingConfig
 from actors.trainer.actor import StepReport
-from actors.weights import WeightVersion
+from actors.weights.record import WeightVersion
 from mesh.controller import (
     CollectSettings,
     ReferenceInTrainer,

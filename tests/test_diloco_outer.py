@@ -39,8 +39,8 @@ import transformers
 from actors.diloco.config import OuterOptimizerConfig
 from actors.diloco.object_store import ObjectStoreTransport
 from actors.diloco.outer import OuterLoop, fragments_of
-from actors.models.tiny import causal_lm
 from actors.models.facts import TinyModelSpec
+from actors.models.tiny import causal_lm
 
 POLL = 0.05
 VOCAB, SEQ, PER_REPLICA = 48, 8, 2  # token ids, sequence length, sequences in each replica's batch

@@ -16,15 +16,17 @@ import torch
 from test_actors import TASK, a_batch
 
 import actors.trainer.actor
-from actors.inner_loops.checkpoint import CheckpointError
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.diloco.outer import OuterLoop
 from actors.diloco.syncer import DiLoCoSyncer, TrainerParameters, checkpoint_name
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import ParameterShard
-from actors.inner_loops.config import LoRAConfig
+from actors.inner_loops.checkpoint import CheckpointError
 from actors.inner_loops.native import NativeLoop
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.facts import TinyModelSpec
+from actors.models.lora_config import LoRAConfig
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 
 PLAIN = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)  # θ becomes the replicas' mean
 NESTEROV = OuterOptimizerConfig(lr=0.7, momentum=0.9, nesterov=True)

@@ -10,8 +10,8 @@ import torch
 from conftest import DIVERGENCES
 from torch.testing import assert_close
 
-from actors.teachers.bindings import top_k_of
 from actors.contract.train_batch import pad_sequences
+from actors.teachers.bindings import top_k_of
 from losses import (
     Counts,
     DistillConfig,

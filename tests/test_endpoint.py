@@ -12,12 +12,13 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from actors.generator.engines import Sampling, sampling_seeds
-from actors.generator.engines.hf import HFEngine
+from actors.contract.rollouts import Trajectory
 from actors.environments.chat_tokens import ChatTokens
 from actors.environments.endpoint import SERVED_MODEL, ChatServer, EpisodeRecord, _tool_calls
-from actors.models.tiny import TinyModelSpec, build_tiny_model
-from actors.contract.rollouts import Trajectory
+from actors.generator.engines import Sampling, sampling_seeds
+from actors.generator.engines.hf import HFEngine
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 
 openai = pytest.importorskip("openai", reason="the openai client is installed with the agents extra")
 

@@ -14,7 +14,9 @@ import torch
 
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.facts import TinyModelSpec
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 
 ALPHABET = "abcdef="
 VLLM_TINY = TinyModelSpec(hidden_size=128, heads=4, kv_heads=2)  # head size 32

@@ -20,7 +20,7 @@ from local_procs import local_procs
 from tiny_runs import run_topology
 
 from actors.basics.compute import Compute
-from actors.generator.engines import sampling_seeds
+from actors.contract.rollouts import Trajectory
 from actors.environments import Turn
 from actors.environments.chat_tokens import ChatTokens
 from actors.environments.episode import run_episode
@@ -28,9 +28,12 @@ from actors.environments.openenv_task import OBSERVATION_ALPHABET, OpenEnvTask, 
 from actors.environments.serve import EnvironmentServer
 from actors.environments.token_policy import TokenPolicy
 from actors.generator.actor import Generator, GeneratorConfig
-from actors.models.tiny import TinyModelSpec, bpe_tokenizer, build_tiny_model, char_tokenizer, load_policy
-from actors.contract.rollouts import Trajectory
-from actors.weights import WeightPublisher
+from actors.generator.engines import sampling_seeds
+from actors.models.facts import TinyModelSpec
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
+from actors.models.tokenizers import bpe_tokenizer, char_tokenizer
+from actors.weights.store import WeightPublisher
 from mesh.topology.schema import TopologyError, load_topology
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,8 +26,10 @@ from tmpfs import fill, tmpfs
 
 from actors import registry
 from actors.inner_loops import OptimizerConfig, TrainerConfig
-from actors.inner_loops.config import LoRAConfig
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.facts import TinyModelSpec
+from actors.models.lora_config import LoRAConfig
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from actors.tasks import TaskConfig
 from mesh import report
 from mesh.checkpoints import export as exporting
@@ -110,7 +112,9 @@ def vllm_greedy(model: Path, prompts: list[list[int]], adapter: Path | None = No
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
     from vllm.lora.request import LoRARequest
 
-    from actors.generator.engines.vllm import context_proxies_hidden  # monarch.job's flask proxies break vLLM's CPU start
+    from actors.generator.engines.vllm import (
+        context_proxies_hidden,  # monarch.job's flask proxies break vLLM's CPU start
+    )
 
     lora = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if adapter else {}
     with context_proxies_hidden():

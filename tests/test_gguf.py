@@ -17,9 +17,9 @@ import pytest
 from gguf_files import SMOLLM2, TinyGGUF, write_gguf
 from tmpfs import FILLER, fill, tmpfs
 
+from actors.models.facts import ModelFacts, TinyModelSpec
 from actors.models.gguf import convert as gguf_model
 from actors.models.gguf.header import GGML_TYPES, ArrayOf, read_header
-from actors.models.facts import ModelFacts, TinyModelSpec
 from actors.models.source import CACHE_ENV, MARKER, ModelSource, ModelSourceError
 from mesh.run import dry_run
 from mesh.topology.schema import TopologyError, load_topology

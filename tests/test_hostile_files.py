@@ -19,9 +19,9 @@ import pytest
 import torch
 from tiny_runs import TINY
 
-from actors.inner_loops.checkpoint import CheckpointError, checkpoint_state, save_checkpoint
 from actors.basics.disk import RefusedFile, lines, open_regular, read_regular
-from actors.models.facts import header_shapes
+from actors.inner_loops.checkpoint import CheckpointError, checkpoint_state, save_checkpoint
+from actors.models.safetensors_header import header_shapes
 from mesh import ctl, export, report
 from mesh.run import dry_run
 from mesh.runtime.commands import MAX_PID

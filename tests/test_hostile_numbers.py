@@ -23,9 +23,10 @@ from test_actors import ALL_CHANNELS, TASK, a_batch
 from actors import registry
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.base import NonFiniteLoss
-from actors.models.tiny import TinyModelSpec, build_tiny_model
-from actors.rewarder.functions import InvalidReward, RewardFunctions
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 from actors.rewarder.config import RewarderConfig
+from actors.rewarder.functions import InvalidReward, RewardFunctions
 from actors.tasks import TaskConfig
 from actors.tasks.strings import Reverse
 from losses import LossConfig, policy_config

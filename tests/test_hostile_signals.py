@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import mesh.run
-from actors.weights.storedir import OWNER, StoreOwner
 from actors.weights.config import store_root
+from actors.weights.storedir import OWNER, StoreOwner
 from mesh.run import QuietStop, main
 from mesh.runtime.interrupts import Interrupted, newest_checkpoint
 

@@ -21,13 +21,15 @@ from test_actors import ALL_CHANNELS, TASK, a_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors import registry
-from actors.models.lora import adapter_state, head_weight, load_adapter_state
-from actors.inner_loops.checkpoint import load_checkpoint
-from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
-from actors.inner_loops.config import LoRAConfig
-from actors.inner_loops.native import NativeLoop
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
 from actors.contract.train_batch import TrainBatch
+from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
+from actors.inner_loops.checkpoint import load_checkpoint
+from actors.inner_loops.native import NativeLoop
+from actors.models.facts import TinyModelSpec
+from actors.models.lora import adapter_state, head_weight, load_adapter_state
+from actors.models.lora_config import LoRAConfig
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from losses import LinearHead, LossConfig, policy_config, prime_rl
 from losses.logprobs import token_logprobs
 

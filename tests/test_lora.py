@@ -19,9 +19,11 @@ from test_actors import TASK, a_batch
 from test_checkpoint import TINY, resume_error, small_checkpoint
 from test_runtime import ROOT, records
 
+from actors.models.facts import TinyModelSpec
 from actors.models.lora import adapter_state, load_adapter_state, with_adapter
-from actors.inner_loops.config import LoRAConfig
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.lora_config import LoRAConfig
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from actors.reference_model.actor import ReferenceModel
 from actors.weights.config import slot_bytes
 from mesh.checkpoints.fingerprint import base_digest, fingerprint, topology_fingerprint

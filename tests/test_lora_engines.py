@@ -10,15 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import PeftModel
-
-from actors.models.lora import adapter_state, load_adapter_state, with_adapter
-from actors.generator.engines import Sampling
-from actors.generator.engines.hf import HFEngine
-from actors.generator.config import VLLM_LORA_RANKS, vllm_lora_rank
-from actors.inner_loops.config import LoRAConfig
-from actors.models.tiny import build_tiny_model, load_policy
-from actors.weights import WeightFollower, WeightPublisher, create_store, remove_store
-from actors.weights.config import store_root
 from test_engine import (  # noqa: F401  no_process_group_left: an autouse fixture, shared
     ALPHABET,
     LOGPROB_TOLERANCE,
@@ -28,6 +19,18 @@ from test_engine import (  # noqa: F401  no_process_group_left: an autouse fixtu
     seeds_for,
 )
 from test_topology import ROOT, error_of
+
+from actors.generator.config import VLLM_LORA_RANKS, vllm_lora_rank
+from actors.generator.engines import Sampling
+from actors.generator.engines.hf import HFEngine
+from actors.models.lora import adapter_state, load_adapter_state, with_adapter
+from actors.models.lora_config import LoRAConfig
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
+from actors.weights.config import store_root
+from actors.weights.follower import WeightFollower
+from actors.weights.store import WeightPublisher
+from actors.weights.storedir import create_store, remove_store
 
 ADAPTER = LoRAConfig(rank=4, alpha=8.0)  # vLLM takes no max_lora_rank of 4: the engine asks for 8
 PROMPTS = ["abc=", "fedcba=", "abcdef=abcdef=abc="]  # the last fills a prefix block vLLM caches

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from actors.models.chat import render
-from actors.rewarder.functions import RewardFunctions
 from actors.rewarder.config import RewarderConfig
+from actors.rewarder.functions import RewardFunctions
 from actors.tasks import Problem, TaskConfig, build_task
 from actors.tasks.arithmetic_data import DATA_DIR, SIZES, generate
 from actors.tasks.math import SOLUTION_HINT, Math, extract_answer, numeric_reward

@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.models.tiny import build_tiny_model, load_policy
 from actors.models.facts import ModelFacts, TinyModelSpec
-from actors.weights import HEADER_BYTES, WeightPublisher, slot_file
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from actors.weights.config import SLOT_HEADER_BYTES, slot_bytes
+from actors.weights.manifest import HEADER_BYTES
+from actors.weights.store import WeightPublisher
+from actors.weights.transports.shm import slot_file
 
 ALPHABET = "abc="
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 from openai_server import CompletionServer
 
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.models.facts import TinyModelSpec
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from actors.tasks.strings import Reverse, Sort
 from actors.teachers.bindings import BindingConfig, BindingError, Student, TopKRequest
 from actors.teachers.bindings import openai as openai_binding

@@ -11,11 +11,13 @@ import pytest
 import torch
 from test_actors import TASK, a_batch
 
-from actors.models import packing
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from actors.models import packing
+from actors.models.facts import TinyModelSpec
 from actors.models.packing import pack_rows
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
 from losses import DistillConfig, LossConfig, TeacherTopK
 from losses.distill import kl_teacher_student, supports
 

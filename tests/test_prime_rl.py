@@ -13,7 +13,8 @@ from torch.testing import assert_close
 
 from actors.inner_loops import CustomLossConfig, TrainerConfig
 from actors.inner_loops.prime_rl import PrimeRLLoop
-from actors.models.tiny import TinyModelSpec, build_tiny_model
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 from losses.prime_rl import LossInputs, LossOutputs, composer_loss
 
 SEEN: list[torch.dtype] = []  # what ``recording`` was handed

@@ -12,9 +12,11 @@ from test_actors import TASK, a_batch
 from test_runtime import TIMED, TINY, records, small
 from test_topology import _cli
 
-from actors.models.tiny import TinyModelSpec, build_tiny_model, load_policy
-from actors.reference_model.actor import ReferenceMismatch, ReferenceModel
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.models.facts import TinyModelSpec
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
+from actors.reference_model.actor import ReferenceMismatch, ReferenceModel
 from mesh.controller import Collected
 from mesh.controller.inflight import collected_from_json, collected_to_json
 from mesh.runtime.run import run

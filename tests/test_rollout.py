@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.basics.shares import split_evenly
-from actors.tasks import Problem
-from actors.teachers.bindings import TopK
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.top_k import TopK
 from actors.contract.train_batch import build_train_batch, row_advantages
+from actors.tasks import Problem
 from losses import group_advantages
 from mesh.controller import Collected
 from mesh.controller.inflight import collected_from_json, collected_to_json

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.generator.actor import Generation
 from actors.contract.rollouts import Trajectory
+from actors.generator.actor import Generation
 from actors.tasks.strings import Reverse
-from actors.weights import WeightVersion
+from actors.weights.record import WeightVersion
 from mesh.controller import Controller
 from mesh.controller.router import REQUESTS_PER_TARGET, PushFailed, Router
 from mesh.runtime import run as runtime

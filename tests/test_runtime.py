@@ -13,8 +13,9 @@ import yaml
 from safetensors.torch import load_file
 from tiny_runs import run_topology
 
-from actors.models.tiny import TinyModelSpec, build_tiny_model
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 from actors.tasks.strings import Reverse
 from mesh.controller import Collected, StalenessError
 from mesh.controller.scheduler import Scheduler

@@ -27,17 +27,12 @@ import pytest
 import torch
 
 from actors.basics.pids import start_ticks
-from actors.weights import (
-    TornWeightsError,
-    WeightFollower,
-    WeightPublisher,
-    WeightSubscriber,
-    WeightSyncError,
-    create_store,
-    reclaim_dead_stores,
-    remove_store,
-    storedir,
-)
+from actors.weights import storedir
+from actors.weights.errors import TornWeightsError, WeightSyncError
+from actors.weights.follower import WeightFollower
+from actors.weights.store import WeightPublisher
+from actors.weights.storedir import create_store, reclaim_dead_stores, remove_store
+from actors.weights.transports.in_place import WeightSubscriber
 
 REPO = Path(__file__).resolve().parents[1]
 ATTACKER = "cm-store-attacker"

@@ -13,7 +13,8 @@ import pytest
 from local_procs import local_procs
 
 from actors.basics.compute import Compute
-from actors.models.tiny import TinyModelSpec, build_tiny_model
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 from actors.tasks import Problem
 from actors.teachers.bindings import Student
 from actors.teachers.bindings.config import BindingConfig

@@ -14,10 +14,11 @@ from local_procs import local_procs
 
 from actors.generator.engines import sampling_seeds
 from actors.generator.engines.hf import HFEngine
-from actors.models.tiny import TinyModelSpec, build_tiny_model
 from actors.models.chat import render
-from actors.rewarder.functions import RewardFunctions
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 from actors.rewarder.actor import Rewarder, RewarderConfig
+from actors.rewarder.functions import RewardFunctions
 from actors.tasks import TaskConfig, build_task
 from actors.tasks.strings import Reverse
 from mesh import ctl

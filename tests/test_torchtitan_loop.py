@@ -14,7 +14,10 @@ from torch.distributed.tensor import DTensor
 from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.inner_loops.torchtitan import TorchTitanLoop, TorchTitanModelError
-from actors.models.tiny import TinyModelSpec, build_tiny_model, char_tokenizer, load_policy
+from actors.models.facts import TinyModelSpec
+from actors.models.policy import load_policy
+from actors.models.tiny import build_tiny_model
+from actors.models.tokenizers import char_tokenizer
 from losses import LossConfig
 
 ARCHS = ("qwen2", "qwen3", "llama")

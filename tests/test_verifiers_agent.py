@@ -8,11 +8,12 @@ import pytest
 
 pytest.importorskip("verifiers.v1", reason="verifiers is installed with the envs extra")
 
-from actors.generator.engines import Sampling, sampling_seeds  # noqa: E402
-from actors.generator.engines.hf import HFEngine  # noqa: E402
 from actors.environments.agent_task import Agents, AgentTask  # noqa: E402
 from actors.environments.endpoint import ChatServer  # noqa: E402
-from actors.models.tiny import TinyModelSpec, build_tiny_model  # noqa: E402
+from actors.generator.engines import Sampling, sampling_seeds  # noqa: E402
+from actors.generator.engines.hf import HFEngine  # noqa: E402
+from actors.models.facts import TinyModelSpec  # noqa: E402
+from actors.models.tiny import build_tiny_model  # noqa: E402
 
 BPE = TinyModelSpec(hidden_size=64, heads=4, kv_heads=2, max_positions=512, tokenizer="bpe")
 ARITH = "actors.environments.examples.vf_arith:ArithTaskset"

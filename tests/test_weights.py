@@ -20,26 +20,18 @@ from monarch.actor import Actor, endpoint, this_host
 from tmpfs import tmpfs
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from actors.weights import (
-    HEADER_BYTES,
-    TRANSPORTS,
-    RemoteSlot,
-    SlotBackend,
-    StaleWeightsError,
-    TornWeightsError,
-    WeightFollower,
-    WeightPublisher,
-    WeightSubscriber,
-    WeightSyncError,
-    WeightVersion,
-    choose_transport,
-    device_checksum,
-    remove_store,
-    slot_backend,
-    slot_file,
-)
-from actors.weights.checksum import DEVICE_CHUNK_WORDS
+from actors.weights.checksum import DEVICE_CHUNK_WORDS, device_checksum
+from actors.weights.config import choose_transport
+from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError
+from actors.weights.follower import WeightFollower
+from actors.weights.manifest import HEADER_BYTES
+from actors.weights.record import RemoteSlot, WeightVersion
+from actors.weights.store import WeightPublisher
+from actors.weights.storedir import remove_store
 from actors.weights.transports import in_place
+from actors.weights.transports.backend import TRANSPORTS, SlotBackend, slot_backend
+from actors.weights.transports.in_place import WeightSubscriber
+from actors.weights.transports.shm import slot_file
 from mesh.topology.preflight import load_plan
 
 cloudpickle.register_pickle_by_value(

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from actors.contract.top_k import TopK
 from actors.tasks import Problem
-from actors.teachers.bindings import TopK
 
 
 class RowKind(StrEnum):

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actors.models.packing import PackedRows, pack_rows
 from actors.contract.rollouts import RolloutGroup, Row, RowKind, Trajectory
+from actors.models.packing import PackedRows, pack_rows
 from losses import group_advantages
 from losses.config import AdvantageEstimator
 

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from actors.inner_loops.checkpoint import CheckpointError
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.outer import OuterLoop
 from actors.diloco.transport import Transport
 from actors.inner_loops.base import ParameterShard
+from actors.inner_loops.checkpoint import CheckpointError
 
 COMMIT_ATTEMPTS = 3  # torchft rounds a member's failure may abort before the sync gives up
 # torchft: how long a quorum may wait for a live replica to reach the sync point (a restarted one retrains

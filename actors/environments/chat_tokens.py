@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.models.chat import has_chat_template
 from actors.contract.rollouts import Trajectory
+from actors.models.chat import has_chat_template
 
 Message = dict[str, Any]
 

@@ -51,8 +51,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.environments.chat_tokens import ChatTokens, Message, Prompt, TemplateError
 from actors.contract.rollouts import Trajectory
+from actors.environments.chat_tokens import ChatTokens, Message, Prompt, TemplateError
 
 # Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone and the policy
 # version that sampled it.

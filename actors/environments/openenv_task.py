@@ -25,8 +25,8 @@ import json
 import string
 from dataclasses import dataclass, field, replace
 
-from actors.tasks import Problem
 from actors.basics.urls import check_url
+from actors.tasks import Problem
 
 # The character tokenizer of a tiny model (model.init) reads the observations too: every
 # character an environment may say must be in its vocabulary, or it reads as <unk>.

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from actors.environments.chat_tokens import ChatTokens
 from actors.contract.rollouts import Trajectory
+from actors.environments.chat_tokens import ChatTokens
 
 # Continue a token sequence with one sampled reply: (ids so far, turn) -> the reply alone.
 Sampler = Callable[[list[int], int], Awaitable[Trajectory]]

@@ -28,7 +28,8 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
 from actors.basics.compute import Compute
-from actors.generator.engines import sampling_seeds
+from actors.basics.proc_info import ProcInfo, this_proc
+from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
 from actors.environments import Environments
 from actors.environments.agent_task import NO_DEMONSTRATION, Agents, AgentSpec
 from actors.environments.chat_tokens import ChatTokens
@@ -36,14 +37,14 @@ from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
 from actors.environments.token_policy import TokenPolicy
 from actors.generator.config import GeneratorConfig
-from actors.inner_loops.config import LoRAConfig
-from actors.basics.proc_info import ProcInfo, this_proc
+from actors.generator.engines import sampling_seeds
 from actors.models.chat import render
-from actors.rewarder.functions import RewardFunctions, RewardReply
+from actors.models.lora_config import LoRAConfig
 from actors.rewarder.config import RewarderConfig
-from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
+from actors.rewarder.functions import RewardFunctions, RewardReply
 from actors.tasks import Problem, TaskConfig
-from actors.weights import WeightFollower, WeightVersion
+from actors.weights.follower import WeightFollower
+from actors.weights.record import WeightVersion
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from actors import registry
-from actors.inner_loops.config import OUTPUT_HEAD, LoRAConfig
 from actors.models.facts import ModelFacts
+from actors.models.lora_config import OUTPUT_HEAD, LoRAConfig
 
 ROUTERS = ("round_robin", "least_loaded")
 # vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes() of the pinned

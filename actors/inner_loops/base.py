@@ -36,12 +36,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from actors.models.lora import adapter_state, load_adapter_state, saved_name
-from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
-from actors.inner_loops.config import TrainerConfig
-from actors.models.tiny import number_tokens
 from actors.basics.shares import split_evenly
 from actors.contract.train_batch import TrainBatch
+from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
+from actors.inner_loops.config import TrainerConfig
+from actors.models.lora import adapter_state, load_adapter_state, saved_name
+from actors.models.policy import number_tokens
 from losses import (
     Counts,
     DistillInputs,

@@ -22,12 +22,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from actors.models.lora import head_weight, with_adapter
+from actors.contract.train_batch import Sequences, TrainBatch
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
-from actors.models.tiny import load_policy
+from actors.models.lora import head_weight, with_adapter
 from actors.models.packing import packed_states
-from actors.contract.train_batch import Sequences, TrainBatch
+from actors.models.policy import load_policy
 from losses import LinearHead
 
 

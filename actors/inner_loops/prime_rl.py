@@ -30,10 +30,10 @@ from dataclasses import asdict, replace
 import torch
 from torch import Tensor
 
+from actors.contract.train_batch import TrainBatch
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU
 from actors.inner_loops.native import NativeLoop
-from actors.contract.train_batch import TrainBatch
 from losses import (
     LinearHead,
     LossInputs,

@@ -101,11 +101,11 @@ from torchtitan.protocols.module import Module
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.utils import device_type as torchtitan_device_type
 
-from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
+from actors.contract.train_batch import TrainBatch
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, MicroBatchLoop
+from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.models.packing import lane_tokens
-from actors.contract.train_batch import TrainBatch
 from losses import Logits
 
 

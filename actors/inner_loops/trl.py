@@ -32,11 +32,11 @@ import trl
 from datasets import Dataset
 from torch import Tensor
 
-from actors.models.lora import peft_config
+from actors.contract.train_batch import TrainBatch
 from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
+from actors.models.lora import peft_config
 from actors.models.packing import lane_tokens
-from actors.contract.train_batch import TrainBatch
 from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
 
 TRL_VERSION = "1.16.0"  # the pin in pyproject.toml's ``trl`` extra; tests check both agree

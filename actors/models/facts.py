@@ -10,11 +10,10 @@ engine's head sizes, the weight store's memory) then run before anything is spaw
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.basics.disk import open_regular
+from actors.models.safetensors_header import header_shapes
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 # The bpe tokenizer's: padding, the end of a turn (its EOS), the start of a turn. Padding and EOS
@@ -23,7 +22,6 @@ CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|im_start|>")
 BPE_VOCAB_SIZE = 448  # the shipped arithmetic text yields 460 tokens at most
 ARCHITECTURES = ("qwen3", "qwen2", "llama")
 TOKENIZERS = ("chars", "bpe")
-SAFETENSORS_HEADER_LIMIT = 100_000_000  # the safetensors format's own cap on a header
 
 
 @dataclass(frozen=True)
@@ -190,24 +188,6 @@ def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]] | None:
     if "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
         shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     return shapes
-
-
-def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """A safetensors file starts with a little-endian u64 header length, then a JSON header
-    giving each tensor's dtype, shape and byte offsets. Read through ``open_regular``: a checkpoint's
-    model.safetensors is read by ``--resume`` and ``mesh.export``, and a pipe in its place would hang them
-    (a link is followed: a Hugging Face cache's files are links)."""
-    try:
-        with open_regular(path, follow_links=True) as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > SAFETENSORS_HEADER_LIMIT:
-                raise ValueError(f"a header of {length} bytes")
-            header = json.loads(file.read(length))
-        return {name: tuple(int(n) for n in entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
-    except (OSError, ValueError, struct.error, TypeError, KeyError, AttributeError) as error:
-        raise ValueError(
-            f"{path} is not a readable safetensors file ({error}); re-save the model with save_pretrained"
-        ) from None
 
 
 def _json(path: Path) -> dict:

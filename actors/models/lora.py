@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from actors.inner_loops.config import LoRAConfig
+from actors.models.lora_config import LoRAConfig
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel

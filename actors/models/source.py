@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.basics.disk import size_text, write_cause
-from actors.models.gguf.header import GGUFError, read_header
-from actors.models.gguf.convert import float32_bytes, gguf_facts
 from actors.models.facts import ModelFacts
+from actors.models.gguf.convert import float32_bytes, gguf_facts
+from actors.models.gguf.header import GGUFError, read_header
 from actors.registry import find_module
 
 PACKAGE = "package:"

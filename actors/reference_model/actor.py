@@ -22,13 +22,13 @@ import torch
 from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
-from actors.models.lora import head_weight
 from actors.basics.compute import Compute
-from actors.inner_loops.native import HiddenStates
 from actors.basics.proc_info import ProcInfo, this_proc
-from actors.models.tiny import load_policy
 from actors.contract.rollouts import Trajectory
 from actors.contract.train_batch import Sequences, trajectory_sequences
+from actors.inner_loops.native import HiddenStates
+from actors.models.lora import head_weight
+from actors.models.policy import load_policy
 from losses import token_logprobs
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from monarch.actor import Actor, endpoint
 
 from actors.basics.proc_info import ProcInfo, this_proc
-from actors.rewarder.functions import RewardFunctions, RewardReply
 from actors.rewarder.config import RewarderConfig
+from actors.rewarder.functions import RewardFunctions, RewardReply
 from actors.tasks import Problem, TaskConfig
 
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from actors import registry
-from actors.rewarder.config import RewarderConfig
 from actors.contract.rollouts import Reward
+from actors.rewarder.config import RewarderConfig
 from actors.tasks import Problem, TaskConfig, build_task
 
 

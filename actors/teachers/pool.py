@@ -19,9 +19,11 @@ from monarch.actor import Actor, endpoint
 from actors import registry
 from actors.basics.compute import Compute
 from actors.basics.proc_info import ProcInfo, this_proc
+from actors.contract.top_k import TopK
 from actors.tasks import Problem
-from actors.teachers.bindings import Binding, BindingConfig, Student, TopK, TopKRequest, check_binding_class
-from actors.weights import WeightFollower, WeightVersion
+from actors.teachers.bindings import Binding, BindingConfig, Student, TopKRequest, check_binding_class
+from actors.weights.follower import WeightFollower
+from actors.weights.record import WeightVersion
 
 
 @dataclass

@@ -43,15 +43,17 @@ from torch.distributed import TCPStore
 
 from actors import registry
 from actors.basics.compute import Compute
+from actors.basics.proc_info import ProcInfo, this_proc
+from actors.basics.shares import split_evenly
+from actors.contract.train_batch import TrainBatch
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.syncer import DiLoCoSyncer, SyncReport, TrainerParameters
 from actors.inner_loops import TrainerConfig
-from actors.basics.proc_info import ProcInfo, this_proc
 from actors.reference_model.actor import ReferenceModel
-from actors.basics.shares import split_evenly
-from actors.contract.train_batch import TrainBatch
-from actors.weights import WeightPublisher, WeightVersion, create_store, reclaim_dead_stores, remove_store
 from actors.weights.config import store_root
+from actors.weights.record import WeightVersion
+from actors.weights.store import WeightPublisher
+from actors.weights.storedir import create_store, reclaim_dead_stores, remove_store
 from losses import TAIDScheduler
 
 if TYPE_CHECKING:  # monarch does not export it publicly

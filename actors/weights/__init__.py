@@ -30,39 +30,3 @@ not the publisher, owns the directory's life, on its own host:
     ...                             # WeightPublisher(store, ...)
     remove_store(store)             # in __cleanup__, when the run stops the trainer
 """
-
-from actors.weights.checksum import CHUNK_BYTES, device_checksum
-from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyncError
-from actors.weights.follower import WeightFollower
-from actors.weights.manifest import HEADER_BYTES
-from actors.weights.record import RemoteSlot, WeightVersion
-from actors.weights.store import WeightPublisher
-from actors.weights.storedir import create_store, reclaim_dead_stores, remove_store
-from actors.weights.transports import TRANSPORTS, SlotBackend, slot_backend
-from actors.weights.transports.in_place import WeightSubscriber
-from actors.weights.transports.rdma import RdmaReceiver
-from actors.weights.transports.shm import slot_file
-from actors.weights.config import choose_transport
-
-__all__ = [
-    "CHUNK_BYTES",
-    "HEADER_BYTES",
-    "TRANSPORTS",
-    "RdmaReceiver",
-    "RemoteSlot",
-    "SlotBackend",
-    "StaleWeightsError",
-    "TornWeightsError",
-    "WeightFollower",
-    "WeightPublisher",
-    "WeightSubscriber",
-    "WeightSyncError",
-    "WeightVersion",
-    "choose_transport",
-    "create_store",
-    "device_checksum",
-    "reclaim_dead_stores",
-    "remove_store",
-    "slot_backend",
-    "slot_file",
-]

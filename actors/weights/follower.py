@@ -12,7 +12,7 @@ from torch import Tensor
 
 from actors.weights.errors import StaleWeightsError
 from actors.weights.record import WeightVersion
-from actors.weights.transports import Receiver, slot_backend
+from actors.weights.transports.backend import Receiver, slot_backend
 
 
 class WeightFollower:

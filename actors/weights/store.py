@@ -66,7 +66,7 @@ from actors.weights.manifest import Manifest, TensorEntry, layout_digest
 from actors.weights.record import WeightVersion
 from actors.weights.slot import MAX_VERSION, Slot
 from actors.weights.storedir import store_path
-from actors.weights.transports import slot_backend
+from actors.weights.transports.backend import slot_backend
 
 
 def _copy_plan(

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.basics.disk import KINDS
-from actors.inner_loops.config import LoRAConfig
+from actors.models.lora_config import LoRAConfig
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -60,8 +60,8 @@ class Policy:
 def export(checkpoint: Path, out: Path, merge: bool = False) -> Path:
     """Write the policy of ``checkpoint`` as a Hugging Face directory ``out`` (new, or empty); with LoRA
     and ``merge`` the adapters merged into the base, else PEFT's adapter directory. Returns ``out``."""
-    from actors.inner_loops.checkpoint import ANOTHER, CheckpointError, checkpoint_model  # torch: not for --help
     from actors.basics.disk import why_not_written
+    from actors.inner_loops.checkpoint import ANOTHER, CheckpointError, checkpoint_model  # torch: not for --help
 
     checkpoint, out = Path(checkpoint), _out_path(Path(out))
     partial = out.with_name(out.name + PARTIAL)
@@ -248,8 +248,9 @@ def _verify(partial: Path, policy: Policy) -> None:
     config) and their values (``_read_back``); raises ``ExportError`` naming the first that does not."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from actors.models.facts import ModelFacts
     from actors.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-    from actors.models.facts import ModelFacts, header_shapes
+    from actors.models.safetensors_header import header_shapes
 
     tokens = policy.trained["tokenizer"].get("tokens")
     found = len(AutoTokenizer.from_pretrained(partial))
@@ -384,7 +385,7 @@ def _merged(adapters: dict[str, Tensor], policy: Policy) -> dict[str, Tensor]:
     import torch
 
     from actors.models.lora import load_adapter_state, with_adapter
-    from actors.models.tiny import load_policy
+    from actors.models.policy import load_policy
 
     model, _ = load_policy(policy.base, torch.float32)
     adapted = with_adapter(model, policy.lora)

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from actors.basics.disk import open_regular, read_regular
-from actors.inner_loops.config import LoRAConfig
 from actors.models.facts import TINY_MODEL_MARKER, char_vocabulary, tiny_recipe
+from actors.models.lora_config import LoRAConfig
 from actors.models.source import ModelSource, ModelSourceError
 from actors.tasks import TaskConfig, build_task
 
 if TYPE_CHECKING:
-    from actors.models.tiny import TinyModelSpec
+    from actors.models.facts import TinyModelSpec
     from mesh.topology.schema import Topology
 
 ARCHITECTURE = (
@@ -242,7 +242,9 @@ def _digest(vocab: dict[str, int]) -> dict:
 
 def _bpe_vocabulary() -> dict[str, int]:
     """The tiny model's BPE vocabulary, trained as ``build_tiny_model`` trains it (a fraction of a second)."""
-    from actors.models.tiny import bpe_tokenizer  # actors.models.tiny imports torch; the model_dir path stays light
+    from actors.models.tokenizers import (
+        bpe_tokenizer,  # actors.models.tiny imports torch; the model_dir path stays light
+    )
 
     return bpe_tokenizer().get_vocab()
 

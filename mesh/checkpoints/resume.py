@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field, ValidationInfo, field_validator
 
 from actors.inner_loops.checkpoint import ANOTHER, MODEL_FILE, CheckpointError, FiniteJson, validated
-from actors.models.facts import header_shapes
+from actors.models.safetensors_header import header_shapes
 from mesh.controller.inflight import Saved, SavedInFlight, bounds
 
 if TYPE_CHECKING:

@@ -27,13 +27,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from actors.generator.engines import sampling_seeds
+from actors.contract.rollouts import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.top_k import TopK
 from actors.environments.agent_task import NO_DEMONSTRATION, AgentSpec
 from actors.environments.openenv_task import EpisodeSpec
-from actors.contract.rollouts import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.generator.engines import sampling_seeds
 from actors.tasks import Problem, Task
-from actors.teachers.bindings import TopK, TopKRequest
-from actors.weights import WeightVersion
+from actors.teachers.bindings import TopKRequest
+from actors.weights.record import WeightVersion
 from mesh.controller.collected import Collected
 from mesh.controller.gap import GapCheck, exact_share
 from mesh.controller.groups import Demonstration, EnvironmentDown, GroupPool, PlayedGroup

@@ -54,11 +54,11 @@ from typing import Any
 
 from torch import Tensor
 
-from actors.diloco.syncer import STOP_FILE
 from actors.contract.rollouts import RowKind
 from actors.contract.train_batch import build_train_batch, row_advantages
+from actors.diloco.syncer import STOP_FILE
 from actors.trainer.actor import StepReport
-from actors.weights import WeightVersion
+from actors.weights.record import WeightVersion
 from mesh.controller.collected import Collected
 from mesh.controller.collection import Collection
 from mesh.controller.diloco import DiLoCoHook

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.diloco.syncer import SyncReport
-from actors.weights import WeightVersion
+from actors.weights.record import WeightVersion
 from mesh.runtime.interrupts import Stopper
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly

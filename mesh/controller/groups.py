@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from actors.contract.rollouts import EpisodeOutcome, Trajectory
 from actors.tasks import Problem
-from actors.weights import WeightVersion
+from actors.weights.record import WeightVersion
 from mesh.controller.router import TargetLoad
 from mesh.controller.scheduler import Abandoned
 

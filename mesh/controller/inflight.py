@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, Field, Strict, ValidationInfo, field_validator
 
-from actors.inner_loops.checkpoint import STRICT
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.top_k import TopK
+from actors.inner_loops.checkpoint import STRICT
 from actors.tasks import Problem
-from actors.teachers.bindings import TopK
 from mesh.controller.collected import Collected
 from mesh.controller.router import TargetLoad
 

@@ -34,12 +34,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from actors.basics.shares import split_evenly
+from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
 from actors.environments.openenv_task import EpisodeSpec
 from actors.generator.actor import Generation
-from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
-from actors.basics.shares import split_evenly
 from actors.tasks import Problem
-from actors.weights import WeightVersion
+from actors.weights.record import WeightVersion
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
     from monarch._src.actor.actor_mesh import ActorMesh

@@ -113,7 +113,9 @@ def newest_checkpoint(run_path: Path, recorded: Path | None, outer_state: str | 
     signal cancelled the controller's wait for it. A checkpoint is renamed into place only once whole, so a
     directory named ``step_N`` is one; a DiLoCo run's also needs its outer state (the file ``outer_state``),
     which is saved after the trainer's files. Every checkpoint of this run is newer than one it resumed from."""
-    from actors.inner_loops.checkpoint import CHECKSUMS_FILE  # torch: the DiLoCo parent imports this module, and needs none
+    from actors.inner_loops.checkpoint import (
+        CHECKSUMS_FILE,  # torch: the DiLoCo parent imports this module, and needs none
+    )
 
     whole = [
         path

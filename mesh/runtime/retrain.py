@@ -24,9 +24,9 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from actors.inner_loops.checkpoint import STRICT, first_problem
 from actors.basics.disk import is_regular, lines, open_regular
 from actors.contract.rollouts import RolloutGroup, Row
+from actors.inner_loops.checkpoint import STRICT, first_problem
 from mesh.checkpoints.fingerprint import FingerprintError, topology_fingerprint
 from mesh.controller.collected import Collected
 from mesh.controller.inflight import Saved, SavedProblem, SavedRow, bounds

@@ -35,12 +35,12 @@ import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
 from actors.basics.compute import Compute  # noqa: E402
+from actors.basics.proc_info import ProcInfo  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import checkpoint_name  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator.actor import Generator  # noqa: E402
-from actors.basics.proc_info import ProcInfo  # noqa: E402
 from actors.models.tiny import build_tiny_model  # noqa: E402
 from actors.reference_model.actor import Reference  # noqa: E402
 from actors.rewarder.actor import Rewarder  # noqa: E402

@@ -42,8 +42,9 @@ from pydantic import (
 from actors import registry
 from actors.diloco.config import DiLoCoConfig
 from actors.generator.config import GeneratorConfig
-from actors.inner_loops.config import TrainerConfig, linear_layers
+from actors.inner_loops.config import TrainerConfig
 from actors.models.facts import ModelFacts, TinyModelSpec
+from actors.models.lora_config import linear_layers
 from actors.models.source import ModelSource
 from actors.reference_model.config import REFERENCE_KEY, ReferenceConfig
 from actors.rewarder.config import RewarderConfig

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Protocol
 
-from actors.generator.config import Sampling  # noqa: F401  the engines' input, re-exported beside their output
 from actors.contract.rollouts import Trajectory
+from actors.generator.config import Sampling  # noqa: F401  the engines' input, re-exported beside their output
 
 if TYPE_CHECKING:
     from torch import Tensor

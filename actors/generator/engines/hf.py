@@ -20,15 +20,15 @@ import torch
 from torch import Tensor
 from transformers import BatchEncoding
 
-from actors.models.lora import head_weight
 from actors.basics.compute import Compute
-from actors.generator.engines import Sampling, request_seed
-from actors.generator.config import policy_dtype
-from actors.inner_loops.config import LoRAConfig
-from actors.models.tiny import load_policy
-from actors.models.packing import packed_states
 from actors.contract.rollouts import Trajectory
 from actors.contract.train_batch import pad_sequences
+from actors.generator.config import policy_dtype
+from actors.generator.engines import Sampling, request_seed
+from actors.models.lora import head_weight
+from actors.models.lora_config import LoRAConfig
+from actors.models.packing import packed_states
+from actors.models.policy import load_policy
 from losses import token_logprobs
 
 

@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 
 from actors.basics.compute import Compute
-from actors.generator.engines import Sampling
-from actors.generator.config import VLLM_OWN_GPU_SHARE, policy_dtype, vllm_lora_rank
-from actors.inner_loops.config import LoRAConfig
 from actors.contract.rollouts import Trajectory
+from actors.generator.config import VLLM_OWN_GPU_SHARE, policy_dtype, vllm_lora_rank
+from actors.generator.engines import Sampling
+from actors.models.lora_config import LoRAConfig
 from actors.weights.config import store_root
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when vLLM builds the engine: keep it in-process

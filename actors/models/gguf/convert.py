@@ -21,8 +21,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from actors.models.gguf.header import GGML_TYPES, GGUFError, GGUFHeader
 from actors.models.facts import ModelFacts
+from actors.models.gguf.header import GGML_TYPES, GGUFError, GGUFHeader
 
 LLAMA_BLOCK = (
     "attn_norm",

@@ -23,12 +23,12 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from actors.inner_loops.config import LoRAConfig
+from actors.contract.top_k import TopK
+from actors.models.lora_config import LoRAConfig
 from actors.tasks import Problem
 from actors.teachers.bindings.config import USES, BindingConfig, Use, require
 
 if TYPE_CHECKING:
-    import numpy as np
     from torch import Tensor
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "METHOD_OF_USE",
     "TopKRequest",
     "Student",
-    "TopK",
     "USES",
     "Use",
     "check_binding_class",
@@ -72,24 +71,6 @@ class TopKRequest:
     completion_ids: list[int]
     hint: str | None = None  # feedback for the teacher's context (self_hint); None: no hint
     system_prompt: str | None = None  # the problem's
-
-
-@dataclass
-class TopK:
-    """A teacher's top-k at each completion position, in student ids: ``[T, K]`` each.
-
-    Every row has exactly K distinct ids; where the teacher has fewer than K tokens the
-    student knows, the rest are unused ids with logprob ``-inf`` (probability 0), which
-    keeps the divergence over ``top-k ∪ tail`` exact (for any K distinct ids: the tail
-    holds the rest). A row holds its position's completion token (the one the student
-    sampled) in place of the least likely of the top K wherever the teacher scored it
-    (``top_k_of``: always; an API's top logprobs: where they include it), since the
-    sampled-token divergence needs its exact logprob; a row without it (or with it at
-    ``-inf``, a filler) is left out of that divergence.
-    """
-
-    ids: np.ndarray  # int64
-    logprobs: np.ndarray  # float32
 
 
 class Binding(Protocol):

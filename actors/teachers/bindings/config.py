@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 from actors import registry
-from actors.models.source import ModelSource
 from actors.basics.urls import check_url
+from actors.models.source import ModelSource
 
 HF_TEACHER_KEY = "hf teacher path"
 

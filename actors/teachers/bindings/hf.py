@@ -12,16 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from actors.models.lora import head_weight
-from actors.models.tiny import load_policy
-from actors.models.source import ModelSource
-from actors.models.packing import packed_states
+from actors.contract.top_k import TopK
+from actors.contract.train_batch import pad_sequences
 from actors.models.chat import render
+from actors.models.lora import head_weight
+from actors.models.packing import packed_states
+from actors.models.policy import load_policy
+from actors.models.source import ModelSource
 from actors.tasks import Problem
-from actors.teachers.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
+from actors.teachers.bindings import BindingConfig, BindingError, Student, TopKRequest
 from actors.teachers.bindings.config import HF_TEACHER_KEY
 from actors.teachers.bindings.tokens import top_k_of, vocab_map
-from actors.contract.train_batch import pad_sequences
 
 
 class CausalLMScorer:

@@ -39,9 +39,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from actors.contract.top_k import TopK
 from actors.models.chat import render
 from actors.tasks import Problem
-from actors.teachers.bindings import BindingConfig, BindingError, Student, TopK, TopKRequest
+from actors.teachers.bindings import BindingConfig, BindingError, Student, TopKRequest
 from actors.teachers.bindings.tokens import top_k_from_entries
 
 TIMEOUT_S = 60.0  # per HTTP call; a call carries a whole batch of prompts

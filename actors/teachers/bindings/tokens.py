@@ -6,7 +6,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actors.teachers.bindings import BindingError, TopK
+from actors.contract.top_k import TopK
+from actors.teachers.bindings import BindingError
 from actors.teachers.bindings.config import BindingConfig
 
 

@@ -26,7 +26,7 @@ from actors.weights.manifest import Manifest, layout_digest
 from actors.weights.record import WeightVersion
 from actors.weights.slot import MAGIC, MAGIC_WORD, NBYTES, READY, Slot, check_header, describe, stamp
 from actors.weights.storedir import StoreDir, store_path
-from actors.weights.transports import Receiver, SlotBackend, slot_backend
+from actors.weights.transports.backend import Receiver, SlotBackend, slot_backend
 
 MANIFEST = "manifest.json"
 CUDA_HANDLES = "cuda-ipc.pkl"  # cuda_ipc: one CUDA IPC handle per slot

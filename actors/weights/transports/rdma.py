@@ -32,7 +32,7 @@ from actors.weights.errors import StaleWeightsError, TornWeightsError, WeightSyn
 from actors.weights.manifest import HEADER_BYTES, Manifest, layout_digest
 from actors.weights.record import RemoteSlot, WeightVersion
 from actors.weights.slot import Slot, check_header, memory_slots
-from actors.weights.transports import Receiver, SlotBackend
+from actors.weights.transports.backend import Receiver, SlotBackend
 
 MIN_PULL_BYTES_PER_S = 50e6  # the pull's timeout allows this slow a link, and 60 s at least
 
