@@ -1,7 +1,8 @@
-"""The layers import downward only: ``mesh`` -> ``actors`` -> ``losses`` -> torch; and within them, no
-module imports one that imports it back."""
+"""The layers import downward only: ``mesh`` -> ``actors`` -> ``losses`` -> torch; within ``actors`` its rooms
+do too (``ROOMS``); and no module imports one that imports it back."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,57 @@ def test_circles_closed_by_type_only_deferred_or_package_imports_are_found(tmp_p
         "pkg.sub.e": {"pkg.c"},
     }
     assert circles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.sub", "pkg.sub.d", "pkg.sub.e"]]
+
+
+ROOMS = (  # actors/'s rooms, bottom to top: each imports only rooms before it (actors/__init__.py draws them)
+    "basics",
+    "registry",
+    "tasks",
+    "models",
+    "contract",
+    "weights",
+    "environments",
+    "teachers",
+    "rewarder",
+    "generator",
+    "inner_loops",
+    "reference_model",
+    "diloco",
+    "trainer",
+)
+ROOT_MODULES = 8  # at most, beside actors/'s packages: shared code belongs in a room
+
+
+def test_actors_rooms_import_downward_only():
+    graph = import_graph(ROOT, ("actors",))
+    rooms = {name.split(".")[1] for name in graph if "." in name}
+    assert rooms == set(ROOMS), "a room of actors/ goes in ROOMS, and in actors/__init__.py's map"
+    rank = {room: i for i, room in enumerate(ROOMS)}
+    upward = sorted(
+        f"{name} -> {imported}"
+        for name, modules in graph.items()
+        if "." in name
+        for imported in modules
+        if "." in imported and rank[imported.split(".")[1]] > rank[name.split(".")[1]]
+    )
+    assert upward == [], "a room imports one above it: move the shared piece down, or the room up"
+
+
+def test_actors_root_holds_its_rooms_and_few_modules():
+    import actors
+
+    modules = sorted(path.name for path in (ROOT / "actors").glob("*.py") if path.name != "__init__.py")
+    assert len(modules) <= ROOT_MODULES, f"actors/ holds {modules}: move them into rooms"
+    drawn = set(re.findall(r"^    (\w+)/ ", actors.__doc__, re.M))
+    assert drawn == {room for room in ROOMS if (ROOT / "actors" / room).is_dir()}, "actors/__init__.py's map"
+
+
+def test_no_package_init_of_actors_imports_a_heavy_library():
+    """Each package's ``__init__`` in one interpreter, the heavy libraries checked after each: importing a package
+    for its config must not load a backend."""
+    packages = sorted(_module_name(path.relative_to(ROOT)) for path in (ROOT / "actors").rglob("__init__.py"))
+    checks = "".join(
+        f"import {package}\nassert not {{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}), {package!r}\n"
+        for package in packages
+    )
+    assert loaded_after("import sys\n" + checks, HEAVY) == []
