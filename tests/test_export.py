@@ -36,6 +36,8 @@ from mesh.checkpoints import export as exporting
 from mesh.checkpoints.export import export
 from mesh.checkpoints.fingerprint import built_weights, fingerprint
 from mesh.export import main
+from mesh.records import readers
+from mesh.records.report import run_lines
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
@@ -264,7 +266,7 @@ def test_a_run_whose_final_model_does_not_fit_fails_and_the_report_says_so(full,
         assert "trained every step, but its final model could not be written" in said and "ENOSPC" in said
         assert left_nothing(run / "final")
         assert report.main([str(run), "--no-plot"]) == 0
-        state = report.run_lines(report.load_run(run))[1]
+        state = run_lines(readers.load_run(run))[1]
         assert state.startswith("state     failed: final/ was not written: ") and "ENOSPC" in state
 
 

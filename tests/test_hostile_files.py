@@ -23,6 +23,7 @@ from actors.basics.disk import RefusedFile, lines, open_regular, read_regular
 from actors.inner_loops.checkpoint import CheckpointError, checkpoint_state, save_checkpoint
 from actors.models.safetensors_header import header_shapes
 from mesh import ctl, export, report
+from mesh.records import readers
 from mesh.run import dry_run
 from mesh.runtime.commands import MAX_PID
 
@@ -161,7 +162,7 @@ def test_a_run_file_that_is_not_one_is_refused_by_the_report(run_dir, capsys, na
     [
         (b'{"step": 2, "reward/mean": "\xff\xfe"}', None),  # not UTF-8 inside a text: shown replaced, not refused
         (b"[" * 100_000 + b"]" * 100_000, "line 3 is not JSON (nested too deeply)"),
-        (b'{"step": 2, "' + b"x" * (report.LONGEST_LINE + 1) + b'": 1}', "line 3 is longer than 1.0 MiB"),
+        (b'{"step": 2, "' + b"x" * (readers.LONGEST_LINE + 1) + b'": 1}', "line 3 is longer than 1.0 MiB"),
         (b'{"step": 2, "samples_per_s": 1' + b"0" * 400 + b"}", None),  # a number past a float's range: skipped
     ],
 )

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from tiny_runs import finished_tiny_run
 
-from mesh import report as reporting
-from mesh.report import OVERLAP, REPORT_PNG, WIDTH, main
+from mesh.records import readers
+from mesh.records.report import OVERLAP, REPORT_PNG, WIDTH
+from mesh.report import main
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -295,14 +296,14 @@ def test_a_file_that_cannot_be_read_is_one_line(copied, capsys):
 
 def test_a_file_of_another_user_is_one_line(copied, capsys, monkeypatch):
     """What a mode 0600 metrics.jsonl of another user raises (chmod would not stop root, who runs CI's containers)."""
-    metrics_file, opened = copied / "metrics.jsonl", reporting.open_regular
+    metrics_file, opened = copied / "metrics.jsonl", readers.open_regular
 
     def denied(path: Path):
         if path == metrics_file:
             raise PermissionError(13, "Permission denied", str(path))
         return opened(path)
 
-    monkeypatch.setattr(reporting, "open_regular", denied)
+    monkeypatch.setattr(readers, "open_regular", denied)
     err = refused(capsys, copied)
     assert f"cannot read {metrics_file}: permission denied; run the report as the run's owner" in err
 
@@ -319,7 +320,7 @@ def test_a_long_metrics_file_is_read_in_bounded_memory_and_steps_past_the_plan_a
     run = tmp_path / "tiny-20261127-000000"
     run.mkdir()
     (run / "topology.yaml").write_text("name: tiny\nloop: {steps: 100}\n")
-    rows = 5 * reporting.SAMPLE // 2
+    rows = 5 * readers.SAMPLE // 2
     with (run / "metrics.jsonl").open("w") as file:
         for s in range(rows):
             file.write(json.dumps({"step": s, "reward/mean": s / rows, "time/step": 0.5, "eval/reward": s % 7}) + "\n")
@@ -334,6 +335,6 @@ def test_a_long_metrics_file_is_read_in_bounded_memory_and_steps_past_the_plan_a
     last = f"last {(rows - 1) % 7:.3f} (step {rows - 1})"
     assert line(lines, "eval") == f"eval      best 6.000 (step 6), {last}, {rows} in all"  # exact, not sampled
     assert line(lines, "reward").startswith("reward    0.050 -> 0.950 (mean of the first and last 10% of the steps)")
-    loaded = reporting.load_run(run)
-    assert all(len(series.steps) <= reporting.SAMPLE for series in loaded.metrics.series.values())
+    loaded = readers.load_run(run)
+    assert all(len(series.steps) <= readers.SAMPLE for series in loaded.metrics.series.values())
     assert loaded.series("reward/mean").steps[:3] == [0, 4, 8]  # an even sample: every 4th row
