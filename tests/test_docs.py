@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from mesh import ctl, export, reference, report, run
+from mesh import ctl, export, report, run
 from mesh.launchers import forkserver
+from mesh.topology import reference_page
 from mesh.topology.preflight import load_plan
 from mesh.topology.schema import Topology, TopologyError
 
@@ -81,7 +82,7 @@ def anchors(page: Path) -> set[str]:
     """The anchors GitHub gives ``page``'s headings, a repeated heading's with ``-1``, ``-2``, ..."""
     found, repeats = set(), {}
     for heading in re.findall(r"^#{1,6} (.+?)\s*$", prose(page), flags=re.M):
-        base = reference.slug(heading)
+        base = reference_page.slug(heading)
         found.add(f"{base}-{repeats[base]}" if base in repeats else base)
         repeats[base] = repeats.get(base, 0) + 1
     return found
@@ -180,7 +181,7 @@ def known_key(dotted: str) -> bool:
     return False
 
 
-KEYS = reference.keys()
+KEYS = reference_page.keys()
 
 
 # ----------------------------------------------------------------------------- YAML snippets
@@ -272,7 +273,7 @@ def test_the_readme_and_the_index_link_every_page():
 
 def test_the_topology_reference_is_the_one_the_schema_generates():
     committed = (ROOT / "docs" / "topology-reference.md").read_text(encoding="utf-8")
-    assert reference.page() == committed, f"docs/topology-reference.md is stale: run `{REGENERATE}`"
+    assert reference_page.page() == committed, f"docs/topology-reference.md is stale: run `{REGENERATE}`"
 
 
 @pytest.mark.parametrize(
@@ -290,7 +291,7 @@ def test_the_topology_reference_is_the_one_the_schema_generates():
 def test_anchors_are_githubs(heading, anchor):
     """The slug rule the link check and the reference page use gives the anchors the README linked to before it
     was split into docs/, which were written against GitHub's rendering."""
-    assert reference.slug(heading) == anchor
+    assert reference_page.slug(heading) == anchor
 
 
 def test_the_pages_run_every_command_line_they_document():
