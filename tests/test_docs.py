@@ -329,3 +329,46 @@ def test_every_skip_marker_stands_above_a_yaml_block_and_says_why():
     marked = sum(len(SKIP.findall(prose(page))) for page in PAGES)  # a marker is prose: an HTML comment
     reasons = [fence.skip for fence in yaml_fences() if fence.skip is not None]
     assert len(reasons) == marked and all(reason.strip() for reason in reasons)
+
+
+ROW = re.compile(r"^\|\s*(?:`([\w/]+/)`)?\s*\|\s*(.*?)\s*\|$")
+NAMED = re.compile(r"`([\w/]+(?:\.py|/))`")
+
+
+def layout_named() -> set[str]:
+    """The paths the layout table of docs/extending.md names: each row's folder, and the modules and folders its
+    text names in backticks, relative to that folder (a row without a folder goes on with the one above)."""
+    text = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
+    section = text.split("## Layout and extending\n", 1)[1].split("\n## ", 1)[0]
+    named: set[str] = set()
+    folder = ""
+    for line in section.splitlines():
+        if row := ROW.match(line):
+            folder = row[1] or folder
+            named |= {folder, *(folder + name for name in NAMED.findall(row[2]))}
+    return named
+
+
+def layout_expected() -> set[str]:
+    """What the table must name: actors/ and mesh/, the modules at their top, each room, the modules in each room
+    and the packages within one (a package's own modules are its ``__init__``'s to describe)."""
+    expected: set[str] = set()
+    for top in ("actors", "mesh"):
+        expected.add(f"{top}/")
+        for room in (ROOT / top).iterdir():
+            expected |= _named_in(room, top)
+            if (room / "__init__.py").is_file():
+                expected |= {name for inner in room.iterdir() for name in _named_in(inner, f"{top}/{room.name}")}
+    return expected
+
+
+def _named_in(path: Path, folder: str) -> set[str]:
+    if path.suffix == ".py" and path.name != "__init__.py":
+        return {f"{folder}/{path.name}"}
+    return {f"{folder}/{path.name}/"} if (path / "__init__.py").is_file() else set()
+
+
+def test_the_layout_table_names_every_module_and_room_and_only_what_exists():
+    named = layout_named()
+    assert sorted(layout_expected() - named) == [], "docs/extending.md's layout table leaves these out"
+    assert sorted(path for path in named if not (ROOT / path).exists()) == [], "the layout table names no such path"
