@@ -447,7 +447,8 @@ def child_env() -> dict[str, str]:
 def test_the_store_of_a_killed_run_is_reclaimed_and_a_live_ones_kept(tmp_path: Path) -> None:
     run = (
         "import sys, time, torch\n"
-        "from actors.weights import WeightPublisher, create_store\n"
+        "from actors.weights.store import WeightPublisher\n"
+        "from actors.weights.storedir import create_store\n"
         "store = create_store(sys.argv[1])\n"
         "WeightPublisher(store, {'w': torch.ones(1000)}, slots=2).publish({'w': torch.ones(1000)}, 0)\n"
         "print(store, flush=True)\n"

@@ -87,7 +87,7 @@ def test_roundtrip_in_another_process_under_dev_shm(tmp_path: Path) -> None:
         out = tmp_path / "loaded.pt"
         child = (
             "import pickle, sys, torch\n"
-            "from actors.weights import WeightSubscriber\n"
+            "from actors.weights.transports.in_place import WeightSubscriber\n"
             "want = pickle.loads(open(sys.argv[1], 'rb').read())\n"
             "sub = WeightSubscriber(want.store)\n"
             "views = sub.load(want)\n"
