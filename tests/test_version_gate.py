@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from actors.generator.actor import VersionGate
+from actors.generator.gate import VersionGate
 from actors.weights.record import WeightVersion
 
 V0, V1 = (WeightVersion(v, checksum=v, nbytes=8, store="/store") for v in (0, 1))

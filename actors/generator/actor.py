@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode
 from actors.environments.token_policy import TokenPolicy
 from actors.generator.config import GeneratorConfig
 from actors.generator.engines import sampling_seeds
+from actors.generator.gate import VersionGate
 from actors.models.chat import render
 from actors.models.lora_config import LoRAConfig
 from actors.rewarder.config import RewarderConfig
@@ -101,48 +101,6 @@ class Generation:
 
     def _per_prompt(self, rows: list) -> list[list]:
         return [rows[i : i + self.per_prompt] for i in range(0, len(rows), self.per_prompt)]
-
-
-class VersionGate:
-    """Lets requests through in arrival order, changing the weights only between them.
-
-    Requests for the held version run concurrently. A request for another version waits
-    until every running request has finished, then switches; requests that arrive after
-    it queue behind it, so no request ever samples across a weight change and a stream of
-    requests for the old version cannot hold a new one back.
-    """
-
-    def __init__(self) -> None:
-        self._turn = asyncio.Condition()
-        self._queue: list[object] = []
-        self._running = 0
-        self.held: WeightVersion | None = None
-
-    @asynccontextmanager
-    async def use(self, weights: WeightVersion, switch: Callable[[WeightVersion], float]) -> AsyncIterator[float]:
-        """Run the body with ``weights`` held; yields the seconds spent switching to them (0 if held)."""
-        ticket = object()
-        seconds = 0.0
-        async with self._turn:
-            self._queue.append(ticket)
-            try:
-                await self._turn.wait_for(
-                    lambda: self._queue[0] is ticket and (self.held == weights or self._running == 0)
-                )
-                if self.held != weights:
-                    self.held = None  # a failed switch leaves nothing held
-                    seconds = await asyncio.to_thread(switch, weights)
-                    self.held = weights
-            finally:
-                self._queue.remove(ticket)
-                self._turn.notify_all()
-            self._running += 1
-        try:
-            yield seconds
-        finally:
-            async with self._turn:
-                self._running -= 1
-                self._turn.notify_all()
 
 
 class Generator(Actor):

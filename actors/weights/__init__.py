@@ -26,7 +26,7 @@ follower reads nor redirect the publisher's writes. Trainer rank 0 (``actors/tra
 not the publisher, owns the directory's life, on its own host:
 
     reclaim_dead_stores(root)       # as it starts: stores that dead trainers on this host left behind
-    store = create_store(root)      # root: weights_config.store_root()
+    store = create_store(root)      # root: config.store_root()
     ...                             # WeightPublisher(store, ...)
     remove_store(store)             # in __cleanup__, when the run stops the trainer
 """

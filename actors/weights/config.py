@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 SLOT_HEADER_BYTES = 64  # store.py's HEADER_BYTES: the slot header, and the alignment of every tensor
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the dtypes weights are published in (generator_config.policy_dtype)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the dtypes weights are published in (generator/config.py: policy_dtype)
 SHM = Path("/dev/shm")
 
 
