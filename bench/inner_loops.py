@@ -30,7 +30,7 @@ from common import machine  # bench/ is on sys.path when this runs as a script
 from actors import registry
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.contract.train_batch import TrainBatch, build_train_batch, row_advantages
-from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.models.facts import TinyModelSpec
 from actors.models.policy import load_policy
 from actors.models.tiny import build_tiny_model

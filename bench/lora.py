@@ -98,9 +98,9 @@ PEAK = """
 import re, sys, torch
 sys.path.insert(0, {tests!r})
 from test_actors import a_batch
-from actors.inner_loops import TrainerConfig
+from actors.inner_loops.config import TrainerConfig
 from actors.inner_loops.native import NativeLoop
-from actors.inner_loops.config import LoRAConfig
+from actors.models.lora_config import LoRAConfig
 torch.manual_seed(0)
 lora = LoRAConfig(rank=32, alpha=64) if {lora} else None
 loop = NativeLoop({model!r}, TrainerConfig(mesh="t", micro_batch_size=8, lora=lora), 0, 1)

@@ -20,7 +20,7 @@ from actors.contract.train_batch import build_train_batch, row_advantages
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.generator.actor import Generator, GeneratorConfig
 from actors.generator.engines import sampling_seeds
-from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.models.facts import TinyModelSpec
 from actors.models.policy import load_policy

@@ -17,7 +17,6 @@ from tmpfs import fill, tmpfs
 from actors import registry
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.contract.train_batch import build_train_batch
-from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.checkpoint import (
     CheckpointError,
     checkpoint_state,
@@ -25,6 +24,7 @@ from actors.inner_loops.checkpoint import (
     read_extra,
     save_checkpoint,
 )
+from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.models.facts import TinyModelSpec
 from actors.models.tiny import build_tiny_model
 from actors.tasks import Problem

@@ -19,9 +19,9 @@ import actors.trainer.actor
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.diloco.outer import OuterLoop
 from actors.diloco.syncer import DiLoCoSyncer, TrainerParameters, checkpoint_name
-from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import ParameterShard
 from actors.inner_loops.checkpoint import CheckpointError
+from actors.inner_loops.config import TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.models.facts import TinyModelSpec
 from actors.models.lora_config import LoRAConfig

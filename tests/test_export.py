@@ -25,7 +25,7 @@ from test_actors import TASK, a_batch
 from tmpfs import fill, tmpfs
 
 from actors import registry
-from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.models.facts import TinyModelSpec
 from actors.models.lora_config import LoRAConfig
 from actors.models.policy import load_policy

@@ -21,8 +21,8 @@ import torch
 from test_actors import ALL_CHANNELS, TASK, a_batch
 
 from actors import registry
-from actors.inner_loops import OptimizerConfig, TrainerConfig
 from actors.inner_loops.base import NonFiniteLoss
+from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.models.facts import TinyModelSpec
 from actors.models.tiny import build_tiny_model
 from actors.rewarder.config import RewarderConfig

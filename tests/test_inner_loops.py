@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from actors import registry
 from actors.contract.train_batch import TrainBatch
-from actors.inner_loops import CustomLossConfig, OptimizerConfig, TrainerConfig
 from actors.inner_loops.checkpoint import load_checkpoint
+from actors.inner_loops.config import CustomLossConfig, OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.models.facts import TinyModelSpec
 from actors.models.lora import adapter_state, head_weight, load_adapter_state

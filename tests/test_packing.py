@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_actors import TASK, a_batch
 
-from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.models import packing
 from actors.models.facts import TinyModelSpec

@@ -10,7 +10,7 @@ import torch
 from conftest import random_policy
 from torch.testing import assert_close
 
-from actors.inner_loops import TrainerConfig
+from actors.inner_loops.config import TrainerConfig
 from losses import (
     Counts,
     LinearHead,

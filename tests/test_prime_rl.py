@@ -11,7 +11,7 @@ import torch
 from test_actors import TASK, a_batch
 from torch.testing import assert_close
 
-from actors.inner_loops import CustomLossConfig, TrainerConfig
+from actors.inner_loops.config import CustomLossConfig, TrainerConfig
 from actors.inner_loops.prime_rl import PrimeRLLoop
 from actors.models.facts import TinyModelSpec
 from actors.models.tiny import build_tiny_model

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from actors.generator.config import VLLM_CPU_HEAD_SIZES
-from actors.inner_loops import TrainerConfig
 from actors.inner_loops.checkpoint import save_checkpoint
+from actors.inner_loops.config import TrainerConfig
 from actors.weights.config import slot_bytes
 from mesh.checkpoints.fingerprint import topology_fingerprint
 from mesh.run import main

@@ -11,7 +11,7 @@ from test_actors import ALL_CHANNELS, TASK, a_batch, train_once
 from test_inner_loops import relative_error
 from torch.distributed.tensor import DTensor
 
-from actors.inner_loops import OptimizerConfig, TrainerConfig
+from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.inner_loops.torchtitan import TorchTitanLoop, TorchTitanModelError
 from actors.models.facts import TinyModelSpec

@@ -1,1 +1,2 @@
-"""The rollout data contract: what a generator hands the trainer (rollouts) and the batch made of it."""
+"""The rollout data contract: what a generator hands the trainer (rollouts, a teacher's top-k) and the batch made
+of it (``train_batch.py``)."""

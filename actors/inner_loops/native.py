@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from actors.contract.train_batch import Sequences, TrainBatch
-from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
+from actors.inner_loops.config import TrainerConfig
 from actors.models.lora import head_weight, with_adapter
 from actors.models.packing import packed_states
 from actors.models.policy import load_policy

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from actors.contract.train_batch import TrainBatch
-from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU
+from actors.inner_loops.config import TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from losses import (
     LinearHead,

@@ -102,9 +102,9 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.tools.utils import device_type as torchtitan_device_type
 
 from actors.contract.train_batch import TrainBatch
-from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, MicroBatchLoop
 from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
+from actors.inner_loops.config import TrainerConfig
 from actors.models.packing import lane_tokens
 from losses import Logits
 

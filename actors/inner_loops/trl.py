@@ -33,8 +33,8 @@ from datasets import Dataset
 from torch import Tensor
 
 from actors.contract.train_batch import TrainBatch
-from actors.inner_loops import TrainerConfig
 from actors.inner_loops.base import CPU, HFModelLoop
+from actors.inner_loops.config import TrainerConfig
 from actors.models.lora import peft_config
 from actors.models.packing import lane_tokens
 from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss

@@ -48,7 +48,7 @@ from actors.basics.shares import split_evenly
 from actors.contract.train_batch import TrainBatch
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.syncer import DiLoCoSyncer, SyncReport, TrainerParameters
-from actors.inner_loops import TrainerConfig
+from actors.inner_loops.config import TrainerConfig
 from actors.reference_model.actor import ReferenceModel
 from actors.weights.config import store_root
 from actors.weights.record import WeightVersion
