@@ -10,7 +10,8 @@ as long as each other). Collected by step, a step waits for its slowest group; c
 those older than the lag. Reported per mode and lag: trained samples/s (the steps' samples over
 their time, the first two steps and the last left out), the groups dropped as stale, and the share of
 the model's tokens sampled by a newer version than their episode started on (episodes that went on
-across a weight update), with the runs' median mismatch KL (trainer against sampler, all tokens).
+across a weight update), and of those inside the turn an update interrupted, with the runs' median mismatch KL
+(trainer against sampler: all tokens, and the tokens sampled after an update inside their turn).
 """
 
 from __future__ import annotations
@@ -45,7 +46,13 @@ def run(mode: str, lag: int, steps: int, root: Path) -> dict:
         "samples_per_s": sum(row["generator/0/rows"] for row in steady) / sum(row["time/step"] for row in steady),
         "dropped": sum(row.get("groups/dropped", 0) for row in rows),
         "after_update": sum(row["episodes/tokens_after_update"] for row in rows) / tokens,
+        "after_update_in_turn": sum(row["episodes/tokens_after_update_in_turn"] for row in rows) / tokens,
         "mismatch_k1": statistics.median(row["train/policy/mismatch_k1"] for row in rows),
+        "mismatch_k3": statistics.median(row["train/policy/mismatch_k3"] for row in rows),
+        "mismatch_k3_after_update": statistics.median(
+            [row["train/policy/mismatch_k3_after_update"] for row in rows if "train/policy/mismatch_k3_after_update" in row]
+            or [float("nan")]
+        ),
     }
 
 

@@ -30,6 +30,7 @@ _LAZY = {
     "TeacherHidden": "losses.batch",
     "TeacherLogits": "losses.batch",
     "TeacherTopK": "losses.batch",
+    "TokenClass": "losses.batch",
     "TokenSplit": "losses.batch",
     "Head": "losses.compose",
     "LinearHead": "losses.compose",

@@ -75,6 +75,30 @@ class TokenSplit:
 
 
 @dataclass(frozen=True)
+class TokenClass:
+    """Some of a channel's loss tokens, for metrics only (e.g. those sampled after a weight update interrupted
+    their turn), with their global count, so that a mean over them adds up over row slices like every other."""
+
+    mask: Tensor  # [B, T] bool
+    count: float  # global tokens of the class (at least 1)
+
+    rows = _slice_rows
+
+    @classmethod
+    def of(cls, mask: Tensor, members: Tensor) -> TokenClass:
+        """The class of a whole step's channel ``mask`` that ``members`` marks."""
+        chosen = mask & members
+        return cls(chosen, max(float(chosen.sum()), 1.0))
+
+    def cut(self, columns: slice) -> TokenClass:
+        """Cut to the completion columns a micro-batch keeps."""
+        return dataclasses.replace(self, mask=self.mask[:, columns])
+
+    def mean(self, per_token: Tensor) -> Tensor:
+        return masked_sum_per_row(per_token.detach(), self.mask).sum() / self.count
+
+
+@dataclass(frozen=True)
 class PolicyInputs:
     """Channel 1: what the policy-gradient losses need besides the trainer's logprobs."""
 
@@ -87,6 +111,7 @@ class PolicyInputs:
     token_weights: Tensor | None = None  # [B, T] per-token loss weights (PRIME-RL's loss_weights)
     held_back: Tensor | None = None  # [B, T] bool, Clip-Cov/KL-Cov's tokens over the step (covariance_selection)
     split: TokenSplit | None = None  # the entropy's mean per token class, logged
+    after_update: TokenClass | None = None  # tokens a newer version sampled inside their turn: their mismatch, logged
 
     rows = _slice_rows
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from losses.batch import Counts, PolicyInputs, masked_sum_per_row
+from losses.batch import Counts, PolicyInputs, TokenClass, masked_sum_per_row
 from losses.config import COVARIANCE, Aggregation, CovariancePolicyConfig, PolicyConfig
 
 LOG_WEIGHT_BOUND = 20.0  # exp(+-20) guards importance weights against overflow (as verl)
@@ -59,21 +59,27 @@ def old_logprobs(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> T
     return torch.where(torch.isfinite(inference), inference, trainer)
 
 
-def mismatch(trainer: Tensor, inference: Tensor, mask: Tensor, counts: Counts) -> dict[str, Tensor]:
+def mismatch(
+    trainer: Tensor, inference: Tensor, mask: Tensor, counts: Counts, after_update: TokenClass | None = None
+) -> dict[str, Tensor]:
     """How far the sampler's distribution ``mu`` is from the trainer's ``pi`` on the sampled
     tokens: the k1 and k3 estimates of KL(mu || pi) (samples come from mu), per token.
     k1 = log mu - log pi is unbiased but noisy and can go negative; k3 = r - 1 - log r with
     r = pi / mu is never negative and has lower variance. ``mismatch_max`` is the largest
     |log pi - log mu| of any sampled token: the averages hide a rare token far off, which is
-    what an importance-weight bound (``is_max``) has to catch."""
+    what an importance-weight bound (``is_max``) has to catch. ``after_update``: the tokens sampled after a weight
+    update interrupted their turn, whose k3 is also reported on its own (``mismatch_k3_after_update``)."""
     valid = mask & torch.isfinite(inference)
     log_r = torch.where(valid, trainer.detach() - inference, torch.zeros_like(trainer))
     k3 = log_r.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND).exp() - 1 - log_r
-    return {
+    metrics = {
         "mismatch_k1": masked_sum_per_row(-log_r, valid).sum() / counts.tokens,
         "mismatch_k3": masked_sum_per_row(k3, valid).sum() / counts.tokens,
         MISMATCH_MAX: log_r.abs().max() if log_r.numel() else log_r.new_zeros(()),
     }
+    if after_update is not None:
+        metrics["mismatch_k3_after_update"] = after_update.mean(k3)
+    return metrics
 
 
 def _log_ratio(logprobs: Tensor, old: Tensor, mask: Tensor, name: str) -> Tensor:
@@ -194,7 +200,7 @@ def policy_loss(logprobs: Tensor, inputs: PolicyInputs, cfg: PolicyConfig) -> tu
         "clipped_fraction": masked_sum_per_row(limited.to(logprobs.dtype), mask).sum() / inputs.counts.tokens,
     }
     if inputs.inference_logprobs is not None:
-        metrics |= mismatch(logprobs, inputs.inference_logprobs, mask, inputs.counts)
+        metrics |= mismatch(logprobs, inputs.inference_logprobs, mask, inputs.counts, inputs.after_update)
     if cfg.is_mode is not None:
         if inputs.inference_logprobs is None:
             raise ValueError(f"is_mode={cfg.is_mode!r} corrects for the sampler, so the batch needs inference_logprobs")

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -41,7 +42,8 @@ class Recording:
     async def __call__(self, ids, seed, greedy):
         reply = await self.engine.continue_from(ids, seed, greedy)
         self.replies.append(reply)
-        return reply, len(self.replies) // 2  # a new policy version every other turn
+        version = len(self.replies) // 2  # a new policy version every other turn
+        return replace(reply, versions=[version] * len(reply.completion_ids))
 
 
 @pytest.fixture
@@ -89,7 +91,8 @@ async def test_an_episode_trains_on_the_tokens_sampled_not_its_text_retokenized(
     rendered = tokenizer.apply_chat_template(messages[:-1], tokenize=False)
     assert stitched.replace("<|im_end|>", "").strip() == rendered.replace("<|im_end|>", "").strip()
     assert record.turns == TURNS and record.tokens.split == 0
-    assert record.turn_versions == [(len(r.completion_ids), (i + 1) // 2) for i, r in enumerate(replies)]
+    sampled = [(i + 1) // 2 for i, r in enumerate(replies) for _ in r.completion_ids]
+    assert trajectory.sampled_versions() == sampled and record.last_version == sampled[-1]
 
 
 async def test_an_agent_that_edits_its_history_gets_a_row_of_its_own_not_wrong_tokens(server):
@@ -106,7 +109,7 @@ async def test_a_demonstration_answers_with_its_replies_scored_by_the_policy_and
     logprobs the policy gives those tokens, which are those it reports when it samples them itself."""
 
     async def score(ids, reply_ids):
-        return await engine.score(ids, reply_ids), 3
+        return replace(reply := await engine.score(ids, reply_ids), versions=[3] * len(reply.completion_ids))
 
     server = ChatServer(engine.tokenizer, Recording(engine), BPE.max_positions, max_new_tokens=8, score=score)
     await server.start()
@@ -123,8 +126,8 @@ async def test_a_demonstration_answers_with_its_replies_scored_by_the_policy_and
                 await client.chat.completions.create(model=SERVED_MODEL, messages=messages)
     finally:
         await server.stop()
-    assert said == ["ab", "cd"] and record.turn_versions == [(3, 3), (3, 3)]
     (trajectory,) = record.trajectories()
+    assert said == ["ab", "cd"] and trajectory.sampled_versions() == [3] * 6
     eos = engine.tokenizer.eos_token_id
     trained = [t for t, m in zip(trajectory.completion_ids, trajectory.loss_mask, strict=True) if m]
     encoded = [engine.tokenizer(text, add_special_tokens=False).input_ids + [eos] for text in said]
@@ -251,7 +254,8 @@ class Scripted:
 
     async def __call__(self, ids, seed, greedy):
         self.prompts.append(list(ids))
-        return Trajectory(list(ids), self.ids, [0.0] * len(self.ids), [True] * len(self.ids), self.text), 0
+        n = len(self.ids)
+        return Trajectory(list(ids), self.ids, [0.0] * n, [True] * n, self.text, [0] * n)
 
 
 def tokenizer_with(engine: HFEngine, template: str | None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 
 import pytest
 import torch
@@ -273,3 +274,38 @@ async def test_greedy_decoding_is_the_models_argmax_continuation_whatever_the_se
     turn = sampler.tokenizer("ab=", add_special_tokens=False).input_ids + [1] + [3, 4]
     continued = {tuple((await sampler.continue_from(turn, seed, greedy=True)).completion_ids) for seed in range(4)}
     assert continued == {tuple(argmax_continuation(model, turn))}
+
+
+class InterruptAfter(threading.Event):
+    """Set from the engine's own ``tokens + 1``-th look at it on: the engine looks once before its first token and
+    once after each token, so the interrupt lands at the boundary after ``tokens`` tokens, whatever the timing."""
+
+    def __init__(self, tokens: int):
+        super().__init__()
+        self.looks_left = tokens + 1
+
+    def is_set(self) -> bool:
+        self.looks_left -= 1
+        return self.looks_left <= 0
+
+
+@pytest.mark.parametrize("which", ["engine", "vllm_engine"])
+async def test_an_interrupted_turn_ends_at_a_token_boundary_and_resumes_to_the_same_continuation(which, request):
+    """A weight update interrupts a running turn: the turn ends with its tokens and logprobs so far, and going on
+    from them with the same weights gives the very tokens the uninterrupted turn would have (greedy)."""
+    sampler = request.getfixturevalue(which)
+    for text in ("abc=", "fedcba=", "e=", "ab", "ddd"):  # one whose continuation the interrupt lands inside
+        ids = sampler.tokenizer(text, add_special_tokens=False).input_ids
+        whole = await sampler.continue_from(ids, 0, greedy=True, max_new_tokens=6)
+        if len(whole.completion_ids) >= 3:
+            break
+    assert len(whole.completion_ids) >= 3
+    first = await sampler.continue_from(ids, 0, greedy=True, max_new_tokens=6, interrupt=InterruptAfter(2))
+    assert first.completion_ids == whole.completion_ids[:2]
+    rest = await sampler.continue_from(ids + first.completion_ids, 1, greedy=True, max_new_tokens=4)
+    assert first.completion_ids + rest.completion_ids == whole.completion_ids
+    torch.testing.assert_close(
+        torch.tensor(first.logprobs + rest.logprobs), torch.tensor(whole.logprobs), atol=LOGPROB_TOLERANCE, rtol=0
+    )
+    before_any = await sampler.continue_from(ids, 0, greedy=True, interrupt=InterruptAfter(0))
+    assert before_any.completion_ids == [] and before_any.prompt_ids == ids

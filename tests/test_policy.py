@@ -18,6 +18,7 @@ from losses import (
     LossConfig,
     LossInputs,
     PolicyInputs,
+    TokenClass,
     TokenLogprobs,
     compose_loss,
     covariance_selection,
@@ -576,6 +577,22 @@ def test_mismatch_estimates_are_zero_on_policy_and_k3_never_negative():
     for offset in (-2.0, -0.3, 0.5, 3.0):
         moved = dataclasses.replace(inputs, inference_logprobs=logprobs.detach() + offset)
         assert policy_loss(logprobs, moved, policy_config())[1]["mismatch_k3"] > 0
+
+
+def test_the_mismatch_of_tokens_sampled_after_an_update_inside_their_turn_is_reported_on_its_own():
+    """Those tokens' k3 is their own mean (over the step's such tokens), beside the whole batch's, which stays."""
+    logprobs, inputs = random_policy()
+    inference = logprobs.detach().clone()
+    after = torch.zeros_like(inputs.mask)
+    after[0, :2] = True  # the first row's first two columns: a newer version sampled them
+    inference[after] += 0.5  # ... and the trainer sees them further off
+    marked = TokenClass.of(inputs.mask, after)
+    plain = dataclasses.replace(inputs, inference_logprobs=inference)
+    _, metrics = policy_loss(logprobs, plain, policy_config())
+    _, split = policy_loss(logprobs, dataclasses.replace(plain, after_update=marked), policy_config())
+    assert "mismatch_k3_after_update" not in metrics and split["mismatch_k3"] == metrics["mismatch_k3"]
+    assert split["mismatch_k3_after_update"] == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    assert marked.count == float((inputs.mask & after).sum()) > 0
 
 
 # -- entropy --------------------------------------------------------------------------

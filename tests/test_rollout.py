@@ -206,3 +206,18 @@ def test_in_flight_collections_round_trip_through_json_exactly():
     )
     with pytest.raises(ValueError, match="format 1; this code reads format 2"):
         collected_from_json({"format": 1, "collected": []})
+
+
+def test_tokens_sampled_after_an_update_inside_their_turn_are_marked_for_the_trainer_and_survive_a_save():
+    """Per-token versions: a context token between two replies starts the next reply afresh, so only a change
+    inside a reply marks its tokens; the batch carries the marks only when some row has them."""
+    episode = Trajectory([3], [4, 5, 6, 7, 8, 9], [-0.5] * 6, [True, True, True, False, True, True], "", [0, 0, 1, 1, 2, 2])
+    assert episode.after_update() == [False, False, True, False, False, False]
+    assert episode.sampled_versions() == [0, 0, 1, 2, 2]
+    rows = [Row(RowKind.SAMPLE, episode, 0, None, Reward(1.0)), row(version=0)]
+    batch = build_train_batch([group(*rows)], torch.tensor([1.0, -1.0]), pad_id=0, max_completion_len=8)
+    assert batch.after_update.tolist() == [[False, False, True, False, False, False], [False] * 6]
+    assert build_train_batch([group(row())], torch.tensor([0.0]), pad_id=0, max_completion_len=8).after_update is None
+    saved = Collected(groups=[group(*rows)], distill_teacher=None, seconds={}, teacher_metrics={})
+    (loaded,) = collected_from_json(collected_to_json([saved]))
+    assert loaded.groups[0].rows[0].trajectory.versions == [0, 0, 1, 1, 2, 2]

@@ -4,6 +4,8 @@ sampled are what the episode trains on, and the trace's rubric reward is the epi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("verifiers.v1", reason="verifiers is installed with the envs extra")
@@ -33,7 +35,7 @@ async def server(engine):
 
     async def sample(ids, seed, greedy):
         replies.append(await engine.continue_from(ids, seed, greedy))
-        return replies[-1], 0
+        return replace(replies[-1], versions=[0] * len(replies[-1].completion_ids))
 
     server = ChatServer(engine.tokenizer, sample, positions=BPE.max_positions, max_new_tokens=8)
     server.replies = replies

@@ -1,4 +1,5 @@
-"""The Generator's VersionGate: concurrent requests share a weight version; a change waits for them.
+"""The Generator's VersionGate: concurrent requests share a weight version; a change waits for them, and
+interrupts an agent's running turns, which go on with the new weights.
 
 Plain asyncio, no actors: the gate is the ordering rule the concurrent endpoints rely on
 (the actor-level behaviour, with real weights, is in test_actors and test_router).
@@ -7,10 +8,18 @@ Plain asyncio, no actors: the gate is the ordering rule the concurrent endpoints
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
+import torch
 
+from actors.basics.compute import Compute
+from actors.generator.actor import Generator
+from actors.generator.config import GeneratorConfig
+from actors.generator.engines.hf import HFEngine
 from actors.generator.gate import VersionGate
+from actors.models.facts import TinyModelSpec
+from actors.models.tiny import build_tiny_model
 from actors.weights.record import WeightVersion
 
 V0, V1 = (WeightVersion(v, checksum=v, nbytes=8, store="/store") for v in (0, 1))
@@ -58,3 +67,96 @@ async def test_a_failed_switch_holds_nothing_and_lets_the_next_request_try():
     assert gate.held is None
     async with gate.use(V0, lambda weights: 0.0):
         assert gate.held == V0
+
+
+async def test_a_request_for_another_version_interrupts_the_running_turns_that_may_stop_early():
+    """An agent's turn passes an interrupt: a request for a new version sets it at once, so the switch waits for
+    the turn's next token boundary (here: the turn ends when told), not for its end."""
+    gate = VersionGate()
+    running = threading.Event()
+
+    async def turn(interrupt: threading.Event) -> None:
+        async with gate.use(V0, lambda weights: 0.0, interrupt):
+            await asyncio.to_thread(interrupt.wait, 5.0)  # sampling, until interrupted
+
+    async def update() -> None:
+        async with gate.use(V1, lambda weights: 0.0):
+            pass
+
+    first = asyncio.create_task(turn(running))
+    await asyncio.sleep(0.01)
+    assert not running.is_set()
+    await asyncio.wait_for(asyncio.gather(first, update()), 2.0)  # the turn would wait 5 s uninterrupted
+    assert running.is_set() and gate.held == V1
+
+
+async def test_settled_waits_for_a_pending_switch():
+    """A turn about to pick the newest version first lets a queued update land, so it picks the new one."""
+    gate, order = VersionGate(), []
+
+    async def update() -> None:
+        async with gate.use(V1, lambda weights: 0.0):
+            order.append("switched")
+
+    async def settle() -> None:
+        await gate.settled()
+        order.append(f"settled with v{gate.held.version}")
+
+    async with gate.use(V0, lambda weights: 0.0):
+        tasks = asyncio.gather(update(), settle())
+        await asyncio.sleep(0.01)
+        assert order == []
+    await tasks
+    assert order == ["switched", "settled with v1"]
+
+
+async def test_an_agent_turn_interrupted_by_a_weight_update_goes_on_with_the_new_weights(tmp_path):
+    """A Generator's agent turn (a real hf engine, outside an actor): an update arriving mid-turn stops it at a token
+    boundary, the new weights load, and the turn goes on from its tokens with them; each token keeps the version
+    that sampled it. The weight store is left out (its versions' checks are test_weights'): a switch loads the
+    version's state dict straight into the engine."""
+    path = build_tiny_model(tmp_path, TinyModelSpec(), "abcdef=", seed=0)
+    generator = Generator(str(path), GeneratorConfig(mesh="generators", max_new_tokens=6), Compute())
+    engine = generator.engine = HFEngine(str(path), generator.cfg.sampling)
+    generator.tokenizer = engine.tokenizer
+    torch.manual_seed(0)
+    states = {0: {k: v.clone() for k, v in engine.model.state_dict().items()}}
+    states[1] = {k: v + 0.3 * torch.randn_like(v) for k, v in states[0].items()}
+    generator._switch = lambda weights: engine.load_weights(states[weights.version]) or 0.0
+    generator.weights.check_intact = lambda weights: None
+    for text in ("abc=", "fedcba=", "e=", "ab", "ddd"):  # one whose continuation goes past the interrupt
+        ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+        whole = await engine.continue_from(ids, 0, greedy=True)
+        if len(whole.completion_ids) >= 4:
+            break
+    assert len(whole.completion_ids) >= 4
+
+    reached, proceed, calls = threading.Event(), threading.Event(), []
+
+    def third_token_waits(module, args):  # the forward pass that samples the turn's third token
+        calls.append(1)
+        if len(calls) == 3:
+            reached.set()
+            proceed.wait(10.0)
+
+    async def hold(weights: WeightVersion) -> None:  # Generator.hold's body, without the actor runtime
+        async with generator.gate.use(weights, generator._switch):
+            generator._follow(weights)
+
+    generator._follow(V0)
+    hook = engine.model.register_forward_pre_hook(third_token_waits)
+    turn = asyncio.create_task(generator._turn(ids, 0, True))
+    await asyncio.to_thread(reached.wait, 10.0)
+    update = asyncio.create_task(hold(V1))
+    await asyncio.sleep(0.05)  # the update queues behind the turn and interrupts it
+    proceed.set()
+    reply = await asyncio.wait_for(turn, 30.0)
+    await update
+    hook.remove()
+
+    n = len(reply.completion_ids)
+    assert reply.completion_ids[:3] == whole.completion_ids[:3] and reply.versions == [0] * 3 + [1] * (n - 3)
+    rest = await engine.continue_from(ids + whole.completion_ids[:3], 0, greedy=True, max_new_tokens=3)  # V1's
+    assert reply.completion_ids[3:] == rest.completion_ids and n > 3
+    assert reply.after_update() == [False] * 3 + [True] * (n - 3)
+    assert len(reply.logprobs) == n and generator.gate.held == V1

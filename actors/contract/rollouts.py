@@ -45,6 +45,23 @@ class Trajectory:
     logprobs: list[float]  # the sampler's per token (0.0 at the environment's tokens)
     loss_mask: list[bool]  # True at the model's own tokens, the only ones trained on
     text: str  # the model's text without special tokens: what the rewarder reads
+    # per token, the policy version that sampled it, where versions change inside the trajectory (an agent's
+    # episode: a weight update between or inside its turns); a context token carries its reply's before it.
+    # None: the row's version sampled every token
+    versions: list[int] | None = None
+
+    def sampled_versions(self) -> list[int]:
+        """The versions of the model's own tokens (empty when ``versions`` is None)."""
+        return [v for v, mine in zip(self.versions or [], self.loss_mask) if mine]
+
+    def after_update(self) -> list[bool]:
+        """Per token, whether it was sampled after a weight update interrupted its turn: a newer version than the
+        one that sampled its reply's first token (all False when ``versions`` is None)."""
+        marks, first = [], None
+        for version, mine in zip(self.versions or [None] * len(self.loss_mask), self.loss_mask):
+            first = (version if first is None else first) if mine else None
+            marks.append(mine and version != first)
+        return marks
 
     @classmethod
     def single_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], text: str):
@@ -74,8 +91,10 @@ class EpisodeOutcome:
     # an agent's requests that could not be stitched into the episode's one sequence (it edited its
     # history): each its own trajectory, trained with the episode's reward (``actors/environments/chat_tokens.py``)
     split: tuple[Trajectory, ...] = ()
-    version: int | None = None  # an agent's episode: the oldest version that sampled a turn (None: the request's)
+    version: int | None = None  # an agent's episode: the oldest version that sampled a token (None: the request's)
     updated_tokens: int = 0  # of the model's tokens, those a newer version sampled (the episode went on with it)
+    # of those, the tokens sampled after a weight update interrupted their turn (it went on with the new weights)
+    updated_in_turn: int = 0
 
 
 @dataclass(frozen=True)

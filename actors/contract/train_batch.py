@@ -54,7 +54,7 @@ class Sequences:
 TOKEN_FIELDS = ("input_ids", "attention_mask", "position_ids")
 # a ``TrainBatch``'s fields laid out by completion token, [B, T] or [B, T, K]
 PER_TOKEN_FIELDS = ("completion_mask", "inference_logprobs", "ref_logprobs", "distill_ids", "distill_logprobs",
-                    "distill_mask")
+                    "distill_mask", "after_update")
 
 
 @dataclass
@@ -83,6 +83,7 @@ class TrainBatch:
     distill_mask: Tensor | None = None  # [B, T] bool, the distilled tokens
     group_spread: Tensor | None = None  # [B] float, sqrt(p (1 - p)) of the row's group (channel 2's sample_weight)
     pairs: Tensor | None = None  # [P, 2] long, (chosen row, rejected row)
+    after_update: Tensor | None = None  # [B, T] bool, tokens sampled after a weight update interrupted their turn
 
     @property
     def targets(self) -> Tensor:
@@ -183,7 +184,17 @@ def build_train_batch(
         **_reference_field(rows, width),
         **_distill_fields(groups, completion_mask),
         pairs=_pairs(groups),
+        **_after_update_field(trajectories, width),
     )
+
+
+def _after_update_field(trajectories: list[Trajectory], width: int) -> dict[str, Tensor]:
+    """Which tokens a weight update inside their turn handed to a newer version, when any was."""
+    marks = [t.after_update() for t in trajectories]
+    if not any(any(row) for row in marks):
+        return {}
+    values, _ = _padded(marks, False, np.bool_, minimum_width=width)
+    return {"after_update": torch.from_numpy(values)}
 
 
 def _reference_field(rows: list[Row], width: int) -> dict[str, Tensor]:

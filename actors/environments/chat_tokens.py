@@ -48,6 +48,7 @@ class Segment:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per completion token (see ``Trajectory.versions``)
     replies: list[str] = field(default_factory=list)
     ended_with_eos: bool = True
 
@@ -60,18 +61,23 @@ class Segment:
         self.completion_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.loss_mask += [False] * len(ids)
+        self.versions += self.versions[-1:] * len(ids)  # the version of the reply before them
 
     def add_reply(self, reply: Trajectory, message: Message, eos_id: int | None) -> None:
         """The model's reply as sampled (these train) and the message the server answered with."""
         self.completion_ids += reply.completion_ids
         self.logprobs += reply.logprobs
         self.loss_mask += [True] * len(reply.completion_ids)
+        self.versions += reply.versions or []
         self.replies.append(reply.text)
         self.messages.append(message)
         self.ended_with_eos = bool(reply.completion_ids) and reply.completion_ids[-1] == eos_id
 
     def trajectory(self) -> Trajectory:
-        return Trajectory(self.prompt_ids, self.completion_ids, self.logprobs, self.loss_mask, "\n".join(self.replies))
+        """The segment as one row; ``versions`` only when every reply said which versions sampled it."""
+        versions = self.versions if len(self.versions) == len(self.completion_ids) else None
+        text = "\n".join(self.replies)
+        return Trajectory(self.prompt_ids, self.completion_ids, self.logprobs, self.loss_mask, text, versions)
 
 
 @dataclass

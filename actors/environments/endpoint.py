@@ -54,12 +54,12 @@ from typing import Any
 from actors.contract.rollouts import Trajectory
 from actors.environments.chat_tokens import ChatTokens, Message, Prompt, TemplateError
 
-# Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone and the policy
-# version that sampled it.
-Sample = Callable[[list[int], int, bool], Awaitable[tuple[Trajectory, int]]]
+# Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone, each token's
+# ``versions`` the policy version that sampled it.
+Sample = Callable[[list[int], int, bool], Awaitable[Trajectory]]
 # Continue a token sequence with given reply tokens (a demonstration's): (ids, reply ids) -> the reply with the
-# policy's logprobs of its tokens, and the policy version that scored them.
-Score = Callable[[list[int], list[int]], Awaitable[tuple[Trajectory, int]]]
+# policy's logprobs of its tokens, each token's ``versions`` the policy version that scored it.
+Score = Callable[[list[int], list[int]], Awaitable[Trajectory]]
 SERVED_MODEL = "policy"
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 READ_TIMEOUT_S = 5.0  # a connection's next request head, then its body, arrive within it or it is dropped
@@ -98,7 +98,7 @@ class EpisodeRecord:
     failure: str | None = None
     turns: int = 0
     last_reply: str = ""
-    turn_versions: list[tuple[int, int]] = field(default_factory=list)  # each reply's tokens and the version
+    last_version: int | None = None  # the policy version that sampled the last reply's last token
     demonstration: list[str] | None = None  # the replies the endpoint answers with, in order, instead of sampling
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # an agent's concurrent requests take turns
 
@@ -339,14 +339,14 @@ class ChatServer:
             raise ApiError(400, "context_length_exceeded", f"the episode has ended: {error}") from None
         try:
             if demonstrated is None:
-                reply, version = await self.sample(prompt.ids, seed, record.greedy)
+                reply = await self.sample(prompt.ids, seed, record.greedy)
             else:
-                reply, version = await self.score(prompt.ids, demonstrated)
+                reply = await self.score(prompt.ids, demonstrated)
         except Exception as error:  # the generator's own failure (a weight switch, the engine): the episode ends
             record.failure = f"the generator could not sample turn {record.turns}: {type(error).__name__}: {error}"
             raise ApiError(500, "server_error", record.failure) from None
         reply = _cut(reply, limit, self.tokenizer)
-        record.turn_versions.append((len(reply.completion_ids), version))
+        record.last_version = reply.versions[-1] if reply.versions else record.last_version
         return reply
 
     def _encoded_reply(self, text: str) -> list[int]:
@@ -553,7 +553,8 @@ def _cut(reply: Trajectory, limits: Limits, tokenizer: Any) -> Trajectory:
         return reply
     n = len(ids)
     text = tokenizer.decode(ids, skip_special_tokens=True) if text is None else text
-    return Trajectory(reply.prompt_ids, ids, reply.logprobs[:n], reply.loss_mask[:n], text)
+    versions = None if reply.versions is None else reply.versions[:n]
+    return Trajectory(reply.prompt_ids, ids, reply.logprobs[:n], reply.loss_mask[:n], text, versions)
 
 
 def _finish(reply: Trajectory, limits: Limits, tokenizer: Any) -> str:
@@ -605,7 +606,7 @@ def _completion(kind: str, record: EpisodeRecord, choice: dict, prompt: Prompt, 
             "completion_tokens": len(reply.completion_ids),
             "total_tokens": prompt_tokens + len(reply.completion_ids),
         },
-        "system_fingerprint": f"policy-v{record.turn_versions[-1][1]}",
+        "system_fingerprint": f"policy-v{record.last_version}",
     }
 
 

@@ -11,16 +11,20 @@ generator also rewards what it writes, in the same call (``actors/rewarder/funct
 
 Endpoints are concurrent, so an engine that batches continuously (``vllm``) sees every
 request in flight at once. Requests naming the held version run together; one naming
-another version waits until they finish, then the weights change (see ``VersionGate``).
+another version waits until they finish, then the weights change (see ``VersionGate``). An agent's turn is
+the exception that does not make an update wait: the update interrupts it at a token boundary, and it goes on
+with the new weights, each token keeping the version that sampled it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
+import threading
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from monarch.actor import Actor, concurrent_endpoint
@@ -36,7 +40,7 @@ from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
 from actors.environments.token_policy import TokenPolicy
 from actors.generator.config import GeneratorConfig
-from actors.generator.engines import sampling_seeds
+from actors.generator.engines import piece_seed, sampling_seeds
 from actors.generator.gate import VersionGate
 from actors.models.chat import render
 from actors.models.lora_config import LoRAConfig
@@ -60,6 +64,7 @@ class Generation:
     logprobs: list[list[float]]
     loss_masks: list[list[bool]]
     texts: list[str]
+    token_versions: list[list[int] | None]  # per trajectory, its ``versions``
     per_prompt: int
     version: int
     seconds: float  # the whole endpoint, weight load included
@@ -78,13 +83,14 @@ class Generation:
         outcomes: list[EpisodeOutcome] | None = None,
         rewards: RewardReply | None = None,
     ):
-        columns = ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "text")
+        columns = ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "text", "versions")
         columns = [[getattr(t, c) for t in rows] for c in columns]
         return cls(*columns, per_prompt, version, seconds, load_seconds, outcomes, rewards)
 
     def trajectories(self) -> list[list[Trajectory]]:
         """Per prompt, its ``per_prompt`` trajectories."""
-        rows = list(map(Trajectory, self.prompt_ids, self.completion_ids, self.logprobs, self.loss_masks, self.texts))
+        columns = (self.prompt_ids, self.completion_ids, self.logprobs, self.loss_masks, self.texts, self.token_versions)
+        rows = list(map(Trajectory, *columns))
         return self._per_prompt(rows)
 
     def episode_outcomes(self) -> list[list[EpisodeOutcome]]:
@@ -269,31 +275,52 @@ class Generator(Actor):
         if failure is None:
             reward = outcome.reward if outcome.reward is not None else agents.score(problem, record.last_reply)
         first, *split = record.trajectories() or [Trajectory([], [], [], [], "")]
-        oldest = min((version for _, version in record.turn_versions), default=None)
-        updated = sum(tokens for tokens, version in record.turn_versions if version != oldest)
-        return first, EpisodeOutcome(reward, record.turns, failure is None, failure, tuple(split), oldest, updated)
+        rows = (first, *split)
+        versions = [version for row in rows for version in row.sampled_versions()]
+        oldest = min(versions, default=None)
+        updated = sum(version != oldest for version in versions)
+        in_turn = sum(sum(row.after_update()) for row in rows)
+        outcome = (reward, record.turns, failure is None, failure, tuple(split), oldest, updated, in_turn)
+        return first, EpisodeOutcome(*outcome)
 
-    async def _turn(self, ids: list[int], seed: int, greedy: bool) -> tuple[Trajectory, int]:
-        """One turn of an agent's episode, sampled with the newest weights this process knows: an episode in
-        flight when new weights land goes on with them from its next turn; the version each turn used is kept.
-        The sampling runs to its end even when its request is abandoned, holding the weights it uses until then:
-        no weight change may reach the engine under a request it still runs."""
-        return await self._newest_turn(functools.partial(self.engine.continue_from, ids, seed, greedy))
+    async def _turn(self, ids: list[int], seed: int, greedy: bool) -> Trajectory:
+        """One turn of an agent's episode, sampled with the newest weights this process knows. A weight update
+        interrupts it at a token boundary and it goes on with the new weights from its tokens so far; each token
+        keeps the version that sampled it. The sampling runs to its end even when its request is abandoned,
+        holding the weights it uses until then: no weight change may reach the engine under a request it still
+        runs."""
+        return await asyncio.shield(asyncio.ensure_future(self._pieces(ids, seed, greedy)))
 
-    async def _demonstrated_turn(self, ids: list[int], reply_ids: list[int]) -> tuple[Trajectory, int]:
+    async def _pieces(self, ids: list[int], seed: int, greedy: bool) -> Trajectory:
+        limit, eos = self.cfg.sampling.max_new_tokens, self.tokenizer.eos_token_id
+        tokens, logprobs, versions = [], [], []
+        for piece in itertools.count():
+            await self.gate.settled()
+            weights, interrupt = self._newest, threading.Event()
+            async with self.gate.use(weights, self._switch, interrupt):
+                sampled = await self.engine.continue_from(
+                    ids + tokens, piece_seed(seed, piece), greedy, limit - len(tokens), interrupt
+                )
+                await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
+            tokens += sampled.completion_ids
+            logprobs += sampled.logprobs
+            versions += [weights.version] * len(sampled.completion_ids)
+            if not interrupt.is_set() or len(tokens) >= limit or (tokens and tokens[-1] == eos):
+                break
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return replace(Trajectory.single_turn(ids, tokens, logprobs, text), versions=versions)
+
+    async def _demonstrated_turn(self, ids: list[int], reply_ids: list[int]) -> Trajectory:
         """A demonstration's turn: its reply, with the newest weights' logprobs, as ``_turn`` samples one."""
-        return await self._newest_turn(functools.partial(self.engine.score, ids, reply_ids))
+        return await asyncio.shield(asyncio.ensure_future(self._scored(ids, reply_ids)))
 
-    async def _newest_turn(self, reply: Callable[[], Awaitable[Trajectory]]) -> tuple[Trajectory, int]:
-        return await asyncio.shield(asyncio.ensure_future(self._turn_with(reply, self._newest)))
-
-    async def _turn_with(
-        self, reply: Callable[[], Awaitable[Trajectory]], weights: WeightVersion
-    ) -> tuple[Trajectory, int]:
+    async def _scored(self, ids: list[int], reply_ids: list[int]) -> Trajectory:
+        await self.gate.settled()
+        weights = self._newest
         async with self.gate.use(weights, self._switch):
-            turn = await reply()
+            reply = await self.engine.score(ids, reply_ids)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
-        return turn, weights.version
+        return replace(reply, versions=[weights.version] * len(reply.completion_ids))
 
     def _follow(self, weights: WeightVersion) -> None:
         """Agents' turns use ``weights`` from now on, unless a newer version of its store is known already. A

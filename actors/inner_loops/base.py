@@ -54,6 +54,7 @@ from losses import (
     PolicyInputs,
     PreferenceInputs,
     TeacherTopK,
+    TokenClass,
     TokenLogprobs,
     TokenSplit,
     compose_loss,
@@ -225,6 +226,7 @@ class MicroBatchLoop(ABC):
         numbers = self._numbers(batch.targets)
         policy_split = TokenSplit.of(policy_mask, numbers)
         distill_split = TokenSplit.of(batch.distill_mask, numbers) if distill else None
+        after_update = None if batch.after_update is None else TokenClass.of(policy_mask, batch.after_update)
         spread = self.cfg.loss.distill.sample_weight == "group_spread"
         held_back = None
         if self.cfg.loss.policy.name in COVARIANCE:  # chosen over the whole step, the same in every micro-batch
@@ -244,6 +246,7 @@ class MicroBatchLoop(ABC):
                 ref_logprobs=part.ref_logprobs,
                 held_back=None if held_back is None else held_back[sl, cut],
                 split=_trimmed(policy_split.rows(sl), cut),
+                after_update=None if after_update is None else after_update.rows(sl).cut(cut),
             )
             teacher = (
                 DistillInputs(

@@ -488,6 +488,7 @@ class EpisodeCollection(_Collection):
                 "episodes/ended_by_environment": sum(o.done for o in finished) / len(finished),
                 "episodes/split": sum(len(o.split) for o in finished),
                 "episodes/tokens_after_update": sum(o.updated_tokens for o in finished),
+                "episodes/tokens_after_update_in_turn": sum(o.updated_in_turn for o in finished),
             },
         )
 
@@ -599,6 +600,6 @@ async def _nothing() -> None:
 
 
 def _oldest(outcome: EpisodeOutcome, requested: int) -> int:
-    """The version a row counts its policy age from: the oldest its turns used (an agent's turns take the
-    newest weights), else the request's."""
+    """The version a row counts its policy age from: the oldest that sampled one of its tokens (an agent's turns
+    take the newest weights, and go on with new ones a weight update brings), else the request's."""
     return requested if outcome.version is None else outcome.version

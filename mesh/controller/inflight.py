@@ -168,15 +168,17 @@ class SavedTrajectory(Saved):
     logprobs: list[float]
     loss_mask: list[bool]
     text: str
+    versions: list[Version] | None = None
 
-    @field_validator("logprobs", "loss_mask")
+    @field_validator("logprobs", "loss_mask", "versions")
     @classmethod
-    def _one_per_completion_token(cls, values: list, info: ValidationInfo) -> list:
-        _per_completion_token(len(values), info.data.get("completion_ids"))
+    def _one_per_completion_token(cls, values: list | None, info: ValidationInfo) -> list | None:
+        if values is not None:
+            _per_completion_token(len(values), info.data.get("completion_ids"))
         return values
 
     def decode(self) -> Trajectory:
-        return Trajectory(self.prompt_ids, self.completion_ids, self.logprobs, self.loss_mask, self.text)
+        return Trajectory(self.prompt_ids, self.completion_ids, self.logprobs, self.loss_mask, self.text, self.versions)
 
 
 class SavedReward(Saved):

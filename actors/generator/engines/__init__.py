@@ -15,6 +15,8 @@ from actors.contract.rollouts import Trajectory
 from actors.generator.config import Sampling  # noqa: F401  the engines' input, re-exported beside their output
 
 if TYPE_CHECKING:
+    from threading import Event
+
     from torch import Tensor
 
 
@@ -29,6 +31,12 @@ def sampling_seeds(seed: int, stream: str, count: int) -> list[int]:
 def request_seed(seeds: list[int]) -> int:
     """One seed for a whole request (an engine that samples a request as one batch)."""
     return _mix("/".join(map(str, seeds)))
+
+
+def piece_seed(seed: int, piece: int) -> int:
+    """The seed of a turn's ``piece``-th part: 0 is the turn's own seed; a turn that a weight update interrupted
+    goes on with fresh randomness, not with its first tokens' draws over again."""
+    return seed if piece == 0 else _mix(f"{seed}/piece {piece}")
 
 
 def _mix(key: str) -> int:
@@ -53,9 +61,19 @@ class Engine(Protocol):
         each prompt's argmax continuation instead (the evaluation's, one per prompt), whatever the
         seeds and the sampling settings."""
 
-    async def continue_from(self, ids: list[int], seed: int, greedy: bool = False) -> Trajectory:
+    async def continue_from(
+        self,
+        ids: list[int],
+        seed: int,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        interrupt: Event | None = None,
+    ) -> Trajectory:
         """One completion of a token sequence (an episode so far), with ``ids`` as its prompt;
-        the same ids and ``seed`` give the same completion (``greedy``: the argmax one)."""
+        the same ids and ``seed`` give the same completion (``greedy``: the argmax one). ``max_new_tokens``: at
+        most that many tokens (the sampling settings' when None). Once ``interrupt`` is set, the completion ends
+        at the next token boundary with the tokens sampled so far (possibly none): a weight update waits for
+        it."""
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """Each given completion (EOS appended) as a ``Trajectory``, its logprobs under the loaded weights."""

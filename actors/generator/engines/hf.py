@@ -14,11 +14,12 @@ so a sync moves and touches the adapters alone.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import replace
 
 import torch
 from torch import Tensor
-from transformers import BatchEncoding
+from transformers import BatchEncoding, StoppingCriteria, StoppingCriteriaList
 
 from actors.basics.compute import Compute
 from actors.contract.rollouts import Trajectory
@@ -64,9 +65,16 @@ class HFEngine:
         async with self._one_at_a_time:
             return await asyncio.to_thread(self.generate_now, prompts, samples_per_prompt, seeds, greedy)
 
-    async def continue_from(self, ids: list[int], seed: int, greedy: bool = False) -> Trajectory:
+    async def continue_from(
+        self,
+        ids: list[int],
+        seed: int,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        interrupt: threading.Event | None = None,
+    ) -> Trajectory:
         async with self._one_at_a_time:
-            return await asyncio.to_thread(self.continue_from_now, ids, seed, greedy)
+            return await asyncio.to_thread(self.continue_from_now, ids, seed, greedy, max_new_tokens, interrupt)
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         async with self._one_at_a_time:
@@ -84,11 +92,20 @@ class HFEngine:
         samples = self._sampled(encoded, request_seed(seeds), greedy)
         return [samples[i : i + samples_per_prompt] for i in range(0, len(samples), samples_per_prompt)]
 
-    def continue_from_now(self, ids: list[int], seed: int, greedy: bool = False) -> Trajectory:
+    def continue_from_now(
+        self,
+        ids: list[int],
+        seed: int,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        interrupt: threading.Event | None = None,
+    ) -> Trajectory:
         encoded = BatchEncoding(
             {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         )
-        return self._sampled(encoded, seed, greedy)[0]
+        if interrupt is not None and interrupt.is_set():  # generate samples one token before it asks
+            return Trajectory.single_turn(ids, [], [], "")
+        return self._sampled(encoded, seed, greedy, max_new_tokens, interrupt)[0]
 
     def _decoding(self, greedy: bool) -> dict:
         """``generate``'s arguments for how each token is chosen: the argmax, or a draw under the sampling
@@ -99,15 +116,24 @@ class HFEngine:
         return {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
     @torch.no_grad()
-    def _sampled(self, encoded: BatchEncoding, seed: int, greedy: bool) -> list[Trajectory]:
-        """One completion per row of ``encoded`` (left-padded prompts)."""
+    def _sampled(
+        self,
+        encoded: BatchEncoding,
+        seed: int,
+        greedy: bool,
+        max_new_tokens: int | None = None,
+        interrupt: threading.Event | None = None,
+    ) -> list[Trajectory]:
+        """One completion per row of ``encoded`` (left-padded prompts); ``interrupt`` ends every row at the token
+        boundary after it is set."""
         encoded = encoded.to(self.device)
         # transformers samples from the global RNG, one request at a time: seed it per request
         torch.manual_seed(seed)
         out = self.model.generate(
             **encoded,
             **self._decoding(greedy),
-            max_new_tokens=self.sampling.max_new_tokens,
+            max_new_tokens=max_new_tokens or self.sampling.max_new_tokens,
+            stopping_criteria=StoppingCriteriaList([Interrupted(interrupt)] if interrupt is not None else []),
             output_scores=True,  # after temperature/top-k/top-p: the distribution the tokens came from
             return_dict_in_generate=True,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -146,3 +172,13 @@ class HFEngine:
             logprobs=logprobs[:length].tolist(),
             text=self.tokenizer.decode(completion, skip_special_tokens=True),
         )
+
+
+class Interrupted(StoppingCriteria):
+    """Ends a ``generate`` call at the token boundary after ``event`` is set (from another thread)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)

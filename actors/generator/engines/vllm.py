@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -121,7 +122,9 @@ class VLLMEngine:
         self.sampling = sampling
         self._ids = itertools.count()
         self._arrivals: list[tuple[str, TokensPrompt, SamplingParams]] = []
-        self._waiting: dict[str, asyncio.Future[RequestOutput]] = {}
+        self._waiting: dict[str, asyncio.Future[RequestOutput | None]] = {}
+        # requests a weight update may interrupt: their event, and their latest (cumulative) output
+        self._interruptible: dict[str, tuple[threading.Event, RequestOutput | None]] = {}
         self._wake: asyncio.Event | None = None
         self._driver: asyncio.Task | None = None
         self.model_path, self.adapter = model_path, adapter
@@ -176,22 +179,35 @@ class VLLMEngine:
         outputs = await asyncio.gather(*(self._run(self._encode(p), ps) for p, ps in zip(prompts, params)))
         return [[self._sample(out.prompt_token_ids, c.token_ids, c.logprobs) for c in out.outputs] for out in outputs]
 
-    async def continue_from(self, ids: list[int], seed: int, greedy: bool = False) -> Trajectory:
-        out = await self._run(ids, self._params(1, seed, greedy))
+    async def continue_from(
+        self,
+        ids: list[int],
+        seed: int,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+        interrupt: threading.Event | None = None,
+    ) -> Trajectory:
+        params = self._params(1, seed, greedy, max_new_tokens, partial=interrupt is not None)
+        out = await self._run(ids, params, interrupt)
+        if out is None:  # interrupted before its first token
+            return Trajectory.single_turn(ids, [], [], "")
         return self._sample(out.prompt_token_ids, out.outputs[0].token_ids, out.outputs[0].logprobs)
 
-    def _params(self, samples: int, seed: int, greedy: bool) -> SamplingParams:
+    def _params(
+        self, samples: int, seed: int, greedy: bool, max_new_tokens: int | None = None, partial: bool = False
+    ) -> SamplingParams:
         """A prompt's request: its own seed makes its samples independent of what else is in the batch;
-        ``greedy`` is temperature 0 (vLLM then ignores top-p and top-k, and takes one completion only)."""
+        ``greedy`` is temperature 0 (vLLM then ignores top-p and top-k, and takes one completion only).
+        ``partial``: its output after every step, kept in case it is interrupted (else only its final one)."""
         return SamplingParams(
             n=samples,
             seed=seed,
             temperature=0.0 if greedy else self.sampling.temperature,
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k or -1,
-            max_tokens=self.sampling.max_new_tokens,
+            max_tokens=max_new_tokens or self.sampling.max_new_tokens,
             logprobs=0,  # the sampled token's own logprob
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.CUMULATIVE if partial else RequestOutputKind.FINAL_ONLY,
         )
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
@@ -219,11 +235,16 @@ class VLLMEngine:
             text=self.tokenizer.decode(completion, skip_special_tokens=True),
         )
 
-    async def _run(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
-        """Queue one request for the driver and wait for its final output."""
+    async def _run(
+        self, prompt_ids: list[int], params: SamplingParams, interrupt: threading.Event | None = None
+    ) -> RequestOutput | None:
+        """Queue one request for the driver and wait for its final output, or, once ``interrupt`` is set, its
+        output so far (None: no token yet)."""
         request_id = str(next(self._ids))
         done = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = done
+        if interrupt is not None:
+            self._interruptible[request_id] = (interrupt, None)
         self._arrivals.append((request_id, TokensPrompt(prompt_token_ids=prompt_ids), params))
         if self._driver is None or self._driver.done():
             self._wake = asyncio.Event()  # an event binds to the loop it is first awaited on
@@ -239,6 +260,7 @@ class VLLMEngine:
                 for request_id, prompt, params in self._arrivals:
                     self.engine.add_request(request_id, prompt, params, lora_request=self.lora)
                 self._arrivals.clear()
+                self._end_interrupted()
                 if not self.engine.has_unfinished_requests():
                     self._wake.clear()
                     await self._wake.wait()
@@ -246,17 +268,31 @@ class VLLMEngine:
                 loop = asyncio.get_running_loop()
                 for output in await loop.run_in_executor(self._stepper, self.engine.step):
                     if output.finished:
+                        self._interruptible.pop(output.request_id, None)
                         self._waiting.pop(output.request_id).set_result(output)
+                    elif output.request_id in self._interruptible:
+                        self._interruptible[output.request_id] = (self._interruptible[output.request_id][0], output)
         except BaseException as error:
             # out of vLLM too: a request left in it would run on in the next driver's steps, for no one, and
             # block the next weight reload ("a request is still running")
             self.engine.abort_request(list(self._waiting))
             self._arrivals.clear()
+            self._interruptible.clear()
             for future in self._waiting.values():
                 if not future.done():
                     future.set_exception(error if isinstance(error, Exception) else RuntimeError("engine stopped"))
             self._waiting.clear()
             raise
+
+
+    def _end_interrupted(self) -> None:
+        """Take the interrupted requests out of vLLM, between two steps: each ends with its output so far."""
+        ended = [request_id for request_id, (event, _) in self._interruptible.items() if event.is_set()]
+        if ended:
+            self.engine.abort_request(ended)
+        for request_id in ended:
+            _, latest = self._interruptible.pop(request_id)
+            self._waiting.pop(request_id).set_result(latest)
 
 
 @contextmanager
