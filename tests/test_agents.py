@@ -76,7 +76,7 @@ def test_a_step_whose_every_agent_fails_stops_the_run_with_the_agents_own_error(
 @pytest.mark.parametrize("collect", ["step", "group"])
 def test_agent_tools_learns_through_the_endpoint(tmp_path, collect):
     """By step, from its own episodes alone; by group, with the agent's demonstrations too (each group's for the
-    warm start's two steps, then replayed against its episodes), every sampled token trained."""
+    warm start's two steps, then replayed against its episodes), nearly every sampled token trained."""
     settings = [f"loop.collect={collect}", "loop.steps=12", "loop.evaluation.every=0", "checkpointing.every=0"]
     result, run_dir = run_cli(tmp_path, *settings, *(DEMONSTRATED if collect == "group" else []))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -88,7 +88,8 @@ def test_agent_tools_learns_through_the_endpoint(tmp_path, collect):
     if collect == "group":
         assert [row["warm_start"] for row in rows] == [1, 1] + [0] * 10
         assert all(row["teachers/oracle/reward"] == 1.0 and row["teachers/oracle/pairs"] > 0 for row in rows)
-        assert all(row["groups/untrained_tokens"] == 0.0 for row in rows)  # nothing failed, nothing dropped
+        # nothing failed; a late group trains on its tokens fresh enough (the lag is a limit per token)
+        assert sum(row["groups/untrained_tokens"] for row in rows) / len(rows) < 0.1, rows
         shown = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
         assert {row["kind"] for row in shown if row["teacher"] == "oracle"} >= {"warm_start", "replay"}
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.rollouts import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.diloco.syncer import STOP_FILE, SyncReport
 from actors.generator.actor import Generation
 from actors.rewarder.config import RewarderConfig
@@ -31,9 +31,10 @@ from mesh.controller import (
     StalenessError,
 )
 from mesh.controller.collected import Collected
-from mesh.controller.collection import Evaluated, SampleCollection
+from mesh.controller.collection import Evaluated, SampleCollection, _episode_rows
 from mesh.controller.diloco import DiLoCoHook
 from mesh.controller.gap import GapCheck
+from mesh.controller.groups import Demonstration, PlayedGroup
 from mesh.controller.metrics import step_metrics, teacher_metrics
 from mesh.controller.router import Router, TargetLoad
 from mesh.controller.scheduler import Abandoned, Scheduler, policy_ages
@@ -103,6 +104,28 @@ def test_a_batch_older_than_the_lag_is_refused():
     assert policy_ages(4, collected_at(3), max_policy_lag=1) == [1]
     with pytest.raises(StalenessError, match="step 4: samples of policy age 2 > max_policy_lag"):
         policy_ages(4, collected_at(2), max_policy_lag=1)
+
+
+def test_a_replayed_trace_scored_by_an_older_version_does_not_make_its_batch_stale():
+    """Channel 3 scores a replayed trace with the trainer's own logprobs: only rows that train channel 1 count."""
+    rows = (row(3), row(1, kind=RowKind.REPLAY, teacher="oracle"))
+    collected = Collected([RolloutGroup(TASK.problems(0, 0, 1)[0], 0, rows)], None, {}, {})
+    assert policy_ages(4, collected, max_policy_lag=1) == [1, 3]
+
+
+def test_a_late_episode_trains_its_fresh_tokens_and_leaves_the_group_when_it_has_none():
+    """By group, a step trains no token older than its age limit: those stay context; an episode with none left
+    leaves the group; a replayed demonstration keeps every token."""
+    problem = TASK.problems(0, 0, 1)[0]
+    episode = lambda versions: Trajectory([1], [2, 3, 4], [-0.5] * 3, [True] * 3, "x", versions)  # noqa: E731
+    shown = Demonstration(episode([0, 0, 0]), EpisodeOutcome(1.0, 1, True), warm_start=False, replay=True, seconds=0)
+    outcomes = [EpisodeOutcome(r, 1, True) for r in (1.0, 0.0)]
+    group = PlayedGroup(problem, 0, [episode([0, 1, 2]), episode([0, 0, 0])], outcomes, 0, demonstration=shown)
+    sample, replay = _episode_rows(group, "oracle", since=1)
+    assert sample.trajectory.loss_mask == [False, True, True] and sample.version == 1 and sample.episode == 0
+    assert replay.kind is RowKind.REPLAY and replay.trajectory.loss_mask == [True] * 3 and replay.version == 0
+    assert len(_episode_rows(group, "oracle", since=None)) == 3  # by step: no limit per token
+    assert group.trainable_from(2) and not group.trainable_from(3)
 
 
 async def test_restored_batches_come_back_in_flight_in_order_and_collection_goes_on_after_them():

@@ -19,12 +19,13 @@ class Weights:
 
 
 class Stream:
-    """Group n of the prompt stream finishes when ``finish(n)`` says so (``oldest``: its first turn's version)."""
+    """Group n of the prompt stream finishes when ``finish(n)`` says so (``versions``: those that sampled its
+    episode's two tokens, by default the version it was asked with)."""
 
     def __init__(self):
         self.gates: dict[int, asyncio.Event] = {}
         self.started: list[tuple[int, int]] = []  # (n, version)
-        self.oldest: dict[int, int] = {}
+        self.versions: dict[int, list[int]] = {}
         self.broken: set[int] = set()
         self.failing: set[int] = set()  # every episode of these fails
 
@@ -35,9 +36,9 @@ class Stream:
             raise RuntimeError(f"generator target 0 died in group {n}")
         if n in self.failing:
             return await _failed(n, weights)
-        outcome = EpisodeOutcome(1.0, 1, True, version=self.oldest.get(n))
-        rows = [Trajectory([1], [2], [0.0], [True], "x")]
-        return PlayedGroup(Problem(f"p{n}", "a"), n, rows, [outcome], weights.version)
+        versions = self.versions.get(n, [weights.version] * 2)
+        rows = [Trajectory([1], [2, 3], [0.0, 0.0], [True, True], "x", versions)]
+        return PlayedGroup(Problem(f"p{n}", "a"), n, rows, [EpisodeOutcome(1.0, 1, True)], weights.version)
 
     async def finish(self, *groups: int) -> None:
         for n in groups:
@@ -94,7 +95,6 @@ async def test_a_group_older_than_the_lag_is_dropped_and_the_step_waits_for_a_fr
     pool.follow(Weights(0))
     await asyncio.sleep(0)
     pool.follow(Weights(2))
-    stream.oldest[1] = 0  # its first turn used version 0, though it was asked with 0 too
     await stream.finish(0, 1)  # both version 0: at step 2 they are 2 behind
     taking = asyncio.ensure_future(take(pool, 2))
     await asyncio.sleep(0)
@@ -102,6 +102,22 @@ async def test_a_group_older_than_the_lag_is_dropped_and_the_step_waits_for_a_fr
     await stream.finish(2)  # started with version 2 when group 0 finished
     taken, dropped = await taking
     assert [g.index for g in taken] == [2] and len(dropped) == 2
+
+
+async def test_a_late_group_whose_episode_went_on_with_newer_weights_trains_on_its_newer_tokens():
+    """The age limit is per token: a group whose first token is too old for the step but whose episode went on
+    with a fresh version is taken, and only its old tokens go untrained."""
+    stream = Stream()
+    pool = GroupPool(max_policy_lag=1, per_step=1, play=stream.play)
+    pool.follow(Weights(0))
+    await asyncio.sleep(0)
+    pool.follow(Weights(2))
+    stream.versions[0] = [0, 2]  # a weight update came inside its turn
+    await stream.finish(0)
+    taken, dropped = await take(pool, 2)
+    assert [g.index for g in taken] == [0] and dropped == []
+    assert taken[0].sampled_tokens(since=1) == (2, 1) and taken[0].sampled_tokens() == (2, 0)
+    await pool.cancel()
 
 
 async def test_a_failed_group_fails_the_step_that_takes_and_cancel_stops_the_rest():

@@ -18,7 +18,7 @@ between actors and to save with a checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from actors.contract.top_k import TopK
@@ -53,6 +53,13 @@ class Trajectory:
     def sampled_versions(self) -> list[int]:
         """The versions of the model's own tokens (empty when ``versions`` is None)."""
         return [v for v, mine in zip(self.versions or [], self.loss_mask) if mine]
+
+    def trained_from(self, version: int) -> Trajectory:
+        """This trajectory with the model's tokens that a version older than ``version`` sampled kept as context,
+        not trained: the age limit, per token. Itself when ``versions`` is None."""
+        if self.versions is None:
+            return self
+        return replace(self, loss_mask=[mine and v >= version for v, mine in zip(self.versions, self.loss_mask)])
 
     def after_update(self) -> list[bool]:
         """Per token, whether it was sampled after a weight update interrupted its turn: a newer version than the
@@ -91,7 +98,6 @@ class EpisodeOutcome:
     # an agent's requests that could not be stitched into the episode's one sequence (it edited its
     # history): each its own trajectory, trained with the episode's reward (``actors/environments/chat_tokens.py``)
     split: tuple[Trajectory, ...] = ()
-    version: int | None = None  # an agent's episode: the oldest version that sampled a token (None: the request's)
     updated_tokens: int = 0  # of the model's tokens, those a newer version sampled (the episode went on with it)
     # of those, the tokens sampled after a weight update interrupted their turn (it went on with the new weights)
     updated_in_turn: int = 0

@@ -221,7 +221,7 @@ class Generator(Actor):
             played, load_seconds = await self._played(one, problems, seeds, group_size), 0.0
         else:
             async with self.gate.use(weights, self._switch) as load_seconds:
-                one = functools.partial(self._play_one, self._environments(spec), spec)
+                one = functools.partial(self._play_one, self._environments(spec), spec, weights.version)
                 played = await self._played(one, problems, seeds, group_size)
                 await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         trajectories, outcomes = zip(*played)
@@ -229,12 +229,16 @@ class Generator(Actor):
         return Generation.of(list(trajectories), group_size, weights.version, seconds, load_seconds, list(outcomes))
 
     async def _play_one(
-        self, environments: Environments, spec: EpisodeSpec, problem: Problem, seed: int, j: int
+        self, environments: Environments, spec: EpisodeSpec, version: int, problem: Problem, seed: int, j: int
     ) -> tuple[Trajectory, EpisodeOutcome]:
+        """One episode against its environment, every turn sampled by ``version`` (held for the whole call)."""
         turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
-        policy = TokenPolicy(
-            ChatTokens(self.tokenizer), lambda ids, turn: self.engine.continue_from(ids, turn_seeds[turn], spec.greedy)
-        )
+
+        async def sample(ids: list[int], turn: int) -> Trajectory:
+            reply = await self.engine.continue_from(ids, turn_seeds[turn], spec.greedy)
+            return replace(reply, versions=[version] * len(reply.completion_ids))
+
+        policy = TokenPolicy(ChatTokens(self.tokenizer), sample)
         episode = await run_episode(
             environments,
             policy,
@@ -280,8 +284,7 @@ class Generator(Actor):
         oldest = min(versions, default=None)
         updated = sum(version != oldest for version in versions)
         in_turn = sum(sum(row.after_update()) for row in rows)
-        outcome = (reward, record.turns, failure is None, failure, tuple(split), oldest, updated, in_turn)
-        return first, EpisodeOutcome(*outcome)
+        return first, EpisodeOutcome(reward, record.turns, failure is None, failure, tuple(split), updated, in_turn)
 
     async def _turn(self, ids: list[int], seed: int, greedy: bool) -> Trajectory:
         """One turn of an agent's episode, sampled with the newest weights this process knows. A weight update

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from actors.contract.rollouts import EpisodeOutcome, Reward, RolloutGroup, Row, RowKind, Trajectory
+from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.contract.top_k import TopK
 from actors.environments.agent_task import NO_DEMONSTRATION, AgentSpec
 from actors.environments.openenv_task import EpisodeSpec
@@ -371,6 +371,7 @@ class EpisodeCollection(_Collection):
         agent itself. By group, the step trains on the first groups to finish (``groups.py``)."""
         problems, seeds = self._prompts(step)
         oracle = teachers.get(self.settings.oracle) if self.settings.oracle else None
+        since = None if self.pool is None else step - self.pool.max_policy_lag  # the oldest version it may train
         if self.pool is None:
             played, routed = await self._play(problems, seeds, weights, step, 0)
             loads, generate, load, dropped = routed.loads, routed.sampling_seconds, routed.load_seconds, []
@@ -381,8 +382,8 @@ class EpisodeCollection(_Collection):
                 played, dropped = await self.pool.take(step)
             loads = [sum(per, TargetLoad()) for per in zip(*(group.loads for group in played))]
             generate, load = time.perf_counter() - start, 0.0
-        collected = await self._batch(step, played, loads, generate, load, oracle)
-        collected.episode_metrics |= _untrained(played, dropped, by_group=self.pool is not None)
+        collected = await self._batch(step, played, loads, generate, load, oracle, since)
+        collected.episode_metrics |= _untrained(played, dropped, since)
         return collected
 
     async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
@@ -456,10 +457,12 @@ class EpisodeCollection(_Collection):
         generate: float,
         load: float,
         oracle: TeacherBinding | None,
+        since: int | None,
     ) -> Collected:
         """The step's batch of ``played`` groups, their reference logprobs scored; ``loads``, ``generate`` and
         ``load``: what playing them took (per target, seconds sampling, seconds adopting weights); ``oracle``:
-        the teacher whose rows the agent's demonstrations are, where they are played."""
+        the teacher whose rows the agent's demonstrations are, where they are played; ``since``: the oldest
+        version whose tokens the step trains (by group)."""
         outcomes = [outcome for group in played for outcome in group.outcomes]
         failures = [outcome.failure for outcome in outcomes if outcome.failure is not None]
         if len(failures) == len(outcomes):
@@ -470,7 +473,8 @@ class EpisodeCollection(_Collection):
         if failures or shown_failures:
             self.failed(step, failures + shown_failures)
         name = oracle.name if oracle is not None else None
-        rows, reference_seconds = await self.services.reference.score([_episode_rows(group, name) for group in played])
+        episode_rows = [_episode_rows(group, name, since) for group in played]
+        rows, reference_seconds = await self.services.reference.score(episode_rows)
         groups = [RolloutGroup(g.problem, g.index, tuple(r)) for g, r in zip(played, rows) if r]
         demonstrations = [g.demonstration for g in played if g.demonstration is not None]
         finished = [outcome for outcome in outcomes if outcome.failure is None]
@@ -546,24 +550,27 @@ def _sampled_rows(i: int, sampled: Routed) -> list[Row]:
     ]
 
 
-def _episode_rows(group: PlayedGroup, oracle: str | None) -> list[Row]:
+def _episode_rows(group: PlayedGroup, oracle: str | None, since: int | None) -> list[Row]:
     """A prompt's episodes as rows, rewarded with the environment's return (an agent's requests that could not
     be stitched into one sequence are rows of their own, with the same reward and episode); the failed ones
     left out. Its demonstration, played, joins as the ``oracle`` teacher's rows (the warm start's, channel 3's)
-    while that teacher is bound."""
+    while that teacher is bound. ``since``: the oldest version whose tokens train in channel 1; older ones stay
+    as context, and a row with no token left to train leaves its group (a replayed demonstration keeps all of
+    its tokens: channel 3 scores them anew)."""
     played = [(RowKind.SAMPLE, t, o, j) for j, (t, o) in enumerate(zip(group.trajectories, group.outcomes))]
     shown = group.demonstration
     if oracle is not None and shown is not None and shown.outcome.failure is None:  # the oracle may be unbound
         j = len(group.outcomes)
         kinds = [RowKind.WARM_START] * shown.warm_start + [RowKind.REPLAY] * shown.replay
         played += [(kind, shown.trajectory, shown.outcome, j) for kind in kinds]
-    teacher = lambda kind: None if kind is RowKind.SAMPLE else oracle  # noqa: E731
-    return [
-        Row(kind, part, _oldest(outcome, group.version), teacher(kind), Reward(outcome.reward), episode=j)
-        for kind, trajectory, outcome, j in played
-        if outcome.failure is None
-        for part in (trajectory, *outcome.split)
-    ]
+    rows = []
+    for kind, trajectory, outcome, j in played:
+        parts = (trajectory, *outcome.split) if outcome.failure is None else ()
+        if since is not None and kind.trains_policy:
+            parts = [kept for part in parts if any((kept := part.trained_from(since)).loss_mask)]
+        teacher, reward = None if kind is RowKind.SAMPLE else oracle, Reward(outcome.reward)
+        rows += [Row(kind, part, _oldest(part, group.version), teacher, reward, episode=j) for part in parts]
+    return rows
 
 
 def _oracle_metrics(
@@ -585,21 +592,22 @@ def _demonstration_failures(played: list[PlayedGroup]) -> list[str]:
     ]
 
 
-def _untrained(played: list[PlayedGroup], dropped: list[PlayedGroup], by_group: bool) -> dict[str, float]:
+def _untrained(played: list[PlayedGroup], dropped: list[PlayedGroup], since: int | None) -> dict[str, float]:
     """Of the model's tokens sampled in the groups this step took or dropped, the share never trained (the
-    failed episodes', the dropped groups'); by group, how many groups were dropped as too old."""
-    taken, lost = [g.sampled_tokens for g in played], [g.sampled_tokens[0] for g in dropped]
-    untrained = sum(failed for _, failed in taken) + sum(lost)
+    failed episodes', those older than ``since``, the dropped groups'); by group (``since`` given), how many
+    groups were dropped as too old."""
+    taken, lost = [g.sampled_tokens(since) for g in played], [g.sampled_tokens()[0] for g in dropped]
+    untrained = sum(never for _, never in taken) + sum(lost)
     total = sum(sampled for sampled, _ in taken) + sum(lost)
     share = {"groups/untrained_tokens": untrained / total if total else 0.0}
-    return share | {"groups/dropped": len(dropped)} if by_group else share
+    return share if since is None else share | {"groups/dropped": len(dropped)}
 
 
 async def _nothing() -> None:
     return None
 
 
-def _oldest(outcome: EpisodeOutcome, requested: int) -> int:
-    """The version a row counts its policy age from: the oldest that sampled one of its tokens (an agent's turns
-    take the newest weights, and go on with new ones a weight update brings), else the request's."""
-    return requested if outcome.version is None else outcome.version
+def _oldest(part: Trajectory, requested: int) -> int:
+    """The version a row counts its policy age from: the oldest that sampled one of the tokens it trains (an
+    agent's turns take the newest weights and go on with those a weight update brings), else the request's."""
+    return min(part.sampled_versions(), default=requested)

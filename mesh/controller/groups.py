@@ -17,9 +17,11 @@ episode failed, or that was dropped, gives its place back). A group started unde
 they started, so the pool runs no work ahead that it would have to throw away; only a group slower than
 the ``P`` after it can still come too late.
 
-``max_policy_lag`` stays a rule on the groups taken: a group whose oldest token is more than
-``max_policy_lag`` versions behind the step that takes it is dropped (``groups/dropped``, and its tokens
-counted in ``groups/untrained_tokens``), never trained on. Which groups a step takes depends on timing, so a
+``max_policy_lag`` stays a rule on the tokens trained, per token: a step trains none that a version more than
+``max_policy_lag`` behind it sampled. A group that came late trains on its newer tokens (an episode that went
+on across a weight update), its older ones kept as context; an episode with no token fresh enough leaves the
+group, and a group with none is dropped (``groups/dropped``). Tokens never trained are counted in
+``groups/untrained_tokens``. Which groups a step takes depends on timing, so a
 run collected by group is not reproduced exactly by a rerun or a resume (its checkpoint keeps the batches
 taken, not the pool).
 
@@ -67,20 +69,31 @@ class PlayedGroup:
         """Every episode of it failed: it has no row to train on."""
         return all(o.failure is not None for o in self.outcomes)
 
-    @property
-    def oldest(self) -> int:
-        """The oldest version that sampled (or, a demonstration's, scored) a token of it."""
-        outcomes = self.outcomes + ([self.demonstration.outcome] if self.demonstration else [])
-        return min((o.version for o in outcomes if o.version is not None), default=self.version)
+    def trainable_from(self, version: int) -> bool:
+        """Whether a step whose age limit reaches back to ``version`` has anything of it to train on in channel 1:
+        a token of a finished episode (or of its warm-start demonstration) that no older version sampled."""
+        return any(any(part.trained_from(version).loss_mask) for part in self._channel_one())
 
-    @property
-    def sampled_tokens(self) -> tuple[int, int]:
-        """The model's sampled tokens in its episodes: all of them, and those of failed episodes (never trained)."""
-        counts = [
-            (sum(sum(t.loss_mask) for t in (trajectory, *outcome.split)), outcome.failure is not None)
-            for trajectory, outcome in zip(self.trajectories, self.outcomes)
-        ]
-        return sum(n for n, _ in counts), sum(n for n, failed in counts if failed)
+    def _channel_one(self) -> list[Trajectory]:
+        finished = [(t, o) for t, o in zip(self.trajectories, self.outcomes) if o.failure is None]
+        shown = self.demonstration
+        if shown is not None and shown.warm_start and shown.outcome.failure is None:
+            finished.append((shown.trajectory, shown.outcome))
+        return [part for trajectory, outcome in finished for part in (trajectory, *outcome.split)]
+
+    def sampled_tokens(self, since: int | None = None) -> tuple[int, int]:
+        """The model's sampled tokens in its episodes: all of them, and those never trained: a failed episode's,
+        and those a version older than ``since`` sampled (the step's age limit, where it has one)."""
+        sampled = untrained = 0
+        for trajectory, outcome in zip(self.trajectories, self.outcomes):
+            for part in (trajectory, *outcome.split):
+                tokens = sum(part.loss_mask)
+                sampled += tokens
+                if outcome.failure is not None:
+                    untrained += tokens
+                elif since is not None:
+                    untrained += tokens - sum(part.trained_from(since).loss_mask)
+        return sampled, untrained
 
 
 @dataclass(frozen=True)
@@ -136,7 +149,7 @@ class GroupPool:
                 group = self.finished.popleft()
                 if group.failed:  # its place was given back as it arrived
                     failed.append(group)
-                elif step - group.oldest > self.max_policy_lag:
+                elif not group.trainable_from(step - self.max_policy_lag):
                     dropped.append(group)
                     self.admitted -= 1
                     self._refill()
