@@ -45,9 +45,8 @@ class Trajectory:
     logprobs: list[float]  # the sampler's per token (0.0 at the environment's tokens)
     loss_mask: list[bool]  # True at the model's own tokens, the only ones trained on
     text: str  # the model's text without special tokens: what the rewarder reads
-    # per token, the policy version that sampled it, where versions change inside the trajectory (an agent's
-    # episode: a weight update between or inside its turns); a context token carries its reply's before it.
-    # None: the row's version sampled every token
+    # per token, the policy version that sampled it (an episode's: an agent's goes on across weight updates, even
+    # inside a turn); a context token carries its reply's before it. None (a single-turn sample): the row's version
     versions: list[int] | None = None
 
     def sampled_versions(self) -> list[int]:

@@ -100,11 +100,11 @@ class HFEngine:
         max_new_tokens: int | None = None,
         interrupt: threading.Event | None = None,
     ) -> Trajectory:
+        if interrupt is not None and interrupt.is_set():  # generate samples one token before it asks
+            return Trajectory.single_turn(ids, [], [], "")
         encoded = BatchEncoding(
             {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         )
-        if interrupt is not None and interrupt.is_set():  # generate samples one token before it asks
-            return Trajectory.single_turn(ids, [], [], "")
         return self._sampled(encoded, seed, greedy, max_new_tokens, interrupt)[0]
 
     def _decoding(self, greedy: bool) -> dict:
