@@ -90,6 +90,29 @@ async def test_a_request_for_another_version_interrupts_the_running_turns_that_m
     assert running.is_set() and gate.held == V1
 
 
+async def test_a_turn_that_enters_while_a_switch_waits_behind_it_is_told_at_once():
+    """A turn queued ahead of an update enters first, but with its interrupt already set: the update waits for one
+    token of it, not its whole turn."""
+    gate, told = VersionGate(), threading.Event()
+
+    async def turn() -> bool:
+        async with gate.use(V0, lambda weights: 0.0, told):
+            return told.is_set()
+
+    async def update() -> None:
+        async with gate.use(V1, lambda weights: 0.0):
+            pass
+
+    async with gate.use(V1, lambda weights: 0.0):  # V1 held and in use: the turn for V0 waits
+        entering = asyncio.create_task(turn())
+        await asyncio.sleep(0.01)
+        updating = asyncio.create_task(update())  # queued behind the turn
+        await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(entering, 1.0)
+    await asyncio.wait_for(updating, 1.0)
+    assert gate.held == V1
+
+
 async def test_settled_waits_for_a_pending_switch():
     """A turn about to pick the newest version first lets a queued update land, so it picks the new one."""
     gate, order = VersionGate(), []

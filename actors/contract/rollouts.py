@@ -63,8 +63,10 @@ class Trajectory:
     def after_update(self) -> list[bool]:
         """Per token, whether it was sampled after a weight update interrupted its turn: a newer version than the
         one that sampled its reply's first token (all False when ``versions`` is None)."""
+        if self.versions is None:
+            return [False] * len(self.loss_mask)
         marks, first = [], None
-        for version, mine in zip(self.versions or [None] * len(self.loss_mask), self.loss_mask):
+        for version, mine in zip(self.versions, self.loss_mask):
             first = (version if first is None else first) if mine else None
             marks.append(mine and version != first)
         return marks
