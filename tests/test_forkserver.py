@@ -1,7 +1,8 @@
 """The fork server (``mesh/launchers/forkserver.py``) with real processes: a forked process is the module run as
 ``python -m`` would run it, signals and deaths pass through its client both ways, whatever cannot be forked
-faithfully starts the usual way, only the run's own processes (those that can read its token) are served, no
-request can stop it, and a Monarch proc mesh started through it runs actors and stops."""
+faithfully starts the usual way, only the run's own processes (those that can read its token) are served, the
+client connects through the directory it checked, no request can stop it, at its fd limit it sleeps, and a Monarch
+proc mesh started through it runs actors and stops."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import array
 import dataclasses
 import json
 import os
+import resource
 import signal
 import socket
 import stat
@@ -22,6 +24,7 @@ import cloudpickle
 import pytest
 from monarch.actor import Actor, endpoint, this_host
 
+from mesh.launchers import fork_client
 from mesh.launchers.fork_client import SOCKET, TOKEN
 from mesh.launchers.forkserver import MAX_REQUEST, Preloaded, Request, main, refusal
 from mesh.launchers.procs import FORK_CLIENT, FORK_SERVER_ENV, PROC_ENV, spawn_procs
@@ -178,6 +181,117 @@ def test_no_request_stops_the_server_nor_its_processes(server, tmp_path):
     assert len(os.listdir(server_fds)) == fds_before
     client.kill()
     client.wait(timeout=30)
+
+
+def test_the_client_connects_through_the_directory_it_checked_not_one_swapped_in_after(tmp_path, monkeypatch):
+    """The race a path invites, made deterministic: right after the client checks the server's directory, its name
+    is pointed (a symlink) at another directory holding a socket and a token of its own. The client still reaches
+    the socket and the token of the directory it checked: it reaches both through the fd it checked, not the name.
+    (What this shows is where connect and the token read go; a real race needs another user's process.)"""
+    checked = _listening(tmp_path / "forks", b"c" * 64)
+    swapped = _listening(tmp_path / "other", b"s" * 64)
+    check = fork_client.check_alone
+
+    def check_then_swap(fd: int, directory: str) -> None:
+        check(fd, directory)
+        (tmp_path / "forks").rename(tmp_path / "checked")
+        (tmp_path / "forks").symlink_to(tmp_path / "other")
+
+    monkeypatch.setattr(fork_client, "check_alone", check_then_swap)
+    server, token = fork_client.connected(str(tmp_path / "forks"))
+    server.close()
+    assert token == b"c" * 64
+    checked.settimeout(5)
+    checked.accept()[0].close()  # the checked directory's socket was connected to
+    swapped.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        swapped.accept()  # the swapped-in one never was
+    checked.close()
+    swapped.close()
+
+
+def test_the_client_refuses_a_directory_named_through_a_symlink_or_not_its_users_alone(server, tmp_path):
+    directory, env = server
+    (tmp_path / "link").symlink_to(directory)
+    with pytest.raises(OSError):
+        fork_client.connected(str(tmp_path / "link"))  # opened without following it: the link could be swapped
+    client, report = start(str(tmp_path / "link"), env, tmp_path, "exit", "6")
+    assert client.wait(timeout=60) == 6 and not report["torch_preloaded"]  # started the usual way, not forked
+    _listening(tmp_path / "open", b"o" * 64).close()
+    (tmp_path / "open").chmod(0o750)
+    with pytest.raises(PermissionError, match="is not this user's alone"):
+        fork_client.connected(str(tmp_path / "open"))
+    if os.geteuid() == 0:  # giving it to another user needs root
+        (tmp_path / "open").chmod(0o700)
+        os.chown(tmp_path / "open", 65534, 65534)
+        with pytest.raises(PermissionError, match="is not this user's alone"):
+            fork_client.connected(str(tmp_path / "open"))
+
+
+def _listening(directory: Path, token: bytes) -> socket.socket:
+    """A directory laid out as a fork server's (mode 0700, its token, its socket listening), with no server."""
+    directory.mkdir(mode=0o700)
+    (directory / TOKEN).write_bytes(token)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(directory / SOCKET))
+    listener.listen(8)
+    return listener
+
+
+def test_at_its_fd_limit_the_server_sleeps_while_clients_wait_and_serves_them_once_fds_free(tmp_path):
+    """A server out of fds (RLIMIT_NOFILE lowered under it) with clients queued on its socket: over a second it
+    takes next to no CPU time (a server that kept watching its readable socket would spin, taking all of it), the
+    queued client's request waits unanswered, and once the connections it holds close it answers that request."""
+    directory = tmp_path / "forks"
+    process = _serve(directory)
+    try:
+        assert _ask(str(directory), b"{}") == {"refused": "a process without the server's token"}  # serving
+        limit, free = _limit_fds(process.pid, spare=4)
+        clients = [_connected(directory) for _ in range(free + 8)]  # the server accepts `free`; the rest queue
+        waiting = clients[-1]
+        waiting.sendall(b"{}")
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{process.pid}/fd")) < limit and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir(f"/proc/{process.pid}/fd")) == limit  # every fd it may have is open
+        time.sleep(0.3)  # long enough to have tried, and failed, to accept the next
+        before = _cpu_seconds(process.pid)
+        time.sleep(1)
+        assert _cpu_seconds(process.pid) - before < 0.1
+        with pytest.raises(BlockingIOError):
+            waiting.recv(1 << 16, socket.MSG_DONTWAIT)  # queued, unanswered
+        for client in clients[:-1]:
+            client.close()
+        waiting.settimeout(30)
+        assert json.loads(waiting.recv(1 << 16)) == {"refused": "a process without the server's token"}
+        waiting.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _limit_fds(pid: int, spare: int) -> tuple[int, int]:
+    """Lower ``pid``'s fd limit to ``spare`` fds above its highest open one: that limit, and how many fds it can
+    still open (the spare ones and any unused below)."""
+    time.sleep(0.2)  # the connection of a request just answered closes
+    fds = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")]
+    limit = max(fds) + 1 + spare
+    _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, hard))
+    return limit, limit - len(fds)
+
+
+def _connected(directory: Path) -> socket.socket:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.connect(str(directory / SOCKET))
+    return client
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time ``pid`` has taken, user and system (/proc/PID/stat's utime and stime)."""
+    with open(f"/proc/{pid}/stat") as stat_file:
+        fields = stat_file.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _request(env: dict[str, str], cwd: Path) -> dict:

@@ -1,5 +1,6 @@
 """GGUF files as models: the header read in pure Python, refusals before anything starts, conversion once into the
-model cache (whole or not at all), and a run trained from one."""
+model cache (whole or not at all), a cache another user could change or replace refused (by the run as it starts and
+by each actor as it loads the model), and a run trained from one."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tmpfs import FILLER, fill, tmpfs
 from actors.models.facts import ModelFacts, TinyModelSpec
 from actors.models.gguf import convert as gguf_model
 from actors.models.gguf.header import GGML_TYPES, ArrayOf, read_header
-from actors.models.source import CACHE_ENV, MARKER, ModelSource, ModelSourceError
+from actors.models.source import CACHE_ENV, MARKER, ModelSource, ModelSourceError, check_before_loading
 from mesh.run import dry_run
 from mesh.topology.schema import TopologyError, load_topology
 
@@ -182,7 +183,7 @@ def test_a_converted_model_changed_since_its_conversion_is_refused_naming_the_fi
         with pytest.raises(ModelSourceError) as info:
             ModelSource.of(str(tiny), "model.path").directory()  # as the next run asks
         message = str(info.value)
-        assert f"{entry}, which is no longer what the conversion wrote ({change}" in message, message
+        assert f"; {entry} is no longer what the conversion wrote ({change}" in message, message
         assert message.endswith(f"remove {entry}, and the run converts the file again") and "\n" not in message
         assert dry_run(str(MATH), as_model(tiny), None) == 0  # --dry-run says so, with no traceback
         assert change in capsys.readouterr().out
@@ -217,9 +218,128 @@ def test_a_model_cache_of_another_user_is_refused(cache, tiny):
     entry = ModelSource.of(str(tiny), "model.path").directory()
     for directory in (cache, entry):
         os.chown(directory, 65534, 65534)
-        with pytest.raises(ModelSourceError, match=f"; {directory} is owned by another user \\(uid 65534\\)"):
+        owned = f"; {directory} is owned by another user \\(uid 65534, mode 0700\\)"
+        with pytest.raises(ModelSourceError, match=owned):
             ModelSource.of(str(tiny), "model.path").directory()
         os.chown(directory, 0, 0)
+
+
+def test_a_file_of_a_converted_model_that_another_user_could_change_is_refused(cache, tiny):
+    entry = ModelSource.of(str(tiny), "model.path").directory()
+    weights = entry / "model.safetensors"
+    weights.chmod(0o646)  # its bytes as the conversion wrote them: only its mode says another user could write it
+    for ask in (lambda: ModelSource.of(str(tiny), "model.path").directory(), lambda: check_before_loading(entry)):
+        with pytest.raises(ModelSourceError) as info:
+            ask()
+        message = str(info.value)
+        assert f"; {weights} is writable by other users (mode 0646), so another user could change" in message
+        assert f"chmod go-w {weights}), or set MESH_MODEL_CACHE" in message and "\n" not in message
+    weights.chmod(0o644)
+    check_before_loading(entry)
+    if os.geteuid() == 0:  # giving it to another user needs root
+        os.chown(weights, 65534, 65534)
+        with pytest.raises(ModelSourceError, match=f"; {weights} is owned by another user \\(uid 65534, mode 0644\\)"):
+            check_before_loading(entry)
+
+
+def test_a_cache_reached_through_a_directory_others_could_replace_it_in_is_refused(tmp_path, tiny, monkeypatch):
+    """A user who can write a directory on the way to the cache could put a cache of theirs in its place; in a
+    sticky directory, as /tmp is, only the owner of an entry can, so one of this user's there is safe."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # whatever the umask
+    cache = shared / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    source = ModelSource.of(str(tiny), "model.path")
+    with pytest.raises(ModelSourceError) as info:
+        source.directory()
+    message = str(info.value)
+    assert f"; on the way to it, {cache} (not made yet) lies in {shared} (owner uid {os.getuid()}, mode 0777)" in (
+        message
+    )
+    assert f"(chmod go-w {shared}), or set MESH_MODEL_CACHE" in message and "\n" not in message
+    assert list(shared.iterdir()) == []  # refused before anything is converted
+    shared.chmod(0o1777)
+    entry = source.directory()
+    check_before_loading(entry)
+    shared.chmod(0o777)  # after the conversion: the run's check and the actors' refuse it
+    for ask in (source.converted, lambda: check_before_loading(entry)):
+        with pytest.raises(ModelSourceError, match=f"on the way to it, {cache} \\(owner uid {os.getuid()}\\) lies in"):
+            ask()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_cache_reached_through_another_users_directory_or_link_is_refused(tmp_path, tiny, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    cache = shared / "cache"
+    monkeypatch.setenv(CACHE_ENV, str(cache))
+    entry = ModelSource.of(str(tiny), "model.path").directory()
+    os.chown(shared, 65534, 65534)  # its owner could replace the cache, even with the directory mode 0755
+    with pytest.raises(ModelSourceError, match=f"lies in {shared} \\(owner uid 65534, mode 0755\\)"):
+        check_before_loading(entry)
+    os.chown(shared, 0, 0)
+    shared.chmod(0o1777)  # sticky: the cache swapped for another user's link to a copy of it
+    cache.rename(tmp_path / "copy")
+    cache.symlink_to(tmp_path / "copy")
+    os.lchown(cache, 65534, 65534)
+    with pytest.raises(ModelSourceError, match=f"on the way to it, {cache} \\(owner uid 65534\\) lies in {shared}"):
+        check_before_loading(entry)
+
+
+def test_symlinks_are_followed_on_the_way_to_the_cache_and_refused_for_an_entry(tmp_path, cache, tiny, monkeypatch):
+    entry = ModelSource.of(str(tiny), "model.path").directory()
+    shutil.copytree(entry, tmp_path / "copy")  # whole, its marker and its files as the conversion wrote them
+    entry.rename(tmp_path / "moved")
+    entry.symlink_to(tmp_path / "copy")  # swapped in for the entry
+    for ask in (ModelSource.of(str(tiny), "model.path").converted, lambda: check_before_loading(entry)):
+        with pytest.raises(ModelSourceError) as info:
+            ask()
+        message = str(info.value)
+        assert f"; {entry} is a symlink (to {tmp_path / 'copy'}), not the directory the conversion wrote" in message
+        assert message.endswith(f"remove {entry}, and the run converts the file again")
+    entry.unlink()
+    (tmp_path / "moved").rename(entry)
+    (tmp_path / "open").mkdir(mode=0o777)
+    (tmp_path / "open").chmod(0o777)
+    cache.rename(tmp_path / "open" / "cache")
+    (tmp_path / "link").symlink_to(tmp_path / "open")  # a link of this user's, in its own directory, to an open one
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "link" / "cache"))
+    with pytest.raises(ModelSourceError, match=f"lies in {tmp_path / 'open'} \\(owner uid {os.getuid()}, mode 0777"):
+        ModelSource.of(str(tiny), "model.path").converted()
+
+
+def test_a_directory_in_the_cache_without_its_marker_is_refused_and_one_outside_passes(tmp_path, cache, tiny):
+    entry = ModelSource.of(str(tiny), "model.path").directory()
+    (entry / MARKER).unlink()  # nothing says what it holds is the model
+    with pytest.raises(ModelSourceError, match=f"; {entry} has no whole {MARKER} recording the files"):
+        check_before_loading(entry)
+    shutil.copytree(entry, tmp_path / "model")
+    (tmp_path / "model").chmod(0o777)
+    check_before_loading(tmp_path / "model")  # a directory of the user's own, not the cache's: what loads it says
+
+
+async def test_an_actor_checks_a_converted_model_as_it_starts_a_restarted_one_too(cache, tiny, monkeypatch):
+    """The run checks the cache as it starts; a generator started (or restarted, as the fleet replaces a lost one:
+    the same actor spawned again) after the cache changed refuses to load it."""
+    from local_procs import local_procs
+
+    from actors.basics.compute import Compute
+    from actors.generator.actor import Generator
+    from actors.generator.config import GeneratorConfig
+
+    entry = ModelSource.of(str(tiny), "model.path").directory()
+    monkeypatch.delenv(CACHE_ENV)  # the actor knows the entry by its marker, whatever its environment
+    procs = local_procs(1)
+    cfg = GeneratorConfig(mesh="g", engine="hf", max_new_tokens=4)
+    try:
+        await procs.spawn("first", Generator, str(entry), cfg, Compute(1)).start.call_one()
+        config = entry / "config.json"
+        config.write_text(config.read_text() + " ")  # changed while the run runs
+        with pytest.raises(Exception, match="config.json was changed"):
+            await procs.spawn("restarted", Generator, str(entry), cfg, Compute(1)).start.call_one()
+    finally:
+        await procs.stop()
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from actors.generator.engines import piece_seed, sampling_seeds
 from actors.generator.gate import VersionGate
 from actors.models.chat import render
 from actors.models.lora_config import LoRAConfig
+from actors.models.source import check_before_loading
 from actors.rewarder.config import RewarderConfig
 from actors.rewarder.functions import RewardFunctions, RewardReply
 from actors.tasks import Problem, TaskConfig
@@ -141,6 +142,7 @@ class Generator(Actor):
         from transformers import AutoTokenizer
 
         torch.set_num_threads(self.compute.threads)
+        check_before_loading(self.model_path)  # here, so a restarted generator checks the cache again
         self.engine = registry.load("engine", self.cfg.engine)(
             self.model_path, self.cfg.sampling, self.compute, self.adapter
         )

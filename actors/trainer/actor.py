@@ -49,6 +49,7 @@ from actors.contract.train_batch import TrainBatch
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.syncer import DiLoCoSyncer, SyncReport, TrainerParameters
 from actors.inner_loops.config import TrainerConfig
+from actors.models.source import check_before_loading
 from actors.reference_model.actor import ReferenceModel
 from actors.weights.config import store_root
 from actors.weights.record import WeightVersion
@@ -135,6 +136,9 @@ class Trainer(Actor):
                                 world_size=world)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg = self.cfg
+        for path in (self.model_path, self.reference_path):  # here, so a restarted trainer checks the cache again
+            if path is not None:
+                check_before_loading(path)
         self.loop = registry.load("inner_loop", cfg.inner_loop)(self.model_path, cfg, self.rank, self.world, device)
         self.version = 0
         micro, chunk = cfg.micro_batch_size, cfg.loss.chunk_tokens

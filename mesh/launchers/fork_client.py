@@ -9,6 +9,9 @@ and it exits as the process exits (by the same signal, or with the same code), a
 Monarch's host, as a Monarch process does (its bootstrap sets that, but a forked one's parent is the server),
 taking the process with it. If the server cannot be reached or refuses, or DIRECTORY is not this user's alone
 (another user's server would be handed this process's environment), it runs COMMAND itself.
+
+DIRECTORY is opened once, not following a symlink, and checked by that fd; the socket and the token are reached
+through the same fd, so a directory swapped in under its name after the check is never the one connected through.
 """
 
 import array
@@ -61,23 +64,47 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def token_of(directory: str) -> bytes:
-    """The token of the server serving ``directory``; OSError where the directory is not this user's alone."""
-    owner = os.stat(directory)
+def connected(directory: str) -> tuple[socket.socket, bytes]:
+    """A connection to the server serving ``directory``, and its token; OSError where ``directory`` is a symlink,
+    is not this user's alone, or has no server listening. Checked by its fd, and reached through that fd, so that
+    the directory checked is the one connected through (checking the path after connecting through the path lets a
+    directory swapped in between go unchecked)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        check_alone(fd, directory)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            server.connect(f"/proc/self/fd/{fd}/{SOCKET}")
+            return server, read_token(fd)  # read once connected: a listening server wrote it before it bound
+        except OSError:
+            server.close()
+            raise
+    finally:
+        os.close(fd)
+
+
+def check_alone(fd: int, directory: str) -> None:
+    """PermissionError unless the directory open at ``fd`` is this user's alone: another user's server, or one that
+    another user could enter, would be handed this process's environment."""
+    owner = os.fstat(fd)
     if owner.st_uid != os.getuid() or owner.st_mode & 0o077:
         raise PermissionError(f"{directory} is not this user's alone")
-    with open(os.path.join(directory, TOKEN), "rb") as token:
-        return token.read(TOKEN_LENGTH)
+
+
+def read_token(fd: int) -> bytes:
+    """The token in the directory open at ``fd``, read from the file itself, never through a symlink."""
+    token = os.open(TOKEN, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
+    with open(token, "rb") as file:
+        return file.read(TOKEN_LENGTH)
 
 
 def main() -> None:
     die_with_parent()
     split = sys.argv.index("--")
     directory, command = sys.argv[1], sys.argv[split + 1 :]
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server = None
     try:
-        server.connect(os.path.join(directory, SOCKET))
-        token = token_of(directory)  # read once connected: a listening server wrote it before it bound the socket
+        server, token = connected(directory)
         fds = open_fds(server.fileno())
         request = {"argv": command, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds, "pgid": os.getpgid(0)}
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
@@ -86,7 +113,8 @@ def main() -> None:
     except (OSError, ValueError):
         reply = {"refused": "unreachable"}
     if "pid" not in reply:
-        server.close()
+        if server is not None:
+            server.close()
         os.execv(command[0], command)
     pid = reply["pid"]
     let_go(fds)

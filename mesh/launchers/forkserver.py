@@ -18,7 +18,9 @@ user's alone (mode 0700) and holds the socket and a token, a random secret writt
 carries, compared in constant time; a process of another user is refused by its peer credentials as well. A process
 that cannot read the directory (model code in the tool sandbox, which sees nothing of the host) has no way in. The
 token stays in that file: never in an argument, an environment or a file of a run. Whatever a request holds (too
-long, truncated, malformed, nested deeper than the parser goes), it is refused, and the server goes on serving.
+long, truncated, malformed, nested deeper than the parser goes), it is refused, and the server goes on serving. Out
+of fds, it stops watching its socket until one may have freed (a connection closed, a process reaped) or a short
+pause passes, so it sleeps rather than spins while its clients wait queued.
 
 A process is forked only when the fork would be indistinguishable from a fresh start: the same Python, a
 ``-m module`` command, the same environment as the server's but for Monarch's per-process variables (the libraries
@@ -34,6 +36,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import fcntl
 import hmac
 import importlib
@@ -47,6 +50,7 @@ import socket
 import stat
 import struct
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -66,6 +70,9 @@ _PR_SET_PDEATHSIG = 1
 MAX_REQUEST = 1 << 18
 MAX_FDS = 1024
 MAX_SOCKET_PATH = 107  # bytes, as a unix socket's address holds them
+# accept's errors that say the server (or the system) has no fd or memory left for another connection
+EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_PAUSE = 0.1  # seconds the listener goes unwatched after such an error, unless an fd may have freed first
 
 
 @dataclass(frozen=True)
@@ -181,6 +188,7 @@ class ForkServer:
         self.served, self.selector, self.preloaded = served, selectors.DefaultSelector(), preloaded
         self.children: dict[int, socket.socket] = {}  # pid -> its client's connection
         self.told: set[str] = set()  # each reason for not forking, said once
+        self.paused_until: float | None = None  # while out of fds: when the listener is watched again at the latest
         self.wakeup_read, wakeup_write = os.pipe()
         os.set_blocking(wakeup_write, False)
         signal.set_wakeup_fd(wakeup_write)
@@ -190,13 +198,39 @@ class ForkServer:
 
     def serve(self) -> None:
         while True:
-            for key, _ in self.selector.select():
+            waiting = None if self.paused_until is None else max(0.0, self.paused_until - time.monotonic())
+            handled = self.selector.select(waiting)
+            for key, _ in handled:
                 key.data(key.fileobj)
+            if self.paused_until is not None and self._may_accept(handled):
+                self._resume_accepting()
 
     def _accept(self, listener: socket.socket) -> None:
-        with contextlib.suppress(OSError):  # a client gone before it was accepted, or no fd left for it until one is
+        try:
             connection, _ = listener.accept()
-            self.selector.register(connection, selectors.EVENT_READ, self._request)
+        except OSError as error:  # a client gone before it was accepted, or no fd left for it until one frees
+            if error.errno in EXHAUSTED:
+                self._pause_accepting()
+            return
+        self.selector.register(connection, selectors.EVENT_READ, self._request)
+
+    def _pause_accepting(self) -> None:
+        """Stop watching the listener: with no fd left, the clients queued on it keep it readable, and watching it
+        would wake the loop at once, for ever. Every other event the loop handles may free an fd (a connection
+        answered and closed, a child reaped), so the listener is watched again after the next one, or after
+        ACCEPT_PAUSE, whichever comes first."""
+        self.selector.unregister(self.served.listener)
+        self.paused_until = time.monotonic() + ACCEPT_PAUSE
+
+    def _may_accept(self, handled: list[tuple[selectors.SelectorKey, int]]) -> bool:
+        """Whether an fd may have freed since accepting failed: an event other than the listener's was handled
+        (the listener's own is the failed accept), or ACCEPT_PAUSE passed."""
+        others = any(key.fileobj is not self.served.listener for key, _ in handled)
+        return others or time.monotonic() >= self.paused_until
+
+    def _resume_accepting(self) -> None:
+        self.selector.register(self.served.listener, selectors.EVENT_READ, self._accept)
+        self.paused_until = None
 
     def _request(self, connection: socket.socket) -> None:
         self.selector.unregister(connection)
