@@ -15,11 +15,19 @@ import pytest
 
 from actors.contract.rollouts import Trajectory
 from actors.environments.chat_tokens import ChatTokens
-from actors.environments.endpoint import SERVED_MODEL, ChatServer, EpisodeRecord, _tool_calls
+from actors.environments.endpoint import (
+    CONNECTIONS_PER_EPISODE,
+    REQUESTS_PER_EPISODE,
+    SERVED_MODEL,
+    ChatServer,
+    EpisodeRecord,
+    _tool_calls,
+)
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
 from actors.models.facts import TinyModelSpec
 from actors.models.tiny import build_tiny_model
+from actors.models.tokenizers import char_tokenizer
 
 openai = pytest.importorskip("openai", reason="the openai client is installed with the agents extra")
 
@@ -288,28 +296,6 @@ async def closed_by_server(reader: asyncio.StreamReader, within: float) -> bool:
     return True
 
 
-async def test_connections_past_the_cap_are_closed_as_they_come_and_the_endpoint_serves_on(engine):
-    sampler = Scripted(engine.tokenizer, "ok")
-    async with serving(engine.tokenizer, sampler, spare_connections=8, read_timeout_s=600) as server:
-        opened = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(8 + 40)]
-        closed = await asyncio.gather(*(closed_by_server(reader, 60) for reader, _ in opened[8:]))
-        assert all(closed) and len(server._runner.server.connections) == 8  # refused, not queued
-        async with open_episode(server, "e", 1) as record:  # an open episode's agent gets connections of its own
-            answer = await ask(server, record, {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}]})
-            assert answer.status_code == 200
-        for _, writer in opened:
-            writer.close()
-
-
-async def test_a_connection_that_sends_no_whole_request_head_is_dropped(engine):
-    async with serving(engine.tokenizer, Scripted(engine.tokenizer, "ok"), read_timeout_s=1) as server:
-        silent = await asyncio.open_connection("127.0.0.1", server.port)
-        half = await raw_request(server.port, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
-        assert await closed_by_server(silent[0], 60) and await closed_by_server(half[0], 60)
-        for _, writer in (silent, half):
-            writer.close()
-
-
 async def raw_request(port: int, head: str, body: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(head.encode() + body)
@@ -381,28 +367,285 @@ MALFORMED = [  # (what the body changes, what the refusal says)
     ({"max_tokens": "5"}, "max_tokens"),
     ({"n": 2}, "send n requests for n replies"),
     ({"stop": ["a", 3]}, "stop must be a string or a list"),
+    ({"stop": 5}, "stop must be a string or a list"),
+    ({"stop": {"a": 1}}, "stop must be a string or a list"),
+    ({"stream": "false"}, "stream must be true or false"),
+    ({"stream": 1}, "stream must be true or false"),
+    ({"logprobs": "true"}, "logprobs must be true or false"),
+    ({"logprobs": 1}, "logprobs must be true or false"),
+    ({"top_logprobs": 2, "logprobs": True}, "returns only the sampled token's logprob"),
+    ({"top_logprobs": "2"}, "top_logprobs must be an integer"),
+    ({"top_logprobs": -1}, "top_logprobs must be an integer"),
     ({"messages": [{"role": "user", "content": "Hi", "extra": json.loads("[" * 100 + "]" * 100)}]}, "nested"),
 ]
 
 
+COMPLETION_MALFORMED = [  # (what a /completions body changes, what the refusal says)
+    ({"prompt": [10**6]}, "prompt"),  # past the vocabulary
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": ""}, "prompt encodes to no token"),
+    ({"prompt": []}, "prompt"),
+    ({"logprobs": 6}, "logprobs must be an integer from 0 to 5"),
+    ({"logprobs": -1}, "logprobs must be an integer from 0 to 5"),
+    ({"logprobs": True}, "logprobs must be an integer from 0 to 5"),
+    ({"logprobs": "1"}, "logprobs must be an integer from 0 to 5"),
+    ({"stream": "true"}, "stream must be true or false"),
+    ({"stop": 5}, "stop must be a string or a list"),
+]
+
+
 async def test_malformed_requests_are_refused_in_openais_shape_and_spend_nothing(engine):
-    async with serving(engine.tokenizer, Scripted(engine.tokenizer, "ok")) as server:
+    sampler = Scripted(engine.tokenizer, "ok")
+    async with serving(engine.tokenizer, sampler) as server:
         async with open_episode(server, "e", 1) as record:
             good = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}]}
             for change, said in MALFORMED:
                 answer = await ask(server, record, good | change)
                 error = answer.json()["error"]
-                assert 400 <= answer.status_code < 500 and said in error["message"], (change, answer.text)
-                assert set(error) >= {"message", "type", "code"}
-            for prompt in ([len(engine.tokenizer) + 5], [-1], "", []):
-                answer = await ask(server, record, {"model": SERVED_MODEL, "prompt": prompt}, "completions")
-                assert answer.status_code == 400 and "prompt" in answer.json()["error"]["message"], prompt
+                assert answer.status_code == 400 and said in error["message"], (change, answer.text)
+                assert error["type"] == "invalid_request_error" and set(error) >= {"message", "code", "param"}
+            for change, said in COMPLETION_MALFORMED:
+                body = {"model": SERVED_MODEL, "prompt": [5, 6]} | change
+                answer = await ask(server, record, body, "completions")
+                assert answer.status_code == 400 and said in answer.json()["error"]["message"], (change, answer.text)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as http:
                 for method, path in (("GET", "/v1/nothing"), ("GET", "/v1/chat/completions")):
                     answer = await http.request(method, path, headers={"Authorization": f"Bearer {key_of(server, record)}"})
                     assert 400 <= answer.status_code < 500 and answer.json()["error"]["message"], path
             assert record.turns == 0 and record.tokens.segments == [] and record.failure is None
+            assert sampler.prompts == []  # refused before sampling
             assert (await ask(server, record, good)).status_code == 200  # its one turn is still there
+
+
+# ----------------------------------------------------------------------------- agents are guests (issue 59)
+
+GOOD = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+async def test_empty_or_out_of_vocabulary_prompts_are_refused_before_sampling():
+    tokenizer = char_tokenizer("abc ok")  # drops what is not in its alphabet; no chat template
+    sampler = Scripted(tokenizer, "ok")
+    async with serving(tokenizer, sampler) as server, open_episode(server, "e", 1) as record:
+        for content in ("", "\U0001f600\u4e2d"):
+            answer = await ask(server, record, GOOD | {"messages": [{"role": "user", "content": content}]})
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and "encode to no token" in error["message"], answer.text
+            assert error["code"] == "invalid_prompt" and error["type"] == "invalid_request_error"
+        answer = await ask(server, record, {"model": SERVED_MODEL, "prompt": "\U0001f600"}, "completions")
+        assert answer.status_code == 400 and "encodes to no token" in answer.json()["error"]["message"]
+        assert sampler.prompts == [] and record.turns == 0
+
+
+async def test_flags_of_the_right_type_and_a_bearer_scheme_in_any_case_are_served(engine):
+    sampler = Scripted(engine.tokenizer, "ok")
+    async with serving(engine.tokenizer, sampler) as server, open_episode(server, "e", 6) as record:
+        for change in ({"top_logprobs": 0, "logprobs": True}, {"top_logprobs": None, "stream": False}):
+            answer = await ask(server, record, GOOD | change)
+            assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == "ok"
+        answer = await ask(server, record, {"model": SERVED_MODEL, "prompt": "Hi", "logprobs": 0}, "completions")
+        assert answer.json()["choices"][0]["logprobs"]["token_logprobs"] == [0.0] * len(sampler.ids)
+        async with httpx.AsyncClient(base_url=server.endpoint(record).base_url) as http:
+            for scheme in ("bearer", "BEARER", "BeArEr"):
+                headers = {"Authorization": f"{scheme} {record.key}"}
+                answer = await http.post("/chat/completions", json=GOOD, headers=headers)
+                assert answer.status_code == 200, (scheme, answer.text)
+
+
+class Held(Scripted):
+    """Scripted, the turns sampled with a seed in ``held`` kept in flight until ``release`` is set."""
+
+    def __init__(self, tokenizer, text: str):
+        super().__init__(tokenizer, text)
+        self.held, self.release, self.holding = set(), asyncio.Event(), 0
+
+    async def __call__(self, ids, seed, greedy):
+        if seed in self.held:
+            self.holding += 1
+            try:
+                await self.release.wait()
+            finally:
+                self.holding -= 1
+        return await super().__call__(ids, seed, greedy)
+
+
+async def wait_until(condition, within: float = 30) -> None:
+    async with asyncio.timeout(within):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def hold_idle(port: int, opened: list[int]) -> None:
+    """One connection that never shows a key, opened again each time the server drops it, until cancelled."""
+    while True:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        opened.append(1)
+        try:
+            with contextlib.suppress(ConnectionError):
+                await reader.read()
+        finally:
+            writer.close()
+
+
+async def paced(server: ChatServer, record, turns: int, opened: list[int]) -> list[tuple[int, int]]:
+    """An agent's turns a little apart, each on a connection of its own: (status, connections opened by then)."""
+    served = []
+    for _ in range(turns):
+        served.append(((await ask(server, record, GOOD)).status_code, len(opened)))
+        await asyncio.sleep(0.25)
+    return served
+
+
+async def test_idle_keyless_connections_opened_again_as_dropped_keep_no_agent_out(engine):
+    """A local process holding 120 idle connections, opening each again as the server drops it, while two
+    episodes' agents send 20 requests: every one is served."""
+    async with serving(engine.tokenizer, Scripted(engine.tokenizer, "ok")) as server:
+        opened: list[int] = []
+        holders = [asyncio.create_task(hold_idle(server.port, opened)) for _ in range(120)]
+        try:
+            await wait_until(lambda: len(server._anonymous) >= 120)
+            async with open_episode(server, "a", 10) as a, open_episode(server, "b", 10) as b:
+                agents = await asyncio.gather(paced(server, a, 10, opened), paced(server, b, 10, opened))
+            await wait_until(lambda: len(opened) >= 240)  # each dropped at its deadline and opened again
+        finally:
+            for holder in holders:
+                holder.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+    served = [*agents[0], *agents[1]]
+    assert [status for status, _ in served] == [200] * 20
+    assert any(count > 120 for _, count in served)  # served while the flood was opening connections again
+
+
+async def test_when_every_anonymous_place_is_taken_the_oldest_connection_goes(engine):
+    sampler = Scripted(engine.tokenizer, "ok")
+    async with serving(engine.tokenizer, sampler, anonymous_connections=8, key_deadline_s=600) as server:
+        opened = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(40)]
+        dropped = await asyncio.gather(*(closed_by_server(reader, 60) for reader, _ in opened[:32]))
+        assert all(dropped) and len(server._anonymous) == 8  # the oldest went, one for each new one
+        assert not await closed_by_server(opened[-1][0], 0.2)
+        async with open_episode(server, "e", 1) as record:  # an agent's new connection takes the oldest's place
+            assert (await ask(server, record, GOOD)).status_code == 200
+        assert len(server._anonymous) <= 8
+        for _, writer in opened:
+            writer.close()
+
+
+def request_bytes(record, body: dict = GOOD) -> bytes:
+    """A chat request to ``record``'s episode with its key, as sent on the wire."""
+    data = json.dumps(body).encode()
+    return (
+        f"POST /episodes/{record.episode_id}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {record.key}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode() + data
+
+
+async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> int:
+    """One request on an open connection: its answer's status, the answer read whole."""
+    writer.write(request)
+    await writer.drain()
+    status = int((await asyncio.wait_for(reader.readline(), 30)).split()[1])
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        length = int(value) if name.strip().lower() == "content-length" else length
+    await reader.readexactly(length)
+    return status
+
+
+async def test_a_connection_shows_a_live_key_in_time_or_is_dropped_then_serves_that_episode_only(engine):
+    sampler = Scripted(engine.tokenizer, "ok")
+    async with (
+        serving(engine.tokenizer, sampler, key_deadline_s=0.5, read_timeout_s=2) as server,
+        open_episode(server, "a", 2) as a, open_episode(server, "b", 1) as b,
+    ):
+        start = asyncio.get_running_loop().time()
+        silent = await asyncio.open_connection("127.0.0.1", server.port)
+        half = await raw_request(server.port, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        assert await closed_by_server(silent[0], 60) and await closed_by_server(half[0], 60)
+        assert asyncio.get_running_loop().time() - start >= 0.4  # at the deadline, not as they came
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        assert await exchange(reader, writer, request_bytes(a)) == 200
+        await asyncio.sleep(1.0)  # past the key deadline, within the read timeout: the episode's, it stays
+        assert await exchange(reader, writer, request_bytes(a)) == 200
+        assert await closed_by_server(reader, 60)  # idle past the read timeout
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        models = f"GET /episodes/{a.episode_id}/v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {a.key}\r\n\r\n"
+        assert await exchange(reader, writer, models.encode()) == 200  # the connection is a's now
+        assert await exchange(reader, writer, request_bytes(b)) == 403
+        assert await closed_by_server(reader, 60) and b.turns == 0
+        for _, w in (silent, half, (reader, writer)):
+            w.close()
+
+
+async def test_one_agents_flood_is_refused_past_its_own_bounds_while_a_sibling_is_served(engine):
+    sampler = Held(engine.tokenizer, "ok")
+    async with (
+        serving(engine.tokenizer, sampler) as server,
+        open_episode(server, "hog", 150) as hog, open_episode(server, "sibling", 10) as sibling,
+    ):
+        sampler.held = set(hog.seeds)  # the hog's turns stay in flight: its places stay taken
+        url, headers = f"{server.endpoint(hog).base_url}/chat/completions", {"Authorization": f"Bearer {hog.key}"}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+            flood = [asyncio.create_task(http.post(url, json=GOOD, headers=headers)) for _ in range(150)]
+            served = [(await ask(server, sibling, GOOD)).status_code for _ in range(10)]
+            await wait_until(lambda: sum(task.done() for task in flood) == 150 - REQUESTS_PER_EPISODE)
+            assert served == [200] * 10 and sibling.turns == 10
+            assert len(hog.requests) == REQUESTS_PER_EPISODE and len(hog.connections) <= CONNECTIONS_PER_EPISODE
+            refused = [task.result() for task in flood if task.done()]
+            assert {answer.status_code for answer in refused} == {429}
+            said = {answer.json()["error"]["message"].split(",")[0] for answer in refused}
+            assert said == {
+                f"this episode holds {CONNECTIONS_PER_EPISODE} connections already",
+                f"this episode has {REQUESTS_PER_EPISODE} requests in flight already",
+            }
+            assert {answer.json()["error"]["code"] for answer in refused} == {"rate_limit_exceeded"}
+            sampler.release.set()
+            answers = await asyncio.gather(*flood)
+        assert sum(answer.status_code == 200 for answer in answers) == REQUESTS_PER_EPISODE == hog.turns
+
+
+async def test_an_agent_that_returns_with_turns_in_flight_leaves_whole_turns_only(engine):
+    """The agent starts requests and returns its reward without their answers: the episode's end cancels them,
+    so its record holds its whole turns and no half-made one (a row with no prompt token stopped the trainer)."""
+    sampler = Held(engine.tokenizer, "ok")
+    async with serving(engine.tokenizer, sampler) as server:
+        for whole in (0, 1):
+            async with asyncio.timeout(30):
+                async with open_episode(server, f"e{whole}", 3) as record:
+                    for _ in range(whole):
+                        assert (await ask(server, record, GOOD)).status_code == 200
+                    sampler.held = set(record.seeds[whole:])
+                    left = [asyncio.create_task(ask(server, record, GOOD)) for _ in range(2)]
+                    await wait_until(lambda: sampler.holding == 1 and len(record.requests) == 2)
+            assert record.requests == set() and sampler.holding == 0
+            await wait_until(lambda: not record.connections)  # closed with the episode
+            await asyncio.gather(*left, return_exceptions=True)
+            rows = record.trajectories()
+            assert len(rows) == whole and record.turns == whole + 1  # the cancelled turn spent its seed
+            assert all(row.prompt_ids and row.completion_ids == sampler.ids for row in rows)
+            if whole:
+                assert record.problem() is None
+            else:
+                assert "took no answer" in record.problem() and "await each request's answer" in record.problem()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_reply_to_a_client_that_left_is_not_recorded(engine, stream):
+    sampler = Held(engine.tokenizer, "ok")
+    async with serving(engine.tokenizer, sampler) as server, open_episode(server, "e", 2) as record:
+        sampler.held = {record.seeds[0]}
+        _, writer = await raw_request(server.port, "", request_bytes(record, GOOD | {"stream": stream}))
+        await wait_until(lambda: sampler.holding == 1)
+        writer.close()
+        await wait_until(lambda: not record.connections)
+        sampler.release.set()
+        await wait_until(lambda: not record.requests)
+        assert record.tokens.segments == [] and record.turns == 1  # its tokens were never seen: not recorded
+        assert (await ask(server, record, GOOD)).status_code == 200
+        (row,) = record.trajectories()
+        assert [t for t, mine in zip(row.completion_ids, row.loss_mask, strict=True) if mine] == sampler.ids
 
 
 def open_episode(server: ChatServer, name: str, turns: int):

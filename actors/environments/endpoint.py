@@ -16,24 +16,38 @@ request without a live key, for another model, or malformed in any way is refuse
 error shape and a message that says what to send instead, before it spends a turn or records a
 token.
 
-The endpoint sheds what no agent sends: connections past a cap (a few per open episode) are closed
-as they arrive, a connection whose request head or body does not arrive within ``READ_TIMEOUT_S`` is
-dropped, a body larger than a request within the model's context is refused from its
-``Content-Length`` (or as it streams past the size) before any parsing, and a body or a reply's tool
-call nested deeper than ``MAX_NESTING`` is refused or left as text. Whatever a request holds, the
-answer is OpenAI's shape, never a traceback.
+The endpoint admits connections by key, so nothing without one and no episode takes a place another episode
+needs. A new connection is anonymous: it holds one of ``ANONYMOUS_CONNECTIONS`` places until a request on it shows
+a live key, within ``KEY_DEADLINE_S`` of its accept (a whole request head arriving in time gives it one more, for
+the key to be checked), or it is dropped; when every anonymous place is taken, the oldest anonymous connection is
+dropped for the new one. An agent's client sends its request as it connects, so its connection shows its key long
+before a flood of idle connections could push it out, whereas a cap on all connections, counted before any key is
+seen, lets such a flood keep every agent out. A request with a live key binds its connection to that episode; each
+episode holds at most ``CONNECTIONS_PER_EPISODE`` connections and ``REQUESTS_PER_EPISODE`` requests in flight (from
+its key's check to its answer), and past either its request is refused with a 429 (a connection past the cap is
+closed): an agent's flood spends its own episode's places only. A connection that has shown no live key is closed
+after its one answer (a 401 without a key); one bound to an episode that shows another episode's key is refused
+and closed. A bound connection whose next request head or body does not arrive within ``READ_TIMEOUT_S`` is
+dropped, a body larger than a request within the model's context is refused from its ``Content-Length`` (or as it
+streams past the size) before any parsing, and a body or a reply's tool call nested deeper than ``MAX_NESTING`` is
+refused or left as text. Whatever a request holds, the answer is OpenAI's shape, never a traceback.
 
-Each turn samples with the engine the run trains (its sampling settings: a request's
-``temperature`` or ``top_p`` does not change what the trainer assumes; ``max_tokens`` and ``stop`` cut the
-reply, which keeps what was sampled exact; ``n`` above 1 is refused), with the episode's seed for that turn and the newest
-weights the generator holds, and records the prompt ids, the sampled ids, their logprobs
-(``ChatTokens``) and the policy version that sampled them (an episode goes on across a weight
-update; the answer's ``system_fingerprint`` names the version). A reply
-that writes ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format that
-Qwen's and SmolLM's templates teach) is answered as OpenAI tool calls when the request offered
-tools. The whole reply is sampled before it is sent: a streamed answer is that reply in one chunk. An
-episode opened with a demonstration (``actors/environments/agent_task.py``) answers each turn with the
-demonstration's next reply, scored by the policy instead of sampled, and recorded the same way.
+A turn is recorded whole or not at all: when its answer is ready and its client is still connected to receive it
+(an answer no agent saw is no part of its episode). When the agent's run ends, its episode stops taking requests,
+cancels those still in flight and closes its connections before its record is read; ``EpisodeRecord.problem`` says
+when what it recorded cannot train.
+
+Each turn samples with the engine the run trains (its sampling settings: a request's ``temperature`` or ``top_p``
+does not change what the trainer assumes; ``max_tokens`` and ``stop`` cut the reply, which keeps what was sampled
+exact; ``n`` above 1 is refused), with the episode's seed for that turn and the newest weights the generator holds,
+and records the prompt ids, the sampled ids, their logprobs (``ChatTokens``) and the policy version that sampled
+them (an episode goes on across a weight update; the answer's ``system_fingerprint`` names the version). ``logprobs``
+gives the sampled tokens' logprobs only: a chat's ``top_logprobs`` above 0 is refused. A reply that writes
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format that Qwen's and SmolLM's templates
+teach) is answered as OpenAI tool calls when the request offered tools. The whole reply is sampled before it is
+sent: a streamed answer is that reply in one chunk. An episode opened with a demonstration
+(``actors/environments/agent_task.py``) answers each turn with the demonstration's next reply, scored by the policy
+instead of sampled, and recorded the same way.
 """
 
 from __future__ import annotations
@@ -55,19 +69,25 @@ from actors.contract.rollouts import Trajectory
 from actors.environments.chat_tokens import ChatTokens, Message, Prompt, TemplateError
 
 # Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone, each token's
-# ``versions`` the policy version that sampled it.
+# ``versions`` the policy version that sampled it. Cancelled when its episode ends first: it must stop cleanly or
+# run on to its end unawaited (the generator's runs on, shielded).
 Sample = Callable[[list[int], int, bool], Awaitable[Trajectory]]
 # Continue a token sequence with given reply tokens (a demonstration's): (ids, reply ids) -> the reply with the
-# policy's logprobs of its tokens, each token's ``versions`` the policy version that scored it.
+# policy's logprobs of its tokens, each token's ``versions`` the policy version that scored it. Cancelled as
+# ``Sample`` is.
 Score = Callable[[list[int], list[int]], Awaitable[Trajectory]]
 SERVED_MODEL = "policy"
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 READ_TIMEOUT_S = 5.0  # a connection's next request head, then its body, arrive within it or it is dropped
-SPARE_CONNECTIONS = 64  # connections held at once: these, and CONNECTIONS_PER_EPISODE for each open episode
-CONNECTIONS_PER_EPISODE = 4
+KEY_DEADLINE_S = 2.0  # a new connection shows a live key within it (a whole request head: once more) or is dropped
+ANONYMOUS_CONNECTIONS = 256  # connections not yet showing a key, held at once; the oldest goes for a new one
+CONNECTIONS_PER_EPISODE = 16  # an agent's client pool and then some; past it, its new connection gets a 429
+REQUESTS_PER_EPISODE = 8  # in flight at once (its turns are taken one at a time anyway); past it, a 429
+HEAD_END = b"\r\n\r\n"  # the end of a request head
 BODY_BYTES_PER_POSITION = 32  # a body as large as a request filling the model's context can be, JSON escapes and all
 MIN_BODY_BYTES = 2**18
 MAX_NESTING = 64  # JSON nesting deeper than any request or tool call is: a request's body, a reply's tool call
+NO_TOKEN = "no token the model reads (nothing, or only characters outside its vocabulary); send text it encodes"
 
 
 @dataclass(frozen=True)
@@ -96,11 +116,13 @@ class EpisodeRecord:
     max_new_tokens: int
     tokens: ChatTokens
     failure: str | None = None
-    turns: int = 0
+    turns: int = 0  # turns sampled, each spending a seed, recorded or not (its client left, or the episode ended)
     last_reply: str = ""
     last_version: int | None = None  # the policy version that sampled the last reply's last token
     demonstration: list[str] | None = None  # the replies the endpoint answers with, in order, instead of sampling
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # an agent's concurrent requests take turns
+    connections: set[_Connection] = field(default_factory=set, repr=False)  # those its key bound
+    requests: set[asyncio.Task] = field(default_factory=set, repr=False)  # in flight: their key checked, unanswered
 
     def redact(self, text: str | None) -> str | None:
         """``text`` without the episode's key: an agent's error may quote it, and errors go to the run's files."""
@@ -108,6 +130,59 @@ class EpisodeRecord:
 
     def trajectories(self) -> list[Trajectory]:
         return [segment.trajectory() for segment in self.tokens.segments]
+
+    def problem(self) -> str | None:
+        """Why the rows ``trajectories`` returns cannot train, or None when each has a prompt token and a token
+        the model sampled: the trainer predicts a row's first completion token from its prompt, and learns from
+        the model's tokens only. Read after the episode ends; its generator fails such an episode instead."""
+        rows = self.trajectories()
+        if not rows and self.turns:
+            return (
+                f"the agent asked for {self.turns} turn(s) but took no answer (it returned or disconnected before "
+                "its reply was ready), so no turn was recorded: await each request's answer before returning"
+            )
+        if not rows:
+            return "the agent returned without calling the endpoint: send its requests to the base_url it is given"
+        for i, row in enumerate(rows):
+            if not row.prompt_ids:
+                return f"row {i} of the episode has no prompt token: nothing predicts its first reply token"
+            if not any(row.loss_mask):
+                return f"row {i} of the episode has no token the model sampled (its replies are empty): nothing trains"
+        return None
+
+    def add(self, prompt: Prompt, reply: Trajectory, message: Message, eos_id: int | None) -> None:
+        """A whole turn: its prompt and the reply sampled for it, answered as ``message``."""
+        self.tokens.add(prompt, reply, message, eos_id)
+        self.last_reply = reply.text
+        self.last_version = _version(reply, self)
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """The current request counted in flight until it is answered, for ``end`` to cancel; a 429 past
+        ``REQUESTS_PER_EPISODE``, so one agent's burst waits on nothing the server or its siblings hold."""
+        if len(self.requests) >= REQUESTS_PER_EPISODE:
+            raise ApiError(
+                429, "rate_limit_exceeded",
+                f"this episode has {REQUESTS_PER_EPISODE} requests in flight already, its most: its turns are taken "
+                "one at a time, so send the next request when one is answered",
+            )
+        task = asyncio.current_task()
+        self.requests.add(task)
+        try:
+            yield
+        finally:
+            self.requests.discard(task)
+
+    async def end(self) -> None:
+        """The agent's run is over: its requests still in flight are cancelled (no answer reaches it now), so the
+        record holds whole turns only, and its connections are closed, holding nothing past the episode."""
+        pending = list(self.requests)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        for connection in list(self.connections):
+            connection.close()
 
     def next_seed(self, need: int) -> int:
         """The seed of the next turn, whose prompt holds ``need`` tokens; ``EpisodeOver`` past the limits."""
@@ -150,8 +225,10 @@ class ChatServer:
         self.tokenizer, self.sample, self.score = tokenizer, sample, score
         self.positions, self.max_new_tokens = positions, max_new_tokens
         self.max_body = max(MIN_BODY_BYTES, BODY_BYTES_PER_POSITION * positions)
-        self.read_timeout_s, self.spare_connections = READ_TIMEOUT_S, SPARE_CONNECTIONS
+        self.read_timeout_s, self.key_deadline_s = READ_TIMEOUT_S, KEY_DEADLINE_S
+        self.anonymous_connections = ANONYMOUS_CONNECTIONS
         self._episodes: dict[bytes, EpisodeRecord] = {}  # by their key's digest: looked up in constant time
+        self._anonymous: dict[_Connection, None] = {}  # oldest first
         self.port: int | None = None
         self._runner = None
         self._listener: asyncio.Server | None = None
@@ -170,7 +247,7 @@ class ChatServer:
         self._runner = web.AppRunner(app, access_log=None, **timeouts)
         await self._runner.setup()
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(lambda: _Capped(self), "127.0.0.1", 0)
+        self._listener = await loop.create_server(lambda: _Connection(self), "127.0.0.1", 0)
         self.port = self._listener.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -179,10 +256,15 @@ class ChatServer:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    @property
-    def connection_cap(self) -> int:
-        """The connections held at once: what the open episodes' agents need, and some to spare."""
-        return self.spare_connections + CONNECTIONS_PER_EPISODE * len(self._episodes)
+    def _admit(self, connection: _Connection) -> None:
+        """A new connection takes an anonymous place; when none is free, the oldest anonymous connection's. An
+        agent's client sends its request as it connects, so its connection shows its key a loop turn or two after
+        its accept: to push it out, a flood would have to open every anonymous place's worth in between."""
+        if len(self._anonymous) >= self.anonymous_connections:
+            oldest = next(iter(self._anonymous))
+            del self._anonymous[oldest]
+            oldest.transport.abort()
+        self._anonymous[connection] = None
 
     def endpoint(self, record: EpisodeRecord) -> Endpoint:
         return Endpoint(f"http://127.0.0.1:{self.port}/episodes/{record.episode_id}/v1", record.key)
@@ -192,7 +274,9 @@ class ChatServer:
         self, seeds: list[int], greedy: bool, demonstration: list[str] | None = None
     ) -> AsyncIterator[EpisodeRecord]:
         """An episode open for requests while the body runs (the agent's run), with an id and a key of its own;
-        with a ``demonstration``, each turn answers with its next reply instead of a sample."""
+        with a ``demonstration``, each turn answers with its next reply instead of a sample. Once the body is done,
+        its requests still in flight are cancelled (``EpisodeRecord.end``): what it recorded is then whole turns,
+        and ``EpisodeRecord.problem`` says whether they can train."""
         key = "mesh-" + secrets.token_urlsafe(24)
         record = EpisodeRecord(
             secrets.token_urlsafe(12), key, seeds, greedy, self.positions, self.max_new_tokens,
@@ -202,15 +286,16 @@ class ChatServer:
         try:
             yield record
         finally:
-            del self._episodes[_digest(key)]
+            del self._episodes[_digest(key)]  # its key is dead: no new request reaches it
+            await record.end()
 
     # ------------------------------------------------------------------------- the routes
 
     async def _chat(self, request) -> Any:
-        return await self._serve(request, self._chat_turn)
+        return await self._serve(request, _chat_ask, self._chat_turn)
 
     async def _completions(self, request) -> Any:
-        return await self._serve(request, self._completion_turn)
+        return await self._serve(request, self._completion_ask, self._completion_turn)
 
     async def _models(self, request) -> Any:
         from aiohttp import web
@@ -219,31 +304,33 @@ class ChatServer:
         model = {"id": SERVED_MODEL, "object": "model", "owned_by": "mesh", "max_model_len": self.positions}
         return web.json_response({"object": "list", "data": [model]})
 
-    async def _serve(self, request, turn: Callable[[EpisodeRecord, dict], Awaitable[dict]]) -> Any:
-        """A turn's request: its key checked before its body is read, the body checked before the turn."""
-        from aiohttp import web
-
+    async def _serve(
+        self, request, read: Callable[[dict], Ask], turn: Callable[[EpisodeRecord, Ask], Awaitable[Turn]]
+    ) -> Any:
+        """A turn's request: its key checked before its body is read, the body checked whole before it waits for
+        the episode's turn, the turn recorded only if its client is there to get the answer."""
         record = self._authorized(request)
-        body = await self._body(request)
-        _check_model(body)
-        async with record.lock:
-            if record.failure is not None:
-                raise ApiError(400, "episode_failed", f"the episode has ended: {record.failure}")
-            answer = await turn(record, body)
-        if not body.get("stream"):
-            return web.json_response(answer)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        with contextlib.suppress(ConnectionError):  # the agent left: its reply is recorded, as a sent one is
-            await response.prepare(request)
-            for chunk in _chunks(answer):
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
-        return response
+        with record.in_flight():
+            body = await self._body(request)
+            _check_model(body)
+            ask = read(body)
+            async with record.lock:
+                if record.failure is not None:
+                    raise ApiError(400, "episode_failed", f"the episode has ended: {record.failure}")
+                answered = await turn(record, ask)
+                if not _connected(request):  # the agent never saw these tokens: they are no part of its episode
+                    raise ApiError(
+                        499, "client_closed_request",
+                        "the client closed its connection before its answer was ready, so the turn is not recorded; "
+                        "wait for each answer",
+                    )
+                record.add(answered.prompt, answered.reply, answered.message, self.tokenizer.eos_token_id)
+            return await _answer(request, answered.answer, ask.stream)
 
     def _authorized(self, request) -> EpisodeRecord:
-        """The episode of the request's key; the episode its path or ``X-Episode-Id`` names must be that one."""
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        record = self._episodes.get(_digest(given))
+        """The episode of the request's key, its connection bound to it; the episode its path or ``X-Episode-Id``
+        names must be that one."""
+        record = self._episodes.get(_digest(_bearer(request.headers.get("Authorization", ""))))
         if record is None:
             raise ApiError(
                 401, "invalid_api_key",
@@ -258,7 +345,32 @@ class ChatServer:
                 "the request names another episode than its key's: an agent reaches only its own episode; send "
                 "each request to the base_url given with the key",
             )
+        self._bind(request, record)
         return record
+
+    def _bind(self, request, record: EpisodeRecord) -> None:
+        """The request's connection made ``record``'s, if it is anonymous and the episode holds fewer than
+        ``CONNECTIONS_PER_EPISODE``; refused if it is another episode's."""
+        connection = _connection_of(request)
+        if connection is None:
+            raise ApiError(499, "client_closed_request", "the client closed its connection: send the request again")
+        if connection.episode is record:
+            return
+        if connection.episode is not None:
+            raise ApiError(
+                403, "connection_of_another_episode",
+                "this connection carries another episode's requests: a connection serves one episode; give each "
+                "episode a client of its own",
+                close=True,
+            )
+        if len(record.connections) >= CONNECTIONS_PER_EPISODE:
+            raise ApiError(
+                429, "rate_limit_exceeded",
+                f"this episode holds {CONNECTIONS_PER_EPISODE} connections already, its most: send its requests over "
+                "those (one client, whose pool keeps them), since its turns are taken one at a time anyway",
+                close=True,
+            )
+        connection.bind(record)
 
     async def _body(self, request) -> dict:
         """The request's JSON object, refused before any parsing when larger than a request within the model's
@@ -286,10 +398,51 @@ class ChatServer:
             ) from None
         return _json_object(raw)
 
+    def _completion_ask(self, body: dict) -> Ask:
+        """A /completions request checked whole: its prompt tokenized, its ``logprobs`` OpenAI's 0 to 5."""
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not (type(logprobs) is int and 0 <= logprobs <= 5):
+            raise ApiError(
+                400, "invalid_logprobs",
+                f"logprobs must be an integer from 0 to 5, or null, for /completions, not {_shown(logprobs)}",
+            )
+        text = body.get("prompt")
+        ids = self._prompt_ids(text)
+        message = {"role": "user", "content": text if isinstance(text, str) else ""}
+        return Ask(_limits(body), _flag(body, "stream"), logprobs is not None, [message], prompt=ids)
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        """A completion's prompt as token ids: its text tokenized, or the ids it is, each one the model reads."""
+        vocabulary = len(self.tokenizer)
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+            if not ids:
+                raise ApiError(400, "invalid_prompt", f"the prompt encodes to {NO_TOKEN}")
+            return ids
+        if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < vocabulary for t in prompt):
+            return prompt
+        raise ApiError(
+            400, "invalid_prompt",
+            f"prompt must be one non-empty string or one non-empty list of token ids (0 to {vocabulary - 1})",
+        )
+
     # ------------------------------------------------------------------------- one turn
 
-    async def _chat_turn(self, record: EpisodeRecord, body: dict) -> dict:
-        messages, tools, limit = _messages(body), _tools(body), _limits(body)
+    async def _chat_turn(self, record: EpisodeRecord, ask: Ask) -> Turn:
+        prompt = self._chat_prompt(record, ask)
+        reply = await self._sample(record, prompt, ask.limits)
+        content, calls = _tool_calls(reply.text) if ask.tools else (reply.text, [])
+        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        finish = "tool_calls" if calls else _finish(reply, ask.limits, self.tokenizer)
+        choice = {"index": 0, "message": message, "finish_reason": finish}
+        if ask.logprobs:
+            choice["logprobs"] = {"content": self._token_logprobs(reply)}
+        return Turn(prompt, reply, message, _completion("chat.completion", record, choice, prompt, reply))
+
+    def _chat_prompt(self, record: EpisodeRecord, ask: Ask) -> Prompt:
+        """The ids the reply continues: the episode's so far and the request's new messages; a 400 before any
+        sampling when the template cannot render them or they encode to no token."""
+        messages, tools = ask.messages, ask.tools
         try:
             if tools and record.tokens.render(messages, None, True) == record.tokens.render(messages, tools, True):
                 raise ApiError(
@@ -301,34 +454,19 @@ class ChatServer:
             prompt = record.tokens.prompt(messages, tools)
         except TemplateError as error:
             raise ApiError(400, "template_error", str(error)) from None
-        reply = await self._sample(record, prompt, limit)
-        content, calls = _tool_calls(reply.text) if tools else (reply.text, [])
-        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
-        record.tokens.add(prompt, reply, message, self.tokenizer.eos_token_id)
-        record.last_reply = reply.text
-        finish = "tool_calls" if calls else _finish(reply, limit, self.tokenizer)
-        choice = {"index": 0, "message": message, "finish_reason": finish}
-        if body.get("logprobs"):
-            choice["logprobs"] = {"content": self._token_logprobs(reply)}
-        return _completion("chat.completion", record, choice, prompt, reply)
+        if not prompt.ids:
+            raise ApiError(400, "invalid_prompt", f"the messages encode to {NO_TOKEN}")
+        return prompt
 
-    async def _completion_turn(self, record: EpisodeRecord, body: dict) -> dict:
-        text, limit = body.get("prompt"), _limits(body)
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids if isinstance(text, str) else text
-        if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < len(self.tokenizer) for t in ids)):
-            raise ApiError(
-                400, "invalid_prompt",
-                f"prompt must be one non-empty string or one non-empty list of token ids (0 to {len(self.tokenizer) - 1})",
-            )
-        prompt = Prompt(ids, [{"role": "user", "content": text if isinstance(text, str) else ""}])
-        reply = await self._sample(record, prompt, limit)
-        record.tokens.add(prompt, reply, {"role": "assistant", "content": reply.text}, self.tokenizer.eos_token_id)
-        record.last_reply = reply.text
-        choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, limit, self.tokenizer)}
-        if body.get("logprobs") is not None:
+    async def _completion_turn(self, record: EpisodeRecord, ask: Ask) -> Turn:
+        prompt = Prompt(ask.prompt, ask.messages)
+        reply = await self._sample(record, prompt, ask.limits)
+        message = {"role": "assistant", "content": reply.text}
+        choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, ask.limits, self.tokenizer)}
+        if ask.logprobs:
             tokens = [self.tokenizer.decode([t]) for t in reply.completion_ids]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": reply.logprobs, "top_logprobs": None}
-        return _completion("text_completion", record, choice, prompt, reply)
+        return Turn(prompt, reply, message, _completion("text_completion", record, choice, prompt, reply))
 
     async def _sample(self, record: EpisodeRecord, prompt: Prompt, limit: Limits) -> Trajectory:
         try:
@@ -345,9 +483,7 @@ class ChatServer:
         except Exception as error:  # the generator's own failure (a weight switch, the engine): the episode ends
             record.failure = f"the generator could not sample turn {record.turns}: {type(error).__name__}: {error}"
             raise ApiError(500, "server_error", record.failure) from None
-        reply = _cut(reply, limit, self.tokenizer)
-        record.last_version = reply.versions[-1] if reply.versions else record.last_version
-        return reply
+        return _cut(reply, limit, self.tokenizer)
 
     def _encoded_reply(self, text: str) -> list[int]:
         """A demonstration's reply as the model would end it: its tokens, then the end of the turn."""
@@ -367,40 +503,87 @@ class ChatServer:
         ]
 
 
-class _Capped(asyncio.Protocol):
-    """One connection: aiohttp's while the server holds fewer than its ``connection_cap``, else closed as it
-    arrives, so a flood of connections costs the run their accepting only."""
+class _Connection(asyncio.Protocol):
+    """One connection, aiohttp's handler inside it: anonymous, in one of the server's anonymous places until its
+    deadline, then bound to the episode whose key a request on it showed (``ChatServer._bind``)."""
 
     def __init__(self, server: ChatServer):
         self.server = server
         self.inner: asyncio.Protocol | None = None
+        self.transport: asyncio.Transport | None = None
+        self.episode: EpisodeRecord | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._seen: bytes | None = b""  # the last bytes of its request head so far; None once a whole head came
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        handlers = self.server._runner.server
-        if len(handlers.connections) >= self.server.connection_cap:
-            transport.abort()
-            return
-        self.inner = handlers()
+        self.transport = transport
+        self.server._admit(self)
+        self._expire_in(self.server.key_deadline_s)
+        self.inner = self.server._runner.server()
         self.inner.connection_made(transport)
 
+    def bind(self, record: EpisodeRecord) -> None:
+        self.server._anonymous.pop(self, None)
+        self._deadline.cancel()
+        self.episode = record
+        record.connections.add(self)
+
+    def close(self) -> None:
+        """Closed once what it has to send is sent."""
+        self.transport.close()
+
+    def _expire_in(self, delay: float) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = asyncio.get_running_loop().call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        if self.episode is None:
+            self.transport.abort()
+
     def data_received(self, data: bytes) -> None:
-        if self.inner is not None:
-            self.inner.data_received(data)
+        """A whole request head arriving before the deadline gets one deadline more: the event loop may run
+        the deadline before the route that checks its key, when a stall made both due at once."""
+        if self.episode is None and self._seen is not None:
+            if HEAD_END in self._seen + data:
+                self._seen = None
+                self._expire_in(self.server.key_deadline_s)
+            else:
+                self._seen = (self._seen + data)[-len(HEAD_END) + 1 :]
+        self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.inner is not None else None
+        return self.inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.inner is not None:
-            self.inner.connection_lost(exc)
+        self._deadline.cancel()
+        self.server._anonymous.pop(self, None)
+        if self.episode is not None:
+            self.episode.connections.discard(self)
+        self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        if self.inner is not None:
-            self.inner.pause_writing()
+        self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.inner is not None:
-            self.inner.resume_writing()
+        self.inner.resume_writing()
+
+
+def _connection_of(request) -> _Connection | None:
+    """The request's connection; None once its client has closed it."""
+    transport = request.transport
+    return None if transport is None else transport.get_protocol()
+
+
+def _connected(request) -> bool:
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
+
+
+def _bearer(authorization: str) -> str:
+    """The credentials of a ``Bearer`` authorization, its scheme in any case (RFC 7235); "" for any other."""
+    scheme, _, credentials = authorization.strip().partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else ""
 
 
 def _digest(key: str) -> bytes:
@@ -524,17 +707,69 @@ def _limits(body: dict) -> Limits:
     if body.get("n") not in (None, 1):
         raise ApiError(
             400, "unsupported_n",
-            f"n is {body['n']!r}, but each request is one turn of the episode with one reply; send n requests for n "
-            "replies",
+            f"n is {_shown(body['n'])}, but each request is one turn of the episode with one reply; send n requests "
+            "for n replies",
         )
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None and (type(limit) is not int or limit < 1):
-        raise ApiError(400, "invalid_max_tokens", f"max_tokens must be a positive integer, got {limit!r}")
+        raise ApiError(400, "invalid_max_tokens", f"max_tokens must be a positive integer, got {_shown(limit)}")
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise ApiError(400, "invalid_stop", f"stop must be a string or a list of up to 4 non-empty strings, got {stop!r}")
-    return Limits(limit, stops)
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stops, list) and len(stops) <= 4 and all(isinstance(s, str) and s for s in stops)):
+        raise ApiError(
+            400, "invalid_stop", f"stop must be a string or a list of up to 4 non-empty strings, got {_shown(stop)}"
+        )
+    return Limits(limit, tuple(stops))
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A turn's request with every field checked, before it waits for its episode's turn: a chat's messages and
+    tools, or a completion's prompt ids and its text as the user's message."""
+
+    limits: Limits
+    stream: bool
+    logprobs: bool  # the sampled tokens' logprobs (never the top alternatives: ``top_logprobs`` is refused)
+    messages: list[Message]
+    tools: list[dict] | None = None
+    prompt: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A turn sampled, not yet recorded: its record waits for its client to be there to get ``answer``."""
+
+    prompt: Prompt
+    reply: Trajectory
+    message: Message
+    answer: dict
+
+
+def _chat_ask(body: dict) -> Ask:
+    """A /chat/completions request checked whole; ``top_logprobs`` is accepted only where it asks for nothing."""
+    top = body.get("top_logprobs")
+    if top is not None and not (type(top) is int and 0 <= top <= 20):
+        raise ApiError(400, "invalid_top_logprobs", f"top_logprobs must be an integer from 0 to 20, not {_shown(top)}")
+    if top:
+        raise ApiError(
+            400, "unsupported_top_logprobs",
+            f"top_logprobs is {top}, but this endpoint returns only the sampled token's logprob (logprobs: true); "
+            "send top_logprobs 0 or leave it out",
+        )
+    return Ask(_limits(body), _flag(body, "stream"), _flag(body, "logprobs"), _messages(body), _tools(body))
+
+
+def _flag(body: dict, name: str) -> bool:
+    """A boolean field, false when absent or null; a 400 for any other type (the string "false" is not false)."""
+    value = body.get(name)
+    if value is not None and type(value) is not bool:
+        raise ApiError(400, f"invalid_{name}", f"{name} must be true or false (a JSON boolean), not {_shown(value)}")
+    return bool(value)
+
+
+def _shown(value: Any) -> str:
+    """A request's value as a refusal quotes it: its JSON, cut short."""
+    return json.dumps(value)[:80]
 
 
 def _cut(reply: Trajectory, limits: Limits, tokenizer: Any) -> Trajectory:
@@ -592,6 +827,11 @@ def _tool_calls(text: str) -> tuple[str, list[dict]]:
     return kept.strip(), calls
 
 
+def _version(reply: Trajectory, record: EpisodeRecord) -> int | None:
+    """The policy version that sampled the reply's last token (the episode's last one, for a reply that says none)."""
+    return reply.versions[-1] if reply.versions else record.last_version
+
+
 def _completion(kind: str, record: EpisodeRecord, choice: dict, prompt: Prompt, reply: Trajectory) -> dict:
     """The answer to a turn; its ``system_fingerprint`` names the policy version that sampled it."""
     prompt_tokens = len(prompt.ids)
@@ -606,8 +846,23 @@ def _completion(kind: str, record: EpisodeRecord, choice: dict, prompt: Prompt, 
             "completion_tokens": len(reply.completion_ids),
             "total_tokens": prompt_tokens + len(reply.completion_ids),
         },
-        "system_fingerprint": f"policy-v{record.last_version}",
+        "system_fingerprint": f"policy-v{_version(reply, record)}",
     }
+
+
+async def _answer(request, answer: dict, stream: bool) -> Any:
+    """The answer as one JSON object, or as the chunks of a stream."""
+    from aiohttp import web
+
+    if not stream:
+        return web.json_response(answer)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    with contextlib.suppress(ConnectionError):  # the agent left after its turn was recorded, as a sent one is
+        await response.prepare(request)
+        for chunk in _chunks(answer):
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+    return response
 
 
 def _chunks(answer: dict) -> list[dict]:
@@ -661,8 +916,13 @@ def _as_api_error(error: Exception) -> ApiError:
 
 
 async def _openai_errors(request, handler) -> Any:
-    """Every answer that is not a turn's, in OpenAI's error shape."""
+    """Every answer that is not a turn's, in OpenAI's error shape; a connection that has shown no live key is
+    closed after it, so it holds its anonymous place for one request at most."""
     try:
-        return await handler(request)
+        response = await handler(request)
     except Exception as error:  # noqa: BLE001  answered, never a traceback: see _as_api_error
-        return _error(_as_api_error(error))
+        response = _error(_as_api_error(error))
+    connection = _connection_of(request)
+    if connection is None or connection.episode is None:
+        response.force_close()
+    return response
