@@ -6,7 +6,9 @@ These run the real sandbox, so they need user namespaces. Where the machine has 
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import errno
 import json
 import os
 import re
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.environments import sandbox
+from actors.environments import sandbox, sandbox_runner
 from actors.environments.sandbox import SandboxError, SandboxLimits, ToolResult, check_sandbox, run_python
 
 LIMITS = SandboxLimits(timeout_s=1.0, memory_bytes=128 * 2**20)
@@ -96,6 +98,11 @@ CASES = {
         "open('/written-by-the-sandbox', 'w')",
         "Traceback",
         r"exited with 1: OSError: \[Errno 30\] Read-only file system",
+    ),
+    "the standard library is bound read-only": (
+        f"import os\nprint(bool(os.statvfs({os.path.dirname(os.__file__)!r}).f_flag & os.ST_RDONLY))",
+        "True\n",
+        None,
     ),
     "writes the standard library": (
         f"open({os.__file__!r}, 'a')",
@@ -280,18 +287,148 @@ async def _host_uids_of_the_code(call: asyncio.Future) -> set[str]:
     raise AssertionError(f"no code process seen; the call ended with {call.result() if call.done() else None}")
 
 
-REFUSING = "import os, sys\nos.write(int(sys.argv[1]), b'setup [Errno 1] Operation not permitted: \\'unshare\\'')"
+# Families the host opens (vsock reaches the hypervisor's transport, netlink and packet sockets the kernel's own
+# surfaces), each with a type it takes, so that only the filter can refuse them with EAFNOSUPPORT
+OTHER_FAMILIES = {"AF_VSOCK": (40, socket.SOCK_STREAM), "AF_NETLINK": (16, socket.SOCK_RAW),
+                  "AF_PACKET": (17, socket.SOCK_DGRAM), "AF_ALG": (38, socket.SOCK_SEQPACKET)}
 
 
-async def test_a_sandbox_that_cannot_start_runs_no_code(monkeypatch):
-    """A runner that reports a failed setup step, as the real one does where unshare is refused: the caller gets
-    SandboxError, naming the cause and the fix, and no result."""
-    monkeypatch.setattr(sandbox, "_RUNNER", REFUSING)
+@needs_sandbox
+@pytest.mark.parametrize("family, kind", OTHER_FAMILIES.values(), ids=OTHER_FAMILIES.keys())
+async def test_only_unix_and_inet_sockets(family, kind):
+    """The seccomp filter refuses every other family as a kernel without it would; unix and inet sockets open."""
+    code = (
+        "import socket\nfor family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6):\n"
+        "    socket.socket(family).close()\nsocket.socketpair()\n"
+        f"try:\n    socket.socket({family}, {kind})\nexcept OSError as error:\n    print(error.errno)"
+    )
+    result, _ = await _run(code)
+    assert result.output == f"{errno.EAFNOSUPPORT}\n", result
+
+
+@needs_sandbox
+async def test_io_uring_and_memfds_are_refused_in_every_process_of_the_code():
+    """io_uring would run I/O the filter never sees; a memfd holds memory outside RLIMIT_AS. Both fail with ENOSYS,
+    in the code's process and in a program it starts (a seccomp filter is inherited)."""
+    io_uring_setup = sandbox_runner.SYSCALLS[os.uname().machine]["io_uring_setup"]
+    probe = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"print(libc.syscall({io_uring_setup}, 1, ctypes.create_string_buffer(120)), ctypes.get_errno())\n"
+        "try:\n    os.memfd_create('held')\nexcept OSError as error:\n    print(error.errno)"
+    )
+    code = f"import subprocess, sys\n{probe}\nsubprocess.run([sys.executable, '-c', {probe!r}])"
+    result, _ = await _run(code)
+    assert result.output.splitlines() == [f"-1 {errno.ENOSYS}", str(errno.ENOSYS)] * 2, result
+
+
+@needs_sandbox
+async def test_the_code_holds_only_stdin_stdout_and_stderr():
+    """No fd of the runner's reaches the code: not the status pipe, not a setup pipe's end."""
+    code = "import os\nprint(sorted(int(fd) for fd in os.listdir('/dev/fd') if os.path.lexists(f'/dev/fd/{fd}')))"
+    result, _ = await _run(code)  # the listing's own fd is gone by the time each is looked at
+    assert result.output == "[0, 1, 2]\n", result
+
+
+@needs_sandbox
+async def test_the_host_name_and_cgroup_are_the_sandboxs_own():
+    """Each of the code's cgroups is the root of its namespace, whatever the caller's are."""
+    code = "import os, socket\nprint(socket.gethostname(), os.uname().nodename)\n"
+    code += "print(open('/proc/self/cgroup').read())"
+    result, _ = await _run(code)
+    names, *cgroups = filter(None, result.output.splitlines())
+    assert names == "sandbox sandbox", result
+    assert cgroups and [line.split(":", 2)[2] for line in cgroups] == ["/"] * len(cgroups), result
+
+
+needs_cgroup = pytest.mark.skipif(sandbox._cgroup_home() is None, reason="no memory cgroup writable here")
+
+
+@needs_sandbox
+@needs_cgroup
+async def test_a_calls_processes_share_its_memory_limit(monkeypatch):
+    """Two processes of 100 MiB each stay under a 192 MiB RLIMIT_AS apiece, but not together: the call's cgroup
+    kills one. Half as much each runs. Each call's cgroup is gone after it."""
+    made, make = [], sandbox._make_cgroup
+    monkeypatch.setattr(sandbox, "_make_cgroup", lambda memory: made.append(make(memory)) or made[-1])
+    limits = SandboxLimits(timeout_s=5.0, memory_bytes=192 * 2**20)
+    code = (
+        "import os, time\npid = os.fork()\ndata = b'x' * ({} * 2**20)\nif pid == 0:\n    time.sleep(0.5)\n"
+        "    os._exit(0)\nprint(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))"
+    )
+    over = await run_python(code.format(100), limits)
+    assert over.failure == "killed by signal 9 (Killed)" or over.output == "-9\n", over
+    under = await run_python(code.format(50), limits)
+    assert (under.output, under.failure) == ("0\n", None), under
+    assert len(made) == 2 and not any(path is None or os.path.exists(path) for path in made), made
+
+
+@needs_sandbox
+async def test_a_call_runs_where_no_cgroup_can_be_made(monkeypatch):
+    """A cgroup is a bound added where one can be made, never a reason for a call to fail."""
+    monkeypatch.setattr(sandbox, "_cgroup_home", lambda: ("/proc", "v1"))  # no directory can be made there
+    result, _ = await _run("print(6 * 7)")
+    assert (result.output, result.failure) == ("42\n", None), result
+
+
+def test_the_runner_is_a_module_of_the_standard_library_only():
+    """Run by path in an isolated interpreter, it can import nothing else; and not asyncio, which every call would
+    pay to import."""
+    assert sandbox.RUNNER == sandbox_runner.__file__ and Path(sandbox.RUNNER).is_file()
+    tree = ast.parse(Path(sandbox.RUNNER).read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert {name.split(".")[0] for name in imported} <= set(sys.stdlib_module_names) - {"asyncio"}, imported
+
+
+def test_an_architecture_without_system_call_numbers_names_itself(monkeypatch):
+    monkeypatch.setattr(sandbox_runner, "SYSCALLS", {})
+    with pytest.raises(OSError, match=f"no system call numbers known for {os.uname().machine}"):
+        sandbox_runner.syscall_numbers()
+
+
+def test_a_missing_system_call_is_named_with_the_kernel():
+    """ENOSYS is the kernel's (or a container profile's) answer, not a sign of user namespaces being off."""
+    error = "[Errno 38] Function not implemented: 'pivot_root'"
+    paragraph = sandbox._cannot_start({"errno": errno.ENOSYS, "step": "pivot_root", "error": error})
+    assert f"Linux {os.uname().release}, has no pivot_root system call" in paragraph
+    assert "allow pivot_root there" in paragraph and "max_user_namespaces" not in paragraph
+
+
+def test_another_failed_step_is_quoted_verbatim():
+    error = "[Errno 1] Operation not permitted: 'mount /tmp/proc'"
+    paragraph = sandbox._cannot_start({"errno": errno.EPERM, "step": "mount /tmp/proc", "error": error})
+    assert f"its setup failed at mount /tmp/proc: {error} (Linux {os.uname().release}" in paragraph
+
+
+REFUSED_SETUP = {"errno": 1, "step": "unshare", "error": "[Errno 1] Operation not permitted: 'unshare'"}
+
+
+@pytest.fixture
+def refusing_runner(tmp_path, monkeypatch):
+    """A runner that reports a failed setup step, as the real one does where unshare is refused."""
+    runner = tmp_path / "runner.py"
+    report = b"setup " + json.dumps(REFUSED_SETUP).encode()
+    runner.write_text(f"import os, sys\nos.write(int(sys.argv[1]), {report!r})")
+    monkeypatch.setattr(sandbox, "RUNNER", str(runner))
+
+
+async def test_a_sandbox_that_cannot_start_runs_no_code(refusing_runner):
+    """The caller gets SandboxError, naming the cause and the fix, and no result."""
     with pytest.raises(SandboxError, match=r"cannot start on this machine: \[Errno 1\] .*'unshare'.*user namespaces"):
         await run_python("print(1)", LIMITS)
 
 
-def test_check_sandbox_raises_the_same(monkeypatch):
-    monkeypatch.setattr(sandbox, "_RUNNER", REFUSING)
+def test_check_sandbox_raises_the_same(refusing_runner):
     with pytest.raises(SandboxError, match="cannot start on this machine"):
         check_sandbox()
+
+
+async def test_check_sandbox_works_inside_a_running_loop(refusing_runner):
+    """Where an agent is built inside the generator's event loop: the check runs its own loop in a thread."""
+    with pytest.raises(SandboxError, match="cannot start on this machine"):
+        check_sandbox()
+
+
+@needs_sandbox
+async def test_check_sandbox_passes_inside_a_running_loop():
+    check_sandbox()

@@ -64,14 +64,17 @@ async def test_verifiers_rollout_goes_through_the_endpoint_and_its_reward_is_the
 
 
 async def test_a_rollout_the_endpoint_refuses_fails_its_episode_with_the_endpoints_message(server):
-    task, agents = arith_agents(harness="bash")  # offers tools, which the tiny model's template does not render
+    task, agents = arith_agents(harness=None)
     async with server.episode(sampling_seeds(0, "v2", TURNS), False) as record:
-        outcome = await agents.run(server.endpoint(record), task.problems(0, 0, 1)[0])
-    assert outcome.reward is None and "upstream 400" in outcome.failure and "tools_not_rendered" in outcome.failure
+        endpoint = replace(server.endpoint(record), model="another-model")  # the run serves one model, not this one
+        outcome = await agents.run(endpoint, task.problems(0, 0, 1)[0])
+    assert outcome.reward is None and "upstream 404" in outcome.failure and "model_not_found" in outcome.failure
 
 
 def test_only_verifiers_problems_and_harnesses_that_run_outside_a_container_are_taken():
     with pytest.raises(ValueError, match="installs its program into a container runtime"):
         arith_agents(harness="codex")
+    with pytest.raises(ValueError, match="'bash' is refused: .* outside the python tool's sandbox"):
+        arith_agents(harness="bash")
     with pytest.raises(TypeError, match="plays verifiers tasksets"):
         Agents(AgentTask(AGENT, {"name": "reverse"}).episodes())

@@ -2,10 +2,11 @@
 scratch directory, nothing else of the machine.
 
 The code is untrusted. By accident or by reward hacking, it may loop forever, eat memory, fork without end, fill
-the disk, use the network, signal the trainer, read the task's answers or talk to a daemon on the host.
-``run_python`` runs each call in a fresh interpreter, ``python -I -S``. It takes nothing from the environment or
-from site-packages, so the tool offers the standard library and behaves the same on every machine. The call is
-bounded in four ways:
+the disk, use the network, signal the trainer, read the task's answers, talk to a daemon on the host or probe the
+kernel. ``run_python`` runs each call in a fresh interpreter, ``python -I -S``. It takes nothing from the environment
+or from site-packages, so the tool offers the standard library and behaves the same on every machine. The sandbox is
+built by a program of its own, ``sandbox_runner.py`` beside this module, which that interpreter runs by path. The
+call is bounded in five ways:
 
 - What it sees. The code's root is a small tmpfs made for the call, holding nothing of the host but what the
   interpreter needs, each at its host path and read-only: the interpreter, its standard library (site-packages
@@ -13,30 +14,42 @@ bounded in four ways:
   directory; a /dev of null, zero, random and urandom; a /proc of the sandbox's own processes. No host /etc, /home,
   /run, /var, /work or checkout is there, so no file of the run's, no answer file and no unix socket of the host
   (a fork server's, munge's, D-Bus's) can be named, read or connected to: a network namespace cuts TCP, and only a
-  root that does not contain a socket hides it.
+  root that does not contain a socket hides it. The code's process holds no fd but stdin, stdout and stderr.
 - Who it is. The code runs unprivileged: where the trainer runs as root, as nobody (uid and gid 65534 on the host),
   with no supplementary groups; elsewhere as the trainer's own uid. Either way it runs in one more user namespace,
   nested inside the sandbox's, where it holds no capability over any of the sandbox's mounts or namespaces, may
   create no other namespace and gains no privilege by exec.
+- What it may ask of the kernel. A seccomp filter, inherited by every process the code starts, lets sockets of the
+  unix and inet families only be made (a vsock would reach the hypervisor, netlink and packet sockets the kernel's
+  own surfaces: EAFNOSUPPORT), refuses io_uring, memfds and a few kernel surfaces no computation needs (ENOSYS;
+  ``REFUSED`` in the runner says which and why), and kills a process that makes a system call of another
+  architecture.
 - Namespaces. The new network namespace has only a loopback, which is down, so the code has no network at all. In
   the new PID namespace the code sees only its own processes. When the sandbox's init exits, the kernel kills
   everything the code started, whatever session or group each process moved to. The IPC namespace stops System V
-  segments from outliving the call.
+  segments from outliving the call. The UTS and cgroup namespaces show the code a host name of its own,
+  "sandbox", and its cgroups as roots: nothing of the host's name or cgroup tree.
 - Resources, time and output. Resource limits (setrlimit) on the code's processes: each one's address space
   (``memory_bytes``), CPU seconds (just past the wall clock), the size of one file, open files, and processes and
-  threads together (counted in the code's own user namespace). Core dumps are off. The caller kills the sandbox at
-  ``timeout_s``. Output is read as it arrives and kept up to ``output_bytes``, so neither a hung program nor a
-  chatty one can stall the caller or swell its memory.
+  threads together (counted in the code's own user namespace). Where this process can make a memory cgroup (cgroup
+  v2 whose own cgroup hands the memory controller down, or a writable cgroup v1 memory hierarchy), each call gets
+  one, removed after it, that holds all its processes to ``memory_bytes`` together, without swap: where they go
+  past it, the kernel kills the largest. Elsewhere a call holds at most ``memory_bytes`` in each of its processes
+  (16 at once), and its /tmp up to 16 MiB. Core dumps are off. The caller kills the sandbox at ``timeout_s``.
+  Output is read as it arrives and kept up to ``output_bytes``, so neither a hung program nor a chatty one can
+  stall the caller or swell its memory.
 
-Without user namespaces (turned off by a sysctl, or by a container's seccomp profile), the sandbox cannot build its
-root or cut the network. ``run_python`` then refuses to run code and raises ``SandboxError``, which names the cause;
-``check_sandbox`` makes the same check up front. Memory the kernel holds for the code, such as pipe buffers, is not
-counted against ``memory_bytes``.
+The sandbox needs Linux 4.6 or later with unprivileged user namespaces and seccomp filters. Where it cannot start
+(user namespaces turned off by a sysctl or by a container's seccomp profile, a system call the kernel lacks),
+``run_python`` refuses to run code and raises ``SandboxError``, whose paragraph names the step that failed and the
+fix for that error on this kernel; ``check_sandbox`` makes the same check up front. Without a cgroup, memory the
+kernel holds for the code, such as pipe buffers, is not counted against ``memory_bytes``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import json
 import os
@@ -45,6 +58,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,195 +66,12 @@ from pathlib import Path
 _TAIL = 1024  # bytes kept from the end of stderr, where a traceback names its exception
 _LINE = 200  # the most characters of that line that go into ``ToolResult.failure``
 
-# The child's program: the status pipe's fd, the limits and what of the host its root shows come as arguments, the
-# code on stdin. It becomes four processes. The first stays outside: it forks the second into new namespaces and
-# maps the second's ids from outside, since only there may it map more than its own uid (nobody's, for the code).
-# The second waits. Its child is pid 1 of the new PID namespace: it builds the root, runs the code in a child of its
-# own and writes that child's wait status to the status pipe. When pid 1 exits, the kernel kills whatever the code
-# left. A setup step that fails writes "setup <error>" instead, before any code runs. The code cannot forge either
-# message, since its process closes the pipe first. It is passed with -c rather than run as a module: importing
-# asyncio would slow every call.
-_RUNNER = r"""
-import ctypes, json, os, resource, signal, sys
-
-status, memory, cpu = map(int, sys.argv[1:4])
-host = json.loads(sys.argv[4])  # [kind, path, (target)]: each host path the root shows, in the order to make them
-libc = ctypes.CDLL(None, use_errno=True)
-signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the handler below: the caller's SIGTERM is passed on to pid 1
-NOBODY = 65534  # the host uid and gid the code runs as where the trainer is root
-PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)  # the syscall's number; glibc has no wrapper
-ROOT = "/tmp"  # where pid 1 builds the new root, in its own mount namespace, before it moves in
-NOSUID, NODEV, NOEXEC, REMOUNT, BIND, REC, PRIVATE = 2, 4, 8, 32, 4096, 16384, 1 << 18
-RDONLY_ATTRS = 1 | 2 | 4  # struct mount_attr's MOUNT_ATTR_RDONLY | NOSUID | NODEV
-
-
-def check(result, step):
-    if result != 0:
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), step)
-
-
-def write(path, text):
-    with open(path, "w") as file:
-        file.write(text)
-
-
-def setup_failed(error):
-    os.write(status, f"setup {error}\n".encode())
-    os._exit(1)
-
-
-def namespaces():
-    # returns in the second process, in its namespaces; the first waits for it and exits as it does
-    ready, go = os.pipe(), os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(ready[0])
-        os.close(go[1])
-        # CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWIPC
-        check(libc.unshare(0x10000000 | 0x40000000 | 0x20000000 | 0x00020000 | 0x08000000), "unshare")
-        os.write(ready[1], b"1")
-        if os.read(go[0], 1) != b"1":  # the first process could not map our ids, and said why
-            os._exit(1)
-        for name in os.listdir("/proc/sys/user"):  # the code's own user namespace, and no other namespace below it
-            if name.endswith("_namespaces"):
-                write(f"/proc/sys/user/{name}", "1" if name == "max_user_namespaces" else "0")
-        write("/proc/sys/kernel/shmmni", "0")  # no System V segments or queues: kernel memory outside the limits
-        write("/proc/sys/kernel/msgmni", "0")
-        return
-    os.close(ready[1])
-    os.close(go[0])
-    if os.read(ready[0], 1) == b"1":  # otherwise the second failed to unshare, and said why
-        try:
-            map_ids(pid)
-        except OSError as error:
-            os.kill(pid, signal.SIGKILL)
-            setup_failed(error)
-        os.write(go[1], b"1")
-    os.waitpid(pid, 0)
-    os._exit(0)
-
-
-def map_ids(pid):
-    # uid 0 inside is the trainer's own uid, so pid 1 can read what it binds; where that is root, uid 1 inside is
-    # nobody's, and the code becomes it
-    uid, gid = os.geteuid(), os.getegid()
-    if uid == 0:
-        write(f"/proc/{pid}/uid_map", f"0 0 1\n1 {NOBODY} 1")
-        write(f"/proc/{pid}/gid_map", f"0 {gid} 1\n1 {NOBODY} 1")
-    else:
-        write(f"/proc/{pid}/setgroups", "deny")
-        write(f"/proc/{pid}/uid_map", f"0 {uid} 1")
-        write(f"/proc/{pid}/gid_map", f"0 {gid} 1")
-
-
-def mount(source, target, kind, flags, options=None):
-    check(libc.mount(source, target.encode(), kind, flags, options), f"mount {target}")
-
-
-def read_only(path, attrs=RDONLY_ATTRS):
-    attr = (ctypes.c_uint64 * 4)(attrs, 0, 0, 0)  # struct mount_attr, set
-    check(libc.syscall(442, -100, path.encode(), 0x100, attr, 32), f"mount_setattr {path}")  # AT_SYMLINK_NOFOLLOW
-
-
-def show(kind, path, target=None):
-    inside = ROOT + path
-    if kind == "dir":
-        os.makedirs(inside, exist_ok=True)
-    elif kind == "link":
-        if not os.path.lexists(inside):
-            os.symlink(target, inside)
-    elif kind == "cover":  # a directory inside a bound one, hidden under an empty mount (site-packages)
-        mount(b"tmpfs", inside, b"tmpfs", 1 | NOSUID | NODEV | NOEXEC, b"size=4k,nr_inodes=1")
-    else:  # bind: the host's file or directory at its own path, read-only
-        if os.path.isdir(path):
-            os.makedirs(inside, exist_ok=True)
-        else:
-            os.close(os.open(inside, os.O_CREAT | os.O_WRONLY, 0o644))
-        mount(path.encode(), inside, None, BIND)
-        read_only(inside)
-
-
-def devices():
-    os.mkdir(ROOT + "/dev")
-    mount(b"tmpfs", ROOT + "/dev", b"tmpfs", NOSUID | NOEXEC, b"size=4k,nr_inodes=16,mode=0755")
-    for name in ("null", "zero", "random", "urandom"):
-        os.close(os.open(f"{ROOT}/dev/{name}", os.O_CREAT | os.O_WRONLY, 0o666))
-        mount(f"/dev/{name}".encode(), f"{ROOT}/dev/{name}", None, BIND)
-        read_only(f"{ROOT}/dev/{name}", 1 | 2)  # read-only and nosuid; still writable, as a device node is
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"{ROOT}/dev/{name}")
-    read_only(ROOT + "/dev", 1 | 2)
-
-
-def view():
-    for number in (signal.SIGINT, signal.SIGTERM):  # defaults for the code; without handlers, pid 1 ignores
-        signal.signal(number, signal.SIG_DFL)  # every signal sent from inside its namespace
-    check(libc.prctl(1, signal.SIGKILL), "prctl PR_SET_PDEATHSIG")  # dies with its parent, however that dies
-    check(libc.prctl(4, 0), "prctl PR_SET_DUMPABLE")  # so the code cannot trace it
-    os.umask(0o022)
-    mount(None, "/", None, REC | PRIVATE)  # nothing done here reaches the host's mounts
-    mount(b"tmpfs", ROOT, b"tmpfs", NOSUID | NODEV, b"size=1m,nr_inodes=4096,mode=0755")
-    for entry in host:
-        show(*entry)
-    devices()
-    for name in ("proc", "tmp"):
-        os.mkdir(f"{ROOT}/{name}")
-    mount(b"proc", ROOT + "/proc", b"proc", 1 | NOSUID | NODEV | NOEXEC)
-    mount(b"tmpfs", ROOT + "/tmp", b"tmpfs", NOSUID | NODEV, b"size=16m,nr_inodes=1024,mode=1777")
-    read_only(ROOT)
-    if PIVOT_ROOT is None:
-        raise OSError(38, f"no pivot_root system call number known for {os.uname().machine}", "pivot_root")
-    os.chdir(ROOT)  # pivot_root(".", "."), then detach the old root stacked on the new one
-    check(libc.syscall(PIVOT_ROOT, b".", b"."), "pivot_root")
-    check(libc.umount2(b".", 2), "detach the host's root")  # MNT_DETACH
-    os.chdir("/")
-
-
-def confine():
-    os.setpgid(0, 0)  # out of the runner's group: the code's kill(0, ...) reaches only its own processes
-    for limit, value in ((resource.RLIMIT_AS, memory), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_CORE, 0),
-                         (resource.RLIMIT_FSIZE, 2**20), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_NPROC, 16)):
-        resource.setrlimit(limit, (value, value))
-    if len(open("/proc/self/uid_map").read().splitlines()) > 1:  # nobody's uid is mapped: become it
-        os.setgroups([])
-        os.setresgid(1, 1, 1)
-        os.setresuid(1, 1, 1)
-    check(libc.prctl(38, 1, 0, 0, 0), "prctl PR_SET_NO_NEW_PRIVS")
-    check(libc.unshare(0x10000000), "unshare the code's user namespace")  # drops every capability over the sandbox
-    os.chdir("/tmp")
-
-
-code = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
-try:
-    namespaces()
-    pid = os.fork()
-    if pid:
-        signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))  # forced, from outside its namespace
-        os.waitpid(pid, 0)
-        os._exit(0)
-    view()
-    child = os.fork()
-    if child:
-        os.write(status, b"%d" % os.waitpid(child, 0)[1])
-        os._exit(0)
-    confine()
-except OSError as error:
-    setup_failed(error)
-os.close(status)
-namespace = {"__name__": "__main__"}
-try:
-    exec(compile(code, "<python>", "exec"), namespace)
-except SystemExit:
-    raise
-except BaseException as error:
-    namespace.clear()  # free what the code held, so that even a MemoryError can be reported
-    import linecache, traceback
-
-    linecache.cache["<python>"] = (len(code), None, code.splitlines(True), "<python>")  # show the code's lines
-    traceback.print_exception(error.with_traceback(error.__traceback__.tb_next))  # without this runner's frame
-    sys.exit(1)
-"""
+RUNNER = str(Path(__file__).with_name("sandbox_runner.py"))  # the program that builds the sandbox and runs the code
+_CGROUP_WAIT_S = 1.0  # how long a call's cgroup may stay busy after its runner ended (its processes still exiting)
+_CGROUP_FILES = {  # the files that set a call cgroup's memory limit and its swap's, by cgroup version
+    "v2": ("memory.max", "memory.swap.max"),
+    "v1": ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"),
+}
 
 
 class SandboxError(RuntimeError):
@@ -249,10 +80,11 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """What one call may use. The memory limit applies to each of the code's processes."""
+    """What one call may use. The memory limit applies to each of the code's processes, and where a memory cgroup
+    is available, to all of the call's processes together."""
 
     timeout_s: float = 5.0  # wall clock for the whole call
-    memory_bytes: int = 256 * 2**20  # address space of each of the code's processes (RLIMIT_AS)
+    memory_bytes: int = 256 * 2**20  # each process's address space (RLIMIT_AS); all of them together, in a cgroup
     output_bytes: int = 16 * 2**10  # stdout then stderr kept; the rest is cut, saying so
 
 
@@ -281,22 +113,27 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Tool
     cannot start."""
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)
+    cgroup = _make_cgroup(limits.memory_bytes)
     try:
         process = await _spawn(write_end, limits)
-        stdout, stderr, timed_out = await _supervise(process, code, limits)
+        stdout, stderr, timed_out = await _supervise(process, code, limits, cgroup)
         report = _report(read_end)
     finally:
         os.close(read_end)
+        if cgroup is not None:
+            await _remove_cgroup(cgroup)
     if report.startswith("setup "):
-        raise SandboxError(_cannot_start(report.splitlines()[0].removeprefix("setup ")))
+        raise SandboxError(_cannot_start(json.loads(report.splitlines()[0].removeprefix("setup "))))
     return ToolResult(_output(stdout, stderr, limits.output_bytes), _failure(report, timed_out, stderr, limits))
 
 
 def check_sandbox() -> None:
     """Raise ``SandboxError`` where this machine cannot run the sandbox. Call it where a tool is set up (an agent
-    module's import, say), so that such a machine fails before training rather than at the first tool call. Call it from synchronous code; ``run_python`` raises the
-    same error on its own."""
-    asyncio.run(run_python("pass"))
+    module's import, say), so that such a machine fails at the run's start rather than at each tool call;
+    ``run_python`` raises the same error on its own. It runs one call in a thread with a loop of its own, so it
+    works from synchronous code and from inside a running event loop alike (which it blocks for that call)."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: asyncio.run(run_python("pass"))).result()
 
 
 async def _spawn(status: int, limits: SandboxLimits) -> asyncio.subprocess.Process:
@@ -306,7 +143,7 @@ async def _spawn(status: int, limits: SandboxLimits) -> asyncio.subprocess.Proce
     try:
         interpreter, view = await asyncio.to_thread(host_view)  # the first call runs ldd: not on the event loop
         return await asyncio.create_subprocess_exec(
-            *(interpreter, "-I", "-S", "-u", "-c", _RUNNER),
+            *(interpreter, "-I", "-S", "-u", RUNNER),
             *(str(status), str(limits.memory_bytes), str(int(limits.timeout_s) + 2), view),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
@@ -412,15 +249,93 @@ def _unique(entries: list[list[str]]) -> list[list[str]]:
     return kept
 
 
+def _make_cgroup(memory: int) -> str | None:
+    """A memory cgroup of its own for one call, limited to ``memory`` with no swap, so that all the call's processes
+    count together; None where this process can make none (``_cgroup_home``)."""
+    home = _cgroup_home()
+    if home is None:
+        return None
+    directory, version = home
+    path = os.path.join(directory, f"sandbox-{os.urandom(8).hex()}")
+    try:
+        os.mkdir(path)
+    except OSError:
+        return None
+    memory_file, swap_file = _CGROUP_FILES[version]
+    try:
+        Path(path, memory_file).write_text(str(memory))
+        if os.path.exists(f"{path}/{swap_file}"):  # swap is accounted: the call gets none
+            Path(path, swap_file).write_text("0" if version == "v2" else str(memory))  # v1 counts memory and swap
+    except OSError:
+        with suppress(OSError):
+            os.rmdir(path)
+        return None
+    return path
+
+
+async def _remove_cgroup(path: str) -> None:
+    """Remove a call's cgroup once its last process has exited: the processes of a sandbox killed with the group
+    may take a moment to go. One still busy after ``_CGROUP_WAIT_S`` (a process stuck in the kernel) is left behind
+    rather than hold up the caller."""
+    for _ in range(int(_CGROUP_WAIT_S / 0.01)):
+        try:
+            os.rmdir(path)
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY:
+                return
+        await asyncio.sleep(0.01)
+
+
+@functools.cache
+def _cgroup_home() -> tuple[str, str] | None:
+    """The cgroup under which this process may make a memory cgroup per call, and its version: its own cgroup, in
+    cgroup v2 where that hands the memory controller down to its children (``cgroup.subtree_control``), else in
+    the cgroup v1 memory hierarchy where that is writable. None elsewhere (cgroup v2 not delegated to this user, a
+    container's read-only cgroup file system): the per-process limits alone then bound memory."""
+    with suppress(OSError, ValueError):  # ValueError: a /proc file in a shape not known here
+        ours = _own_cgroups()
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+        for version, controller in (("v2", ""), ("v1", "memory")):
+            directory = _cgroup_directory(mounts, version, ours.get(controller))
+            if directory is None or not os.access(directory, os.W_OK):
+                continue
+            if version == "v1" or "memory" in Path(directory, "cgroup.subtree_control").read_text().split():
+                return directory, version
+    return None
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup in each hierarchy, by controller: "" names cgroup v2's (/proc/self/cgroup)."""
+    ours = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        ours.update((controller, path) for controller in controllers.split(","))
+    return ours
+
+
+def _cgroup_directory(mounts: list[str], version: str, path: str | None) -> str | None:
+    """Where the cgroup ``path`` of a hierarchy is mounted (/proc/self/mountinfo: mount root, mount point, then
+    after "-" the type and options); None where that hierarchy is not mounted or the cgroup is outside the mount."""
+    for line in mounts if path is not None else ():
+        fields = line.split()
+        kind, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3].split(",")
+        if (kind, version) == ("cgroup2", "v2") or (kind == "cgroup" and version == "v1" and "memory" in options):
+            root, point = fields[3], fields[4]
+            if path == root or path.startswith(root.rstrip("/") + "/"):
+                return point + path[len(root.rstrip("/")):]
+    return None
+
+
 async def _supervise(
-    process: asyncio.subprocess.Process, code: str, limits: SandboxLimits
+    process: asyncio.subprocess.Process, code: str, limits: SandboxLimits, cgroup: str | None
 ) -> tuple[_Stream, _Stream, bool]:
     """Feed the code in and read both streams until the runner ends or ``timeout_s`` passes; then, or if the caller
     is cancelled, end the sandbox."""
     streams = asyncio.gather(_read(process.stdout, limits.output_bytes), _read(process.stderr, limits.output_bytes))
     timed_out = False
     try:
-        await asyncio.wait_for(_feed(process, code), limits.timeout_s)
+        await asyncio.wait_for(_feed(process, code, cgroup), limits.timeout_s)
     except TimeoutError:
         timed_out = True
     finally:
@@ -444,8 +359,15 @@ async def _end(process: asyncio.subprocess.Process) -> None:
         await process.wait()
 
 
-async def _feed(process: asyncio.subprocess.Process, code: str) -> None:
-    """Hand the code over on stdin, close stdin (so reads from it get end of file), and wait for the runner."""
+async def _feed(process: asyncio.subprocess.Process, code: str, cgroup: str | None) -> None:
+    """Move the runner into the call's cgroup, if any, then hand the code over on stdin, close stdin (so reads from
+    it get end of file), and wait for the runner. The runner forks only once it has the code, so every process of
+    the call starts in the cgroup. The move waits out the kernel's RCU grace period (about 10 ms), in a thread and
+    while the runner's interpreter starts. A move refused leaves the call to its per-process limits, as where no
+    cgroup can be made."""
+    if cgroup is not None and process.returncode is None:  # not a pid that may be another process's by now
+        with suppress(OSError):
+            await asyncio.to_thread(Path(cgroup, "cgroup.procs").write_text, str(process.pid))
     process.stdin.write(code.encode("utf-8", "surrogatepass"))
     with suppress(ConnectionError):  # the runner died before reading; the missing status says so
         await process.stdin.drain()
@@ -500,12 +422,36 @@ def _failure(report: str, timed_out: bool, stderr: _Stream, limits: SandboxLimit
     return f"exited with {code}: {last}" if last else f"exited with {code}"
 
 
-def _cannot_start(error: str) -> str:
+def _cannot_start(failed: dict) -> str:
+    """The paragraph for a setup step that failed (the runner's report: its errno, its step, named by its system
+    call first, and the error as Python wrote it), naming the fix for that error on this kernel."""
+    number, step, error, release = failed["errno"], failed["step"] or "", failed["error"], os.uname().release
+    start = "The Python sandbox cannot start on this machine"
+    if step == "unshare" and number in (errno.EPERM, errno.ENOSPC, errno.EINVAL):
+        return (
+            f"{start}: {error}. It runs each call in new user, network, PID, mount, IPC, UTS and cgroup namespaces, "
+            "so that model-written code has no network and sees no file, socket, process, host name or cgroup of the "
+            "host; without them it runs no code rather than run code that can reach the machine. Allow unprivileged "
+            "user namespaces: sysctl user.max_user_namespaces above 0, kernel.unprivileged_userns_clone=1 (Debian), "
+            "kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu), and in a container a seccomp profile that "
+            f"permits unshare and an unmasked /proc. EINVAL can also mean a kernel (this one is {release}) built "
+            "without one of those namespaces, or older than 4.6, which has no cgroup namespaces."
+        )
+    if number == errno.ENOSYS and step:
+        call = step.split()[0]
+        return (
+            f"{start}: the kernel, Linux {release}, has no {call} system call ({error}), and the sandbox needs it to "
+            f"build the code's view of the machine or to confine the code ({step}). Run the trainer on a kernel that "
+            "has it (Linux 4.6 or later, with user, network, PID, mount, IPC, UTS and cgroup namespaces and "
+            f"seccomp filters); in a container, whose seccomp profile may answer ENOSYS for a call it refuses, allow "
+            f"{call} there."
+        )
     return (
-        f"The Python sandbox cannot start on this machine: {error}. It runs each call in new user, network, PID, "
-        "mount and IPC namespaces, so that model-written code has no network and sees no file, socket or process of "
-        "the host; without them it runs no code rather than run code that can reach the machine. Allow unprivileged user "
-        "namespaces: sysctl user.max_user_namespaces above 0, kernel.unprivileged_userns_clone=1 (Debian), "
-        "kernel.apparmor_restrict_unprivileged_userns=0 (Ubuntu), and in a container a seccomp profile that "
-        "permits unshare and an unmasked /proc."
+        f"{start}: its setup failed at {step or 'a step'}: {error} (Linux {release}, {os.uname().machine}). The "
+        "sandbox builds the code's root in new namespaces and confines the code with resource limits and a seccomp "
+        "filter, and runs no code unless every step succeeds. A step refused with EPERM after unshare succeeded "
+        "usually means the new user namespace got no capabilities (Ubuntu's "
+        "kernel.apparmor_restrict_unprivileged_userns=1, or a container's seccomp or AppArmor profile refusing mount, "
+        "pivot_root or seccomp): allow them, or run the trainer where they are allowed; otherwise report this step "
+        "and error."
     )

@@ -15,10 +15,11 @@ The harness program runs on the generator's host. verifiers would prepare it wit
 missing, then ``uv sync --script`` of the program's declared dependencies from PyPI, again in each new process,
 since nothing is locked), so a generator without network could not run it. Here it runs in verifiers' subprocess
 runtime with the generator's own interpreter, once that interpreter is checked to have the packages the program
-declares (its PEP 723 block). The two harnesses that run outside a container, ``null`` (a chat loop, no tools) and
-``bash`` (shell and edit tools, whose commands run on the generator's host as its user), run verifiers' one chat
-program, which declares only verifiers' own dependencies; the others install third-party programs into a container
-and are refused.
+declares (its PEP 723 block). The one harness taken is ``null`` (a chat loop, no tools), verifiers' chat program,
+which declares only verifiers' own dependencies. ``bash`` is refused: its shell and edit tools would run
+model-written commands as programs of the agent's process, on the generator's host, with its network and every file
+it can read, outside the python tool's sandbox. The other harnesses install third-party programs into a container
+and are refused too.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ SCRIPT_METADATA = re.compile(r"^# /// script\s*$\n(?P<body>(?:^#(?:| .*)$\n)+)^#
 
 
 class VerifiersAgent:
-    """Each episode: verifiers' rollout of the problem's task with ``harness`` (``null`` or ``bash``), its reward."""
+    """Each episode: verifiers' rollout of the problem's task with ``harness`` (``null``), its reward."""
 
     def __init__(self, problems: Task, harness: str | None = "null"):
         harness = "null" if harness is None else harness  # YAML reads `harness: null` as None
@@ -60,10 +61,18 @@ class VerifiersAgent:
                 f"VerifiersAgent plays verifiers tasksets, but the task's problems are a {type(problems).__name__}; "
                 "set problems: {name: verifiers, taskset: ..., config: {...}}"
             )
+        if harness == "bash":
+            raise ValueError(
+                "verifiers harness 'bash' is refused: its shell and edit tools run model-written commands as programs "
+                "of the agent's process, on the generator's host, with the network and every file that process can "
+                "read, outside the python tool's sandbox (actors/environments/sandbox.py), which offers a Python "
+                "interpreter only. Use harness: null (a chat loop), or give the agent a python tool "
+                "(actors/environments/examples/tool_agents.py)"
+            )
         if harness_class(harness).NEEDS_CONTAINER:
             raise ValueError(
                 f"verifiers harness {harness!r} installs its program into a container runtime, and the generator runs "
-                "harness programs as its own subprocesses; use harness: null (a chat loop) or bash (shell tools)"
+                "harness programs as its own subprocesses; use harness: null (a chat loop)"
             )
         self.problems, self.harness = problems, harness
 

@@ -17,7 +17,9 @@ after the tool's output.
 
 Every tool call runs in its own sandboxed process (``actors.environments.sandbox``): the model's
 code sees nothing of the host but the interpreter and a scratch directory (no network, no file of the run's,
-no answer), and a call that hangs is killed.
+no answer), and a call that hangs is killed. Importing this module checks the sandbox once
+(``check_sandbox``), so a machine that cannot run it (no user namespaces, say) fails where the agents load,
+at the run's start and with the cause and its fix, rather than in every episode's tool call.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from actors.environments.sandbox import SandboxLimits, run_python
+from actors.environments.sandbox import SandboxLimits, check_sandbox, run_python
 from actors.tasks import Problem
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
@@ -36,6 +38,8 @@ SOLVER_PROMPT = (
     "Solve the problem. You may run Python: write a ```python code block and you will get what it prints. "
     "Finish with the answer alone on the last line."
 )
+
+check_sandbox()
 
 
 @dataclass(frozen=True)
