@@ -15,14 +15,14 @@ import argparse
 import asyncio
 import statistics
 import time
-from types import SimpleNamespace
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
 from actors.environments.agent_task import Agents, AgentSpec
+from actors.environments.endpoint import Endpoint
 from actors.tasks import Problem, TaskConfig
 
-ENDPOINT = SimpleNamespace(base_url="http://127.0.0.1:9/v1", api_key="unused", model="unused")
+ENDPOINT = Endpoint("http://127.0.0.1:9/v1", "unused")
 
 
 async def noop(endpoint, problem) -> float:

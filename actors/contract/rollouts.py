@@ -71,6 +71,20 @@ class Trajectory:
             marks.append(mine and version != first)
         return marks
 
+    def defect(self) -> str | None:
+        """Why this row cannot train, or None: no prompt token (nothing would predict its first completion token),
+        no token of the model's, or per-token lists of another length than its tokens. The generator checks every
+        row it sends; the trainer's packing checks again."""
+        tokens = len(self.completion_ids)
+        if not self.prompt_ids:
+            return "it has no prompt token"
+        if not any(self.loss_mask):
+            return "it has no token the model sampled"
+        lengths = [len(self.logprobs), len(self.loss_mask)] + ([] if self.versions is None else [len(self.versions)])
+        if any(length != tokens for length in lengths):
+            return f"its per-token lists ({lengths}) do not match its {tokens} tokens"
+        return None
+
     @classmethod
     def single_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], text: str):
         """A completion the model wrote in one go: every token is its own."""

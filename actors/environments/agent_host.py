@@ -1,91 +1,266 @@
-"""The agent host: a process of its own that runs each episode's agent in a fork of itself.
+"""The agent host: a supervisor that runs each episode's agent in a fork of itself, as a guest.
 
 ``python -m actors.environments.agent_host`` is started by a generator (``actors.environments.agent_task.Agents``),
-fresh, never a fork of the generator's threads. It reads the agent's ``AgentSpec`` on stdin, imports the agent's
-module, builds its task and (a class agent) its instance, once; then for each episode asked for it forks a child,
-which runs the agent on the problem with a copy of all that, and tells the generator how the episode ended::
+fresh, never a fork of the generator's threads. It reads the agent's spec, imports the agent's module, builds its
+task and (a class agent) its instance, once; then for each episode asked for it forks a child, which becomes a guest
+(``actors/environments/guests.py``: a user of its own where the host is root) and runs the agent on the problem::
 
-    generator ── (key, endpoint, problem) ──▶ host ── fork ──▶ child: the agent's episode
-        ▲                                      │ ◀── its outcome, as JSON, on a pipe of its own ──┘
-        └───────── (key, outcome) ─────────────┘  kills a child at timeout_s; reaps every one
+    generator ── start (key, endpoint, problem) ──▶ host ── fork ──▶ episode: the agent, as a guest
+        ▲                JSON, length-prefixed       │ ◀── its outcome (JSON), its output (bounded) ─┘
+        └──────────── ended (key, reward | failure) ─┘  kills it at timeout_s; its strays; its uid's processes
 
-Whatever an agent does ends with its child: an exit, any exception, a hang or a spin (killed, with every process
-of its group, at ``timeout_s``), memory (the out-of-memory killer takes an agent first). The host never runs agent
-code itself, and reads back only a reward or a failure, as JSON: nothing an agent sends is unpickled. Messages on
-stdin and stdout are length-prefixed pickles (the generator's own data one way, plain values the other).
+The host's loop never waits on one episode: every fd it reads is non-blocking, a child's end arrives as SIGCHLD, and
+each episode's deadline is the loop's own timer. Whatever an agent does ends with its episode: an exit, any
+exception, a hang or a spin (killed at ``timeout_s``), memory (the out-of-memory killer takes an agent first), and
+every process it started, double-forked or in a session of its own: orphans come back to the episode's process
+while it lives (a subreaper), then to the host, which kills every child that is not a running episode's; where
+episodes have users of their own, every process of the episode's uid is killed before the uid is used again. What an
+episode prints is kept up to ``OUTPUT_SHOWN`` bytes and counted past that. The host and its generator are not
+dumpable, and an episode holds no fd of theirs: nothing an agent does reaches either, and both read only JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
+import errno
 import inspect
 import json
 import math
 import os
-import pickle
 import selectors
 import signal
-import struct
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, BinaryIO
+from dataclasses import dataclass, field
+from typing import Any
 
-_LENGTH = struct.Struct("!I")
+from actors.environments import agent_wire, guests
+from actors.environments.agent_task import AgentSpec, load_agent
+from actors.environments.endpoint import Endpoint
+from actors.tasks import Problem
+
 _SAID = 500  # the most characters of an agent's exception that reach its failure
-_OUTCOME_BYTES = 2**16  # the most a child's outcome may take
-
-
-def send(stream: BinaryIO, message: Any) -> None:
-    data = pickle.dumps(message)
-    stream.write(_LENGTH.pack(len(data)) + data)
-    stream.flush()
+OUTPUT_SHOWN = 4096  # bytes of what an episode prints that reach the generator's log; the rest is counted
+_OUTCOME = 3  # the fd an episode writes its outcome to
+GUEST_HOME = {"HOME": "/tmp", "TMPDIR": "/tmp", "XDG_CACHE_HOME": "/tmp/.cache"}
+_STRAY_SCANS = 100  # at shutdown: passes over the host's children, 10 ms apart, until none is left
 
 
 @dataclass
-class _Child:
+class _Episode:
     key: int
     pid: int
-    outcome: int  # the read end of its outcome pipe
+    outcome: int  # read ends: its outcome, and what it prints
+    output: int
     deadline: float
-    said: bytes = b""
+    uid: int | None  # its guest uid; None where episodes run as the host's user
+    said: bytearray = field(default_factory=bytearray)
+    printed: bytearray = field(default_factory=bytearray)
+    printed_total: int = 0
+    stopped: str | None = None  # why the host killed it (its timeout, the generator's cancel)
+
+
+class Host:
+    """The supervisor's state and loop: requests in, episodes forked, each one's end told back."""
+
+    def __init__(
+        self, spec: AgentSpec, agent: Any, params: dict, isolation: guests.Isolation, requests: int, replies: int
+    ):
+        self.spec, self.agent, self.params, self.pid = spec, agent, params, os.getpid()
+        self.requests, self.replies = requests, replies
+        self.isolation = isolation
+        self.users = None
+        if self.isolation.own_users:
+            self.users = guests.GuestUsers(self.isolation.first_uid)
+            for uid in self.users.left_dirty():  # an earlier host's, which died holding them
+                os.waitpid(_clean(uid), 0)
+                self.users.give_back(uid)
+        self.episodes: dict[int, _Episode] = {}  # by pid
+        self.cleaners: dict[int, int] = {}  # a killer of a guest uid's processes (pid) -> that uid
+        self.frames = agent_wire.Frames(agent_wire.MAX_REQUEST)
+        self.selector = selectors.DefaultSelector()
+        self.wakeup, wakeup_write = os.pipe()
+        for fd in (requests, self.wakeup, wakeup_write):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(wakeup_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through the wakeup fd
+        self.selector.register(requests, selectors.EVENT_READ, self._read_requests)
+        self.selector.register(self.wakeup, selectors.EVENT_READ, self._reap)
+
+    def serve(self) -> None:
+        self._reply({"ready": {"guarantees": self.isolation.guarantees()}})
+        while True:
+            deadline = min((e.deadline for e in self.episodes.values() if e.stopped is None), default=None)
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            for key, _ in self.selector.select(timeout):
+                key.data()
+            now = time.monotonic()
+            for episode in [e for e in self.episodes.values() if e.deadline <= now and e.stopped is None]:
+                self._stop(episode, f"the agent did not finish within task.timeout_s ({self.spec.timeout_s:g} s)")
+
+    # ----------------------------------------------------------------------------------------------- requests
+
+    def _read_requests(self) -> None:
+        try:
+            data = os.read(self.requests, 2**16)
+        except BlockingIOError:
+            return
+        if not data:  # the generator is gone: so are its episodes
+            self._shutdown()
+        for kind, value in self.frames.feed(data):
+            if kind == "start":
+                self._start(*agent_wire.start_of(value))
+            elif kind == "cancel":
+                for episode in [e for e in self.episodes.values() if e.key == value]:
+                    self._stop(episode, "the generator stopped waiting for the episode")
+            elif kind == "ping":
+                self._reply({"pong": value})
+            else:
+                raise agent_wire.WireError(f"a request of kind {kind!r}")
+
+    def _start(self, key: int, endpoint: Endpoint, problem: Problem) -> None:
+        uid = self._guest_uid()
+        outcome_read, outcome_write = os.pipe()
+        output_read, output_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _episode(self, endpoint, problem, uid, outcome_write, output_write)
+        os.close(outcome_write)
+        os.close(output_write)
+        episode = _Episode(key, pid, outcome_read, output_read, time.monotonic() + self.spec.timeout_s, uid)
+        self.episodes[pid] = episode
+        for fd, read in ((outcome_read, self._read_outcome), (output_read, self._read_output)):
+            os.set_blocking(fd, False)
+            self.selector.register(fd, selectors.EVENT_READ, lambda read=read: read(episode))
+
+    def _guest_uid(self) -> int | None:
+        """A guest uid for the next episode, none of whose processes is left (None: episodes run as the host)."""
+        if self.users is None:
+            return None
+        uid, dirty = self.users.take()
+        if dirty:  # its last holder died holding it: its processes may be left
+            os.waitpid(_clean(uid), 0)
+        return uid
+
+    # ----------------------------------------------------------------------------------------- what episodes say
+
+    def _read_outcome(self, episode: _Episode) -> None:
+        chunk = _read(episode.outcome)
+        if chunk:
+            episode.said += chunk[: agent_wire.MAX_REPLY - len(episode.said)]
+        elif chunk is not None:  # its end: every holder of the pipe closed it
+            self._forget(episode.outcome)
+
+    def _read_output(self, episode: _Episode) -> None:
+        chunk = _read(episode.output)
+        if chunk:
+            episode.printed += chunk[: OUTPUT_SHOWN - len(episode.printed)]
+            episode.printed_total += len(chunk)
+        elif chunk is not None:
+            self._forget(episode.output)
+
+    def _forget(self, fd: int) -> None:
+        if fd in self.selector.get_map():
+            self.selector.unregister(fd)
+
+    # ------------------------------------------------------------------------------------------------ endings
+
+    def _stop(self, episode: _Episode, why: str) -> None:
+        """Kill an episode's process (and its group); its end arrives as SIGCHLD."""
+        episode.stopped = why
+        _kill(episode.pid)
+
+    def _reap(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wakeup, 4096):
+                pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in self.episodes:
+                self._finish(self.episodes.pop(pid), status)
+            elif pid in self.cleaners:
+                self.users.give_back(self.cleaners.pop(pid))
+        self._kill_strays()
+
+    def _finish(self, episode: _Episode, status: int) -> None:
+        self._read_outcome(episode)  # what it wrote before it ended; a process it left may hold the pipe open
+        self._read_output(episode)
+        for fd in (episode.outcome, episode.output):
+            self._forget(fd)
+            os.close(fd)
+        self._reply(agent_wire.ended_message(episode.key, _told(episode, status)))
+        _log_output(episode)
+        if episode.uid is not None:
+            self.cleaners[_clean(episode.uid)] = episode.uid
+
+    def _kill_strays(self) -> None:
+        """Kill every child of the host that is no running episode's process nor a cleaner: an episode's orphan,
+        come back to the host (a subreaper) once its episode's process ended."""
+        known = self.episodes.keys() | self.cleaners.keys()
+        for pid in _children() - known:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _shutdown(self) -> None:
+        """The generator is gone: end every episode and every process they started, then exit."""
+        for episode in self.episodes.values():
+            _kill(episode.pid)
+        self.episodes.clear()
+        for _ in range(_STRAY_SCANS):
+            with contextlib.suppress(ChildProcessError):
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+            if not _children():
+                break
+            self._kill_strays()
+            time.sleep(0.01)
+        for uid in list(self.users.held if self.users else ()):
+            os.waitpid(_clean(uid), 0)
+            self.users.give_back(uid)
+        sys.exit(0)
+
+    def _reply(self, message: dict) -> None:
+        data = agent_wire.frame(message)
+        while data:
+            data = data[os.write(self.replies, data) :]
 
 
 def main() -> None:
-    requests, replies = sys.stdin.fileno(), os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever an agent prints goes to the log, not into the replies
-    spec = _read(requests)
+    guests.not_dumpable()
+    guests.subreaper()
+    requests, replies = sys.stdin.fileno(), os.dup(1)
+    os.dup2(2, 1)  # whatever this process prints goes to the log, not into the replies
+    kind, value = _first_message(requests)
+    if kind != "spec":
+        raise agent_wire.WireError(f"a first message of kind {kind!r}, not the spec")
+    spec = agent_wire.spec_of(value, AgentSpec)
+    isolation = guests.isolation(sys.path)
+    if isolation.own_users:  # a guest's home is its private /tmp: so too for paths the agent's modules make as they load
+        os.environ.update(GUEST_HOME)
     agent, params, _ = load_agent(spec)
     _warm()
-    selector = selectors.DefaultSelector()
-    selector.register(requests, selectors.EVENT_READ)
-    children: dict[int, _Child] = {}
-    while True:
-        timeout = min((c.deadline for c in children.values()), default=time.monotonic() + 1.0) - time.monotonic()
-        for key, _ in selector.select(max(timeout, 0.0)):
-            if key.fileobj == requests:
-                request = _read(requests)
-                if request is None:  # the generator is gone: so are its episodes
-                    for child in children.values():
-                        _kill(child.pid)
-                    return
-                child = _start(spec, agent, params, *request, (requests, replies.fileno()))
-                children[child.outcome] = child
-                selector.register(child.outcome, selectors.EVENT_READ)
-            else:
-                child = children[key.fileobj]
-                chunk = os.read(child.outcome, _OUTCOME_BYTES)
-                child.said += chunk
-                # its outcome is one write of a few hundred bytes (atomic on a pipe): done once it reads whole,
-                # though a process the agent started may still hold the pipe open
-                if not chunk or len(child.said) > _OUTCOME_BYTES or _outcome(child.said) is not None:
-                    _finish(child, replies, selector, children, _told(child))
-        now = time.monotonic()
-        for child in [c for c in children.values() if c.deadline <= now]:
-            failure = f"the agent did not finish within task.timeout_s ({spec.timeout_s:g} s)"
-            _finish(child, replies, selector, children, {"reward": None, "failure": failure})
+    Host(spec, agent, params, isolation, requests, replies).serve()
+
+
+def _first_message(fd: int) -> tuple[str, Any]:
+    header = _exactly(fd, agent_wire.LENGTH.size)
+    return agent_wire.parse(_exactly(fd, agent_wire.size_of(header, agent_wire.MAX_REQUEST)))
+
+
+def _exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            raise EOFError("the generator closed the agent host's input before its spec")
+        data += chunk
+    return data
 
 
 def _warm() -> None:
@@ -103,64 +278,59 @@ def _warm() -> None:
         host_view()
 
 
-def _read(fd: int) -> Any:
-    """The next message on ``fd``, or None at its end."""
-    header = _exactly(fd, _LENGTH.size)
-    return None if header is None else pickle.loads(_exactly(fd, _LENGTH.unpack(header)[0]) or b"")
+# ------------------------------------------------------------------------------------------------ in an episode
 
 
-def _exactly(fd: int, size: int) -> bytes | None:
-    data = b""
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def load_agent(spec) -> tuple[Any, dict, Any]:
-    """The agent (a function, or a class's instance built once), the keyword arguments each call takes, and the
-    task a class may take."""
-    from actors import registry
-    from actors.tasks import build_task
-
-    target = registry.load("agent", spec.agent)
-    task = build_task(spec.task)
-    if not inspect.isclass(target):
-        return target, spec.params, task
-    takes_problems = "problems" in inspect.signature(target).parameters
-    return (target(**spec.params, problems=task) if takes_problems else target(**spec.params)), {}, task
-
-
-def _start(spec, agent, params: dict, key: int, endpoint, problem, host_fds: tuple[int, ...]) -> _Child:
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        _child(agent, params, endpoint, problem, write, host_fds)
-    os.close(write)
-    return _Child(key, pid, read, time.monotonic() + spec.timeout_s)
-
-
-def _child(agent, params: dict, endpoint, problem, outcome: int, host_fds: tuple[int, ...]) -> None:
-    """In the fork: run the agent and write how it ended; never returns."""
+def _episode(host: Host, endpoint: Endpoint, problem: Problem, uid: int | None, outcome: int, output: int) -> None:
+    """In the fork: become a guest, run the agent and write how it ended; never returns."""
     try:
-        os.setpgid(0, 0)  # its group: the host ends it with every process it started
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it dies with the host, however that dies
-        for fd in host_fds:
-            os.close(fd)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setpgid(0, 0)  # its group: the host ends it with every process it started and left in it
+        guests.die_with_parent()
+        _hold_only(outcome, output)
         with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as adjust:
-            adjust.write("1000")  # the first the out-of-memory killer takes
-        told = _reward(asyncio.run(_call(agent, endpoint, problem, params)))
+            adjust.write("1000")  # the first the out-of-memory killer takes (set as root: a guest cannot undo it)
+        guests.subreaper()  # its orphans stay with it while it runs, then go to the host, which kills them
+        if uid is not None:
+            guests.enter_view(host.isolation.covers)
+            guests.become(uid)
+            guests.die_with_parent()  # again: a change of uid clears it
+            os.chdir("/tmp")
+        if os.getppid() != host.pid:  # the host died before it could take this process with it
+            os._exit(1)
+        guests.drop_capabilities()
+        guests.no_new_privileges()
+        guests.not_dumpable()
+        if host.isolation.scoped:
+            guests.scope_to_episode()
+    except BaseException as error:  # noqa: BLE001  the guest could not be made: the agent never runs
+        _tell({"reward": None, "failure": f"the agent's episode could not start as a guest: {_said(error)}"})
+    try:
+        told = _reward(asyncio.run(_call(host.agent, endpoint, problem, host.params)))
     except BaseException as error:  # noqa: BLE001  whatever it raised, SystemExit and KeyboardInterrupt included
         told = {"reward": None, "failure": f"the agent raised {type(error).__name__}: {_said(error)}"}
+    _tell(told)
+
+
+def _hold_only(outcome: int, output: int) -> None:
+    """Keep the outcome pipe (as fd 3) and point stdout and stderr at the output pipe; nothing else of the host (its
+    requests and replies, the other episodes' pipes) stays open. Stdin reads nothing."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.dup2(outcome, _OUTCOME)
+    os.closerange(_OUTCOME + 1, os.sysconf("SC_OPEN_MAX"))
+
+
+def _tell(told: dict) -> None:
     with contextlib.suppress(BaseException):
-        os.write(outcome, json.dumps(told).encode()[:_OUTCOME_BYTES])
+        os.write(_OUTCOME, json.dumps(told).encode()[: agent_wire.MAX_REPLY])
     os._exit(0)
 
 
-async def _call(agent: Any, endpoint, problem, params: dict) -> Any:
+async def _call(agent: Any, endpoint: Endpoint, problem: Problem, params: dict) -> Any:
     if not callable(agent):
         raise TypeError(f"the agent is a {type(agent).__name__}, not an async function or a class")
     result = agent(endpoint, problem, **params)
@@ -193,53 +363,72 @@ def _said(error: BaseException) -> str:
         return "(its message could not be read)"
 
 
-def _told(child: _Child) -> dict:
-    """What the child wrote, or how it ended without writing."""
-    if (told := _outcome(child.said)) is not None:
-        return told
-    code = _exit_code(child.pid)
-    child.pid = 0  # reaped
-    if code is None:
-        return {"reward": None, "failure": "the agent's process closed its pipe to the host and did not return"}
+# ------------------------------------------------------------------------------------------------ in the host
+
+
+def _told(episode: _Episode, status: int) -> dict:
+    """How an episode ended: why the host stopped it, else what it wrote, else how its process ended."""
+    if episode.stopped is not None:
+        return {"reward": None, "failure": episode.stopped}
+    with contextlib.suppress(ValueError, RecursionError):  # WireError is a ValueError
+        told = json.loads(episode.said) if episode.said else None
+        if isinstance(told, dict) and told.keys() == {"reward", "failure"}:
+            _, reward, failure = agent_wire.ended_of({"key": 0, **told})
+            return {"reward": reward, "failure": failure}
+    code = os.waitstatus_to_exitcode(status)
     how = f"was killed by signal {-code}" if code < 0 else f"exited ({code})"
     return {"reward": None, "failure": f"the agent's process {how} before it returned"}
 
 
-def _outcome(said: bytes) -> dict | None:
-    with contextlib.suppress(ValueError):
-        told = json.loads(said)
-        if isinstance(told, dict) and told.keys() == {"reward", "failure"}:
-            return told
-    return None
+def _log_output(episode: _Episode) -> None:
+    """What an episode printed, to the generator's log: its first ``OUTPUT_SHOWN`` bytes, the rest counted."""
+    if not episode.printed_total:
+        return
+    text = episode.printed.decode(errors="replace").rstrip("\n")
+    hidden = episode.printed_total - len(episode.printed)
+    more = f"\n[{hidden} more bytes of its output not shown]" if hidden else ""
+    print(f"agent episode {episode.key} printed:\n{text}{more}", file=sys.stderr, flush=True)
 
 
-def _exit_code(pid: int) -> int | None:
-    """How ``pid`` ended, reaped; None if it had not ended a second after closing its pipe (killed then)."""
-    for _ in range(100):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    _kill(pid)
-    os.waitpid(pid, 0)
-    return None
+def _read(fd: int) -> bytes | None:
+    """What ``fd`` holds now: bytes, b"" at its end, None when nothing is there yet."""
+    try:
+        return os.read(fd, 2**16)
+    except BlockingIOError:
+        return None
+    except OSError as error:
+        if error.errno == errno.EBADF:
+            return b""
+        raise
 
 
-def _finish(child: _Child, replies: BinaryIO, selector, children: dict, told: dict) -> None:
-    selector.unregister(child.outcome)
-    os.close(child.outcome)
-    del children[child.outcome]
-    if child.pid:
-        _kill(child.pid)
-        os.waitpid(child.pid, 0)
-    send(replies, (child.key, told))
+def _children() -> set[int]:
+    """This process's children now."""
+    found = set()
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/self/task/{thread}/children") as children:
+                found.update(map(int, children.read().split()))
+    return found
 
 
 def _kill(pid: int) -> None:
-    """The child and every process of its group (what it started and did not move out)."""
+    """A process and every process of its group (what it started and did not move out)."""
     for target in (-pid, pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(target, signal.SIGKILL)
+
+
+def _clean(uid: int) -> int:
+    """A process that kills every process of the guest ``uid`` and exits: its pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setresuid(uid, uid, uid)  # root may signal anything: as the uid, kill(-1) reaches its processes only
+            guests.kill_all_of(uid)
+        finally:
+            os._exit(0)
+    return pid
 
 
 if __name__ == "__main__":

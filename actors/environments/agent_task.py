@@ -33,17 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import os
-import pickle
-import struct
 import sys
 from asyncio.subprocess import PIPE
 from dataclasses import dataclass, field
 from typing import Any
 
 from actors import registry
-from actors.environments.agent_host import load_agent
+from actors.environments import agent_wire, guests
 from actors.environments.openenv_task import MAX_TIMEOUT_S, OBSERVATION_ALPHABET
 from actors.tasks import Problem, Task, TaskConfig, build_task
 
@@ -51,7 +50,9 @@ NO_DEMONSTRATION = "the problem has no demonstration"  # a demonstration's outco
 # Episodes a generator process runs at once, each an agent process of its own (tens of MB once it imports its
 # client): the rest wait their turn, so a call of hundreds (a held-out evaluation) cannot exhaust the host's memory.
 AGENTS_AT_ONCE = 64
-_HOST_MARGIN_S = 30.0  # past an episode's timeout_s, how long its reply may take before the host counts as stuck
+_HOST_MARGIN_S = 30.0  # past an episode's timeout_s, how long its end may take to arrive before it is given up
+_HOST_START_S = 300.0  # the host's start: its imports, the agent's module and the warm-up, on a loaded machine
+_PONG_S = 10.0  # how long a host has to answer a ping before it counts as stuck (and is restarted)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,17 @@ class AgentTask:
         return self.spec
 
 
+def load_agent(spec: AgentSpec) -> tuple[Any, dict, Any]:
+    """The agent (a function, or a class's instance built once), the keyword arguments each call takes, and the
+    task a class may take."""
+    target = registry.load("agent", spec.agent)
+    task = build_task(spec.task)
+    if not inspect.isclass(target):
+        return target, spec.params, task
+    takes_problems = "problems" in inspect.signature(target).parameters
+    return (target(**spec.params, problems=task) if takes_problems else target(**spec.params)), {}, task
+
+
 @dataclass(frozen=True)
 class AgentOutcome:
     """What an agent's run gave: its reward (None: score the last reply) or why it failed."""
@@ -124,12 +136,15 @@ class AgentOutcome:
 
 class Agents:
     """A generator's agent code, run by an agent host (``actors/environments/agent_host.py``): each episode in a
-    process of its own, which ends whatever the agent does; the generator only waits for a reward or a failure."""
+    process of its own, as a guest (``actors/environments/guests.py``), which ends whatever the agent does; the
+    generator only waits for a reward or a failure. The process that holds one is not dumpable: its memory (the
+    episodes' keys) and its fds (the host's pipes) are closed to every process without CAP_SYS_PTRACE."""
 
     def __init__(self, spec: AgentSpec):
         # loaded here too (the host loads its own), so a mistake in the agent or its params fails now, with its own
         # error, not in every episode
         _, _, self.task = load_agent(spec)
+        guests.not_dumpable()
         self.spec = spec
         self._demonstration = registry.load("demonstration", spec.demonstration) if spec.demonstration else None
         self._host: _Host | None = None
@@ -141,11 +156,22 @@ class Agents:
         """The agent's run on ``problem`` in a process of its own, within ``timeout_s`` once it starts (at most
         ``AGENTS_AT_ONCE`` run at once)."""
         async with self._running:
-            async with self._starting:
-                if self._host is None or self._host.ended:
-                    self._host = await _Host.start(self.spec)
-                host = self._host
+            try:
+                host = await self.host()
+            except AgentHostError as error:
+                return AgentOutcome(None, str(error))
             return await host.episode(next(self._keys), endpoint, problem)
+
+    async def host(self) -> _Host:
+        """The running agent host, started (again, after one ended) by the first episode that needs it."""
+        async with self._starting:
+            if self._host is None or self._host.ended:
+                self._host = await _Host.start(self.spec)
+            return self._host
+
+    async def guarantees(self) -> str:
+        """What holds for this generator's agents (``Isolation.guarantees``), as its agent host says."""
+        return (await self.host()).guarantees
 
     def demonstration(self, problem: Problem) -> list[str] | None:
         """The replies of ``problem``'s demonstration (the task's ``demonstration``); None: it has none."""
@@ -168,12 +194,20 @@ class Agents:
             await self._host.close()
 
 
+class AgentHostError(RuntimeError):
+    """The agent host could not start or stopped answering; the message says how."""
+
+
 class _Host:
-    """A running agent host: requests out, replies matched back to the episodes that wait for them."""
+    """A running agent host: requests out, each episode's end matched back to the episode that waits for it."""
 
     def __init__(self, process: asyncio.subprocess.Process, spec: AgentSpec):
         self.process, self.spec = process, spec
         self.waiting: dict[int, asyncio.Future] = {}
+        self.pongs: dict[int, asyncio.Future] = {}
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.failure: str | None = None  # why it ended, once it has
+        self.guarantees = ""  # what holds for its agents, as it says once started
         self.reading = asyncio.ensure_future(self._read())
 
     @classmethod
@@ -183,7 +217,13 @@ class _Host:
             sys.executable, "-m", "actors.environments.agent_host", stdin=PIPE, stdout=PIPE, env=env
         )
         host = cls(process, spec)
-        host._send(spec)
+        host._send(agent_wire.spec_message(spec))
+        try:
+            async with asyncio.timeout(_HOST_START_S):
+                host.guarantees = await host.ready
+        except TimeoutError:
+            host.kill()
+            raise AgentHostError(f"the agent host did not start within {_HOST_START_S:g} s") from None
         return host
 
     @property
@@ -191,40 +231,86 @@ class _Host:
         return self.process.returncode is not None or self.reading.done()
 
     async def episode(self, key: int, endpoint: Any, problem: Problem) -> AgentOutcome:
-        self.waiting[key] = asyncio.get_running_loop().create_future()
-        self._send((key, endpoint, problem))
-        try:  # the host answers within timeout_s; past that and a margin, it is stuck
-            told = await asyncio.wait_for(self.waiting[key], self.spec.timeout_s + _HOST_MARGIN_S)
+        """The episode's end as the host tells it. An end that does not come within ``timeout_s`` and a margin fails
+        this episode only (the host is told to stop it); the host is restarted only if it stops answering."""
+        future = self.waiting[key] = asyncio.get_running_loop().create_future()
+        self._send(agent_wire.start_message(key, endpoint, problem))
+        try:
+            return await asyncio.wait_for(future, self.spec.timeout_s + _HOST_MARGIN_S)
         except TimeoutError:
-            told = {"reward": None, "failure": "the agent host did not answer; it is restarted for the next episode"}
-            self.kill()
+            self._send({"cancel": key})
+            await self._check_alive()
+            return AgentOutcome(None, f"the agent host did not tell the episode's end within task.timeout_s "
+                                      f"({self.spec.timeout_s:g} s) and {_HOST_MARGIN_S:g} s more")
         finally:
             self.waiting.pop(key, None)
-        return AgentOutcome(told["reward"], told["failure"])
 
-    def _send(self, message: Any) -> None:
-        data = pickle.dumps(message)
-        self.process.stdin.write(struct.pack("!I", len(data)) + data)
+    async def _check_alive(self) -> None:
+        """Kill the host if it does not answer a ping in time: its episodes fail, and the next one starts another."""
+        number = len(self.pongs)
+        self.pongs[number] = asyncio.get_running_loop().create_future()
+        self._send({"ping": number})
+        try:
+            await asyncio.wait_for(self.pongs[number], _PONG_S)
+        except TimeoutError:
+            self._end(f"the agent host stopped answering (no answer to a ping within {_PONG_S:g} s); it is restarted")
+            self.kill()
+
+    def _send(self, message: dict) -> None:
+        if not self.ended:
+            self.process.stdin.write(agent_wire.frame(message))
 
     async def _read(self) -> None:
+        """The host's messages, until it ends: each checked (``agent_wire``) before it is used."""
         try:
             while True:
-                header = await self.process.stdout.readexactly(4)
-                key, told = pickle.loads(await self.process.stdout.readexactly(struct.unpack("!I", header)[0]))
-                if (waiting := self.waiting.get(key)) is not None and not waiting.done():
-                    waiting.set_result(told)
+                header = await self.process.stdout.readexactly(agent_wire.LENGTH.size)
+                size = agent_wire.size_of(header, agent_wire.MAX_REPLY)
+                self._received(*agent_wire.parse(await self.process.stdout.readexactly(size)))
         except (asyncio.IncompleteReadError, ConnectionError):  # the host ended
             code = await self.process.wait()
-            failure = f"the agent host ended (exit code {code}; its error is in the generator's log)"
-            for waiting in self.waiting.values():
-                if not waiting.done():
-                    waiting.set_result({"reward": None, "failure": failure})
+            how = f"was killed by signal {-code}" if code < 0 else f"exited ({code})"
+            self._end(f"the agent host {how}; its error, if any, is in the generator's log")
+        except agent_wire.WireError as error:
+            self.kill()
+            self._end(f"the agent host sent {error}; it is restarted")
+        except Exception as error:  # noqa: BLE001  whatever went wrong here, no episode waits for ever
+            self.kill()
+            self._end(f"reading the agent host failed ({type(error).__name__}: {error}); it is restarted")
+
+    def _received(self, kind: str, value: Any) -> None:
+        if kind == "ended":
+            key, reward, failure = agent_wire.ended_of(value)
+            if (waiting := self.waiting.get(key)) is not None and not waiting.done():
+                waiting.set_result(AgentOutcome(reward, failure))
+        elif kind == "ready" and isinstance(value, dict) and isinstance(value.get("guarantees"), str):
+            self.ready.set_result(value["guarantees"])
+        elif kind == "pong" and (pong := self.pongs.get(value)) is not None and not pong.done():
+            pong.set_result(None)
+        else:
+            raise agent_wire.WireError(f"a message of kind {kind!r}")
+
+    def _end(self, failure: str) -> None:
+        """Every episode that waits fails with ``failure``, as does the host's start."""
+        self.failure = self.failure or failure
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_result(AgentOutcome(None, self.failure))
+        if not self.ready.done():
+            self.ready.set_exception(AgentHostError(self.failure))
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
 
     async def close(self) -> None:
-        self.kill()
+        """Its input closed, the host ends every episode and every process they started, then exits; killed if it
+        has not within ``_PONG_S``."""
+        if self.process.returncode is None:
+            self.process.stdin.close()
+            try:
+                await asyncio.wait_for(self.process.wait(), _PONG_S)
+            except TimeoutError:
+                self.kill()
         await self.process.wait()
         await self.reading

@@ -144,10 +144,8 @@ class EpisodeRecord:
         if not rows:
             return "the agent returned without calling the endpoint: send its requests to the base_url it is given"
         for i, row in enumerate(rows):
-            if not row.prompt_ids:
-                return f"row {i} of the episode has no prompt token: nothing predicts its first reply token"
-            if not any(row.loss_mask):
-                return f"row {i} of the episode has no token the model sampled (its replies are empty): nothing trains"
+            if (defect := row.defect()) is not None:
+                return f"row {i} of the episode cannot train: {defect}"
         return None
 
     def add(self, prompt: Prompt, reply: Trajectory, message: Message, eos_id: int | None) -> None:

@@ -84,6 +84,7 @@ class Generation:
         outcomes: list[EpisodeOutcome] | None = None,
         rewards: RewardReply | None = None,
     ):
+        _check_rows(rows, outcomes)
         columns = ("prompt_ids", "completion_ids", "logprobs", "loss_mask", "text", "versions")
         columns = [[getattr(t, c) for t in rows] for c in columns]
         return cls(*columns, per_prompt, version, seconds, load_seconds, outcomes, rewards)
@@ -249,8 +250,9 @@ class Generator(Actor):
             max_turns=spec.max_turns,
             system_prompt=spec.system_prompt,
         )
-        outcome = EpisodeOutcome(episode.reward, episode.turns, episode.done, episode.failure, policy.split)
-        return policy.trajectory(), outcome
+        trajectory = policy.trajectory()
+        failure = episode.failure or _untrainable([trajectory, *policy.split])
+        return trajectory, EpisodeOutcome(episode.reward, episode.turns, episode.done, failure, policy.split)
 
     @staticmethod
     async def _played(one: Callable, problems: list[Problem], seeds: list[int], group_size: int) -> list:
@@ -274,14 +276,14 @@ class Generator(Actor):
                 return _unplayed(NO_DEMONSTRATION)
         async with self._server.episode(turn_seeds, spec.greedy, replies) as record:
             outcome = await agents.run(self._server.endpoint(record), problem)
-        failure = record.redact(record.failure or outcome.failure)
-        if failure is None and record.turns == 0:
-            failure = "the agent returned without calling the endpoint: send its requests to the base_url it is given"
+        failure = record.redact(record.failure or outcome.failure) or record.problem()
+        rows = record.trajectories()
         reward = 0.0
         if failure is None:
             reward = outcome.reward if outcome.reward is not None else agents.score(problem, record.last_reply)
-        first, *split = record.trajectories() or [Trajectory([], [], [], [], "")]
-        rows = (first, *split)
+        else:
+            rows = [Trajectory([], [], [], [], "")]  # a failed episode never trains: nothing of it travels
+        first, *split = rows
         versions = [version for row in rows for version in row.sampled_versions()]
         oldest = min(versions, default=None)
         updated = sum(version != oldest for version in versions)
@@ -351,6 +353,12 @@ class Generator(Actor):
                 self._server, self._agent_code = server, Agents(spec)
         return self._agent_code
 
+    @concurrent_endpoint
+    async def agent_guarantees(self, spec: AgentSpec) -> str:
+        """What holds for this process's agents (``actors/environments/guests.py``), as its agent host says: the run
+        says it at its start."""
+        return await (await self._agents(spec)).guarantees()
+
     def _environments(self, spec: EpisodeSpec) -> Environments:
         """One client per environment, kept across calls: it holds the session limit."""
         if spec.environment not in self._clients:
@@ -381,6 +389,23 @@ class Generator(Actor):
     @concurrent_endpoint
     async def held_version(self) -> int | None:
         return None if self.gate.held is None else self.gate.held.version
+
+
+def _untrainable(rows: list[Trajectory]) -> str | None:
+    """Why an environment episode's rows cannot train, or None."""
+    for number, row in enumerate(rows):
+        if (defect := row.defect()) is not None:
+            return f"row {number} of the episode cannot train: {defect}"
+    return None
+
+
+def _check_rows(rows: list[Trajectory], outcomes: list[EpisodeOutcome] | None) -> None:
+    """Every row this generator sends can train, but a failed episode's (never trained): a row that cannot is this
+    process's defect, named here rather than in the trainer."""
+    for number, row in enumerate(rows):
+        failed = outcomes is not None and outcomes[number].failure is not None
+        if not failed and (defect := row.defect()) is not None:
+            raise ValueError(f"the generator made row {number}, which cannot train: {defect}")
 
 
 def _unplayed(failure: str) -> tuple[Trajectory, EpisodeOutcome]:

@@ -38,6 +38,7 @@ from actors.basics.compute import Compute  # noqa: E402
 from actors.basics.proc_info import ProcInfo  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import checkpoint_name  # noqa: E402
+from actors.environments.agent_task import AgentSpec  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator.actor import Generator  # noqa: E402
@@ -168,6 +169,8 @@ async def _run(
             await fleet.start(launcher.start(plan))
             _write_procs(run_dir.path, fleet)
             services = _services(plan, fleet)
+            if isinstance(episodes, AgentSpec):
+                await _say_guests(plan, fleet, episodes, faults)
             if services.teacher_pool is not None:
                 await board.attach(services.teacher_pool)
             context = RunContext(run_dir, bar, control, stopper, fleet)
@@ -229,6 +232,15 @@ def _episodes(task, run_dir: RunDir, cleanup: AsyncExitStack) -> EpisodeSpec | N
     log = run_dir.path / ENVIRONMENT_LOG
     server = cleanup.enter_context(EnvironmentServer(task.serve.app, task.serve.params, log))
     return task.episodes(server.url)
+
+
+async def _say_guests(plan: RunPlan, fleet: Fleet, spec: AgentSpec, faults: _FaultLog) -> None:
+    """What holds for the agents on each generator (``actors/environments/guests.py``), said once at the start."""
+    said: set[str] = set()
+    for name in plan.generator_meshes:
+        said |= set((await fleet.handle("generator", name).agent_guarantees.call(spec)).values())
+    for guarantees in sorted(said):
+        faults.guests(guarantees)
 
 
 def _failure_message(run_dir: RunDir, error: Exception, step: int | None, faults: _FaultLog) -> str:
@@ -315,6 +327,12 @@ class _FaultLog:
             for cause in failures:
                 event = {"time": time.time(), "event": "fault", "actor": "episode", "endpoint": f"step {step}"}
                 f.write(json.dumps(event | {"cause": cause, "restart": None, "seconds": 0.0}) + "\n")
+
+    def guests(self, guarantees: str) -> None:
+        """What holds for the run's agents: one line, an event."""
+        self.bar.note(f"agents: {guarantees}")
+        with (self.run_path / EVENTS).open("a") as f:
+            f.write(json.dumps({"time": time.time(), "event": "agents", "guarantees": guarantees}) + "\n")
 
     def monarch(self, failure) -> None:
         """Monarch's unhandled-fault hook: keep its report; the default hook would exit the program."""

@@ -1,0 +1,129 @@
+"""Agents are guests (``actors/environments/guests.py``): an episode reaches nothing of the generator, its agent host
+or its siblings. Real agent hosts and real guest processes (``tests/agent_hostile.py``), without a model: the agents
+never call the endpoint. Where the tests run as root they get users of their own; a second host runs as root in a user
+namespace that maps uid 0 alone (as a rootless container's may), where agents share the run's user."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from actors.environments import guests
+from actors.environments.agent_task import Agents, AgentSpec
+from actors.environments.endpoint import Endpoint
+from actors.tasks import Problem, TaskConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+ENDPOINT = Endpoint("http://127.0.0.1:9/v1", "unused")
+OWN_USERS = guests.isolation([]).own_users
+needs_own_users = pytest.mark.skipif(not OWN_USERS, reason=guests.isolation([]).guarantees())
+
+
+def agents(**params) -> Agents:
+    return Agents(AgentSpec("agent_hostile:agent", TaskConfig("math", {}), 2, 10.0, params))
+
+
+async def play(runner: Agents, *ways: str) -> list:
+    return await asyncio.gather(*(runner.run(ENDPOINT, Problem(way, "0")) for way in ways))
+
+
+@needs_own_users
+async def test_an_episode_reaches_nothing_of_the_generator_its_host_or_its_siblings():
+    """Intruders beside sleeping victims: none reads or writes the generator's, the host's or a sibling's memory,
+    environment or fds, or may signal any of them; one that kills its host is refused and its siblings finish."""
+    runner = agents()
+    try:
+        outcomes = await play(runner, *["sleeps"] * 3, "intrudes", "intrudes", "kills its host", "sleeps")
+        said = [(o.reward, o.failure) for o in outcomes]
+        assert said == [(0.5, None)] * 3 + [(1.0, None)] * 3 + [(0.5, None)], said
+    finally:
+        await runner.close()
+
+
+@needs_own_users
+async def test_each_episode_is_a_user_of_its_own_with_a_private_tmp_and_no_secret():
+    secret = Path("/root/.mesh-test-secret")
+    secret.write_text("the run's own")
+    secret.chmod(0o600)
+    runner = agents(secret=str(secret))
+    try:
+        uids = [o.reward for o in await play(runner, *["whoami"] * 6)]
+        assert len(set(uids)) == 6 and all(guests.FIRST_GUEST_UID <= u < guests.FIRST_GUEST_UID + guests.GUEST_UIDS
+                                           for u in uids), uids
+        tmp, reads = await play(runner, "private tmp", "reads a secret")
+        assert tmp.reward == 1.0, "an episode's /tmp and /dev/shm hold what it wrote alone"
+        assert reads.reward == 1.0, reads.failure
+    finally:
+        secret.unlink()
+        await runner.close()
+
+
+async def test_every_process_an_episode_starts_ends_with_it_and_its_output_is_bounded(capfd):
+    """A daemon that double-forks out of its episode's group and session is gone when the episode ends; an episode
+    that prints 13 MiB reaches the log with its first bytes and the count of the rest."""
+    runner = agents()
+    try:
+        daemon, chatty = await play(runner, "daemon", "chatty")
+        assert daemon.failure is None and chatty.reward == 1.0
+        for _ in range(100):
+            if not Path(f"/proc/{int(daemon.reward)}").exists():
+                break
+            await asyncio.sleep(0.02)
+        assert not Path(f"/proc/{int(daemon.reward)}").exists(), "a process outlived its episode"
+        err = capfd.readouterr().err
+        assert "[13627405 more bytes of its output not shown]" in err and len(err) < 2**16
+    finally:
+        await runner.close()
+
+
+SHARED = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    sys.path[:0] = [{tests!r}, {root!r}]
+    from actors.environments.agent_task import Agents, AgentSpec
+    from actors.environments.endpoint import Endpoint
+    from actors.tasks import Problem, TaskConfig
+
+    async def main():
+        runner = Agents(AgentSpec("agent_hostile:agent", TaskConfig("math", {{}}), 2, 10.0, {{}}))
+        endpoint = Endpoint("http://127.0.0.1:9/v1", "unused")
+        told = [await runner.guarantees()]
+        for ways in (["intrudes", "sleeps", "sleeps"], ["kills its host", "sleeps"], ["sleeps"]):
+            outcomes = await asyncio.gather(*(runner.run(endpoint, Problem(w, "0")) for w in ways))
+            told.append([[o.reward, o.failure] for o in outcomes])
+        await runner.close()
+        print(json.dumps(told))
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and util-linux unshare")
+def test_where_agents_share_the_run_s_user_the_run_says_so_and_what_holds():
+    """Root in a user namespace that maps uid 0 alone cannot give episodes users of their own. The host says so, and
+    what then holds does: an agent reads nothing of its host's, the generator's or its siblings' memory or fds, and
+    signals none of them where Landlock scopes its episode; where it cannot, one that kills its host fails the
+    episodes the host held, and the next episode has a new host."""
+    script = SHARED.format(tests=str(ROOT / "tests"), root=str(ROOT))
+    result = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", script],
+                            check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    guarantees, intruded, killed, after = json.loads(result.stdout.splitlines()[-1])
+    assert guarantees.startswith("the generator's user namespace maps too few uids"), guarantees
+    reached = intruded[0][1] or ""
+    assert "mem" not in reached and "environ" not in reached and "fd" not in reached, reached
+    if guests.landlock_abi() >= 6:
+        assert "cannot signal a process" in guarantees and intruded[0] == [1.0, None] and killed[0] == [1.0, None]
+    else:
+        assert "can signal its agent host" in guarantees and "signals" in reached
+        assert all(failure and "the agent host was killed by signal 9" in failure for _, failure in killed), killed
+    assert after == [[0.5, None]]
