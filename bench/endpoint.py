@@ -19,10 +19,12 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
+from actors.contract.rollouts import Trajectory
 from actors.environments.endpoint import SERVED_MODEL, ChatServer
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
@@ -44,41 +46,38 @@ async def direct(engine: HFEngine, seed: int) -> float:
     return time.perf_counter() - start
 
 
-async def through_endpoint(server: ChatServer, client, seed: int) -> float:
+async def through_endpoint(server: ChatServer, seed: int) -> float:
+    """One episode's turn through a client of its own, as an agent's (a connection serves one episode's key)."""
+    from openai import AsyncOpenAI
+
     async with server.episode([seed], False) as record:
-        start = time.perf_counter()
-        await client.with_options(api_key=record.key).chat.completions.create(
-            model=SERVED_MODEL, messages=MESSAGES, logprobs=True
-        )
-        return time.perf_counter() - start
+        endpoint = server.endpoint(record)
+        async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+            start = time.perf_counter()
+            await client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, logprobs=True)
+            return time.perf_counter() - start
 
 
 async def measure(engine: HFEngine, requests: int) -> dict:
-    from openai import AsyncOpenAI
-
     tokens = engine.sampling.max_new_tokens
-    async def sample(ids: list[int], seed: int, greedy: bool):
-        return await engine.continue_from(ids, seed, greedy), 0
+
+    async def sample(ids: list[int], seed: int, greedy: bool) -> Trajectory:
+        reply = await engine.continue_from(ids, seed, greedy)
+        return replace(reply, versions=[0] * len(reply.completion_ids))
 
     server = ChatServer(engine.tokenizer, sample, positions=2048, max_new_tokens=tokens)
     await server.start()
-    base_url = f"http://127.0.0.1:{server.port}/v1"  # the key names the episode: one client for all
-    client = AsyncOpenAI(base_url=base_url, api_key="per request", max_retries=0)
     seeds = sampling_seeds(0, "bench", requests)
     one = {"direct": [], "endpoint": []}
     for seed in seeds:  # interleaved, one at a time
         one["direct"].append(await direct(engine, seed))
-        one["endpoint"].append(await through_endpoint(server, client, seed))
+        one["endpoint"].append(await through_endpoint(server, seed))
     together = {}
     for way in ("direct", "endpoint"):
         start = time.perf_counter()
-        calls = [
-            direct(engine, s) if way == "direct" else through_endpoint(server, client, s)
-            for s in seeds[:CONCURRENT]
-        ]
+        calls = [direct(engine, s) if way == "direct" else through_endpoint(server, s) for s in seeds[:CONCURRENT]]
         await asyncio.gather(*calls)
         together[way] = time.perf_counter() - start
-    await client.close()
     await server.stop()
     median = {way: statistics.median(times) for way, times in one.items()}
     return {

@@ -39,7 +39,11 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_agents_that_misbehave_fail_only_their_episodes_and_say_why(tmp_path):
     """One agent per way to misbehave (tests/agent_faults.py): the run goes on. Collected by step, so each step
     reports all of its own failures (by group, a step takes what finished first and a hung episode is seldom in).
-    Their demonstrations fail with them, and so do those of a demonstration that raises or returns no list."""
+    Their demonstrations fail with them, and so do those of a demonstration that raises or returns no list. Two ways
+    are hostile: one reads, writes and signals the generator's, its host's and its siblings' processes and leaves a
+    request unanswered; one floods the endpoint with keyless connections and its own requests and leaves a daemon.
+    Each fails its own episode at most: the victims (the targets 9 in both steps) finish, and no episode fails of
+    anything but its own agent's doing."""
     settings = [f"task.agent={FAULTS}", "task.timeout_s=10", "loop.steps=2", *DEMONSTRATED]
     settings.append("task.demonstration=tests.agent_faults:demonstration")
     result, run_dir = run_cli(tmp_path, *settings, "loop.prompts_per_step=10", "loop.evaluation.every=0")
@@ -48,7 +52,7 @@ def test_agents_that_misbehave_fail_only_their_episodes_and_say_why(tmp_path):
     assert [row["step"] for row in rows] == [0, 1] and all(row["episodes/failed"] > 0 for row in rows)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     causes = {event["cause"] for event in events if event["event"] == "fault"}
-    print([row["episodes/failed"] for row in rows], sorted(causes))
+    assert [event["event"] for event in events].count("agents") == 1  # what holds for them, said at the start
     expected = [
         "the agent raised ValueError: the agent's tool exploded",
         "the agent did not finish within task.timeout_s (10 s)",
@@ -62,6 +66,14 @@ def test_agents_that_misbehave_fail_only_their_episodes_and_say_why(tmp_path):
     ]
     for said in expected:
         assert any(said in cause for cause in causes), (said, causes)
+    took_none = "the agent asked for 1 turn(s) but took no answer"  # the one that leaves a request unanswered
+    assert any(took_none in cause for cause in causes), causes
+    greedy_shown = "a demonstration writes every reply its agent asks for"  # the greedy agent's, demonstrated
+    allowed = [*expected, took_none, greedy_shown]
+    unexpected = [cause for cause in causes if not any(said in cause for said in allowed)]
+    assert unexpected == [], "an episode failed of another's doing, or a hostile agent reached what is not its own"
+    victims = 8  # two groups of 4 of the target 9 in each step
+    assert all(row["episodes/failed"] <= 40 - victims for row in rows), rows
     assert "Traceback" not in result.stderr
 
 

@@ -7,14 +7,14 @@ task and (a class agent) its instance, once; then for each episode asked for it 
 
     generator ── start (key, endpoint, problem) ──▶ host ── fork ──▶ episode: the agent, as a guest
         ▲                JSON, length-prefixed       │ ◀── its outcome (JSON), its output (bounded) ─┘
-        └──────────── ended (key, reward | failure) ─┘  kills it at timeout_s; its strays; its uid's processes
+        └──────────── ended (key, reward | failure) ─┘  kills it at timeout_s, and what it left
 
 The host's loop never waits on one episode: every fd it reads is non-blocking, a child's end arrives as SIGCHLD, and
 each episode's deadline is the loop's own timer. Whatever an agent does ends with its episode: an exit, any
 exception, a hang or a spin (killed at ``timeout_s``), memory (the out-of-memory killer takes an agent first), and
 every process it started, double-forked or in a session of its own: orphans come back to the episode's process
 while it lives (a subreaper), then to the host, which kills every child that is not a running episode's; where
-episodes have users of their own, every process of the episode's uid is killed before the uid is used again. What an
+episodes have users of their own, an episode's uid is used again only once no process of it is left. What an
 episode prints is kept up to ``OUTPUT_SHOWN`` bytes and counted past that. The host and its generator are not
 dumpable, and an episode holds no fd of theirs: nothing an agent does reaches either, and both read only JSON.
 """
@@ -77,7 +77,7 @@ class Host:
                 os.waitpid(_clean(uid), 0)
                 self.users.give_back(uid)
         self.episodes: dict[int, _Episode] = {}  # by pid
-        self.cleaners: dict[int, int] = {}  # a killer of a guest uid's processes (pid) -> that uid
+        self.draining: set[int] = set()  # guest uids whose episode ended, back to the pool once no process has them
         self.frames = agent_wire.Frames(agent_wire.MAX_REQUEST)
         self.selector = selectors.DefaultSelector()
         self.wakeup, wakeup_write = os.pipe()
@@ -120,10 +120,20 @@ class Host:
                 raise agent_wire.WireError(f"a request of kind {kind!r}")
 
     def _start(self, key: int, endpoint: Endpoint, problem: Problem) -> None:
-        uid = self._guest_uid()
-        outcome_read, outcome_write = os.pipe()
-        output_read, output_write = os.pipe()
-        pid = os.fork()
+        pipes, uid = [], None
+        try:
+            uid = self._guest_uid()
+            pipes += os.pipe()
+            pipes += os.pipe()
+            outcome_read, outcome_write, output_read, output_write = pipes
+            pid = os.fork()
+        except (guests.GuestError, OSError) as error:  # no uid, fd or process left for it: this episode fails alone
+            for fd in pipes:
+                os.close(fd)
+            if uid is not None:
+                self.users.give_back(uid)
+            failure = f"the agent's episode could not start: {error}"
+            return self._reply(agent_wire.ended_message(key, {"reward": None, "failure": failure}))
         if pid == 0:
             _episode(self, endpoint, problem, uid, outcome_write, output_write)
         os.close(outcome_write)
@@ -184,9 +194,10 @@ class Host:
                 break
             if pid in self.episodes:
                 self._finish(self.episodes.pop(pid), status)
-            elif pid in self.cleaners:
-                self.users.give_back(self.cleaners.pop(pid))
-        self._kill_strays()
+        left = self._kill_strays()
+        for uid in self.draining - left:
+            self.draining.remove(uid)
+            self.users.give_back(uid)
 
     def _finish(self, episode: _Episode, status: int) -> None:
         self._read_outcome(episode)  # what it wrote before it ended; a process it left may hold the pipe open
@@ -194,18 +205,22 @@ class Host:
         for fd in (episode.outcome, episode.output):
             self._forget(fd)
             os.close(fd)
+        _log_output(episode)  # before its end is told: the log holds what an episode printed once it has ended
         self._reply(agent_wire.ended_message(episode.key, _told(episode, status)))
-        _log_output(episode)
         if episode.uid is not None:
-            self.cleaners[_clean(episode.uid)] = episode.uid
+            self.draining.add(episode.uid)
 
-    def _kill_strays(self) -> None:
-        """Kill every child of the host that is no running episode's process nor a cleaner: an episode's orphan,
-        come back to the host (a subreaper) once its episode's process ended."""
-        known = self.episodes.keys() | self.cleaners.keys()
-        for pid in _children() - known:
+    def _kill_strays(self) -> set[int]:
+        """Kill every child of the host that is no running episode's process: an orphan of an episode, come back to
+        the host (a subreaper) once its episode's process ended. The uids of those killed (being reaped): once none
+        is left, no process of that uid is (every one descends from its episode's process, which has ended, through
+        strays), and the uid may be used again."""
+        left = set()
+        for pid in _children() - self.episodes.keys():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+                left.add(_uid_of(pid))
+        return left
 
     def _shutdown(self) -> None:
         """The generator is gone: end every episode and every process they started, then exit."""
@@ -417,6 +432,16 @@ def _kill(pid: int) -> None:
     for target in (-pid, pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(target, signal.SIGKILL)
+
+
+def _uid_of(pid: int) -> int | None:
+    """The real uid of process ``pid`` (its /proc directory's owner says nothing of a process that is not dumpable)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    return None
 
 
 def _clean(uid: int) -> int:

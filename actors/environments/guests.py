@@ -14,9 +14,10 @@ most containers), each episode therefore runs as a user of its own::
 
 A guest uid comes from a pool of ``GUEST_UIDS`` uids far above any real user's, each taken under a lock file of its
 own (``GUEST_LOCKS``), so concurrent runs on one host never share one. Its processes and threads together are
-bounded by ``GUEST_PROCESSES`` (RLIMIT_NPROC counts per uid), and when its episode ends every process of that uid
-is killed at once (``kill(-1)`` as the uid: double-forked and ``setsid`` processes included), before the uid goes
-back to the pool; a uid whose holder died without that is cleaned before its next use.
+bounded by ``GUEST_PROCESSES`` (RLIMIT_NPROC counts per uid). A uid goes back to the pool once no process of it is
+left: every one descends from its episode's process, and once that has ended, from the agent host (a subreaper),
+which kills them; a uid whose host died holding it has every process killed at once (``kill(-1)`` as the uid,
+double-forked and ``setsid`` ones included) before its next use.
 
 Where the generator cannot switch users (it is not root), agents run as the run's own user: the generator, the
 agent host and each episode are not dumpable (so their memory and fds are closed to a sibling that has not
