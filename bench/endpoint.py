@@ -19,6 +19,8 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,16 +48,21 @@ async def direct(engine: HFEngine, seed: int) -> float:
     return time.perf_counter() - start
 
 
-async def through_endpoint(server: ChatServer, seed: int) -> float:
-    """One episode's turn through a client of its own, as an agent's (a connection serves one episode's key)."""
+@asynccontextmanager
+async def episode_client(server: ChatServer, seed: int) -> AsyncIterator:
+    """An open episode and a client of its own, as an agent's (a connection serves one episode's key)."""
     from openai import AsyncOpenAI
 
     async with server.episode([seed], False) as record:
         endpoint = server.endpoint(record)
         async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
-            start = time.perf_counter()
-            await client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, logprobs=True)
-            return time.perf_counter() - start
+            yield client
+
+
+async def through_endpoint(client) -> float:
+    start = time.perf_counter()
+    await client.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, logprobs=True)
+    return time.perf_counter() - start
 
 
 async def measure(engine: HFEngine, requests: int) -> dict:
@@ -71,13 +78,16 @@ async def measure(engine: HFEngine, requests: int) -> dict:
     one = {"direct": [], "endpoint": []}
     for seed in seeds:  # interleaved, one at a time
         one["direct"].append(await direct(engine, seed))
-        one["endpoint"].append(await through_endpoint(server, seed))
-    together = {}
-    for way in ("direct", "endpoint"):
+        async with episode_client(server, seed) as client:
+            one["endpoint"].append(await through_endpoint(client))
+    start = time.perf_counter()
+    await asyncio.gather(*(direct(engine, s) for s in seeds[:CONCURRENT]))
+    together = {"direct": time.perf_counter() - start}
+    async with AsyncExitStack() as episodes:  # the clients made first: their making is no request's
+        clients = [await episodes.enter_async_context(episode_client(server, s)) for s in seeds[:CONCURRENT]]
         start = time.perf_counter()
-        calls = [direct(engine, s) if way == "direct" else through_endpoint(server, s) for s in seeds[:CONCURRENT]]
-        await asyncio.gather(*calls)
-        together[way] = time.perf_counter() - start
+        await asyncio.gather(*(through_endpoint(client) for client in clients))
+        together["endpoint"] = time.perf_counter() - start
     await server.stop()
     median = {way: statistics.median(times) for way, times in one.items()}
     return {

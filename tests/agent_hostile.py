@@ -107,6 +107,17 @@ async def agent(endpoint, problem, way: str | None = None, secret: str | None = 
         for _ in range(13):
             print("x" * 2**20, flush=True)
         return 1.0
+    if way == "holds":  # what it holds of the host: its own output and outcome pipes, no other
+        links = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own, closed by now
+                pass
+        return float(len({link for link in links if link.startswith("pipe:")}))
+    if way == "closes its pipe":  # and stays: the host then has nothing to read from it until it is killed
+        os.close(3)
+        time.sleep(1000)
     if way == "sleeps":
         await asyncio.sleep(1.0)
         return 0.5

@@ -27,8 +27,8 @@ OWN_USERS = guests.isolation([]).own_users
 needs_own_users = pytest.mark.skipif(not OWN_USERS, reason=guests.isolation([]).guarantees())
 
 
-def agents(**params) -> Agents:
-    return Agents(AgentSpec("agent_hostile:agent", TaskConfig("math", {}), 2, 10.0, params))
+def agents(timeout_s: float = 10.0, **params) -> Agents:
+    return Agents(AgentSpec("agent_hostile:agent", TaskConfig("math", {}), 2, timeout_s, params))
 
 
 async def play(runner: Agents, *ways: str) -> list:
@@ -82,6 +82,45 @@ async def test_every_process_an_episode_starts_ends_with_it_and_its_output_is_bo
         assert "[13627405 more bytes of its output not shown]" in err and len(err) < 2**16
     finally:
         await runner.close()
+
+
+async def test_the_host_waits_on_no_episode_and_an_episode_holds_no_fd_of_the_host_or_a_sibling():
+    """Eight episodes that close their outcome pipe and hang beside one that sleeps a second: all end in time, as the
+    host reads every episode without blocking (it once waited up to a second on each such episode). Each episode
+    holds two pipes, its output and its outcome, none of its host's or its siblings'."""
+    runner = agents(timeout_s=3.0)
+    try:
+        await runner.host()
+        holds = asyncio.ensure_future(play(runner, "holds", "holds"))
+        start = asyncio.get_running_loop().time()
+        *closed, sleeper = await play(runner, *["closes its pipe"] * 8, "sleeps")
+        assert sleeper.reward == 0.5 and asyncio.get_running_loop().time() - start < 3.0 + 2
+        assert all(o.failure == "the agent did not finish within task.timeout_s (3 s)" for o in closed), closed
+        assert [o.reward for o in await holds] == [2.0, 2.0]
+    finally:
+        await runner.close()
+
+
+def test_nothing_the_host_says_is_used_before_it_is_checked():
+    """What the generator reads from its agent host is JSON of one schema within a size: a pickle, an oversized
+    frame, a reward that is not a finite number or a failure too long are refused, never run or used."""
+    import pickle
+
+    from actors.environments import agent_wire
+
+    with pytest.raises(agent_wire.WireError, match="not JSON"):
+        agent_wire.parse(pickle.dumps(("key", {"reward": 1.0})))
+    with pytest.raises(agent_wire.WireError, match="over the 65536 allowed"):
+        agent_wire.Frames(agent_wire.MAX_REPLY).feed(agent_wire.LENGTH.pack(2**20) + b"{")
+    for bad in ({"key": 1, "reward": "1", "failure": None}, {"key": 1, "reward": None, "failure": "x" * 5000},
+                {"key": 1, "reward": 1.0}, {"key": "1", "reward": 1.0, "failure": None}):
+        with pytest.raises(agent_wire.WireError):
+            agent_wire.ended_of(bad)
+    assert agent_wire.ended_of({"key": 3, "reward": 1, "failure": None}) == (3, 1.0, None)
+    frames = agent_wire.Frames(agent_wire.MAX_REPLY)
+    whole = agent_wire.frame({"ended": {"key": 3, "reward": None, "failure": "x"}})
+    assert frames.feed(whole[:5]) == [] and frames.feed(whole[5:]) == [("ended", {"key": 3, "reward": None,
+                                                                                   "failure": "x"})]
 
 
 SHARED = textwrap.dedent(

@@ -256,7 +256,7 @@ def main() -> None:
         raise agent_wire.WireError(f"a first message of kind {kind!r}, not the spec")
     spec = agent_wire.spec_of(value, AgentSpec)
     isolation = guests.isolation(sys.path)
-    if isolation.own_users:  # a guest's home is its private /tmp: so too for paths the agent's modules make as they load
+    if isolation.own_users:  # a guest's home is its private /tmp: so too for paths its modules make as they load
         os.environ.update(GUEST_HOME)
     agent, params, _ = load_agent(spec)
     _warm()

@@ -6,11 +6,11 @@ keys, write into its host's pipes and kill its host. Where the generator can swi
 most containers), each episode therefore runs as a user of its own::
 
     agent host (root, not dumpable) ──fork──▶ episode: its own mount namespace, then a guest uid of the pool
-                                                 ├── no capabilities, no new privileges, not dumpable
-                                                 ├── a private /tmp (its HOME) and /dev/shm, empty at its start
-                                                 └── of the host's files: what other users may read; directories on
-                                                     its Python path that others may not enter are shown as a
-                                                     tmpfs holding only the entries on that path
+                                               ├── no capabilities, no new privileges, not dumpable
+                                               ├── a private /tmp (its HOME) and /dev/shm, empty at its start
+                                               └── of the host's files: what other users may read; directories on
+                                                   its Python path that others may not enter are shown as a
+                                                   tmpfs holding only the entries on that path
 
 A guest uid comes from a pool of ``GUEST_UIDS`` uids far above any real user's, each taken under a lock file of its
 own (``GUEST_LOCKS``), so concurrent runs on one host never share one. Its processes and threads together are
@@ -350,8 +350,8 @@ def _private_directory(path: str) -> None:
     for directory in (path, os.path.dirname(path)):
         info = os.lstat(directory)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+            what = f"owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):04o}"
             raise GuestError(
                 f"{directory} holds the locks of the agents' guest uids, so only root may write it, but it is "
-                f"{'not a directory' if not stat.S_ISDIR(info.st_mode) else f'owned by uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):04o}'}; "
-                f"remove it (the run makes it again)"
+                f"{what if stat.S_ISDIR(info.st_mode) else 'not a directory'}; remove it (the run makes it again)"
             )

@@ -10,8 +10,9 @@ caller moves it into meanwhile holds every process of the call.
 It becomes four processes. The first stays outside: it forks the second into new namespaces and maps the second's
 ids from outside, since only there may it map more than its own uid (nobody's, for the code). The second waits, and
 passes the caller's SIGTERM on as a SIGKILL of the third, which is pid 1 of the new PID namespace: it builds the
-root, runs the code in a child of its own and writes that child's wait status to the status pipe. When pid 1 exits, the kernel kills whatever the code left. A setup step that fails writes
-``setup {"errno", "step", "error"}`` instead, before any code runs. The code cannot forge either message, since its
+root, runs the code in a child of its own and writes that child's wait status to the status pipe. When pid 1 exits,
+the kernel kills whatever the code left. A setup step that fails writes ``setup {"errno", "step", "error"}``
+instead, before any code runs. The code cannot forge either message, since its
 process closes every fd but stdin, stdout and stderr before the code starts.
 """
 
