@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from actors.environments.examples.tool_agents import make_number, make_number_demonstration
@@ -107,9 +106,12 @@ def demonstration(problem):
 async def all_but(endpoint, problem, spared: str, way: str, mark: str | None = None):
     """Every episode misbehaves ``way`` (one of ``agent``'s), but those of the prompt ``spared`` play
     ``make_number``: collected by group, the first group of the stream succeeds and every later one fails.
-    ``mark``: a file made as an episode begins (a test waits for it)."""
+    ``mark``: ``host:port``, connected to as an episode begins (a test waits for it; a guest writes no file of the
+    run's)."""
     if mark is not None:
-        Path(mark).touch()
+        host, port = mark.rsplit(":", 1)
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.close()
     return await agent(endpoint, problem, "fine" if problem.prompt == spared else way)
 
 

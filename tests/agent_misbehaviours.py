@@ -63,3 +63,14 @@ async def agent(endpoint, problem, way: str | None = None):
             time.sleep(1000)
         return 1.0
     return {"huge": 10**400, "nan": math.nan, "unreadable": Unreadable(), "text": "yes", "fine": 0.25}[way]
+
+
+class FailsInItsHost:
+    """A class agent whose construction fails in the agent host alone (the generator builds one first, to check it)."""
+
+    def __init__(self):
+        if sys.argv[0].endswith("agent_host.py"):
+            raise RuntimeError("this machine lacks what the agent needs")
+
+    async def __call__(self, endpoint, problem):
+        return 1.0

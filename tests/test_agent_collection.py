@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -77,15 +79,18 @@ def test_a_first_sigterm_ends_a_step_the_running_groups_cannot_finish(tmp_path):
     """The first group succeeds and every later one hangs until task.timeout_s. A first SIGTERM stops the pool
     starting groups: once those running have failed, step 0 cannot be filled and the run stops at once with the
     signal's own line (before: "stopping after this step", and the step never came)."""
-    mark = tmp_path / "started"
-    params = f"task.params={{spared: '{spared_prompt()}', way: hang, mark: '{mark}'}}"
+    mark = socket.create_server(("127.0.0.1", 0))  # an episode connects to it as it begins
+    mark.setblocking(False)
+    host, port = mark.getsockname()
+    params = f"task.params={{spared: '{spared_prompt()}', way: hang, mark: '{host}:{port}'}}"
     process = started(tmp_path, *BY_GROUP, params, "task.timeout_s=10")
     try:
-        wait_until(mark.exists, process)
+        wait_until(lambda: bool(select.select([mark], [], [], 0)[0]), process)
         process.send_signal(signal.SIGTERM)  # the episodes run: the controller's loop is training step 0
         _, err = process.communicate(timeout=120)
     finally:
         process.kill()
+        mark.close()
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
     nothing = f"stopped: SIGTERM: the run in {run_of(tmp_path)} stopped before its first checkpoint; there is nothing"
     assert "SIGTERM: stopping after this step with a checkpoint" in err

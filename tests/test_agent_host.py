@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.environments.agent_task import Agents, AgentSpec
+from actors.environments.agent_task import AgentOutcome, Agents, AgentSpec
 from actors.environments.endpoint import Endpoint
 from actors.tasks import Problem, TaskConfig
 
@@ -142,3 +142,13 @@ async def test_a_host_that_dies_fails_its_episodes_and_the_next_episode_has_a_ne
 def test_a_mistake_in_the_agent_fails_as_it_is_loaded():
     with pytest.raises(TypeError, match=r"Unreadable\(\) takes no arguments"):
         Agents(AgentSpec("agent_misbehaviours:Unreadable", TaskConfig("math", {}), 2, TIMEOUT_S, {"way": "x"}))
+
+
+async def test_a_host_that_cannot_start_fails_its_episodes_with_its_own_cause():
+    runner = Agents(AgentSpec("agent_misbehaviours:FailsInItsHost", TaskConfig("math", {}), 2, TIMEOUT_S))
+    try:
+        outcome = await runner.run(ENDPOINT, Problem("1+1", "2"))
+        said = "the agent host could not start: RuntimeError: this machine lacks what the agent needs"
+        assert outcome == AgentOutcome(None, said)
+    finally:
+        await runner.close()

@@ -251,6 +251,17 @@ def main() -> None:
     guests.subreaper()
     requests, replies = sys.stdin.fileno(), os.dup(1)
     os.dup2(2, 1)  # whatever this process prints goes to the log, not into the replies
+    try:
+        host = _started(requests, replies)
+    except Exception as error:  # noqa: BLE001  its own cause, told to the generator, which fails its episodes with it
+        said = f"the agent host could not start: {type(error).__name__}: {_said(error)}"
+        os.write(replies, agent_wire.frame({"failed": said}))
+        raise
+    host.serve()
+
+
+def _started(requests: int, replies: int) -> Host:
+    """The host, its spec read, its isolation found and its agent loaded."""
     kind, value = _first_message(requests)
     if kind != "spec":
         raise agent_wire.WireError(f"a first message of kind {kind!r}, not the spec")
@@ -260,7 +271,7 @@ def main() -> None:
         os.environ.update(GUEST_HOME)
     agent, params, _ = load_agent(spec)
     _warm()
-    Host(spec, agent, params, isolation, requests, replies).serve()
+    return Host(spec, agent, params, isolation, requests, replies)
 
 
 def _first_message(fd: int) -> tuple[str, Any]:

@@ -285,6 +285,8 @@ class _Host:
                 waiting.set_result(AgentOutcome(reward, failure))
         elif kind == "ready" and isinstance(value, dict) and isinstance(value.get("guarantees"), str):
             self.ready.set_result(value["guarantees"])
+        elif kind == "failed" and isinstance(value, str):
+            self._end(value[: agent_wire.MAX_FAILURE])
         elif kind == "pong" and (pong := self.pongs.get(value)) is not None and not pong.done():
             pong.set_result(None)
         else:

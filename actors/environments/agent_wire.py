@@ -11,6 +11,7 @@ anything of it is used: nothing either side reads can run code, whoever managed 
 and the host answers::
 
     {"ready": {"guarantees": str}}                       once started: what holds for its agents (``guests.py``)
+    {"failed": str}                                      instead, when it cannot start: why
     {"ended": {"key": int, "reward": float | null, "failure": str | null}}
     {"pong": int}
 """
