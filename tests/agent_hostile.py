@@ -103,6 +103,9 @@ async def agent(endpoint, problem, way: str | None = None, secret: str | None = 
         return float(len(os.listdir("/tmp")) + len(os.listdir("/dev/shm")))
     if way == "daemon":
         return float(daemon())
+    if way == "daemon, then waits":
+        daemon()
+        await asyncio.sleep(1000)
     if way == "chatty":
         for _ in range(13):
             print("x" * 2**20, flush=True)

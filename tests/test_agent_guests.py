@@ -31,6 +31,21 @@ def agents(timeout_s: float = 10.0, **params) -> Agents:
     return Agents(AgentSpec("agent_hostile:agent", TaskConfig("math", {}), 2, timeout_s, params))
 
 
+def guest_processes() -> set[int]:
+    """Live processes of a guest uid on this host now (a killed one may stay a zombie a moment)."""
+    found = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+            uid, state = int(fields["Uid"].split()[0]), fields["State"].split()[0]
+        except (OSError, KeyError, ValueError):
+            continue
+        if state != "Z" and guests.FIRST_GUEST_UID <= uid < guests.FIRST_GUEST_UID + guests.GUEST_UIDS:
+            found.add(int(entry))
+    return found
+
+
 async def play(runner: Agents, *ways: str) -> list:
     return await asyncio.gather(*(runner.run(ENDPOINT, Problem(way, "0")) for way in ways))
 
@@ -63,6 +78,33 @@ async def test_each_episode_is_a_user_of_its_own_with_a_private_tmp_and_no_secre
         assert reads.reward == 1.0, reads.failure
     finally:
         secret.unlink()
+        await runner.close()
+
+
+@needs_own_users
+async def test_what_a_killed_host_left_is_killed_before_its_uid_is_used_again():
+    """A host killed while its episode's daemon runs leaves that daemon (as its uid) behind; the next host finds
+    the uid its predecessor died holding and kills every process of it before anything else."""
+    runner, before = agents(), guest_processes()
+    try:
+        host = await runner.host()
+        running = asyncio.ensure_future(runner.run(ENDPOINT, Problem("daemon, then waits", "0")))
+        for _ in range(200):
+            if len(guest_processes() - before) >= 2:  # the episode and its daemon
+                break
+            await asyncio.sleep(0.02)
+        host.process.kill()
+        assert "killed by signal 9" in (await running).failure
+        await asyncio.sleep(0.2)  # the episode goes with its host (its parent-death signal); its daemon stays
+        left = guest_processes() - before
+        assert left, "the daemon did not outlive its host, so nothing is left to clean"
+        assert (await runner.run(ENDPOINT, Problem("sleeps", "0"))).reward == 0.5  # a new host
+        for _ in range(100):  # killed as it started; the kernel may take a moment to end them
+            if not left & guest_processes():
+                break
+            await asyncio.sleep(0.02)
+        assert not left & guest_processes(), "the new host left its predecessor's processes running"
+    finally:
         await runner.close()
 
 

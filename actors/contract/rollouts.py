@@ -85,6 +85,14 @@ class Trajectory:
             return f"its per-token lists ({lengths}) do not match its {tokens} tokens"
         return None
 
+    @staticmethod
+    def untrainable(rows: list[Trajectory]) -> str | None:
+        """Why an episode's rows cannot train (the first row's ``defect``), or None."""
+        for number, row in enumerate(rows):
+            if (defect := row.defect()) is not None:
+                return f"row {number} of the episode cannot train: {defect}"
+        return None
+
     @classmethod
     def single_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], text: str):
         """A completion the model wrote in one go: every token is its own."""

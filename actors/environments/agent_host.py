@@ -43,7 +43,6 @@ from actors.tasks import Problem
 _SAID = 500  # the most characters of an agent's exception that reach its failure
 OUTPUT_SHOWN = 4096  # bytes of what an episode prints that reach the generator's log; the rest is counted
 _OUTCOME = 3  # the fd an episode writes its outcome to
-GUEST_HOME = {"HOME": "/tmp", "TMPDIR": "/tmp", "XDG_CACHE_HOME": "/tmp/.cache"}
 _STRAY_SCANS = 100  # at shutdown: passes over the host's children, 10 ms apart, until none is left
 
 
@@ -74,7 +73,7 @@ class Host:
         if self.isolation.own_users:
             self.users = guests.GuestUsers(self.isolation.first_uid)
             for uid in self.users.left_dirty():  # an earlier host's, which died holding them
-                os.waitpid(_clean(uid), 0)
+                _clean(uid)
                 self.users.give_back(uid)
         self.episodes: dict[int, _Episode] = {}  # by pid
         self.draining: set[int] = set()  # guest uids whose episode ended, back to the pool once no process has them
@@ -150,7 +149,7 @@ class Host:
             return None
         uid, dirty = self.users.take()
         if dirty:  # its last holder died holding it: its processes may be left
-            os.waitpid(_clean(uid), 0)
+            _clean(uid)
         return uid
 
     # ----------------------------------------------------------------------------------------- what episodes say
@@ -236,7 +235,7 @@ class Host:
             self._kill_strays()
             time.sleep(0.01)
         for uid in list(self.users.held if self.users else ()):
-            os.waitpid(_clean(uid), 0)
+            _clean(uid)
             self.users.give_back(uid)
         sys.exit(0)
 
@@ -268,7 +267,7 @@ def _started(requests: int, replies: int) -> Host:
     spec = agent_wire.spec_of(value, AgentSpec)
     isolation = guests.isolation(sys.path)
     if isolation.own_users:  # a guest's home is its private /tmp: so too for paths its modules make as they load
-        os.environ.update(GUEST_HOME)
+        os.environ.update(guests.GUEST_HOME)
     agent, params, _ = load_agent(spec)
     _warm()
     return Host(spec, agent, params, isolation, requests, replies)
@@ -455,16 +454,17 @@ def _uid_of(pid: int) -> int | None:
     return None
 
 
-def _clean(uid: int) -> int:
-    """A process that kills every process of the guest ``uid`` and exits: its pid."""
+def _clean(uid: int) -> None:
+    """Kill every process of the guest ``uid`` at once, from a fork that becomes the uid (root may signal anything;
+    as the uid, ``kill(-1)`` reaches its processes only, and the kernel lets none fork while it does)."""
     pid = os.fork()
     if pid == 0:
         try:
-            os.setresuid(uid, uid, uid)  # root may signal anything: as the uid, kill(-1) reaches its processes only
-            guests.kill_all_of(uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)
         finally:
             os._exit(0)
-    return pid
+    os.waitpid(pid, 0)
 
 
 if __name__ == "__main__":

@@ -143,10 +143,7 @@ class EpisodeRecord:
             )
         if not rows:
             return "the agent returned without calling the endpoint: send its requests to the base_url it is given"
-        for i, row in enumerate(rows):
-            if (defect := row.defect()) is not None:
-                return f"row {i} of the episode cannot train: {defect}"
-        return None
+        return Trajectory.untrainable(rows)
 
     def add(self, prompt: Prompt, reply: Trajectory, message: Message, eos_id: int | None) -> None:
         """A whole turn: its prompt and the reply sampled for it, answered as ``message``."""

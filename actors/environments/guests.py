@@ -28,7 +28,6 @@ whatever the run's user can. ``Isolation.guarantees`` says which of these holds,
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import fcntl
 import os
@@ -47,6 +46,7 @@ NOBODY = 65534  # where a user namespace maps only 65536 uids, the pool ends bel
 GUEST_PROCESSES = 1024  # processes and threads of one episode together
 PRIVATE_TMP = ("/tmp", "size=1g")  # each episode's own /tmp, its HOME too
 PRIVATE_SHM = ("/dev/shm", "size=256m")
+GUEST_HOME = {"HOME": "/tmp", "TMPDIR": "/tmp", "XDG_CACHE_HOME": "/tmp/.cache"}  # its private /tmp
 _CAP_SETGID, _CAP_SETUID, _CAP_SYS_ADMIN, _CAP_KILL = 6, 7, 21, 5
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 1, 4, 38, 36
 _PR_CAPBSET_DROP, _PR_SET_SECUREBITS = 24, 28
@@ -278,13 +278,6 @@ def drop_capabilities() -> None:
     _check(_libc.capset(header, empty), "capset")
 
 
-def kill_all_of(uid: int) -> None:
-    """Every process of ``uid``, at once: as that uid, ``kill(-1, SIGKILL)`` signals all of them but the caller (the
-    kernel lets no process fork while it does). Call it from a process that is ``uid``, or from root in a fork."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(-1, signal.SIGKILL)
-
-
 class GuestUsers:
     """The pool of guest uids, shared by every run on this host through lock files: ``take`` one for an episode,
     ``give_back`` it once no process of it is left."""
@@ -296,7 +289,7 @@ class GuestUsers:
 
     def take(self) -> tuple[int, bool]:
         """A free guest uid, locked for this host, and whether a process of it may be left (its last holder died
-        holding it): kill them (``kill_all_of``, as the uid) before its episode starts."""
+        holding it): kill them (``kill(-1)`` as the uid) before its episode starts."""
         start = random.randrange(GUEST_UIDS)  # concurrent hosts start their search apart
         for offset in range(GUEST_UIDS):
             uid = self.first_uid + (start + offset) % GUEST_UIDS

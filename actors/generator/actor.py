@@ -251,7 +251,7 @@ class Generator(Actor):
             system_prompt=spec.system_prompt,
         )
         trajectory = policy.trajectory()
-        failure = episode.failure or _untrainable([trajectory, *policy.split])
+        failure = episode.failure or Trajectory.untrainable([trajectory, *policy.split])
         return trajectory, EpisodeOutcome(episode.reward, episode.turns, episode.done, failure, policy.split)
 
     @staticmethod
@@ -389,14 +389,6 @@ class Generator(Actor):
     @concurrent_endpoint
     async def held_version(self) -> int | None:
         return None if self.gate.held is None else self.gate.held.version
-
-
-def _untrainable(rows: list[Trajectory]) -> str | None:
-    """Why an environment episode's rows cannot train, or None."""
-    for number, row in enumerate(rows):
-        if (defect := row.defect()) is not None:
-            return f"row {number} of the episode cannot train: {defect}"
-    return None
 
 
 def _check_rows(rows: list[Trajectory], outcomes: list[EpisodeOutcome] | None) -> None:
