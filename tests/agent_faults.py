@@ -48,6 +48,8 @@ async def agent(endpoint, problem, always: str | None = None):
         try:
             await burst(endpoint)
             return await make_number(endpoint, problem)
+        except Exception as error:  # its own flood's doing: its connection dropped, its requests still in flight
+            raise RuntimeError(f"the squatter's own request was refused ({type(error).__name__})") from None
         finally:
             flood.cancel()
     return await make_number(endpoint, problem)

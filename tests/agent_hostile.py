@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -100,7 +101,8 @@ async def agent(endpoint, problem, way: str | None = None, secret: str | None = 
         raise RuntimeError(f"reached {secret}")
     if way == "private tmp":
         Path("/tmp/mine").write_text("x")
-        return float(len(os.listdir("/tmp")) + len(os.listdir("/dev/shm")))
+        on_path = {Path(entry).relative_to("/tmp").parts[0] for entry in sys.path if entry.startswith("/tmp/")}
+        return float(len(set(os.listdir("/tmp")) - on_path) + len(os.listdir("/dev/shm")))  # a checkout in /tmp is shown
     if way == "daemon":
         return float(daemon())
     if way == "daemon, then waits":

@@ -69,7 +69,8 @@ def test_agents_that_misbehave_fail_only_their_episodes_and_say_why(tmp_path):
     took_none = "the agent asked for 1 turn(s) but took no answer"  # the one that leaves a request unanswered
     assert any(took_none in cause for cause in causes), causes
     greedy_shown = "a demonstration writes every reply its agent asks for"  # the greedy agent's, demonstrated
-    allowed = [*expected, took_none, greedy_shown]
+    squatted = "the squatter's own request was refused"  # on a loaded host its flood can drop its own connection
+    allowed = [*expected, took_none, greedy_shown, squatted]
     unexpected = [cause for cause in causes if not any(said in cause for said in allowed)]
     assert unexpected == [], "an episode failed of another's doing, or a hostile agent reached what is not its own"
     victims = 8  # two groups of 4 of the target 9 in each step

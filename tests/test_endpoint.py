@@ -21,6 +21,7 @@ from actors.environments.endpoint import (
     SERVED_MODEL,
     ChatServer,
     EpisodeRecord,
+    dropped_for_new,
     _tool_calls,
 )
 from actors.generator.engines import Sampling, sampling_seeds
@@ -528,6 +529,13 @@ async def test_when_every_anonymous_place_is_taken_the_oldest_connection_goes(en
         assert len(server._anonymous) <= 8
         for _, writer in opened:
             writer.close()
+
+
+def test_a_connection_whose_request_head_came_outlives_a_flood_of_idle_ones():
+    """On a loaded host the key of a request whose head was read may be checked several loop turns later: the
+    idle connections opened meanwhile take other idle ones' places, never its own."""
+    assert dropped_for_new({"heard": True, "idle 1": False, "idle 2": False}) == "idle 1"
+    assert dropped_for_new({"heard": True, "heard too": True}) == "heard"  # all heard: the oldest
 
 
 def request_bytes(record, body: dict = GOOD) -> bytes:

@@ -223,7 +223,11 @@ class _Host:
                 host.guarantees = await host.ready
         except TimeoutError:
             host.kill()
+            await host.close()
             raise AgentHostError(f"the agent host did not start within {_HOST_START_S:g} s") from None
+        except AgentHostError:
+            await host.close()  # its process and pipes, not left to the garbage collector
+            raise
         return host
 
     @property

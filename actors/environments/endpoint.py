@@ -223,7 +223,7 @@ class ChatServer:
         self.read_timeout_s, self.key_deadline_s = READ_TIMEOUT_S, KEY_DEADLINE_S
         self.anonymous_connections = ANONYMOUS_CONNECTIONS
         self._episodes: dict[bytes, EpisodeRecord] = {}  # by their key's digest: looked up in constant time
-        self._anonymous: dict[_Connection, None] = {}  # oldest first
+        self._anonymous: dict[_Connection, bool] = {}  # oldest first: whether a whole request head came on it
         self.port: int | None = None
         self._runner = None
         self._listener: asyncio.Server | None = None
@@ -252,14 +252,14 @@ class ChatServer:
             await self._runner.cleanup()
 
     def _admit(self, connection: _Connection) -> None:
-        """A new connection takes an anonymous place; when none is free, the oldest anonymous connection's. An
-        agent's client sends its request as it connects, so its connection shows its key a loop turn or two after
-        its accept: to push it out, a flood would have to open every anonymous place's worth in between."""
+        """A new connection takes an anonymous place; when none is free, another's (``dropped_for_new``). An
+        agent's client sends its request as it connects, so once its head is read it is out of a flood's reach while
+        its key is checked, however slowly a loaded host gets to that."""
         if len(self._anonymous) >= self.anonymous_connections:
-            oldest = next(iter(self._anonymous))
-            del self._anonymous[oldest]
-            oldest.transport.abort()
-        self._anonymous[connection] = None
+            dropped = dropped_for_new(self._anonymous)
+            del self._anonymous[dropped]
+            dropped.transport.abort()
+        self._anonymous[connection] = False
 
     def endpoint(self, record: EpisodeRecord) -> Endpoint:
         return Endpoint(f"http://127.0.0.1:{self.port}/episodes/{record.episode_id}/v1", record.key)
@@ -498,6 +498,12 @@ class ChatServer:
         ]
 
 
+def dropped_for_new(anonymous: dict[Any, bool]) -> Any:
+    """Of ``anonymous`` connections (oldest first, each with whether a whole request head came on it), the one a new
+    connection's place is taken from: the oldest on which nothing whole came, else the oldest."""
+    return next((connection for connection, heard in anonymous.items() if not heard), next(iter(anonymous)))
+
+
 class _Connection(asyncio.Protocol):
     """One connection, aiohttp's handler inside it: anonymous, in one of the server's anonymous places until its
     deadline, then bound to the episode whose key a request on it showed (``ChatServer._bind``)."""
@@ -543,6 +549,8 @@ class _Connection(asyncio.Protocol):
             if HEAD_END in self._seen + data:
                 self._seen = None
                 self._expire_in(self.server.key_deadline_s)
+                if self in self.server._anonymous:
+                    self.server._anonymous[self] = True
             else:
                 self._seen = (self._seen + data)[-len(HEAD_END) + 1 :]
         self.inner.data_received(data)
