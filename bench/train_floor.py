@@ -10,13 +10,15 @@ process, all cores:
 - ``packed``: the native loop's ``forward_backward`` as it runs, its micro-batches packed (``actors/models/packing.py``);
 - ``padded``: the same loop with every row a sequence of its own, padded to the step's longest, as it ran before
   packing (the baseline packing is measured against);
-- ``floor``: a bare forward and backward of the same real tokens in plain torch, no loss library: each
-  micro-batch's rows, each with its own prompt, one after another in one sequence (positions restart per row, so
-  no token sees another row's), and the summed cross-entropy of their completion tokens.
+- ``floor``: the step's unique tokens, forward and backward once, no loss library: every distinct prompt once and
+  each row's completion after it, in one pass whose attention goes row by row (``pack_by_rows``: each row over its
+  prompt and itself, no mask of the pass's length squared), and the summed cross-entropy of the completion tokens
+  through the LM head in one matrix product.
 
 It prints each step's seconds and the ratios, then their medians. The loss, gradients and optimizer of the loop do
 more than the floor's cross-entropy (every channel of the topology's loss), so ``packed / floor`` says what the
-loop's step costs over the physical minimum; below 1, packing's shared prompts save more than the loop spends.
+loop's step costs over the least work the step needs. (Before 2026-12-07 the floor ran each micro-batch's rows with
+their own prompts, every row's prompt again, so it did more work than the step needs.)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from common import machine  # bench/ is on sys.path when this runs as a script
 from actors.contract.train_batch import TrainBatch, build_train_batch, row_advantages
 from actors.inner_loops.native import NativeLoop
 from actors.models.lora import head_weight
+from actors.models.packing import pack_by_rows
 from losses import LinearHead
 from mesh.runtime.retrain import recorded_batches
 from mesh.topology.plan import RunPlan
@@ -55,21 +58,13 @@ class PaddedLoop(NativeLoop):
             TrainBatch.trimmed = untrimmed
 
 
-def floor(model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int) -> None:
-    """A bare forward and backward of ``batch``'s real tokens, micro-batch by micro-batch."""
-    weight = head_weight(model)
-    real = batch.attention_mask.bool()
-    for start in range(0, len(batch), micro_batch_size):
-        rows = range(start, min(start + micro_batch_size, len(batch)))
-        tokens = [batch.input_ids[row][real[row]] for row in rows]
-        prompts = [int(real[row, : batch.prompt_len].sum()) for row in rows]
-        ids = torch.cat(tokens)[None]
-        positions = torch.cat([torch.arange(len(t)) for t in tokens])[None]  # restarting: rows see only themselves
-        hidden = model.get_decoder()(input_ids=ids, position_ids=positions).last_hidden_state[0]
-        ends = torch.tensor([len(t) for t in tokens]).cumsum(0)
-        predicting = torch.cat([torch.arange(end - len(t) + p - 1, end - 1) for t, p, end in zip(tokens, prompts, ends)])
-        targets = torch.cat([t[p:] for t, p in zip(tokens, prompts)])
-        F.cross_entropy(F.linear(hidden[predicting], weight), targets, reduction="sum").backward()
+def floor(model: torch.nn.Module, batch: TrainBatch) -> None:
+    """A bare forward and backward of ``batch``'s unique tokens: each shared prompt once, attention by rows."""
+    packed = pack_by_rows(batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_len)
+    hidden = packed.run(model.get_decoder())
+    real = batch.attention_mask[:, batch.prompt_len :].bool()
+    logits = F.linear(hidden[real], head_weight(model))
+    F.cross_entropy(logits, batch.targets[real], reduction="sum").backward()
 
 
 def seconds(work, *args) -> float:
@@ -106,7 +101,7 @@ def main() -> None:
             times["packed"].append(seconds(packed.forward_backward, batch))
             times["padded"].append(seconds(padded.forward_backward, batch))
             bare.zero_grad(set_to_none=True)
-            times["floor"].append(seconds(floor, bare, batch, cfg.micro_batch_size))
+            times["floor"].append(seconds(floor, bare, batch))
         median = {name: statistics.median(values) for name, values in times.items()}
         ratios["packed / floor"].append(median["packed"] / median["floor"])
         ratios["padded / floor"].append(median["padded"] / median["floor"])

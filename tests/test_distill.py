@@ -430,8 +430,7 @@ def completion_logits(model, prompts, hints, completions):
     """The logits that predict each completion token after ``prompt ⊕ hint``, as a teacher scores them."""
     contexts = [torch.cat([prompt, hint]).tolist() for prompt, hint in zip(prompts, hints)]
     packed = pad_sequences(contexts, [c.tolist() for c in completions], pad_id=0).packed()
-    mask = packed.attention_mask(model.config._attn_implementation, model.dtype)
-    return packed.gather(model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids).logits)
+    return packed.run(model)
 
 
 def test_sdpo_with_an_empty_hint_is_zero_and_a_hint_changes_the_teacher(tiny_lm):

@@ -43,7 +43,6 @@ def test_prompts_are_left_padded_and_completions_start_in_one_column():
     assert batch.targets.tolist() == [[8, 1, 0, 0], [10, 11, 12, 1]]
     assert batch.completion_mask.tolist() == [[True, True, False, False], [True, True, True, True]]
     assert batch.inference_logprobs[0].tolist() == [-0.5, -0.5, 0.0, 0.0]
-    assert batch.versions.tolist() == [2, 3]
     assert batch.rows(slice(1, 2)).input_ids.tolist() == [[0, 0, 9, 10, 11, 12, 1]]
     copy = pickle.loads(cloudpickle.dumps(batch))  # travels as numpy arrays, arrives as the same tensors
     for field in dataclasses.fields(batch):

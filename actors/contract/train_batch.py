@@ -74,7 +74,6 @@ class TrainBatch:
     completion_mask: Tensor  # [B, T] bool, the tokens that carry loss (the model's own, not padding)
     advantages: Tensor  # [B] float
     inference_logprobs: Tensor  # [B, T] float
-    versions: Tensor  # [B] long, the policy version that sampled each row
     max_completion_len: int  # the generator's limit (Dr. GRPO's normalizer)
     policy_rows: Tensor  # [B] bool, rows in channel 1
     ref_logprobs: Tensor | None = None  # [B, T] float, the reference's (loss.policy.kl_coef > 0)
@@ -178,7 +177,6 @@ def build_train_batch(
         completion_mask=completion_mask,
         advantages=advantages.float(),
         inference_logprobs=torch.from_numpy(logprobs),
-        versions=torch.tensor([r.version for r in rows]),
         max_completion_len=max_completion_len,
         policy_rows=torch.tensor([r.kind.trains_policy for r in rows]),
         **_reference_field(rows, width),

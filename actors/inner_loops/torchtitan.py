@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -105,6 +104,7 @@ from actors.contract.train_batch import TrainBatch
 from actors.inner_loops.base import CPU, MicroBatchLoop
 from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
+from actors.models.attention import PackedAttention
 from actors.models.packing import lane_tokens
 from losses import Logits
 
@@ -117,7 +117,8 @@ class TorchTitanModelError(ValueError):
 
 
 class MaskedSDPA(Module):
-    """TorchTitan inner attention: SDPA under a packed micro-batch's boolean mask (``PackedRows.visible``)."""
+    """TorchTitan inner attention: SDPA over a packed pass's rows, each query over what it sees
+    (``PackedAttention``, ``actors/models/attention.py``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -132,14 +133,12 @@ class MaskedSDPA(Module):
         k_BLNH: Tensor,
         v_BLNH: Tensor,
         *,
-        attention_masks: Tensor,
+        attention_masks: PackedAttention,
         scale: float | None = None,
-        enable_gqa: bool = False,
         **_: object,
     ) -> Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
+        return attention_masks.attend(q, k, v, scale).transpose(1, 2)
 
 
 # -- HF architectures -> TorchTitan model definitions -----------------------------------------
@@ -394,8 +393,10 @@ class TorchTitanLoop(MicroBatchLoop):
     def head(self, batch: TrainBatch) -> Logits:
         """The logits that predict each row's completion, from one pass over the rows packed (``actors/models/packing.py``)."""
         packed = batch.packed(self.lane)
-        logits = self.model(packed.input_ids, positions=packed.position_ids, attention_masks=packed.visible)
-        return Logits(packed.gather(logits))
+        return Logits(packed.gather([
+            self.model(lane.input_ids, positions=lane.position_ids, attention_masks=lane.attention)
+            for lane in packed.passes
+        ]))
 
     def backward(self, loss: Tensor) -> None:
         """TorchTitan's FSDP2 sums gradients over ranks (no division), and each rank's loss is

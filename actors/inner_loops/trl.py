@@ -90,10 +90,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
         builds ``[B, T, V]``), or the full logits when a loss channel needs the whole distribution
         (distillation, the entropy bonus)."""
         if (packed := inputs.get(PACKED)) is not None:
-            mask = packed.attention_mask(self.model.config._attn_implementation, self.model.dtype)
             with self.accelerator.autocast():  # as TRL wraps its own forward (a no-op unless bf16)
-                out = model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids)
-            return Logits(packed.gather(out.logits) / self.temperature)
+                return Logits(packed.run(model, self.model.config) / self.temperature)
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)

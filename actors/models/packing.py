@@ -12,9 +12,11 @@ completion tokens are gathered back into the batch's ``[rows, T]`` layout, where
     . p p p b b . .                                               3 4
     . p p p c c c c                                               3 4 5 6
 
-A lane holds up to ``LANE_TOKENS`` tokens, since its attention mask is a square of its length; more rows take more
-lanes, filled first-fit-decreasing by whole prompts with their rows (a prompt whose rows overflow a lane is
-repeated in the next). Lanes are padded to the longest, and a padding token sees only itself.
+A dense lane holds up to ``lane_tokens`` of the model, since its attention mask is a square of its length; more rows
+take more lanes, filled first-fit-decreasing by whole prompts with their rows (a prompt whose rows overflow a lane is
+repeated in the next). Lanes are padded to the longest, and a padding token sees only itself. The rows that fit no
+lane with their prompt (a long agent episode) go, with that prompt once, into a pass of their own attended by rows,
+whose cost follows each row's length, not the square of the lane's (``actors/models/attention.py``).
 """
 
 from __future__ import annotations
@@ -25,46 +27,58 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-LANE_TOKENS = 2048  # the most a lane holds: its mask is a square of its length
+from actors.models.attention import PackedAttention, Unit, rows_attention_of
+
+LANE_TOKENS = 2048  # the most a dense lane holds: its mask is a square of its length
 
 
 def lane_tokens(config) -> int:
-    """How many tokens a lane holds for a model of this Hugging Face ``config``: half the length at which a token's
-    attention over its lane costs as much as its linear layers (about ``2 hidden + 1.5 intermediate``), at most
-    ``LANE_TOKENS``. A lane's attention is a square of its length, so a small model's lanes are short: one long
-    lane would cost it more than padding its rows."""
+    """How many tokens a dense lane holds for a model of this Hugging Face ``config``: half the length at which a
+    token's attention over its lane costs as much as its linear layers (about ``2 hidden + 1.5 intermediate``), at
+    most ``LANE_TOKENS``. A dense lane's attention is a square of its length, so a small model's lanes are short."""
     hidden = config.hidden_size
     inner = getattr(config, "intermediate_size", None) or 4 * hidden
     return min(LANE_TOKENS, (2 * hidden + 3 * inner // 2) // 2)
 
 
 @dataclass(frozen=True)
+class LanePass:
+    """One forward pass's inputs: ``[lanes, L]`` token ids and their positions in their own rows, and which keys
+    each query sees (``actors/models/attention.py``)."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    attention: PackedAttention
+
+
+@dataclass(frozen=True)
 class PackedRows:
-    """The model's inputs for packed rows, and where each row's completion is predicted."""
+    """The model's inputs for packed rows, in passes, and where each row's completion is predicted."""
 
-    input_ids: Tensor  # [lanes, L] long
-    position_ids: Tensor  # [lanes, L] long, each token's position in its own row
-    visible: Tensor  # [lanes, 1, L, L] bool, the keys each query attends to
-    predicting: Tensor  # [rows, T] long, lane * L + place of the state that predicts each completion token
+    passes: tuple[LanePass, ...]
+    predicting: Tensor  # [rows, T] long, the place in the passes' states (flattened, one after another)
 
-    def attention_mask(self, implementation: str, dtype: torch.dtype) -> Tensor:
-        """``visible`` as a Hugging Face model with this attention ``implementation`` takes a ready 4-D mask: SDPA's
-        as booleans, eager attention's added to the scores."""
-        if implementation == "sdpa":
-            return self.visible
-        if implementation == "eager":
-            blocked = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
-            return blocked.masked_fill_(~self.visible, torch.finfo(dtype).min)
-        raise ValueError(
-            f"the trainer packs a micro-batch's rows into lanes with a 4-D attention mask, which the model's attention "
-            f"implementation {implementation!r} does not take; load the model with attn_implementation 'sdpa' "
-            "(its config.json's _attn_implementation, or remove that key)"
-        )
+    def gather(self, states: list[Tensor]) -> Tensor:
+        """Each pass's ``[lanes, L, ...]`` states as the rows' ``[rows, T, ...]``: the state that predicts each
+        completion token (at a row's padding, the first pass's first: the loss masks it)."""
+        return torch.cat([state.flatten(0, 1) for state in states])[self.predicting]
 
-    def gather(self, states: Tensor) -> Tensor:
-        """``[lanes, L, ...]`` states as the rows' ``[rows, T, ...]``: the state that predicts each completion token
-        (at a row's padding, the lane's first: the loss masks it)."""
-        return states.flatten(0, 1)[self.predicting]
+    def run(self, module: Module, config=None, **inputs) -> Tensor:
+        """``gather`` of a Hugging Face ``module``'s first output (a decoder's last hidden states, or a causal LM's
+        logits) over each pass, through packed rows' attention. ``config``: the model's, where ``module`` wraps it
+        (DDP)."""
+        with rows_attention_of(config or module.config):
+            return self.gather([
+                module(input_ids=lane.input_ids, position_ids=lane.position_ids, attention_mask=_unused(lane),
+                       packed_attention=lane.attention, **inputs)[0]
+                for lane in self.passes
+            ])
+
+
+def _unused(lane: LanePass) -> Tensor:
+    """A 4-D attention mask that Hugging Face models pass to the attention function untouched (as a ready mask),
+    where packed rows' attention ignores it: no model builds a mask of its own for a packed pass."""
+    return torch.ones(lane.input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=lane.input_ids.device)
 
 
 @dataclass
@@ -90,34 +104,87 @@ def pack_rows(
     input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int, lane: int | None = None
 ) -> PackedRows:
     """Pack rows laid out as a ``TrainBatch``'s (prompts left-padded to ``prompt_len``, completions right-padded after
-    it; ``attention_mask`` marks the real tokens, ``position_ids`` their positions) into lanes of ``lane`` tokens
-    (``lane_tokens`` of the model; None: ``LANE_TOKENS``)."""
+    it; ``attention_mask`` marks the real tokens, ``position_ids`` their positions) into dense lanes of ``lane``
+    tokens (``lane_tokens`` of the model; None: ``LANE_TOKENS``), and a by-rows pass for each prompt's rows that are
+    longer than a lane with it."""
     rows, width = input_ids.shape[0], input_ids.shape[1] - prompt_len
-    lanes = _lanes(_units(input_ids, attention_mask, position_ids, prompt_len), lane or LANE_TOKENS)
+    capacity = lane or LANE_TOKENS
+    pieces = [piece for unit in _units(input_ids, attention_mask, position_ids, prompt_len)
+              for piece in _split(unit, capacity)]
+    predicting = [[0] * width for _ in range(rows)]
+    passes: list[LanePass] = []
+    if dense := [piece for piece in pieces if piece.tokens <= capacity]:
+        passes.append(_dense_pass(_lanes(dense, capacity), predicting))
+    for piece in pieces:
+        if piece.tokens > capacity:
+            passes.append(_rows_pass([piece], predicting, sum(lane.input_ids.numel() for lane in passes)))
+    device = input_ids.device
+    moved = tuple(LanePass(lane.input_ids.to(device), lane.position_ids.to(device), _to(lane.attention, device))
+                  for lane in passes)
+    return PackedRows(moved, torch.tensor(predicting, device=device))
+
+
+def _to(attention: PackedAttention, device: torch.device) -> PackedAttention:
+    visible = None if attention.visible is None else attention.visible.to(device)
+    return PackedAttention(attention.positions.to(device), visible, attention.units)
+
+
+def _lay(unit: _Unit, ids: list[int], positions: list[int], place: int, base: int, predicting: list[list[int]]
+         ) -> tuple[Unit, int]:
+    """Write ``unit``'s prompt and then its rows into a lane's ``ids`` and ``positions`` from ``place`` (the lane's
+    first token is the ``base``-th of its pass's states); each row's predicting states into ``predicting``. Its spans,
+    and the place after it."""
+    prompt_ids, prompt_positions = unit.prompt
+    end = place + len(prompt_ids)
+    ids[place:end], positions[place:end] = prompt_ids, prompt_positions
+    prompt, last_prompt, place = (place, end), base + end - 1, end
+    spans = []
+    for row, (completion, completion_positions) in zip(unit.rows, unit.completions):
+        end = place + len(completion)
+        ids[place:end], positions[place:end] = completion, completion_positions
+        if completion:
+            predicting[row][: len(completion)] = [last_prompt, *range(base + place, base + end - 1)]
+        spans.append((place, end))
+        place = end
+    return Unit(prompt, tuple(spans)), place
+
+
+def _dense_pass(lanes: list[list[_Unit]], predicting: list[list[int]]) -> LanePass:
+    """The units of ``lanes``, each lane padded to the longest, under one dense mask."""
     length = max(sum(unit.tokens for unit in lane) for lane in lanes)
     ids, positions = [[0] * length for _ in lanes], [[0] * length for _ in lanes]
     unit_of = [[-1] * length for _ in lanes]  # -1: padding
     owner = [[-1] * length for _ in lanes]  # the row a completion token belongs to; -1: a prompt's (shared) or padding
-    predicting = [[0] * width for _ in range(rows)]
     for lane, units in enumerate(lanes):
-        place, base = 0, lane * length
+        place = 0
         for number, unit in enumerate(units):
-            prompt_ids, prompt_positions = unit.prompt
-            end = place + len(prompt_ids)
-            ids[lane][place:end], positions[lane][place:end] = prompt_ids, prompt_positions
-            unit_of[lane][place:end] = [number] * len(prompt_ids)
-            last_prompt, place = base + end - 1, end
-            for row, (completion, completion_positions) in zip(unit.rows, unit.completions):
-                end = place + len(completion)
-                ids[lane][place:end], positions[lane][place:end] = completion, completion_positions
-                unit_of[lane][place:end], owner[lane][place:end] = [number] * len(completion), [row] * len(completion)
-                if completion:
-                    predicting[row][: len(completion)] = [last_prompt, *range(base + place, base + end - 1)]
-                place = end
-    device = input_ids.device
+            spans, place = _lay(unit, ids[lane], positions[lane], place, lane * length, predicting)
+            unit_of[lane][spans.prompt[0] : place] = [number] * (place - spans.prompt[0])
+            for row, (start, end) in zip(unit.rows, spans.rows):
+                owner[lane][start:end] = [row] * (end - start)
+    position_ids = torch.tensor(positions)
     visible = _visible(torch.tensor(unit_of), torch.tensor(owner))
-    return PackedRows(torch.tensor(ids, device=device), torch.tensor(positions, device=device), visible.to(device),
-                      torch.tensor(predicting, device=device))
+    return LanePass(torch.tensor(ids), position_ids, PackedAttention(position_ids, visible=visible))
+
+
+def _rows_pass(units: list[_Unit], predicting: list[list[int]], base: int) -> LanePass:
+    """One lane of ``units``, attended by rows (no mask of its length squared)."""
+    length = sum(unit.tokens for unit in units)
+    ids, positions, spans, place = [0] * length, [0] * length, [], 0
+    for unit in units:
+        laid, place = _lay(unit, ids, positions, place, base, predicting)
+        spans.append(laid)
+    position_ids = torch.tensor([positions])
+    return LanePass(torch.tensor([ids]), position_ids, PackedAttention(position_ids, units=tuple(spans)))
+
+
+def pack_by_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int) -> PackedRows:
+    """Rows laid out as ``pack_rows`` takes them, as one lane attended by rows: every distinct prompt once, then its
+    rows. The fewest tokens and attention pairs a pass over these rows can compute (``bench/train_floor.py``)."""
+    rows, width = input_ids.shape[0], input_ids.shape[1] - prompt_len
+    predicting = [[0] * width for _ in range(rows)]
+    lane = _rows_pass(_units(input_ids, attention_mask, position_ids, prompt_len), predicting, 0)
+    return PackedRows((lane,), torch.tensor(predicting))
 
 
 def _units(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int) -> list[_Unit]:
@@ -152,13 +219,18 @@ def _lanes(units: list[_Unit], capacity: int) -> list[list[_Unit]]:
 
 
 def _split(unit: _Unit, capacity: int) -> list[_Unit]:
-    """``unit`` in pieces that each fit a lane, the prompt in each (a row longer than a lane is a piece alone)."""
+    """``unit`` in pieces that each fit a lane, the prompt in each, and one piece (over ``capacity``) of the rows that
+    fit no lane with the prompt, attended by rows."""
     pieces: list[_Unit] = []
+    long = _Unit(unit.prompt)
     for row, completion in zip(unit.rows, unit.completions):
+        if len(unit.prompt[0]) + len(completion[0]) > capacity:
+            long.add(row, completion)
+            continue
         if not pieces or pieces[-1].tokens + len(completion[0]) > capacity:
             pieces.append(_Unit(unit.prompt))
         pieces[-1].add(row, completion)
-    return pieces
+    return pieces + ([long] if long.rows else [])
 
 
 def _visible(unit_of: Tensor, owner: Tensor) -> Tensor:
@@ -177,7 +249,4 @@ def packed_states(model: Module, sequences) -> Tensor:
     """A Hugging Face causal LM's last hidden states that predict each completion token of ``sequences`` (a
     ``Sequences`` or ``TrainBatch``), ``[rows, T, hidden]``, from one pass of its decoder over the rows packed in lanes
     of its size (the LM head is the caller's: it may need only some)."""
-    packed = sequences.packed(lane_tokens(model.config))
-    mask = packed.attention_mask(model.config._attn_implementation, model.dtype)
-    out = model.get_decoder()(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids)
-    return packed.gather(out.last_hidden_state)
+    return sequences.packed(lane_tokens(model.config)).run(model.get_decoder())
