@@ -11,7 +11,7 @@ import json
 import time
 from urllib.parse import urlsplit
 
-from actors.environments.examples.tool_agents import make_number, make_number_demonstration
+from actors.environments.examples.tool_agents import RETRIES, make_number, make_number_demonstration
 from tests.agent_hostile import daemon, intrude
 
 FLOOD = 60  # keyless connections one squatter holds (re-opened as the endpoint drops them)
@@ -35,7 +35,7 @@ async def agent(endpoint, problem, always: str | None = None):
     if way == "greedy":  # more turns than task.max_turns allows
         from openai import AsyncOpenAI
 
-        async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+        async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=RETRIES) as client:
             for _ in range(3):
                 await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": "5="}])
     if way == "intrudes":  # reads, writes and signals what is not its own, then leaves a request unanswered

@@ -15,6 +15,7 @@ from local_procs import local_procs
 from monarch.spmd import setup_torch_elastic_env_async
 
 from actors.basics.compute import Compute
+from actors.basics.shares import micro_batches, token_shares
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.contract.train_batch import build_train_batch, row_advantages
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
@@ -94,11 +95,13 @@ async def train_once(
     inner_loop: str = "native",
     precision: str = "auto",
     master: tuple[str, int] | None = None,
+    micro: dict | None = None,
 ):
     mesh = local_procs(procs)
     await setup_torch_elastic_env_async(mesh, *(master or (None, None)))
     optimizer = OptimizerConfig(lr=1e-2)
-    cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, micro_batch_size=3, precision=precision)
+    micro = micro or {"micro_batch_size": 3}
+    cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, precision=precision, **micro)
     trainer = mesh.spawn("trainer", Trainer, TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10))
     try:
         await start_trainers(trainer)
@@ -125,9 +128,15 @@ async def train_once(
     ids=lambda value: value if isinstance(value, str) else ("all_channels" if value is ALL_CHANNELS else "policy"),
 )
 async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, inner_loop, loss):
+    """Micro-batches of 3 rows; the native loop's with all channels by a budget of 18 tokens (rows of 6 to 13), so
+    ranks run different counts of micro-batches of varied rows."""
     batch = a_batch(model_dir, channels=loss is ALL_CHANNELS)
-    one, weights_one = await train_once(model_dir, 1, batch, loss, inner_loop)
-    two, weights_two = await train_once(model_dir, 2, batch, loss, inner_loop)
+    micro = {"micro_batch_tokens": 18} if (inner_loop, loss) == ("native", ALL_CHANNELS) else None
+    if micro is not None:
+        tokens = batch.attention_mask.sum(-1).tolist()
+        assert len({len(micro_batches(tokens, share, 64, 18)) for share in token_shares(tokens, 2)}) == 2  # 7 and 9
+    one, weights_one = await train_once(model_dir, 1, batch, loss, inner_loop, micro=micro)
+    two, weights_two = await train_once(model_dir, 2, batch, loss, inner_loop, micro=micro)
     initial, _ = load_policy(model_dir)
     moved = max((weights_one[k] - v).abs().max().item() for k, v in initial.state_dict().items())
     assert moved > 1e-3  # the step really changed the weights

@@ -531,11 +531,26 @@ async def test_when_every_anonymous_place_is_taken_the_oldest_connection_goes(en
             writer.close()
 
 
-def test_a_connection_whose_request_head_came_outlives_a_flood_of_idle_ones():
-    """On a loaded host the key of a request whose head was read may be checked several loop turns later: the
-    idle connections opened meanwhile take other idle ones' places, never its own."""
-    assert dropped_for_new({"heard": True, "idle 1": False, "idle 2": False}) == "idle 1"
-    assert dropped_for_new({"heard": True, "heard too": True}) == "heard"  # all heard: the oldest
+def test_a_connection_whose_request_came_outlives_a_flood_of_idle_ones():
+    """On a loaded host the bytes of a request may wait several loop turns to be read and its key longer to be
+    checked: the idle connections opened meanwhile take other idle ones' places, never its own."""
+    waiting = {"sent": True}.get
+    anonymous = {"heard": True, "sent": False, "idle 1": False, "idle 2": False}
+    assert dropped_for_new(anonymous, lambda c: bool(waiting(c))) == "idle 1"
+    assert dropped_for_new({"heard": True, "sent": False}, lambda c: bool(waiting(c))) == "heard"  # none idle: oldest
+
+
+async def test_a_connection_knows_whether_bytes_wait_on_it_unread(engine):
+    async with serving(engine.tokenizer, Scripted(engine.tokenizer, "ok"), key_deadline_s=600) as server:
+        _, idle = await asyncio.open_connection("127.0.0.1", server.port)
+        await wait_until(lambda: len(server._anonymous) == 1)
+        (connection,) = server._anonymous
+        assert not connection.sent_something()
+        connection.transport.pause_reading()  # as a busy loop that has not got to it yet
+        idle.write(b"POST /episodes/x/v1/chat/completions HTTP/1.1\r\n")
+        await wait_until(connection.sent_something)
+        connection.transport.resume_reading()
+        idle.close()
 
 
 def request_bytes(record, body: dict = GOOD) -> bytes:

@@ -24,7 +24,7 @@ from actors.models.lora import adapter_state, load_adapter_state, with_adapter
 from actors.models.lora_config import LoRAConfig
 from actors.models.policy import load_policy
 from actors.models.tiny import build_tiny_model
-from actors.reference_model.actor import ReferenceModel
+from actors.reference_model.actor import Batching, ReferenceModel
 from actors.weights.config import slot_bytes
 from mesh.checkpoints.fingerprint import base_digest, fingerprint, topology_fingerprint
 from mesh.runtime.run import run
@@ -80,11 +80,11 @@ def test_the_base_with_adapters_off_scores_as_the_base_model_does(model_dir):
     policy = trained_adapters(model_dir, LoRAConfig(rank=4))
     batch = a_batch(model_dir, channels=False).sequences()
     cpu = torch.device("cpu")
-    off = ReferenceModel.base_of(policy, cpu, 3, 4).logprobs(batch)
-    base = ReferenceModel.load(model_dir, model_dir, cpu, torch.float32, 3, 4).logprobs(batch)
+    off = ReferenceModel.base_of(policy, cpu, Batching(3, 10**6, 4)).logprobs(batch)
+    base = ReferenceModel.load(model_dir, model_dir, cpu, torch.float32, Batching(3, 10**6, 4)).logprobs(batch)
     torch.testing.assert_close(off, base, atol=1e-6, rtol=0)
     with torch.no_grad():  # and the adapters are back on after scoring: the policy is not the base
-        adapted = ReferenceModel(policy, cpu, 3, 4).logprobs(batch)
+        adapted = ReferenceModel(policy, cpu, Batching(3, 10**6, 4)).logprobs(batch)
     assert (adapted - base).abs().max() > 1e-2
 
 

@@ -16,7 +16,7 @@ from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Traject
 from actors.models.facts import TinyModelSpec
 from actors.models.policy import load_policy
 from actors.models.tiny import build_tiny_model
-from actors.reference_model.actor import ReferenceMismatch, ReferenceModel
+from actors.reference_model.actor import Batching, ReferenceMismatch, ReferenceModel
 from mesh.controller import Collected
 from mesh.controller.inflight import collected_from_json, collected_to_json
 from mesh.runtime.run import run
@@ -33,9 +33,10 @@ def model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), TASK.alphabet, seed=0))
 
 
-def test_reference_logprobs_are_the_models_own_for_every_row_in_micro_batches(model_dir):
+@pytest.mark.parametrize("batching", [Batching(3, 10**6, 4), Batching(64, 20, 4)], ids=["by rows", "by tokens"])
+def test_reference_logprobs_are_the_models_own_for_every_row_in_micro_batches(model_dir, batching):
     batch = a_batch(model_dir)
-    reference = ReferenceModel.load(model_dir, model_dir, torch.device("cpu"), torch.float32, 3, 4)
+    reference = ReferenceModel.load(model_dir, model_dir, torch.device("cpu"), torch.float32, batching)
     got = reference.logprobs(batch.sequences())
     model, _ = load_policy(model_dir)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
@@ -49,7 +50,7 @@ def test_reference_logprobs_are_the_models_own_for_every_row_in_micro_batches(mo
 def test_a_reference_with_another_tokenizer_is_refused_with_the_fix(model_dir, tmp_path):
     other = build_tiny_model(tmp_path / "other", TinyModelSpec(), "".join(reversed(TASK.alphabet)), seed=0)
     with pytest.raises(ReferenceMismatch, match="tokenizer other than the policy's.*leave actors.reference.path out"):
-        ReferenceModel.load(str(other), model_dir, torch.device("cpu"), torch.float32, 4, 8)
+        ReferenceModel.load(str(other), model_dir, torch.device("cpu"), torch.float32, Batching(4, 10**6, 8))
 
 
 def test_a_reference_over_another_vocabulary_is_refused_when_the_topology_loads(tmp_path):

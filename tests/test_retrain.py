@@ -268,5 +268,5 @@ def test_a_retraining_this_machine_cannot_hold_is_refused_before_its_rows_are_re
     rows, tokens = largest_step(batches)
     assert rows == max(len(b.rows()) for b in batches) and tokens > 5  # a prompt and its completion (max_new_tokens: 5)
     check_retrained_steps(retrain_plan, rows, tokens, FreeMemory(None, margin + 2**30))
-    with pytest.raises(ValueError, match=f"largest step has {rows} rows and its longest row 1000000 tokens"):
-        check_retrained_steps(retrain_plan, rows, 10**6, FreeMemory(None, margin + 2**30))
+    with pytest.raises(ValueError, match=f"largest step has {rows} rows and its longest row 10000000 tokens"):
+        check_retrained_steps(retrain_plan, rows, 10**7, FreeMemory(None, margin + 2**30))

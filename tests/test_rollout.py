@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import random
 
 import cloudpickle
 import numpy as np
 import pytest
 import torch
 
-from actors.basics.shares import split_evenly
+from actors.basics.shares import micro_batches, split_evenly, token_shares
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.contract.top_k import TopK
 from actors.contract.train_batch import build_train_batch, row_advantages
@@ -75,6 +76,37 @@ def test_split_evenly_covers_everything_once_in_near_equal_shares():
             assert [i for s in shares for i in range(s.start, s.stop)] == list(range(rows))
             sizes = [s.stop - s.start for s in shares]
             assert max(sizes) - min(sizes) <= 1
+
+
+def test_ranks_share_a_step_of_agent_rows_by_tokens():
+    """Rows of 100 to 8000 tokens: two ranks within 10% of each other's tokens (by count they are 1.5x apart here),
+    more ranks within one row's tokens; every row once, in order; fewer rows than ranks leave some empty."""
+    generator = random.Random(0)
+    tokens = [generator.randint(100, 400) for _ in range(48)] + [generator.randint(2000, 8000) for _ in range(16)]
+    for parts in (2, 3, 4):
+        shares = token_shares(tokens, parts)
+        assert [i for s in shares for i in range(s.start, s.stop)] == list(range(len(tokens)))
+        held = [sum(tokens[s]) for s in shares]
+        assert max(held) - min(held) <= max(tokens), held
+        if parts == 2:
+            assert max(held) <= 1.1 * min(held), held
+    by_count = [sum(tokens[s]) for s in split_evenly(len(tokens), 2)]
+    assert max(by_count) > 1.5 * min(by_count)
+    few = token_shares([5, 7], 3)
+    assert [i for s in few for i in range(s.start, s.stop)] == [0, 1] and sum(s.stop == s.start for s in few) == 1
+    assert token_shares([], 2) == [slice(0, 0), slice(0, 0)]
+
+
+def test_micro_batches_hold_at_most_their_rows_and_tokens_and_a_longer_row_alone():
+    tokens = [100, 80, 8000, 120, 90, 3000, 2900, 60]
+    cuts = micro_batches(tokens, slice(1, 8), rows=3, budget=4096)
+    assert cuts == [slice(1, 2), slice(2, 3), slice(3, 6), slice(6, 8)]  # 8000 alone; 120 + 90 + 3000; 2900 + 60
+    assert micro_batches(tokens, slice(0, 8), rows=2, budget=10**6) == [slice(i, i + 2) for i in range(0, 8, 2)]
+    assert micro_batches(tokens, slice(3, 3), rows=2, budget=100) == []
+    for budget in (1, 150, 5000):
+        cuts = micro_batches(tokens, slice(0, 8), rows=4, budget=budget)
+        assert [i for s in cuts for i in range(s.start, s.stop)] == list(range(8))
+        assert all(s.stop - s.start == 1 or sum(tokens[s]) <= budget for s in cuts)
 
 
 def test_a_trace_is_paired_with_each_distinct_sample_and_the_higher_reward_is_chosen():

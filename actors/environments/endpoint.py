@@ -56,8 +56,10 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import re
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -253,10 +255,10 @@ class ChatServer:
 
     def _admit(self, connection: _Connection) -> None:
         """A new connection takes an anonymous place; when none is free, another's (``dropped_for_new``). An
-        agent's client sends its request as it connects, so once its head is read it is out of a flood's reach while
-        its key is checked, however slowly a loaded host gets to that."""
+        agent's client sends its request as it connects, so its connection is out of a flood's reach once its bytes
+        arrive, before a loaded host has read them and until its key is checked, however slowly."""
         if len(self._anonymous) >= self.anonymous_connections:
-            dropped = dropped_for_new(self._anonymous)
+            dropped = dropped_for_new(self._anonymous, _Connection.sent_something)
             del self._anonymous[dropped]
             dropped.transport.abort()
         self._anonymous[connection] = False
@@ -498,10 +500,12 @@ class ChatServer:
         ]
 
 
-def dropped_for_new(anonymous: dict[Any, bool]) -> Any:
-    """Of ``anonymous`` connections (oldest first, each with whether a whole request head came on it), the one a new
-    connection's place is taken from: the oldest on which nothing whole came, else the oldest."""
-    return next((connection for connection, heard in anonymous.items() if not heard), next(iter(anonymous)))
+def dropped_for_new(anonymous: dict[Any, bool], sent_something: Callable[[Any], bool]) -> Any:
+    """Of ``anonymous`` connections (oldest first, each with whether a whole request head was read from it), the one a
+    new connection's place is taken from: the oldest idle one (no head read, nothing waiting to be read), else the
+    oldest."""
+    idle = (connection for connection, heard in anonymous.items() if not heard and not sent_something(connection))
+    return next(idle, next(iter(anonymous)))
 
 
 class _Connection(asyncio.Protocol):
@@ -522,6 +526,17 @@ class _Connection(asyncio.Protocol):
         self._expire_in(self.server.key_deadline_s)
         self.inner = self.server._runner.server()
         self.inner.connection_made(transport)
+
+    def sent_something(self) -> bool:
+        """Whether bytes the loop has not read yet wait on this connection (peeked through a duplicate of its
+        socket, so nothing is taken from it)."""
+        if (own := self.transport.get_extra_info("socket")) is None:  # closed already
+            return False
+        try:
+            with socket.socket(fileno=os.dup(own.fileno())) as duplicate:
+                return bool(duplicate.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # nothing waits (EAGAIN), or it is gone
+            return False
 
     def bind(self, record: EpisodeRecord) -> None:
         self.server._anonymous.pop(self, None)

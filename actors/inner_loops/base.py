@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from actors.basics.shares import split_evenly
+from actors.basics.shares import micro_batches, token_shares
 from actors.contract.train_batch import TrainBatch
 from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
@@ -190,16 +190,16 @@ class MicroBatchLoop(ABC):
 
     def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
         """This rank's share of the step's gradients, synced over ranks; the step's metrics."""
+        tokens = batch.attention_mask.sum(-1).tolist()  # before it moves: no device sync per step
         batch = batch.to(self.device)
-        share = split_evenly(len(batch), self.world)[self.rank]
-        micro = self.cfg.micro_batch_size
         self.zero_grad()
         totals: dict[str, float] = {}
-        pair_grads = self._pair_gradients(batch, totals) if self._has_pairs(batch) else None
+        pair_grads = self._pair_gradients(batch, tokens, totals) if self._has_pairs(batch) else None
         inputs = self.row_inputs(batch, pair_grads)
-        passes = [("rows", slice(i, min(i + micro, share.stop))) for i in range(share.start, share.stop, micro)]
+        cuts = self._micro_batches(tokens)
+        passes = [("rows", rows) for rows in cuts[self.rank]]
         if self.lockstep:
-            passes += [("idle", slice(0, 1))] * (max(self._micro_batches(len(batch))) - len(passes))
+            passes += [("idle", slice(0, 1))] * (max(map(len, cuts)) - len(passes))
         for i, (kind, rows) in enumerate(passes):
             with nullcontext() if i == len(passes) - 1 or self.world == 1 else self.no_sync():
                 if kind == "rows":
@@ -211,10 +211,13 @@ class MicroBatchLoop(ABC):
                     self.backward(self.sequence_logprobs(batch.rows(rows)).sum() * 0.0)
         return self._reduce(totals)
 
-    def _micro_batches(self, rows: int) -> list[int]:
-        """How many micro-batches each rank runs over its share of ``rows``."""
-        micro = self.cfg.micro_batch_size
-        return [-(-(part.stop - part.start) // micro) for part in split_evenly(rows, self.world)]
+    def _micro_batches(self, tokens: list[int]) -> list[list[slice]]:
+        """Each rank's micro-batches of rows with these real ``tokens``: its share of the rows by tokens, cut by
+        ``micro_batch_size`` rows and ``micro_batch_tokens`` tokens (every rank computes every rank's, so ranks in
+        lockstep know how many passes to match)."""
+        cfg = self.cfg
+        return [micro_batches(tokens, share, cfg.micro_batch_size, cfg.micro_batch_tokens)
+                for share in token_shares(tokens, self.world)]
 
     def row_inputs(self, batch: TrainBatch, pair_grads: PairGrads | None = None) -> RowInputs:
         """The channels' inputs for any rows of ``batch``, normalized by the whole step's counts (channel 3 as
@@ -294,22 +297,20 @@ class MicroBatchLoop(ABC):
     def _has_pairs(self, batch: TrainBatch) -> bool:
         return batch.pairs is not None and len(batch.pairs) > 0 and self.cfg.loss.beta_replay > 0
 
-    def _pair_gradients(self, batch: TrainBatch, totals: dict[str, float]) -> PairGrads:
+    def _pair_gradients(self, batch: TrainBatch, tokens: list[int], totals: dict[str, float]) -> PairGrads:
         """Channel 3 by gradient caching: the pair loss is a function of each row's summed
         logprob, so take those without a graph, get d(loss)/d(logprob) per row, and let
         each rank backpropagate ``coefficient * logprob`` over its own rows in the same
         micro-batches as channels 1 and 2 (``losses.batch.PairGrads``). Exact, and no pair
         ever needs both rows in one micro-batch."""
         rows = batch.pairs.unique()
-        mine = split_evenly(len(rows), self.world)[self.rank]
+        cuts = self._micro_batches([tokens[row] for row in rows.tolist()])
         logps = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
         with torch.no_grad():
-            for start in range(mine.start, mine.stop, self.cfg.micro_batch_size):
-                part = slice(start, min(start + self.cfg.micro_batch_size, mine.stop))
+            for part in cuts[self.rank]:
                 logps[part] = self.sequence_logprobs(batch.rows(rows[part])).double()
             if self.lockstep:
-                counts = self._micro_batches(len(rows))
-                for _ in range(max(counts) - counts[self.rank]):
+                for _ in range(max(map(len, cuts)) - len(cuts[self.rank])):
                     self.sequence_logprobs(batch.rows(slice(0, 1)))
         if self.world > 1:
             dist.all_reduce(logps)

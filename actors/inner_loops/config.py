@@ -61,6 +61,9 @@ class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 64  # rows per forward/backward on one rank, packed (actors/models/packing.py)
+    # The most real tokens (prompt and completion) one micro-batch on one rank holds, whichever of it and
+    # micro_batch_size comes first; a longer row is a micro-batch alone. Long agent rows are not held 64 at once.
+    micro_batch_tokens: int = 16384
     custom_loss: CustomLossConfig | None = None
     # The dtype of the matmuls; weights, gradients and optimizer state stay fp32 either way.
     # auto: bf16 where the trainer has GPUs, fp32 on CPU (a CPU without native bf16 runs bf16 matmuls slowly).
@@ -76,6 +79,8 @@ class TrainerConfig:
             )
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         abilities = registry.loop_abilities(self.inner_loop)
         if self.custom_loss is not None and not abilities.custom_loss:
             raise ValueError(

@@ -23,6 +23,7 @@ from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
 from actors.basics.compute import Compute
+from actors.basics.shares import micro_batches
 from actors.basics.proc_info import ProcInfo, this_proc
 from actors.contract.rollouts import Trajectory
 from actors.contract.train_batch import Sequences, trajectory_sequences
@@ -35,9 +36,25 @@ from losses import token_logprobs
 if TYPE_CHECKING:
     from peft import PeftModel
 
+    from actors.inner_loops.config import TrainerConfig
+
 
 class ReferenceMismatch(ValueError):
     """The reference cannot score the policy's tokens: its vocabulary is not the policy's."""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How the reference scores rows: in the trainer's micro-batches (at most ``rows`` rows and ``tokens`` real
+    tokens, a longer row alone) and its loss's chunks of ``chunk_tokens`` through the LM head."""
+
+    rows: int
+    tokens: int
+    chunk_tokens: int
+
+    @classmethod
+    def of(cls, trainer: TrainerConfig) -> Batching:
+        return cls(trainer.micro_batch_size, trainer.micro_batch_tokens, trainer.loss.chunk_tokens)
 
 
 class ReferenceModel:
@@ -47,38 +64,38 @@ class ReferenceModel:
         self,
         model: nn.Module,
         device: torch.device,
-        micro_batch_size: int,
-        chunk_tokens: int,
+        batching: Batching,
         scoring: Callable[[], AbstractContextManager] = nullcontext,
     ):
-        self.device, self.micro_batch_size, self.chunk_tokens = device, micro_batch_size, chunk_tokens
+        self.device, self.batching = device, batching
         self.model, self.scoring = model, scoring
         self.hidden = HiddenStates(model)
 
     @classmethod
     def load(
-        cls, path: str, policy_path: str, device: torch.device, dtype: torch.dtype, micro_batch_size: int, chunk: int
+        cls, path: str, policy_path: str, device: torch.device, dtype: torch.dtype, batching: Batching
     ) -> ReferenceModel:
         """The model in ``path``, held whole in eval mode; refused unless its vocabulary is the policy's."""
         model, tokenizer = load_policy(path, dtype)
         if path != policy_path:
             _check_vocabulary(path, tokenizer, policy_path)
-        return cls(model.to(device).eval().requires_grad_(False), device, micro_batch_size, chunk)
+        return cls(model.to(device).eval().requires_grad_(False), device, batching)
 
     @classmethod
-    def base_of(cls, policy: PeftModel, device: torch.device, micro_batch_size: int, chunk: int) -> ReferenceModel:
+    def base_of(cls, policy: PeftModel, device: torch.device, batching: Batching) -> ReferenceModel:
         """A LoRA policy's own base: the policy's model with its adapters switched off while it scores."""
-        return cls(policy, device, micro_batch_size, chunk, scoring=policy.disable_adapter)
+        return cls(policy, device, batching, scoring=policy.disable_adapter)
 
     @torch.no_grad()
     def logprobs(self, sequences: Sequences) -> Tensor:
         """``[B, T]``: each completion token's logprob under the reference, micro-batch by micro-batch."""
-        weight = head_weight(self.model)
+        weight, batching = head_weight(self.model), self.batching
+        tokens = sequences.attention_mask.sum(-1).tolist()
         parts = [torch.empty(0, sequences.targets.shape[1], device=self.device)]  # no rows: none to score
         with self.scoring():
-            for start in range(0, len(sequences), self.micro_batch_size):
-                part = sequences.rows(slice(start, start + self.micro_batch_size)).to(self.device)
-                parts.append(token_logprobs(self.hidden(part), weight, part.targets, self.chunk_tokens))
+            for rows in micro_batches(tokens, slice(0, len(sequences)), batching.rows, batching.tokens):
+                part = sequences.rows(rows).to(self.device)
+                parts.append(token_logprobs(self.hidden(part), weight, part.targets, batching.chunk_tokens))
         return torch.cat(parts)
 
 
@@ -103,18 +120,17 @@ class ReferenceReply:
 class Reference(Actor):
     """The reference model on a mesh of its own (or beside the teachers), asked once per collection."""
 
-    def __init__(self, path: str, policy_path: str, compute: Compute, micro_batch_size: int, chunk_tokens: int):
+    def __init__(self, path: str, policy_path: str, compute: Compute, batching: Batching):
         self.args = (path, policy_path)  # the model is loaded in ``start`` (actors/basics/proc_info.py)
-        self.compute, self.micro_batch_size, self.chunk_tokens = compute, micro_batch_size, chunk_tokens
+        self.compute, self.batching = compute, batching
 
     @endpoint
     def start(self) -> ProcInfo:
         torch.set_num_threads(self.compute.threads)
         dtype = torch.bfloat16 if self.compute.gpus else torch.float32
-        device, micro, chunk = self.compute.device(), self.micro_batch_size, self.chunk_tokens
         for path in self.args:  # its model and the policy's tokenizer; here, so a restarted one checks again
             check_before_loading(path)
-        self.model = ReferenceModel.load(*self.args, device, dtype, micro, chunk)
+        self.model = ReferenceModel.load(*self.args, self.compute.device(), dtype, self.batching)
         return this_proc()
 
     @endpoint

@@ -44,13 +44,13 @@ from torch.distributed import TCPStore
 from actors import registry
 from actors.basics.compute import Compute
 from actors.basics.proc_info import ProcInfo, this_proc
-from actors.basics.shares import split_evenly
+from actors.basics.shares import token_shares
 from actors.contract.train_batch import TrainBatch
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.syncer import DiLoCoSyncer, SyncReport, TrainerParameters
 from actors.inner_loops.config import TrainerConfig
 from actors.models.source import check_before_loading
-from actors.reference_model.actor import ReferenceModel
+from actors.reference_model.actor import Batching, ReferenceModel
 from actors.weights.config import store_root
 from actors.weights.record import WeightVersion
 from actors.weights.store import WeightPublisher
@@ -141,12 +141,12 @@ class Trainer(Actor):
                 check_before_loading(path)
         self.loop = registry.load("inner_loop", cfg.inner_loop)(self.model_path, cfg, self.rank, self.world, device)
         self.version = 0
-        micro, chunk = cfg.micro_batch_size, cfg.loss.chunk_tokens
+        batching = Batching.of(cfg)
         if self.reference_is_base:
-            self.reference = ReferenceModel.base_of(self.loop.model, device, micro, chunk)
+            self.reference = ReferenceModel.base_of(self.loop.model, device, batching)
         elif self.reference_path is not None:
             dtype = self.loop.compute_dtype
-            self.reference = ReferenceModel.load(self.reference_path, self.model_path, device, dtype, micro, chunk)
+            self.reference = ReferenceModel.load(self.reference_path, self.model_path, device, dtype, batching)
         taid = cfg.loss.distill.divergence == "taid" and cfg.loss.alpha_sdpo > 0
         self.taid = TAIDScheduler(self.total_steps) if taid else None
         state = self.loop.state_dict()
@@ -191,7 +191,7 @@ class Trainer(Actor):
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
         """``batch`` with the reference's logprobs of this rank's rows that train the policy (the loop
         trains only on its own rows; the other ranks fill in theirs, and replayed traces take no KL)."""
-        share = split_evenly(len(batch), self.world)[self.rank]
+        share = token_shares(batch.attention_mask.sum(-1).tolist(), self.world)[self.rank]
         rows = torch.arange(len(batch))[share][batch.policy_rows[share]]
         values = torch.zeros(batch.targets.shape, device=self.reference.device)
         values[rows] = self.reference.logprobs(batch.sequences().rows(rows))

@@ -43,7 +43,7 @@ from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator.actor import Generator  # noqa: E402
 from actors.models.tiny import build_tiny_model  # noqa: E402
-from actors.reference_model.actor import Reference  # noqa: E402
+from actors.reference_model.actor import Batching, Reference  # noqa: E402
 from actors.rewarder.actor import Rewarder  # noqa: E402
 from actors.tasks import build_task  # noqa: E402
 from actors.teachers.bindings import Student  # noqa: E402
@@ -389,8 +389,8 @@ def _roles(plan: RunPlan, model_path: str, board: TeacherBoard, diloco: DiLoCoCo
         )
     if plan.runs("reference"):
         compute = _compute(plan, reference.mesh, "reference")
-        args = (model_path_of(reference, model_path), model_path, compute, cfg.trainer.micro_batch_size)
-        spawn = _spawner("reference", Reference, *args, cfg.trainer.loss.chunk_tokens)
+        args = (model_path_of(reference, model_path), model_path, compute, Batching.of(cfg.trainer))
+        spawn = _spawner("reference", Reference, *args)
         roles[reference.mesh].append(Role("reference", spawn, _start_all))
     if plan.runs("teachers"):
         student = Student(model_path, cfg.generator.max_new_tokens, seed, cfg.trainer.lora)

@@ -249,7 +249,8 @@ class BatchFootprint:
         if shape is not None and not trainer.gpus:
             ranks = trainer.size
             micro = min(cfg.trainer.micro_batch_size, -(-loop.prompts_per_step * trainer_rows // ranks))
-            fixed = ranks * shape.training_bytes(micro * tokens, cfg.trainer.loss.chunk_tokens)
+            held = min(micro * tokens, max(tokens, cfg.trainer.micro_batch_tokens))  # a micro-batch's tokens
+            fixed = ranks * shape.training_bytes(held, cfg.trainer.loss.chunk_tokens)
         return cls(loop.prompts_per_step, tokens, per_prompt, fixed)
 
     @property
@@ -392,14 +393,15 @@ def check_retrained_steps(run: RunPlan, rows: int, tokens: int, free: FreeMemory
         return
     plan, cfg = StoreFootprint.of(run), run.topology.actors.trainer
     micro = min(cfg.micro_batch_size, -(-rows // trainer.size))
-    step = rows * tokens * TOKEN_BYTES + trainer.size * shape.training_bytes(micro * tokens, cfg.loss.chunk_tokens)
+    held = min(micro * tokens, max(tokens, cfg.micro_batch_tokens))  # a micro-batch's tokens
+    step = rows * tokens * TOKEN_BYTES + trainer.size * shape.training_bytes(held, cfg.loss.chunk_tokens)
     room = free.ram - plan.ram_margin - (plan.slots * plan.slot_bytes if plan.slot_bytes else 0)
     if step > room:
         raise ValueError(
             f"the recording's largest step has {rows} rows and its longest row {tokens} tokens, which the trainer "
             f"needs at least {size(step)} of RAM to train on, but RAM has {size(free.ram)} available, of which "
             f"{size(free.ram - max(room, 0))} must stay for the trainer's processes and weights; retrain on a machine "
-            "with more memory, or lower actors.trainer.micro_batch_size"
+            "with more memory, or lower actors.trainer.micro_batch_size or micro_batch_tokens"
         )
 
 

@@ -59,6 +59,10 @@ class MakeNumber:
         return float(completion.strip() == problem.answer)
 
 
+RETRIES = 2  # a request whose connection is dropped before its answer (a sibling's flood of idle connections on a
+# loaded host) is sent again: the endpoint records a turn only once its answer is delivered
+
+
 async def make_number(endpoint, problem: Problem, tries: int = 2, retry_reward: float = 0.5) -> float:
     """Up to ``tries`` expressions for the target, each computed by the python tool and its value shown back
     (``?`` when it does not compute). Pays the closeness of the best value: 1 for the target at the first try,
@@ -66,7 +70,7 @@ async def make_number(endpoint, problem: Problem, tries: int = 2, retry_reward: 
     from openai import AsyncOpenAI
 
     messages, best, target = [{"role": "user", "content": problem.prompt}], 0.0, int(problem.answer)
-    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=RETRIES) as client:
         for attempt in range(tries):
             reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
             expression = reply.choices[0].message.content or ""
@@ -93,7 +97,7 @@ async def python_solver(endpoint, problem: Problem, tool_calls: int = 2) -> None
     from openai import AsyncOpenAI
 
     messages = [{"role": "system", "content": SOLVER_PROMPT}, {"role": "user", "content": problem.prompt}]
-    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0) as client:
+    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=RETRIES) as client:
         for call in range(tool_calls + 1):
             reply = await client.chat.completions.create(model=endpoint.model, messages=messages)
             text = reply.choices[0].message.content or ""
