@@ -19,9 +19,10 @@ Fixes that make it run on CPU and over gloo, and why:
   one import; where CUDA is present (a controller on a GPU host imports this module too)
   nothing is patched.
 - Attention: FlexAttention (TorchTitan's default) has no CPU backward, and TorchTitan's
-  SDPA backend takes no mask. ``MaskedSDPA`` is SDPA with an explicit boolean mask: the
-  packed rows' (``actors/models/packing.py``), each token seeing its own row's prompt and
-  completion, at its row's positions, which reproduces HF's logits on each row.
+  SDPA backend takes no mask. ``PackedSDPA`` is SDPA over the packed rows' passes
+  (``actors/models/attention.py``: a dense mask for short lanes, row by row for long rows),
+  each token seeing its own row's prompt and completion, at its row's positions, which
+  reproduces HF's logits on each row.
 - gloo has no ``PREMUL_SUM``: FSDP2 modules reduce with a plain sum
   (``set_force_sum_reduction_for_comms``). TorchTitan also turns off FSDP2's gradient
   division, so ranks' gradients add up, which is what the shared step's per-rank losses
@@ -116,7 +117,7 @@ class TorchTitanModelError(ValueError):
 # -- attention --------------------------------------------------------------------------
 
 
-class MaskedSDPA(Module):
+class PackedSDPA(Module):
     """TorchTitan inner attention: SDPA over a packed pass's rows, each query over what it sees
     (``PackedAttention``, ``actors/models/attention.py``)."""
 
@@ -223,7 +224,7 @@ def _unsupported_options(hf: PretrainedConfig) -> list[str]:
 
 
 def model_config(hf: PretrainedConfig, family: Family) -> Decoder.Config:
-    """A TorchTitan model config with the HF config's dimensions, attention by ``MaskedSDPA``."""
+    """A TorchTitan model config with the HF config's dimensions, attention by ``PackedSDPA``."""
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
 
@@ -239,7 +240,7 @@ def model_config(hf: PretrainedConfig, family: Family) -> Decoder.Config:
             head_dim=head_dim,
             wqkv_param_init=LOADED,
             wo_param_init=LOADED,
-            inner_attention=MaskedSDPA.Config(),
+            inner_attention=PackedSDPA.Config(),
             rope=_rope(hf, family, head_dim),
             qk_norm=norm(head_dim) if family.qk_norm else None,
         )
