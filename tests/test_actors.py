@@ -15,7 +15,7 @@ from local_procs import local_procs
 from monarch.spmd import setup_torch_elastic_env_async
 
 from actors.basics.compute import Compute
-from actors.basics.shares import micro_batches, token_shares
+from actors.basics.shares import micro_batches
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.contract.train_batch import build_train_batch, row_advantages
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
@@ -106,7 +106,9 @@ async def train_once(
     try:
         await start_trainers(trainer)
         await trainer.publish.call()
-        reports = (await trainer.train_step.call(batch)).values()
+        ranks = trainer.flatten("rank")
+        shares = batch.shares(procs)  # each rank is sent only its rows, as the controller sends them
+        reports = await asyncio.gather(*(ranks.slice(rank=i).train_step.call_one(s) for i, s in enumerate(shares)))
         (report,) = [r for r in reports if r is not None]  # rank 0 alone reports and publishes
         weights = {k: v.clone() for k, v in WeightSubscriber(report.weights.store).load(report.weights).items()}
         return report, weights
@@ -133,8 +135,9 @@ async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, inner_lo
     batch = a_batch(model_dir, channels=loss is ALL_CHANNELS)
     micro = {"micro_batch_tokens": 18} if (inner_loop, loss) == ("native", ALL_CHANNELS) else None
     if micro is not None:
-        tokens = batch.attention_mask.sum(-1).tolist()
-        assert len({len(micro_batches(tokens, share, 64, 18)) for share in token_shares(tokens, 2)}) == 2  # 7 and 9
+        passes = {len(micro_batches(s.attention_mask.sum(-1).tolist(), s.sequences().shared_prefixes(), 64, 18))
+                  for s in batch.shares(2)}
+        assert len(passes) == 2, passes  # ranks run different counts of micro-batches
     one, weights_one = await train_once(model_dir, 1, batch, loss, inner_loop, micro=micro)
     two, weights_two = await train_once(model_dir, 2, batch, loss, inner_loop, micro=micro)
     initial, _ = load_policy(model_dir)

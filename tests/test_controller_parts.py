@@ -266,6 +266,7 @@ def services(log: list[str], in_generators: bool, remote_reference: bool) -> Ser
     reference = SimpleNamespace(logprobs=Endpoint("reference.logprobs", log, logprobs))
     return Services(
         trainer=None,
+        trainer_ranks=[],
         generators=Router([Generators(log, rewarding=in_generators)], "round_robin"),
         rewarding=RewardedInGenerators() if in_generators else RemoteRewarder(rewarder),
         reference=RemoteReference(reference) if remote_reference else ReferenceInTrainer(),

@@ -95,18 +95,84 @@ def test_ranks_share_a_step_of_agent_rows_by_tokens():
     few = token_shares([5, 7], 3)
     assert [i for s in few for i in range(s.start, s.stop)] == [0, 1] and sum(s.stop == s.start for s in few) == 1
     assert token_shares([], 2) == [slice(0, 0), slice(0, 0)]
+    assert token_shares([30000, 10, 10], 3) == [slice(0, 1), slice(1, 2), slice(2, 3)]  # a row each, while there are
+
+
+def test_each_rank_is_sent_its_share_of_a_step_as_its_tokens():
+    """Agent rows of 100 to 8000 tokens: each of two ranks is sent only its rows (balanced by tokens), which travel
+    token-major, so each share is about half the whole batch's bytes, not its rows times the longest row's; the
+    shares hold every row once, as the whole batch does, and a pair's rows on different ranks keep their pair."""
+    generator = random.Random(0)
+    lengths = [generator.randint(100, 400) for _ in range(48)] + [generator.randint(2000, 8000) for _ in range(16)]
+    rows = [row(range(1, 41), range(length - 40), text=f"s{i}", reward=i % 2) for i, length in enumerate(lengths)]
+    rows.append(row(range(1, 41), range(60), kind=RowKind.REPLAY, text="t", reward=1.0, teacher="oracle"))
+    batch = build_train_batch([group(*rows)], torch.arange(len(rows)).float(), pad_id=0, max_completion_len=8000)
+    shares = batch.shares(2)
+    whole = len(pickle.dumps(batch))
+    padded = sum(t.numpy().nbytes for t in vars(batch).values() if torch.is_tensor(t))
+    assert padded > 3 * whole  # the padded layout would send mostly padding
+    for share in shares:
+        assert 0.4 < len(pickle.dumps(share)) / whole < 0.6
+    assert [s.share.first for s in shares] == [0, len(shares[0])] and sum(map(len, shares)) == len(rows)
+    for share in shares:
+        arrived = pickle.loads(pickle.dumps(share))
+        for i in range(len(share)):
+            step_row = share.share.first + i
+            real, whole_real = arrived.attention_mask[i].bool(), batch.attention_mask[step_row].bool()
+            assert arrived.input_ids[i][real].tolist() == batch.input_ids[step_row][whole_real].tolist()
+            assert arrived.targets[i][arrived.completion_mask[i]].tolist() == \
+                batch.targets[step_row][batch.completion_mask[step_row]].tolist()
+            assert float(arrived.advantages[i]) == float(batch.advantages[step_row])
+        assert torch.equal(arrived.pairs, batch.pairs)  # the step's pairs, indexed by the step's rows
+    assert {int(r) for r in batch.pairs.flatten()} & set(range(len(shares[0]))), "a pair crosses the ranks"
+    with pytest.raises(ValueError, match="rank 1 of 2 was sent rank 0 of 2's share"):
+        shares[0].for_rank(1, 2)
 
 
 def test_micro_batches_hold_at_most_their_rows_and_tokens_and_a_longer_row_alone():
     tokens = [100, 80, 8000, 120, 90, 3000, 2900, 60]
-    cuts = micro_batches(tokens, slice(1, 8), rows=3, budget=4096)
-    assert cuts == [slice(1, 2), slice(2, 3), slice(3, 6), slice(6, 8)]  # 8000 alone; 120 + 90 + 3000; 2900 + 60
-    assert micro_batches(tokens, slice(0, 8), rows=2, budget=10**6) == [slice(i, i + 2) for i in range(0, 8, 2)]
-    assert micro_batches(tokens, slice(3, 3), rows=2, budget=100) == []
+    cuts = micro_batches(tokens, [0] * 8, rows=3, budget=4096)
+    assert [2] in cuts and [5] in cuts  # 8000 alone; 3000 and 2900 cannot share 4096
+    assert micro_batches(tokens, [0] * 8, rows=2, budget=10**6) == [[0, 3], [1, 5], [2, 7], [4, 6]]  # longest first
+    assert micro_batches([], [], rows=2, budget=100) == []
     for budget in (1, 150, 5000):
-        cuts = micro_batches(tokens, slice(0, 8), rows=4, budget=budget)
-        assert [i for s in cuts for i in range(s.start, s.stop)] == list(range(8))
-        assert all(s.stop - s.start == 1 or sum(tokens[s]) <= budget for s in cuts)
+        for rows in (1, 3, 8):
+            cuts = micro_batches(tokens, [0] * 8, rows=rows, budget=budget)
+            assert sorted(i for cut in cuts for i in cut) == list(range(8))
+            assert cuts == sorted(cuts) and all(cut == sorted(cut) for cut in cuts)  # in the rows' order
+            assert all(len(cut) <= rows and (len(cut) == 1 or sum(tokens[i] for i in cut) <= budget) for cut in cuts)
+
+
+def test_micro_batches_are_even_by_tokens_and_keep_a_groups_prompt_together():
+    """Agent rows of 100 to 8000 tokens in shuffled order: micro-batches within 1.1x of each other's tokens, as few as
+    the budget allows plus at most one; a group's rows, which share their prompt, stay in one micro-batch where
+    they fit, and its prompt counts once there."""
+    generator = random.Random(0)
+    tokens = [generator.randint(100, 400) for _ in range(48)] + [generator.randint(2000, 8000) for _ in range(16)]
+    generator.shuffle(tokens)
+    cuts = micro_batches(tokens, [0] * len(tokens), rows=64, budget=16384)
+    held = [sum(tokens[i] for i in cut) for cut in cuts]
+    assert max(held) <= 1.1 * min(held) and max(held) <= 16384, held
+    assert len(cuts) <= -(-sum(tokens) // 16384) + 1
+    consecutive = [sum(tokens[i] for i in cut) for cut in _consecutive(tokens, 16384)]  # fill each, then the next
+    assert max(consecutive) > 1.5 * min(consecutive)
+    # eight groups of eight rows sharing a 60-token prompt, 16 rows a micro-batch: two whole groups in each
+    tokens = [60 + generator.randint(20, 48) for _ in range(64)]
+    shared = [0 if i % 8 == 0 else 60 for i in range(64)]
+    cuts = micro_batches(tokens, shared, rows=16, budget=16384)
+    assert len(cuts) == 4 and all({i // 8 for i in cut} == {i // 8 for i in cut[::8]} for cut in cuts)
+    assert micro_batches([100, 100, 100], [0, 60, 60], rows=3, budget=180) == [[0, 1, 2]]  # 100 + 40 + 40
+
+
+def _consecutive(tokens: list[int], budget: int) -> list[list[int]]:
+    cuts, held = [[]], 0
+    for i, n in enumerate(tokens):
+        if cuts[-1] and held + n > budget:
+            cuts.append([])
+            held = 0
+        cuts[-1].append(i)
+        held += n
+    return cuts
 
 
 def test_a_trace_is_paired_with_each_distinct_sample_and_the_higher_reward_is_chosen():

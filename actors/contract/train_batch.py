@@ -1,7 +1,8 @@
 """``TrainBatch``: the padded tensors one optimizer step consumes, built once from a step's
 rollout groups (``actors/contract/rollouts.py``) and read by every inner loop.
 
-It travels as an endpoint argument, which is fine at kilobytes to megabytes (weights never do).
+The controller splits a step's batch among the trainer's ranks by tokens (``TrainBatch.shares``) and sends each
+rank its own share, as an endpoint argument, which is fine at kilobytes to megabytes (weights never do).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from actors.basics.shares import token_shares
 from actors.contract.rollouts import RolloutGroup, Row, RowKind, Trajectory
 from actors.models.packing import PackedRows, pack_rows
-from losses import group_advantages
-from losses.config import AdvantageEstimator
+from losses import covariance_selection, group_advantages
+from losses.config import AdvantageEstimator, CovariancePolicyConfig
 
 
 @dataclass
@@ -47,6 +49,16 @@ class Sequences:
     def to(self, device: torch.device) -> Sequences:
         return dataclasses.replace(self, **{k: getattr(self, k).to(device) for k in TOKEN_FIELDS})
 
+    def shared_prefixes(self) -> list[int]:
+        """Per row, the real tokens it shares with the row before it: its prompt, when that row's is the same (a
+        group's rows), else 0 (``micro_batches`` counts a shared prefix once per micro-batch, as packing computes
+        it)."""
+        prompts = self.input_ids[:, : self.prompt_len] * self.attention_mask[:, : self.prompt_len]
+        same = torch.zeros(len(self), dtype=torch.bool)
+        same[1:] = (prompts[1:] == prompts[:-1]).all(-1) & (self.attention_mask[1:, : self.prompt_len]
+                                                          == self.attention_mask[:-1, : self.prompt_len]).all(-1)
+        return torch.where(same, self.attention_mask[:, : self.prompt_len].sum(-1), 0).tolist()
+
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
@@ -54,7 +66,25 @@ class Sequences:
 TOKEN_FIELDS = ("input_ids", "attention_mask", "position_ids")
 # a ``TrainBatch``'s fields laid out by completion token, [B, T] or [B, T, K]
 PER_TOKEN_FIELDS = ("completion_mask", "inference_logprobs", "ref_logprobs", "distill_ids", "distill_logprobs",
-                    "distill_mask", "after_update")
+                    "distill_mask", "after_update", "held_back")
+# the fields that travel as their values at real tokens only (``TrainBatch.__reduce__``)
+SENT_AT_REAL_TOKENS = ("input_ids", "position_ids", *PER_TOKEN_FIELDS)
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which rows of a step a ``TrainBatch`` holds when it is one rank's share of it: the step's rows
+    ``first`` to ``first + len(batch)`` of ``step_rows``. A step's counts (the losses' normalizers) are the sums of
+    its shares', taken by the ranks together (``MicroBatchLoop``)."""
+
+    rank: int
+    world: int
+    first: int  # the step's index of this share's first row
+    step_rows: int
+
+    def local(self, rows: Tensor) -> Tensor:
+        """The step's row indices ``rows`` as this share's (those outside it fall outside ``[0, len)``)."""
+        return rows - self.first
 
 
 @dataclass
@@ -64,7 +94,8 @@ class TrainBatch:
 
     ``position_ids`` count real tokens only, as the sampler saw them under left padding.
     ``ref_logprobs`` (the KL penalty's), the ``distill_*`` fields and ``group_spread`` (channel 2) and ``pairs``
-    (channel 3) are present only when the step has them; ``pairs`` index rows, so a row slice leaves them out.
+    (channel 3) are present only when the step has them; ``pairs`` index the step's rows, so a micro-batch's row
+    slice leaves them out and a rank's share (``share``) keeps them whole.
     """
 
     input_ids: Tensor  # [B, P + T] long
@@ -83,6 +114,8 @@ class TrainBatch:
     group_spread: Tensor | None = None  # [B] float, sqrt(p (1 - p)) of the row's group (channel 2's sample_weight)
     pairs: Tensor | None = None  # [P, 2] long, (chosen row, rejected row)
     after_update: Tensor | None = None  # [B, T] bool, tokens sampled after a weight update interrupted their turn
+    held_back: Tensor | None = None  # [B, T] bool, Clip-Cov/KL-Cov's tokens, chosen over the whole step (``shares``)
+    share: Share | None = None  # None: the whole step
 
     @property
     def targets(self) -> Tensor:
@@ -95,8 +128,53 @@ class TrainBatch:
         return self.sequences().packed(lane)
 
     def rows(self, rows: slice | Tensor) -> TrainBatch:
-        """Some rows (a rank's share, a micro-batch); the caller keeps the global counts."""
+        """Some rows (a micro-batch); the caller keeps the global counts."""
         return dataclasses.replace(self._map(lambda t: t[rows], skip=("pairs",)), pairs=None)
+
+    def shares(self, world: int, covariance: CovariancePolicyConfig | None = None) -> list[TrainBatch]:
+        """The step's rows among ``world`` ranks, consecutive and balanced by real tokens (``token_shares``), each
+        share holding only its rows (and the step's pairs). ``covariance``: the loss's Clip-Cov or KL-Cov rule,
+        whose tokens are chosen here, over the whole step, so that every rank applies the same choice."""
+        if self.share is not None:
+            raise ValueError(f"rank {self.share.rank}'s share of a step cannot be shared again")
+        whole = self
+        if covariance is not None:
+            policy_mask = self.completion_mask & self.policy_rows[:, None]
+            chosen = covariance_selection(self.inference_logprobs, self.advantages[:, None], policy_mask, covariance)
+            whole = dataclasses.replace(self, held_back=chosen)
+        cuts = token_shares(self.attention_mask.sum(-1).tolist(), world)
+        return [
+            dataclasses.replace(whole._map(lambda t: t[cut], skip=("pairs",)).trimmed(),
+                                share=Share(rank, world, cut.start, len(self)))
+            for rank, cut in enumerate(cuts)
+        ]
+
+    def for_rank(self, rank: int, world: int, covariance: CovariancePolicyConfig | None = None) -> TrainBatch:
+        """What rank ``rank`` of ``world`` trains on: its share of this whole step (``shares``), or this batch when
+        it is that share already."""
+        if self.share is None:
+            return self.shares(world, covariance)[rank]
+        if (self.share.rank, self.share.world) != (rank, world):
+            raise ValueError(
+                f"rank {rank} of {world} was sent rank {self.share.rank} of {self.share.world}'s share of the step: "
+                "the sender split the step for another trainer mesh (a replaced mesh of another size?)"
+            )
+        if covariance is not None and self.held_back is None:
+            raise ValueError(
+                "a share of the step without Clip-Cov's or KL-Cov's chosen tokens for a covariance loss: split the "
+                "step with TrainBatch.shares(world, covariance=the loss's policy config)"
+            )
+        return self
+
+    @property
+    def first_row(self) -> int:
+        """The step's index of this batch's first row."""
+        return 0 if self.share is None else self.share.first
+
+    @property
+    def step_rows(self) -> int:
+        """The rows of the whole step this batch is (a share of)."""
+        return len(self) if self.share is None else self.share.step_rows
 
     def to(self, device: torch.device) -> TrainBatch:
         return self._map(lambda t: t.to(device))
@@ -120,11 +198,19 @@ class TrainBatch:
         return dataclasses.replace(self, **tokens, **per_token, prompt_len=self.prompt_len - start)
 
     def __reduce__(self):
-        # Monarch pickles each tensor storage through torch.save (about 2 ms for a batch's
-        # seven tensors, on every step's critical path); numpy arrays travel as raw bytes.
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        arrays = {k: v.cpu().numpy() if isinstance(v, Tensor) else v for k, v in fields.items()}
-        return _train_batch_from_arrays, (arrays,)
+        # It travels token-major: each [B, P + T] or [B, T] field as the values at its real tokens only, flat, so
+        # a share's bytes follow its tokens, not its rows times the longest; padding arrives as ``_padding`` makes
+        # it. Numpy arrays travel as raw bytes (Monarch pickles a tensor storage through torch.save, slower).
+        real = self.attention_mask.bool()
+        completion = real[:, self.prompt_len :]
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in SENT_AT_REAL_TOKENS and value is not None:
+                value = value[real if f.name in TOKEN_FIELDS else completion]
+            fields[f.name] = value.cpu().numpy() if isinstance(value, Tensor) else value
+        fields["attention_mask"] = np.packbits(real.cpu().numpy(), axis=-1)
+        return _train_batch_from_wire, (fields, tuple(real.shape))
 
     def _map(self, fn, skip: tuple[str, ...] = ()) -> TrainBatch:
         tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
@@ -134,8 +220,30 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
 
-def _train_batch_from_arrays(fields: dict) -> TrainBatch:
-    return TrainBatch(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()})
+def _train_batch_from_wire(fields: dict, shape: tuple[int, int]) -> TrainBatch:
+    """A ``TrainBatch`` as ``__reduce__`` sent it: its token fields scattered back into the padded layout."""
+    fields = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()}
+    real = torch.from_numpy(np.unpackbits(fields["attention_mask"].numpy(), axis=-1, count=shape[1]).astype(bool))
+    completion = real[:, fields["prompt_len"] :]
+    fields["attention_mask"] = real.long()
+    for name in SENT_AT_REAL_TOKENS:
+        if (values := fields.get(name)) is not None:
+            where = real if name in TOKEN_FIELDS else completion
+            padded = _padding(name, real, (*where.shape, *values.shape[1:]), values.dtype)
+            padded[where] = values
+            fields[name] = padded
+    return TrainBatch(**fields)
+
+
+def _padding(name: str, real: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A field's values at padding as ``build_train_batch`` makes them (no loss reads them)."""
+    if name == "position_ids":
+        return (real.long().cumsum(-1) - 1).clamp(min=0)
+    if name == "distill_ids":  # distinct ids keep a masked row's support valid
+        return torch.arange(shape[-1]).expand(shape).clone()
+    if name == "distill_logprobs":
+        return torch.full(shape, float("-inf"), dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
 
 
 def trajectory_sequences(trajectories: list[Trajectory], pad_id: int) -> Sequences:

@@ -7,9 +7,10 @@ changes and ``NonFiniteLoss`` names the first input of the batch that is not fin
 being finite, the model). Both numbers are global (summed over ranks), so every rank refuses
 the same step, and checking them costs nothing: they are already on the host.
 
+A rank holds only its share of the step's rows (``TrainBatch.shares``, balanced by tokens).
 Each micro-batch's loss is normalized by the *whole step's* token, sequence and pair
-counts, so summing micro-batches and ranks gives exactly the full-batch loss whatever the
-split. That is what makes the four inner loops agree to float error: they differ only in
+counts (the sums of every share's, one all-reduce), so summing micro-batches and ranks gives
+exactly the full-batch loss whatever the split. That is what makes the four inner loops agree to float error: they differ only in
 the hooks below (how the model computes the policy's distribution, how gradients sync,
 which optimizer steps).
 
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from actors.basics.shares import micro_batches, token_shares
+from actors.basics.shares import micro_batches
 from actors.contract.train_batch import TrainBatch
 from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
@@ -58,7 +59,6 @@ from losses import (
     TokenLogprobs,
     TokenSplit,
     compose_loss,
-    covariance_selection,
     selective_logprobs,
     token_logprobs,
 )
@@ -68,7 +68,7 @@ from losses.policy import MISMATCH_MAX
 CPU = torch.device("cpu")
 
 
-RowInputs = Callable[[slice, int | None], LossInputs]  # (rows, completion width to keep, or all of it)
+RowInputs = Callable[[slice | Tensor, int | None], LossInputs]  # (rows, completion width to keep, or all of it)
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,14 @@ class InnerLoop(Protocol):
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device) -> None: ...
 
     def train_step(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
-        """One optimizer step on this rank's share of ``batch`` (the whole step's rows);
+        """One optimizer step on this rank's share of the step (``batch``: that share, or the whole step's rows);
         metrics are global (already reduced over ranks). ``taid_t``: the TAID schedule's t."""
 
     def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
         """``train_step`` without the optimizer step: the step's gradients, synced over ranks."""
+
+    def share_of(self, batch: TrainBatch) -> TrainBatch:
+        """This rank's share of the step ``batch`` (the batch itself when it is that share)."""
 
     def gradients(self) -> dict[str, Tensor]:
         """The gradients ``forward_backward`` left, full (not sharded), named as in ``state_dict``."""
@@ -182,24 +185,33 @@ class MicroBatchLoop(ABC):
     # -- the step --------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
+        batch = self.share_of(batch)
         metrics = self.forward_backward(batch, taid_t)
         metrics["grad_norm"] = self.clip_gradients()
-        refuse_non_finite(batch, metrics.get("loss", 0.0), metrics["grad_norm"])
+        loss = metrics.get("loss", 0.0)
+        if not (math.isfinite(loss) and math.isfinite(metrics["grad_norm"])):  # the same on every rank: both global
+            raise non_finite_step(loss, metrics["grad_norm"], self._gathered(non_finite_inputs(batch)))
         self.optimizer_step()
         return metrics
 
+    def share_of(self, batch: TrainBatch) -> TrainBatch:
+        """This rank's share of the step (``TrainBatch.for_rank``): the batch itself when it is that share."""
+        policy = self.cfg.loss.policy
+        return batch.for_rank(self.rank, self.world, policy if policy.name in COVARIANCE else None)
+
     def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
         """This rank's share of the step's gradients, synced over ranks; the step's metrics."""
-        tokens = batch.attention_mask.sum(-1).tolist()  # before it moves: no device sync per step
+        batch = self.share_of(batch)
+        # before it moves: no device sync per step
+        tokens, shared = batch.attention_mask.sum(-1).tolist(), batch.sequences().shared_prefixes()
         batch = batch.to(self.device)
         self.zero_grad()
         totals: dict[str, float] = {}
-        pair_grads = self._pair_gradients(batch, tokens, totals) if self._has_pairs(batch) else None
+        pair_grads = self._pair_gradients(batch, tokens, shared, totals) if self._has_pairs(batch) else None
         inputs = self.row_inputs(batch, pair_grads)
-        cuts = self._micro_batches(tokens)
-        passes = [("rows", rows) for rows in cuts[self.rank]]
+        passes = [("rows", rows) for rows in self._micro_batches(tokens, shared)]
         if self.lockstep:
-            passes += [("idle", slice(0, 1))] * (max(map(len, cuts)) - len(passes))
+            passes += [("idle", slice(0, 1))] * (self._most(len(passes)) - len(passes))
         for i, (kind, rows) in enumerate(passes):
             with nullcontext() if i == len(passes) - 1 or self.world == 1 else self.no_sync():
                 if kind == "rows":
@@ -211,32 +223,60 @@ class MicroBatchLoop(ABC):
                     self.backward(self.sequence_logprobs(batch.rows(rows)).sum() * 0.0)
         return self._reduce(totals)
 
-    def _micro_batches(self, tokens: list[int]) -> list[list[slice]]:
-        """Each rank's micro-batches of rows with these real ``tokens``: its share of the rows by tokens, cut by
-        ``micro_batch_size`` rows and ``micro_batch_tokens`` tokens (every rank computes every rank's, so ranks in
-        lockstep know how many passes to match)."""
+    def _micro_batches(self, tokens: list[int], shared: list[int]) -> list[slice | Tensor]:
+        """Micro-batches of rows with these real ``tokens`` and ``shared`` prefixes (``micro_batches``), at most
+        ``micro_batch_size`` rows and ``micro_batch_tokens`` tokens each, as an index of this share's rows."""
         cfg = self.cfg
-        return [micro_batches(tokens, share, cfg.micro_batch_size, cfg.micro_batch_tokens)
-                for share in token_shares(tokens, self.world)]
+        return [_index(rows) for rows in micro_batches(tokens, shared, cfg.micro_batch_size, cfg.micro_batch_tokens)]
+
+    def _most(self, passes: int) -> int:
+        """The most ``passes`` of any rank (ranks in lockstep run as many as the busiest)."""
+        if self.world == 1:
+            return passes
+        most = torch.tensor([passes], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most)
+
+    def step_sums(self, local: Tensor) -> list[float]:
+        """``local`` (a vector of this share's sums) summed over the step's shares, one all-reduce: the step's
+        counts, which every rank's loss divides by."""
+        local = local.to(torch.float64)
+        if self.world > 1:
+            dist.all_reduce(local)
+        return local.tolist()
+
+    def _gathered(self, found: list[str]) -> list[str]:
+        """Every rank's ``found``, in rank order (called by every rank)."""
+        if self.world == 1:
+            return found
+        every: list[list[str] | None] = [None] * self.world
+        dist.all_gather_object(every, found)
+        return [item for items in every for item in items]
 
     def row_inputs(self, batch: TrainBatch, pair_grads: PairGrads | None = None) -> RowInputs:
-        """The channels' inputs for any rows of ``batch``, normalized by the whole step's counts (channel 3 as
-        its cached gradient, ``pair_grads``)."""
+        """The channels' inputs for any rows of this share, normalized by the whole step's counts (channel 3 as its
+        cached gradient, ``pair_grads``)."""
         policy_mask = batch.completion_mask & batch.policy_rows[:, None]
-        counts = Counts.from_mask(policy_mask, batch.max_completion_len)
         distill = batch.distill_mask is not None and self.cfg.loss.alpha_sdpo > 0
-        distill_counts = Counts.from_mask(batch.distill_mask) if distill else None
         numbers = self._numbers(batch.targets)
-        policy_split = TokenSplit.of(policy_mask, numbers)
-        distill_split = TokenSplit.of(batch.distill_mask, numbers) if distill else None
-        after_update = None if batch.after_update is None else TokenClass.of(policy_mask, batch.after_update)
+        classes = {"policy": policy_mask, "distill": batch.distill_mask if distill else None,
+                   "after_update": None if batch.after_update is None else policy_mask & batch.after_update}
+        masks = {name: mask for name, mask in classes.items() if mask is not None}
+        masks |= {f"{name}_numbers": mask & numbers for name, mask in classes.items() if name != "after_update"
+                  and mask is not None}
+        masks |= {f"{name}_words": mask & ~numbers for name, mask in classes.items() if name != "after_update"
+                  and mask is not None}
+        step = dict(zip(masks, (max(n, 1.0) for n in self.step_sums(torch.stack([m.sum() for m in masks.values()])))))
+        counts = Counts(step["policy"], max(batch.step_rows, 1), max(batch.max_completion_len, 1))
+        distill_counts = Counts(step["distill"], max(batch.step_rows, 1), counts.max_len) if distill else None
+        policy_split = TokenSplit(masks["policy_numbers"], masks["policy_words"],
+                                  (step["policy_numbers"], step["policy_words"]))
+        distill_split = TokenSplit(masks["distill_numbers"], masks["distill_words"],
+                                   (step["distill_numbers"], step["distill_words"])) if distill else None
+        after_update = TokenClass(masks["after_update"], step["after_update"]) if "after_update" in masks else None
         spread = self.cfg.loss.distill.sample_weight == "group_spread"
-        held_back = None
-        if self.cfg.loss.policy.name in COVARIANCE:  # chosen over the whole step, the same in every micro-batch
-            advantages = batch.advantages[:, None]
-            held_back = covariance_selection(batch.inference_logprobs, advantages, policy_mask, self.cfg.loss.policy)
 
-        def rows(sl: slice, width: int | None = None) -> LossInputs:
+        def rows(sl: slice | Tensor, width: int | None = None) -> LossInputs:
             part = batch.rows(sl)
             if width is not None:
                 part = part.trimmed(width)
@@ -247,7 +287,7 @@ class MicroBatchLoop(ABC):
                 counts=counts,
                 inference_logprobs=part.inference_logprobs,  # the old policy is the loss's choice (is_mode)
                 ref_logprobs=part.ref_logprobs,
-                held_back=None if held_back is None else held_back[sl, cut],
+                held_back=part.held_back,
                 split=_trimmed(policy_split.rows(sl), cut),
                 after_update=None if after_update is None else after_update.rows(sl).cut(cut),
             )
@@ -297,27 +337,37 @@ class MicroBatchLoop(ABC):
     def _has_pairs(self, batch: TrainBatch) -> bool:
         return batch.pairs is not None and len(batch.pairs) > 0 and self.cfg.loss.beta_replay > 0
 
-    def _pair_gradients(self, batch: TrainBatch, tokens: list[int], totals: dict[str, float]) -> PairGrads:
+    def _pair_gradients(self, batch: TrainBatch, tokens: list[int], shared: list[int],
+                        totals: dict[str, float]) -> PairGrads:
         """Channel 3 by gradient caching: the pair loss is a function of each row's summed
         logprob, so take those without a graph, get d(loss)/d(logprob) per row, and let
         each rank backpropagate ``coefficient * logprob`` over its own rows in the same
         micro-batches as channels 1 and 2 (``losses.batch.PairGrads``). Exact, and no pair
-        ever needs both rows in one micro-batch."""
-        rows = batch.pairs.unique()
-        cuts = self._micro_batches([tokens[row] for row in rows.tolist()])
-        logps = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+        ever needs both rows in one micro-batch, nor on one rank: each rank sums its own rows of the step's pairs,
+        and one all-reduce gives every rank all of them."""
+        rows = batch.pairs.unique()  # the step's rows in pairs, sorted
+        local = rows - batch.first_row
+        mine = (local >= 0) & (local < len(batch))
+        at, own = mine.nonzero().flatten(), local[mine]
+        rows_own = own.tolist()
+        cuts = self._micro_batches([tokens[row] for row in rows_own],
+                                   [shared[row] if i and rows_own[i - 1] == row - 1 else 0 for i, row in
+                                    enumerate(rows_own)])
+        idle = self._most(len(cuts)) - len(cuts) if self.lockstep else 0  # agreed before any pass (a collective)
+        sums = torch.zeros(3, len(rows), dtype=torch.float64, device=self.device)  # logprob, length, reference's
         with torch.no_grad():
-            for part in cuts[self.rank]:
-                logps[part] = self.sequence_logprobs(batch.rows(rows[part])).double()
-            if self.lockstep:
-                for _ in range(max(map(len, cuts)) - len(cuts[self.rank])):
-                    self.sequence_logprobs(batch.rows(slice(0, 1)))
+            for part in cuts:
+                sums[0, at[part]] = self.sequence_logprobs(batch.rows(own[part])).double()
+            for _ in range(idle):
+                self.sequence_logprobs(batch.rows(slice(0, 1)))
+        completion = batch.completion_mask[own]
+        sums[1, at] = completion.sum(-1).double()
+        sums[2, at] = (batch.inference_logprobs[own] * completion).sum(-1).double()
         if self.world > 1:
-            dist.all_reduce(logps)
-        logps = logps.float().requires_grad_()
+            dist.all_reduce(sums)
+        logps = sums[0].float().requires_grad_()
+        lengths, reference = sums[1].long(), sums[2].float()
         chosen, rejected = torch.searchsorted(rows, batch.pairs).unbind(-1)  # positions in the sorted ``rows``
-        lengths = batch.completion_mask[rows].sum(-1)
-        reference = (batch.inference_logprobs[rows] * batch.completion_mask[rows]).sum(-1)
         pairs = PreferenceInputs(
             chosen_logps=logps[chosen],
             rejected_logps=logps[rejected],
@@ -332,7 +382,7 @@ class MicroBatchLoop(ABC):
         # every rank computed the same pair loss: count it once (but report the same names everywhere)
         _accumulate(totals, {k: v if self.rank == 0 or k.endswith("/skipped") else 0.0 for k, v in out.metrics.items()})
         coefficients = torch.zeros(len(batch), dtype=logps.grad.dtype, device=self.device)
-        coefficients[rows] = logps.grad
+        coefficients[own] = logps.grad[at]
         return PairGrads(coefficients, batch.completion_mask)
 
     def _reduce(self, totals: dict[str, float]) -> dict[str, float]:
@@ -348,6 +398,13 @@ class MicroBatchLoop(ABC):
             dist.all_reduce(values, op=op)
             out |= {n: (v / self.world if n.endswith("/skipped") else v) for n, v in zip(names, values.tolist())}
         return out
+
+
+def _index(rows: list[int]) -> slice | Tensor:
+    """Rows as an index: a slice (a view) when they are consecutive."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows)
 
 
 def _trimmed(split: TokenSplit, columns: slice) -> TokenSplit:
@@ -405,23 +462,28 @@ class LossInput:
     source: str  # where the values come from, and the fix
     outside_support: bool = False  # -inf is a value (a token the source gives no probability), not a fault
 
-    def non_finite(self) -> str | None:
-        """How many of the values read are not finite and where the first is; None if all are."""
+    def non_finite(self, first_row: int = 0) -> str | None:
+        """How many of the values read are not finite and where the first is (its row counted from
+        ``first_row``); None if all are."""
         read = self.read.expand_as(self.values)
         allowed = torch.isneginf(self.values) if self.outside_support else torch.zeros_like(read)
         bad = read & ~torch.isfinite(self.values) & ~allowed
         if not bad.any():
             return None
         first = tuple(int(i) for i in bad.nonzero()[0])
-        at = f"row {first[0]}" + (f", token {first[1]}" if len(first) > 1 else "")
+        at = f"row {first_row + first[0]}" + (f", token {first[1]}" if len(first) > 1 else "")
         return f"{int(bad.sum())} of {int(read.sum())} values, the first {float(self.values[first])} at {at}"
 
 
-def refuse_non_finite(batch: TrainBatch, loss: float, grad_norm: float) -> None:
-    """``NonFiniteLoss`` unless the step's ``loss`` and ``grad_norm`` are both finite numbers."""
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        return
-    found = [f"the {i.name} ({where}), {i.source}" for i in loss_inputs(batch) if (where := i.non_finite())]
+def non_finite_inputs(batch: TrainBatch) -> list[str]:
+    """Each input of ``batch`` a loss reads that holds values that are not finite: its name, where (rows counted in
+    the whole step), its source and the fix."""
+    return [f"the {i.name} ({where}), {i.source}" for i in loss_inputs(batch) if (where := i.non_finite(batch.first_row))]
+
+
+def non_finite_step(loss: float, grad_norm: float, found: list[str]) -> NonFiniteLoss:
+    """The refusal of a step whose ``loss`` or ``grad_norm`` is not finite; ``found``: the step's inputs that are
+    not finite (``non_finite_inputs`` of every rank's share)."""
     if found:
         cause = f"the first input that is not finite is {found[0]}" + "".join(f"; also {f}" for f in found[1:])
     else:
@@ -430,7 +492,7 @@ def refuse_non_finite(batch: TrainBatch, loss: float, grad_norm: float) -> None:
             "grew too large): lower actors.trainer.optimizer.lr, keep optimizer.grad_clip above 0, or set "
             "actors.trainer.precision: fp32, then resume from the last checkpoint"
         )
-    raise NonFiniteLoss(
+    return NonFiniteLoss(
         f"the step's loss is {loss} and its gradient norm {grad_norm}, so the optimizer did not step and the "
         f"weights are the last step's; {cause}"
     )
@@ -451,7 +513,8 @@ def loss_inputs(batch: TrainBatch) -> list[LossInput]:
     ]
     if batch.pairs is not None:
         in_pairs = torch.zeros(len(batch), dtype=torch.bool, device=batch.pairs.device)
-        in_pairs[batch.pairs.flatten()] = True
+        paired = batch.pairs.flatten() - batch.first_row
+        in_pairs[paired[(paired >= 0) & (paired < len(batch))]] = True
         inputs.append(
             LossInput(
                 "old (sampling) logprobs",

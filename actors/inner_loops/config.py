@@ -61,8 +61,9 @@ class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 64  # rows per forward/backward on one rank, packed (actors/models/packing.py)
-    # The most real tokens (prompt and completion) one micro-batch on one rank holds, whichever of it and
-    # micro_batch_size comes first; a longer row is a micro-batch alone. Long agent rows are not held 64 at once.
+    # The most real tokens (prompt and completion, a group's prompt once) one micro-batch on one rank holds, whichever
+    # of it and micro_batch_size comes first; a longer row is a micro-batch alone. A rank's rows go into as few
+    # micro-batches as hold them, even by tokens. Long agent rows are not held 64 at once.
     micro_batch_tokens: int = 16384
     custom_loss: CustomLossConfig | None = None
     # The dtype of the matmuls; weights, gradients and optimizer state stay fp32 either way.

@@ -72,7 +72,9 @@ class PrimeRLLoop(NativeLoop):
         self._samples = 1  # the step's samples with policy tokens (set per step)
 
     def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
-        self._samples = max(int((batch.completion_mask & batch.policy_rows[:, None]).any(-1).sum()), 1)
+        batch = self.share_of(batch)
+        samples = (batch.completion_mask & batch.policy_rows[:, None]).any(-1).sum()
+        self._samples = max(int(self.step_sums(samples[None])[0]), 1)  # the step's, every share's summed
         return super().forward_backward(batch, taid_t)
 
     def micro_loss(self, batch: TrainBatch, inputs: LossInputs, taid_t: float | None) -> LossOutput:

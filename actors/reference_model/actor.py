@@ -91,12 +91,12 @@ class ReferenceModel:
         """``[B, T]``: each completion token's logprob under the reference, micro-batch by micro-batch."""
         weight, batching = head_weight(self.model), self.batching
         tokens = sequences.attention_mask.sum(-1).tolist()
-        parts = [torch.empty(0, sequences.targets.shape[1], device=self.device)]  # no rows: none to score
+        out = torch.zeros(sequences.targets.shape, device=self.device)
         with self.scoring():
-            for rows in micro_batches(tokens, slice(0, len(sequences)), batching.rows, batching.tokens):
-                part = sequences.rows(rows).to(self.device)
-                parts.append(token_logprobs(self.hidden(part), weight, part.targets, batching.chunk_tokens))
-        return torch.cat(parts)
+            for rows in micro_batches(tokens, sequences.shared_prefixes(), batching.rows, batching.tokens):
+                part = sequences.rows(torch.tensor(rows)).to(self.device)
+                out[rows] = token_logprobs(self.hidden(part), weight, part.targets, batching.chunk_tokens)
+        return out
 
 
 def _check_vocabulary(path: str, tokenizer, policy_path: str) -> None:

@@ -3,8 +3,8 @@
 Each trainer mesh is its own ``torch.distributed`` world (gloo on CPU, nccl on GPU): ``monarch.spmd``
 sets each rank's env, and ``start_trainers`` has rank 0 host the world's store on a port the kernel picks
 as it binds, then hands its address to every rank, so no port is chosen free and bound later, when another
-program on the host may have taken it (runs side by side). Every rank receives the whole ``TrainBatch`` and trains on
-its share; rank 0 reports the metrics and publishes the new weights to the
+program on the host may have taken it (runs side by side). Each rank receives only its share of the step's
+``TrainBatch`` (``TrainBatch.shares``, balanced by tokens); rank 0 reports the metrics and publishes the new weights to the
 weight store over the transport the runtime chose from placement (shared memory, RDMA
 or CUDA IPC: ``actors/weights``), returning only the small ``WeightVersion``.
 
@@ -44,7 +44,6 @@ from torch.distributed import TCPStore
 from actors import registry
 from actors.basics.compute import Compute
 from actors.basics.proc_info import ProcInfo, this_proc
-from actors.basics.shares import token_shares
 from actors.contract.train_batch import TrainBatch
 from actors.diloco.config import DiLoCoConfig
 from actors.diloco.syncer import DiLoCoSyncer, SyncReport, TrainerParameters
@@ -170,7 +169,10 @@ class Trainer(Actor):
 
     @endpoint
     def train_step(self, batch: TrainBatch) -> StepReport | None:
+        """One step on ``batch``: this rank's share of the step (or the whole step's rows, of which it takes its
+        share)."""
         start = time.perf_counter()
+        batch = self.loop.share_of(batch)
         if self.reference is not None:
             batch = self._with_reference(batch)
         reference_seconds = time.perf_counter() - start
@@ -189,10 +191,9 @@ class Trainer(Actor):
         return StepReport(metrics, weights, seconds, time.perf_counter() - trained, reference_seconds)
 
     def _with_reference(self, batch: TrainBatch) -> TrainBatch:
-        """``batch`` with the reference's logprobs of this rank's rows that train the policy (the loop
-        trains only on its own rows; the other ranks fill in theirs, and replayed traces take no KL)."""
-        share = token_shares(batch.attention_mask.sum(-1).tolist(), self.world)[self.rank]
-        rows = torch.arange(len(batch))[share][batch.policy_rows[share]]
+        """This rank's share ``batch`` with the reference's logprobs of its rows that train the policy
+        (replayed traces take no KL)."""
+        rows = batch.policy_rows.nonzero().flatten()
         values = torch.zeros(batch.targets.shape, device=self.reference.device)
         values[rows] = self.reference.logprobs(batch.sequences().rows(rows))
         return dataclasses.replace(batch, ref_logprobs=values)

@@ -45,6 +45,7 @@ that cannot finish with the work already running stops the run at once (``Abando
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -209,8 +210,15 @@ class Controller:
         due), its weights pushed to the generators; the trainer's report and the outer step's metrics."""
         # pad_id 0 is a valid id in every vocabulary, and padding is masked out of attention and loss
         batch = build_train_batch(collected.groups, advantages, 0, max_completion_len=self.settings.max_completion_len)
-        reports = await self.services.trainer.train_step.call(batch)
-        report = next(r for r in reports.values() if r is not None)
+        ranks = self.services.trainer_ranks
+        shares = batch.shares(len(ranks), self.settings.covariance)  # each rank is sent only its rows
+        calls = [asyncio.ensure_future(rank.train_step.call_one(share)) for rank, share in zip(ranks, shares)]
+        try:
+            reports = await asyncio.gather(*calls)
+        finally:  # one rank's failure: the others' calls are given up (the fleet restarts the whole mesh)
+            for call in calls:
+                call.cancel()
+        report = next(r for r in reports if r is not None)
         self.weights, outer = report.weights, {}
         if self.diloco is not None:
             synced, outer = await self.diloco.after_step(step)

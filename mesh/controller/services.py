@@ -100,6 +100,7 @@ class Services:
     two services in the implementation the run chose."""
 
     trainer: ActorMesh
+    trainer_ranks: list[ActorMesh]  # each process of the trainer's mesh, in rank order (each trains on its share)
     generators: Router  # every proc of every generator copy; requests are routed among them
     rewarding: Rewarding
     reference: ReferenceScoring

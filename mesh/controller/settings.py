@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from losses.config import AdvantageEstimator
+from losses.config import AdvantageEstimator, CovariancePolicyConfig
 from mesh.controller.samples import SampleRecording
 
 
@@ -42,6 +42,7 @@ class LoopSettings:
     checkpoint_every: int  # 0: only the last step
     advantage: AdvantageEstimator | None
     max_completion_len: int  # the most tokens the model writes in one row (Dr. GRPO's normalizer)
+    covariance: CovariancePolicyConfig | None  # the loss's Clip-Cov or KL-Cov rule (its tokens chosen per step)
     reference: bool  # whether the loss has a reference model (``time/reference`` is logged)
     diloco_interval: int | None  # inner steps per DiLoCo round (the trainer syncs); None: not a DiLoCo replica
     fingerprint: dict[str, Any]  # what a --resume must match, saved with every checkpoint

@@ -49,6 +49,7 @@ from actors.tasks import build_task  # noqa: E402
 from actors.teachers.bindings import Student  # noqa: E402
 from actors.teachers.pool import TeacherPool  # noqa: E402
 from actors.trainer.actor import Trainer, TrainerSetup, start_trainers  # noqa: E402
+from losses.config import COVARIANCE  # noqa: E402
 from mesh.checkpoints.fingerprint import built_weights, topology_fingerprint  # noqa: E402
 from mesh.controller import (  # noqa: E402
     Collected,
@@ -448,7 +449,9 @@ def _services(plan: RunPlan, fleet: Fleet) -> Services:
     if plan.runs("reference"):
         reference = RemoteReference(fleet.handle("reference", plan.reference.mesh, 0))
     teacher_pool = fleet.handle("teachers", cfg.teachers.mesh, 0) if plan.runs("teachers") else None
-    return Services(fleet.handle("trainer", cfg.trainer.mesh), router, rewarding, reference, teacher_pool)
+    trainer = cfg.trainer.mesh
+    ranks = [fleet.handle("trainer", trainer, proc) for proc in range(plan.meshes[trainer].size)]
+    return Services(fleet.handle("trainer", trainer), ranks, router, rewarding, reference, teacher_pool)
 
 
 def _collection(
@@ -503,6 +506,7 @@ def _loop_settings(
         advantage=loss.policy.advantage,
         # every reply of an episode
         max_completion_len=topology.actors.generator.max_new_tokens * (episodes.max_turns if episodes else 1),
+        covariance=loss.policy if loss.policy.name in COVARIANCE else None,
         reference=plan.reference is not None,
         diloco_interval=topology.diloco.interval if plan.diloco_replica is not None else None,
         fingerprint=built_weights(topology_fingerprint(topology).to_json(), model_dir),
