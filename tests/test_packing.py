@@ -72,6 +72,19 @@ def test_lanes_hold_at_most_their_tokens_and_rows_longer_go_by_rows_with_their_p
     assert by_rows_too.input_ids.tolist() == [[8, 1, 2, 3, 4, 9, 12, 13, 14]]
 
 
+def test_a_head_applied_only_where_completions_are_predicted_gathers_the_same_states():
+    """``PackedRows.predicted``: each pass's states that predict a completion token, fewer than its places (prompts'
+    other tokens, slack), gathered into the same rows' states as the whole passes'."""
+    rows = [([5, 6, 7], [10, 11]), ([5, 6, 7], [20, 21]), ([5, 6, 7], [30, 31]), ([8], [1, 2, 3, 4, 9, 12, 13, 14]),
+            ([5, 6, 7], [40, 41, 42, 43, 44]), ([5, 6, 7], [50, 51, 52, 53, 54, 55])]
+    packed = pack_rows(*rows_as_a_batch(rows), lane=7)
+    states = [torch.randn(*lane.input_ids.shape, 3) for lane in packed.passes]
+    places, predicted = packed.predicted()
+    narrowed = [state.flatten(0, 1)[kept][None] for state, kept in zip(states, places)]
+    assert torch.equal(predicted.gather(narrowed), packed.gather(states))
+    assert sum(map(len, places)) < sum(lane.input_ids.numel() for lane in packed.passes)
+
+
 def test_padding_queries_see_only_themselves():
     (lane,) = pack_rows(*rows_as_a_batch([([5], [1]), ([6, 7, 8], [2, 3, 4])]), lane=6).passes
     padding = lane.input_ids == 0

@@ -106,7 +106,7 @@ from actors.inner_loops.base import CPU, MicroBatchLoop
 from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
 from actors.models.attention import PackedAttention
-from actors.models.packing import lane_tokens
+from actors.models.packing import LanePass, lane_tokens
 from losses import Logits
 
 
@@ -350,8 +350,9 @@ class TorchTitanLoop(MicroBatchLoop):
 
     The head is ``Logits`` (the completion positions of the model's own output): the
     forward must run through the FSDP2 root so that the LM head's parameters are gathered,
-    so ``[rows, tokens, vocab]`` logits exist per micro-batch; size ``micro_batch_size``
-    for that.
+    so logits exist per micro-batch, the head applied only to the states that predict a
+    completion token and those gathered into ``[rows, tokens, vocab]``; size
+    ``micro_batch_tokens`` for that.
     """
 
     lockstep = True
@@ -392,12 +393,23 @@ class TorchTitanLoop(MicroBatchLoop):
     # -- the step's hooks ----------------------------------------------------------------------
 
     def head(self, batch: TrainBatch) -> Logits:
-        """The logits that predict each row's completion, from one pass over the rows packed (``actors/models/packing.py``)."""
-        packed = batch.packed(self.lane)
-        return Logits(packed.gather([
-            self.model(lane.input_ids, positions=lane.position_ids, attention_masks=lane.attention)
-            for lane in packed.passes
-        ]))
+        """The logits that predict each row's completion, from one pass over the rows packed
+        (``actors/models/packing.py``): the LM head is applied to the states that predict a completion token only."""
+        places, predicted = batch.packed(self.lane).predicted()
+        return Logits(predicted.gather([self._logits_at(lane, kept) for lane, kept in zip(predicted.passes, places)]))
+
+    def _logits_at(self, lane: LanePass, kept: Tensor) -> Tensor:
+        """``[1, len(kept), V]``: the model's logits at the ``kept`` places of a pass's flattened states (the forward
+        runs through the FSDP2 root, which gathers the LM head's parameters; a hook narrows the head's input)."""
+
+        def narrow(_: nn.Module, args: tuple) -> tuple:
+            return (args[0].flatten(0, 1)[kept][None], *args[1:])
+
+        hook = self.model.lm_head.register_forward_pre_hook(narrow)
+        try:
+            return self.model(lane.input_ids, positions=lane.position_ids, attention_masks=lane.attention)
+        finally:
+            hook.remove()
 
     def backward(self, loss: Tensor) -> None:
         """TorchTitan's FSDP2 sums gradients over ranks (no division), and each rank's loss is

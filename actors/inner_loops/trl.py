@@ -1,8 +1,9 @@
 """The ``trl`` inner loop: TRL's GRPOTrainer machinery around ``losses.compose_loss``.
 
-TRL prepares the model (dtype, its fused LM head, Accelerate and DDP), computes the
-policy's token logprobs with its own ``_get_per_token_logps_and_entropies`` and builds
-the optimizer and LR schedule from its ``GRPOConfig``; the loss is ours, plugged in by
+TRL prepares the model (dtype, its fused LM head, Accelerate and DDP) and builds the optimizer
+and LR schedule from its ``GRPOConfig``; under TRL's own training it computes the policy's token
+logprobs with its own ``_get_per_token_logps_and_entropies``, while our loop runs the model through
+TRL's wrapper with its LM head off and hands the loss hidden states and the head's weight. The loss is ours, plugged in by
 ``ComposerGRPOTrainer``, a ``GRPOTrainer`` subclass overriding ``_compute_loss``. Rollouts
 come from our Generator: TRL's generation and dataloader are never used here. Precision
 ``bf16`` is TRL's own ``bf16=True``: Accelerate's autocast around TRL's forward, over fp32
@@ -35,9 +36,21 @@ from torch import Tensor
 from actors.contract.train_batch import TrainBatch
 from actors.inner_loops.base import CPU, HFModelLoop
 from actors.inner_loops.config import TrainerConfig
-from actors.models.lora import peft_config
+from actors.models.lora import head_weight, peft_config
 from actors.models.packing import lane_tokens
-from losses import Counts, Head, Logits, LossConfig, LossInputs, LossOutput, PolicyInputs, TokenLogprobs, compose_loss
+from actors.models.policy import lm_head_off
+from losses import (
+    Counts,
+    Head,
+    LinearHead,
+    Logits,
+    LossConfig,
+    LossInputs,
+    LossOutput,
+    PolicyInputs,
+    TokenLogprobs,
+    compose_loss,
+)
 
 TRL_VERSION = "1.16.0"  # the pin in pyproject.toml's ``trl`` extra; tests check both agree
 
@@ -85,13 +98,16 @@ class ComposerGRPOTrainer(GRPOTrainer):
         return out.loss
 
     def policy_head(self, model, inputs: dict, distribution: bool) -> Head:
-        """Under our inner loop, the logits that predict each row's completion from one pass over the rows
-        packed (``actors/models/packing.py``). Under TRL's own training, TRL's token logprobs (its fused LM head never
+        """Under our inner loop, the last hidden states that predict each row's completion from one pass over the
+        rows packed (``actors/models/packing.py``) and the LM head's weight: logits are formed chunk by chunk in the
+        loss, never whole, as the native loop does. Under TRL's own training, TRL's token logprobs (its fused LM head never
         builds ``[B, T, V]``), or the full logits when a loss channel needs the whole distribution
         (distillation, the entropy bonus)."""
         if (packed := inputs.get(PACKED)) is not None:
-            with self.accelerator.autocast():  # as TRL wraps its own forward (a no-op unless bf16)
-                return Logits(packed.run(model, self.model.config) / self.temperature)
+            with self.accelerator.autocast(), lm_head_off(self.model):  # as TRL wraps its forward (a no-op unless bf16)
+                hidden = packed.run(model, self.model.config)
+            dtype = torch.bfloat16 if self.args.bf16 else hidden.dtype  # the head's inputs as autocast casts them
+            return LinearHead(hidden.to(dtype) / self.temperature, head_weight(self.model).to(dtype))
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)

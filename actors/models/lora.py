@@ -65,6 +65,11 @@ def head_weight(model: nn.Module) -> Tensor:
     """The LM head's weight as the policy applies it. The loss kernels read the head as one matrix
     (``losses.LinearHead``), so an adapter on it is folded in: ``W + (alpha / rank) B A`` while the
     adapters are on, ``W`` while they are off (the reference's base)."""
+    if cap := getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(
+            f"the model ({model.config.model_type}) caps its logits (final_logit_softcapping = {cap}), which the "
+            "trainer's loss, reading the LM head as one matrix, does not apply; train a model without it"
+        )
     head = model.get_output_embeddings()
     lora = sys.modules.get("peft.tuners.lora")  # not imported: no model of this process has adapters
     if lora is not None and isinstance(head, lora.LoraLayer) and not head.disable_adapters and ADAPTER_NAME in head.lora_A:

@@ -21,6 +21,7 @@ whose cost follows each row's length, not the square of the lane's (``actors/mod
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +63,17 @@ class PackedRows:
         """Each pass's ``[lanes, L, ...]`` states as the rows' ``[rows, T, ...]``: the state that predicts each
         completion token (at a row's padding, the first pass's first: the loss masks it)."""
         return torch.cat([state.flatten(0, 1) for state in states])[self.predicting]
+
+    def predicted(self) -> tuple[tuple[Tensor, ...], PackedRows]:
+        """Per pass, the places of its flattened ``[lanes * L]`` states that predict some completion token (a
+        prompt's other tokens and a lane's slack predict none), and these rows as ``gather`` reads each pass's states
+        taken at its places only: a head applied to those alone makes no logits nobody reads."""
+        sizes = [lane.input_ids.numel() for lane in self.passes]
+        kept = self.predicting.unique()  # sorted
+        bounds = torch.tensor([0, *itertools.accumulate(sizes)], device=kept.device)
+        cuts = torch.searchsorted(kept, bounds).tolist()
+        places = tuple(kept[a:b] - bounds[i] for i, (a, b) in enumerate(zip(cuts, cuts[1:])))
+        return places, PackedRows(self.passes, torch.searchsorted(kept, self.predicting))
 
     def run(self, module: Module, config=None, **inputs) -> Tensor:
         """``gather`` of a Hugging Face ``module``'s first output (a decoder's last hidden states, or a causal LM's

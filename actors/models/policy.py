@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -35,3 +37,16 @@ def quiet_transformers() -> None:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+
+
+@contextmanager
+def lm_head_off(model: nn.Module) -> Iterator[None]:
+    """The causal LM ``model`` (or a PEFT model's) returns its last hidden states where its logits were while the body
+    runs: a forward through a wrapper that must see the whole model (DDP) builds no logits, and the loss forms them
+    chunk by chunk from the head's weight (``actors.models.lora.head_weight``, ``losses.LinearHead``)."""
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(nn.Identity())
+    try:
+        yield
+    finally:
+        model.set_output_embeddings(head)
