@@ -16,6 +16,7 @@ from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.models import packing
 from actors.models.facts import TinyModelSpec
+from actors.models.lora import head_weight
 from actors.models.packing import pack_rows
 from actors.models.policy import load_policy
 from actors.models.tiny import build_tiny_model
@@ -156,6 +157,17 @@ def test_a_lane_is_as_long_as_its_model_makes_attention_worth_it():
     assert packing.lane_tokens(SimpleNamespace(hidden_size=2048, intermediate_size=8192)) == packing.LANE_TOKENS
     rows = [([1, 2, 3], [4] * 10)] * 40  # 403 tokens in all
     assert len(pack_rows(*rows_as_a_batch(rows), lane=256).passes[0].input_ids) == 2
+
+
+def test_a_model_that_caps_its_logits_is_refused_where_the_loss_reads_its_head():
+    """Gemma 2 caps its final logits (``final_logit_softcapping``); every loop's loss applies the LM head as one
+    matrix (``LinearHead``), which would train on logits the model never makes."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(ValueError, match=r"caps its logits \(final_logit_softcapping = 30.0\).*without it"):
+        head_weight(model)
 
 
 def sliding_window_models() -> dict[str, torch.nn.Module]:
