@@ -1,6 +1,6 @@
 """The train stage against its floor, on a real run's own batches.
 
-    python bench/train_floor.py RUN_DIR [--steps 4] [--repeats 3]
+    python bench/train_floor.py RUN_DIR [--steps 4] [--repeats 3] [--set KEY=VALUE ...]
 
 RUN_DIR is a run recorded whole (``--set logging.samples.full=true``), for instance of ``smol_math.yaml``: its
 recorded steps are rebuilt into the very ``TrainBatch``es the trainer took, and each is timed three ways, one after
@@ -78,8 +78,11 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--steps", type=int, default=4, help="recorded steps to time, from step 0")
     parser.add_argument("--repeats", type=int, default=3, help="times each step is timed each way (median kept)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a topology override for the trainer timed, e.g. actors.trainer.micro_batch_size=64")
     args = parser.parse_args()
-    topology = load_topology(args.run_dir / "topology.yaml", [f"loop.steps={args.steps}"], placed_here=False)
+    overrides = [f"loop.steps={args.steps}", *args.set]
+    topology = load_topology(args.run_dir / "topology.yaml", overrides, placed_here=False)
     plan = RunPlan.of(topology)
     cfg = topology.actors.trainer
     # a model built from a recipe (tiny.yaml's) is in the run directory, as the run built it
@@ -90,7 +93,8 @@ def main() -> None:
         for c in recorded_batches(args.run_dir, plan)
     ]
     print(machine())
-    print(f"{args.run_dir}: {len(batches)} steps, trainer micro_batch_size {cfg.micro_batch_size}, {cfg.precision}")
+    print(f"{args.run_dir}: {len(batches)} steps, trainer micro_batch_size {cfg.micro_batch_size}, micro_batch_tokens "
+          f"{cfg.micro_batch_tokens}, {cfg.precision}")
     packed, padded = NativeLoop(model_path, cfg, 0, 1), PaddedLoop(model_path, cfg, 0, 1)
     bare = packed.model
     ratios = {"packed / floor": [], "padded / floor": [], "padded / packed": []}
