@@ -64,13 +64,13 @@ def test_a_shared_prompt_is_packed_once_and_each_token_sees_its_own_row():
 def test_lanes_hold_at_most_their_tokens_and_rows_longer_go_by_rows_with_their_prompt_once():
     rows = [([5, 6, 7], [10, 11]), ([5, 6, 7], [20, 21]), ([5, 6, 7], [30, 31]), ([8], [1, 2, 3, 4, 9, 12, 13, 14]),
             ([5, 6, 7], [40, 41, 42, 43, 44]), ([5, 6, 7], [50, 51, 52, 53, 54, 55])]
-    dense, by_rows, by_rows_too = pack_rows(*rows_as_a_batch(rows), lane=7).passes
+    dense, by_rows = pack_rows(*rows_as_a_batch(rows), lane=7).passes
     lanes = [[token for token in lane if token] for lane in dense.input_ids.tolist()]
     assert sorted(map(len, lanes)) == [5, 7]  # 3 + 2 + 2 and 3 + 2: the shared prompt repeated in a dense lane
-    assert by_rows.attention.visible is None and by_rows_too.attention.visible is None
-    assert by_rows.input_ids.tolist() == [[5, 6, 7, 40, 41, 42, 43, 44, 50, 51, 52, 53, 54, 55]]  # the prompt once
-    assert by_rows.attention.units[0].rows == ((3, 8), (8, 14))
-    assert by_rows_too.input_ids.tolist() == [[8, 1, 2, 3, 4, 9, 12, 13, 14]]
+    assert by_rows.attention.visible is None  # one pass of every long row, each prompt once
+    assert by_rows.input_ids.tolist() == [[5, 6, 7, 40, 41, 42, 43, 44, 50, 51, 52, 53, 54, 55,
+                                           8, 1, 2, 3, 4, 9, 12, 13, 14]]
+    assert [unit.rows for unit in by_rows.attention.units] == [((3, 8), (8, 14)), ((15, 23),)]
 
 
 def test_a_head_applied_only_where_completions_are_predicted_gathers_the_same_states():
@@ -113,7 +113,8 @@ def test_the_models_states_are_each_rows_alone(model_dir, lane):
     assert (ours[real] - theirs[:, batch.prompt_len - 1 : -1][real]).abs().max() <= 1e-5
     dense = [lane.input_ids for lane in packed.passes if lane.attention.visible is not None]
     if lane == 1:
-        assert dense == [] and len(packed.passes) == len({tuple(row) for row in batch.input_ids[:, :batch.prompt_len].tolist()})
+        prompts = {tuple(row) for row in batch.input_ids[:, :batch.prompt_len].tolist()}
+        assert dense == [] and len(packed.passes) == 1 and len(packed.passes[0].attention.units) == len(prompts)
     else:
         assert len(packed.passes) == 1 and (len(dense[0]) == 1) == (lane == packing.LANE_TOKENS)
 

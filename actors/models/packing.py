@@ -117,8 +117,8 @@ def pack_rows(
 ) -> PackedRows:
     """Pack rows laid out as a ``TrainBatch``'s (prompts left-padded to ``prompt_len``, completions right-padded after
     it; ``attention_mask`` marks the real tokens, ``position_ids`` their positions) into dense lanes of ``lane``
-    tokens (``lane_tokens`` of the model; None: ``LANE_TOKENS``), and a by-rows pass for each prompt's rows that are
-    longer than a lane with it."""
+    tokens (``lane_tokens`` of the model; None: ``LANE_TOKENS``), and one by-rows pass of the rows that are longer than
+    a lane with their prompt (each such prompt once)."""
     rows, width = input_ids.shape[0], input_ids.shape[1] - prompt_len
     capacity = lane or LANE_TOKENS
     pieces = [piece for unit in _units(input_ids, attention_mask, position_ids, prompt_len)
@@ -127,9 +127,8 @@ def pack_rows(
     passes: list[LanePass] = []
     if dense := [piece for piece in pieces if piece.tokens <= capacity]:
         passes.append(_dense_pass(_lanes(dense, capacity), predicting))
-    for piece in pieces:
-        if piece.tokens > capacity:
-            passes.append(_rows_pass([piece], predicting, sum(lane.input_ids.numel() for lane in passes)))
+    if long := [piece for piece in pieces if piece.tokens > capacity]:  # one pass, each prompt once, by rows
+        passes.append(_rows_pass(long, predicting, sum(lane.input_ids.numel() for lane in passes)))
     device = input_ids.device
     moved = tuple(LanePass(lane.input_ids.to(device), lane.position_ids.to(device), _to(lane.attention, device))
                   for lane in passes)
