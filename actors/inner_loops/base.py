@@ -237,6 +237,11 @@ class MicroBatchLoop(ABC):
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return int(most)
 
+    def _step_counts(self, masks: dict[str, Tensor]) -> dict[str, float]:
+        """Each of this share's ``masks``' tokens counted over the whole step (every share's summed), at least 1."""
+        totals = self.step_sums(torch.stack([mask.sum() for mask in masks.values()]))
+        return {name: max(total, 1.0) for name, total in zip(masks, totals)}
+
     def step_sums(self, local: Tensor) -> list[float]:
         """``local`` (a vector of this share's sums) summed over the step's shares, one all-reduce: the step's
         counts, which every rank's loss divides by."""
@@ -259,14 +264,13 @@ class MicroBatchLoop(ABC):
         policy_mask = batch.completion_mask & batch.policy_rows[:, None]
         distill = batch.distill_mask is not None and self.cfg.loss.alpha_sdpo > 0
         numbers = self._numbers(batch.targets)
-        classes = {"policy": policy_mask, "distill": batch.distill_mask if distill else None,
-                   "after_update": None if batch.after_update is None else policy_mask & batch.after_update}
-        masks = {name: mask for name, mask in classes.items() if mask is not None}
-        masks |= {f"{name}_numbers": mask & numbers for name, mask in classes.items() if name != "after_update"
-                  and mask is not None}
-        masks |= {f"{name}_words": mask & ~numbers for name, mask in classes.items() if name != "after_update"
-                  and mask is not None}
-        step = dict(zip(masks, (max(n, 1.0) for n in self.step_sums(torch.stack([m.sum() for m in masks.values()])))))
+        channels = {"policy": policy_mask} | ({"distill": batch.distill_mask} if distill else {})
+        masks: dict[str, Tensor] = {}
+        for name, mask in channels.items():
+            masks |= {name: mask, f"{name}_numbers": mask & numbers, f"{name}_words": mask & ~numbers}
+        if batch.after_update is not None:
+            masks["after_update"] = policy_mask & batch.after_update
+        step = self._step_counts(masks)
         counts = Counts(step["policy"], max(batch.step_rows, 1), max(batch.max_completion_len, 1))
         distill_counts = Counts(step["distill"], max(batch.step_rows, 1), counts.max_len) if distill else None
         policy_split = TokenSplit(masks["policy_numbers"], masks["policy_words"],

@@ -171,6 +171,9 @@ class TRLLoop(HFModelLoop):
             beta=0.0,
             use_bias_correction_kl=False,  # TRL's default is True; the KL, if any, is configured in loss.policy
             ddp_broadcast_buffers=False,  # rotary tables are constants; ranks may run different numbers of forwards
+            # every trained parameter takes a gradient in each backward; the LM head's through the loss's LinearHead,
+            # outside the wrapped forward, which DDP would otherwise mark unused (ready) before its gradient comes
+            ddp_find_unused_parameters=False,
             per_device_train_batch_size=2,  # TRL's generation batch must hold a group; it is never used
             num_generations=2,
             # TRL's default is True: only Trainer.train(), never run here, would turn it on, but with a PEFT model
