@@ -6,8 +6,9 @@ time went and what overlapped: which process was busy or idle, and that a bounde
 step k+1 while step k trains. Its events:
 
 - every actor call, timed by the fleet (``Fleet.call``): one event on the track of the process that
-  answered it, or on each process of the mesh for a call to all of it (the trainer's ``train_step``,
-  ``publish``, ``save``); one track per actor per process, named ``<mesh> <index> (host:pid)``;
+  answered it (each trainer rank's ``train_step``, sent its share), or on each process of the mesh for a call to
+  all of it (the trainer's ``publish``, ``save``); one track per actor per process, named
+  ``<mesh> <index> (host:pid)``;
 - the controller's own track: ``wait for batch k`` and ``train step k`` (the optimizer step with
   DiLoCo's outer step, as the loop waits for it).
 
