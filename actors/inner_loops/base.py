@@ -3,16 +3,16 @@
 A step is: zero the gradients, run micro-batch passes over this rank's rows (channels 1
 and 2) and over its preference rows (channel 3, by gradient caching), then clip and take
 one optimizer step, unless the step's loss or gradient norm is not finite: then no weight
-changes and ``NonFiniteLoss`` names the first input of the batch that is not finite (or, all
-being finite, the model). Both numbers are global (summed over ranks), so every rank refuses
+changes and ``NonFiniteLoss`` names the first input of the step that is not finite, whichever
+rank holds it (or, all being finite, the model). Both numbers are global (summed over ranks), so every rank refuses
 the same step, and checking them costs nothing: they are already on the host.
 
 A rank holds only its share of the step's rows (``TrainBatch.shares``, balanced by tokens).
 Each micro-batch's loss is normalized by the *whole step's* token, sequence and pair
-counts (the sums of every share's, one all-reduce), so summing micro-batches and ranks gives
-exactly the full-batch loss whatever the split. That is what makes the four inner loops agree to float error: they differ only in
-the hooks below (how the model computes the policy's distribution, how gradients sync,
-which optimizer steps).
+counts (the sums of every share's, one all-reduce), so summing micro-batches and ranks
+gives exactly the full-batch loss whatever the split. That is what makes the four inner
+loops agree to float error: they differ only in the hooks below (how the model computes
+the policy's distribution, how gradients sync, which optimizer steps).
 
 Precision: ``compute_dtype`` is the dtype of the model's matmuls (``TrainerConfig.precision``
 resolved for this loop's device). In bf16 every loop keeps fp32 weights, gradients and
