@@ -28,17 +28,14 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine  # bench/ is on sys.path when this runs as a script
+from common import machine, recorded_steps  # bench/ is on sys.path when this runs as a script
 from long_rows import _model
 
-from actors.contract.train_batch import build_train_batch, pad_sequences, row_advantages
+from actors.contract.train_batch import pad_sequences
 from actors.inner_loops.native import NativeLoop
 from actors.models import packing
 from actors.models.packing import PackedRows, lane_tokens, pack_by_rows, pack_rows
 from actors.models.policy import load_policy
-from mesh.runtime.retrain import recorded_batches
-from mesh.topology.plan import RunPlan
-from mesh.topology.schema import load_topology
 
 PROMPT, GROUP = 32, 8
 
@@ -83,7 +80,8 @@ def main() -> None:
             rows = step_rows(length, args.tokens, model.config.vocab_size)
             batch = pad_sequences([p for p, _ in rows], [c for _, c in rows], 0)
             layout = (batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_len)
-            ways = {f"dense {max(size, length)}": pack_rows(*layout, max(size, length)) for size in args.lanes or [lane]}
+            sizes = [max(size, length) for size in args.lanes or [lane]]
+            ways = {f"dense {size}": pack_rows(*layout, size) for size in sizes}
             ways["by_rows"] = pack_by_rows(*layout)
             times = {way: [] for way in ways}
             for _ in range(args.repeats):  # interleaved: a slower moment of the machine hits every way alike
@@ -95,14 +93,10 @@ def main() -> None:
                 if way != "by_rows"))
 
 def loop_steps(run_dir: Path, steps: int, lanes: list[int], repeats: int) -> None:
-    """The native loop's ``forward_backward`` on ``run_dir``'s recorded steps with each dense lane length, interleaved."""
-    topology = load_topology(run_dir / "topology.yaml", [f"loop.steps={steps}"], placed_here=False)
-    plan, cfg = RunPlan.of(topology), topology.actors.trainer
-    model_path = str(plan.models["model.path"].directory() if "model.path" in plan.models else run_dir / "model")
-    estimator, longest = cfg.loss.policy.advantage, topology.actors.generator.max_new_tokens
-    batches = [build_train_batch(c.groups, row_advantages(c.groups, estimator), 0, longest)
-               for c in recorded_batches(run_dir, plan)]
-    loop = NativeLoop(model_path, cfg, 0, 1)
+    """The native loop's ``forward_backward`` on ``run_dir``'s recorded steps with each dense lane length,
+    interleaved."""
+    topology, model_path, batches = recorded_steps(run_dir, steps)
+    loop = NativeLoop(model_path, topology.actors.trainer, 0, 1)
     ratios: dict[int, list[float]] = {lane: [] for lane in lanes[1:]}
     for step, batch in enumerate(batches):
         times: dict[int, list[float]] = {lane: [] for lane in lanes}

@@ -13,7 +13,8 @@ process, all cores:
 - ``floor``: the step's unique tokens, forward and backward once, no loss library: every distinct prompt once and
   each row's completion after it, in one pass whose attention goes row by row (``pack_by_rows``: each row over its
   prompt and itself, no mask of the pass's length squared), and the summed cross-entropy of the completion tokens
-  through the LM head in one matrix product.
+  through the LM head, ``loss.chunk_tokens`` tokens' logits at a time as the loop's head forms them (before
+  2026-12-07's last change: all at once, more memory traffic than the loop's).
 
 It prints each step's seconds and the ratios, then their medians. The loss, gradients and optimizer of the loop do
 more than the floor's cross-entropy (every channel of the topology's loss), so ``packed / floor`` says what the
@@ -30,16 +31,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import machine  # bench/ is on sys.path when this runs as a script
+from common import machine, recorded_steps  # bench/ is on sys.path when this runs as a script
 
-from actors.contract.train_batch import TrainBatch, build_train_batch, row_advantages
+from actors.contract.train_batch import TrainBatch
 from actors.inner_loops.native import NativeLoop
 from actors.models.lora import head_weight
 from actors.models.packing import pack_by_rows
 from losses import LinearHead
-from mesh.runtime.retrain import recorded_batches
-from mesh.topology.plan import RunPlan
-from mesh.topology.schema import load_topology
 
 
 class PaddedLoop(NativeLoop):
@@ -58,13 +56,18 @@ class PaddedLoop(NativeLoop):
             TrainBatch.trimmed = untrimmed
 
 
-def floor(model: torch.nn.Module, batch: TrainBatch) -> None:
-    """A bare forward and backward of ``batch``'s unique tokens: each shared prompt once, attention by rows."""
+def floor(model: torch.nn.Module, batch: TrainBatch, chunk: int) -> None:
+    """A bare forward and backward of ``batch``'s unique tokens: each shared prompt once, attention by rows, and the
+    cross-entropy's logits ``chunk`` tokens at a time (as the loop's head forms them), their gradients gathered
+    into one backward of the decoder."""
     packed = pack_by_rows(batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_len)
-    hidden = packed.run(model.get_decoder())
     real = batch.attention_mask[:, batch.prompt_len :].bool()
-    logits = F.linear(hidden[real], head_weight(model))
-    F.cross_entropy(logits, batch.targets[real], reduction="sum").backward()
+    hidden = packed.run(model.get_decoder())[real]
+    states, weight, targets = hidden.detach().requires_grad_(), head_weight(model), batch.targets[real]
+    for start in range(0, len(targets), chunk):
+        part = slice(start, start + chunk)
+        F.cross_entropy(F.linear(states[part], weight), targets[part], reduction="sum").backward()
+    hidden.backward(states.grad)
 
 
 def seconds(work, *args) -> float:
@@ -81,17 +84,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a topology override for the trainer timed, e.g. actors.trainer.micro_batch_size=64")
     args = parser.parse_args()
-    overrides = [f"loop.steps={args.steps}", *args.set]
-    topology = load_topology(args.run_dir / "topology.yaml", overrides, placed_here=False)
-    plan = RunPlan.of(topology)
+    topology, model_path, batches = recorded_steps(args.run_dir, args.steps, args.set)
     cfg = topology.actors.trainer
-    # a model built from a recipe (tiny.yaml's) is in the run directory, as the run built it
-    model_path = str(plan.models["model.path"].directory() if "model.path" in plan.models else args.run_dir / "model")
-    estimator, longest = cfg.loss.policy.advantage, topology.actors.generator.max_new_tokens  # single-turn rows
-    batches = [
-        build_train_batch(c.groups, row_advantages(c.groups, estimator), 0, longest)
-        for c in recorded_batches(args.run_dir, plan)
-    ]
     print(machine())
     print(f"{args.run_dir}: {len(batches)} steps, trainer micro_batch_size {cfg.micro_batch_size}, micro_batch_tokens "
           f"{cfg.micro_batch_tokens}, {cfg.precision}")
@@ -105,7 +99,7 @@ def main() -> None:
             times["packed"].append(seconds(packed.forward_backward, batch))
             times["padded"].append(seconds(padded.forward_backward, batch))
             bare.zero_grad(set_to_none=True)
-            times["floor"].append(seconds(floor, bare, batch))
+            times["floor"].append(seconds(floor, bare, batch, cfg.loss.chunk_tokens))
         median = {name: statistics.median(values) for name, values in times.items()}
         ratios["packed / floor"].append(median["packed"] / median["floor"])
         ratios["padded / floor"].append(median["padded"] / median["floor"])

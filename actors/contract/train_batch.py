@@ -82,10 +82,6 @@ class Share:
     first: int  # the step's index of this share's first row
     step_rows: int
 
-    def local(self, rows: Tensor) -> Tensor:
-        """The step's row indices ``rows`` as this share's (those outside it fall outside ``[0, len)``)."""
-        return rows - self.first
-
 
 @dataclass
 class TrainBatch:

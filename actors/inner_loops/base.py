@@ -482,7 +482,8 @@ class LossInput:
 def non_finite_inputs(batch: TrainBatch) -> list[str]:
     """Each input of ``batch`` a loss reads that holds values that are not finite: its name, where (rows counted in
     the whole step), its source and the fix."""
-    return [f"the {i.name} ({where}), {i.source}" for i in loss_inputs(batch) if (where := i.non_finite(batch.first_row))]
+    found = ((i, i.non_finite(batch.first_row)) for i in loss_inputs(batch))
+    return [f"the {i.name} ({where}), {i.source}" for i, where in found if where]
 
 
 def non_finite_step(loss: float, grad_norm: float, found: list[str]) -> NonFiniteLoss:

@@ -3,8 +3,8 @@
 TRL prepares the model (dtype, its fused LM head, Accelerate and DDP) and builds the optimizer
 and LR schedule from its ``GRPOConfig``; under TRL's own training it computes the policy's token
 logprobs with its own ``_get_per_token_logps_and_entropies``, while our loop runs the model through
-TRL's wrapper with its LM head off and hands the loss hidden states and the head's weight. The loss is ours, plugged in by
-``ComposerGRPOTrainer``, a ``GRPOTrainer`` subclass overriding ``_compute_loss``. Rollouts
+TRL's wrapper with its LM head off and hands the loss hidden states and the head's weight. The
+loss is ours, plugged in by ``ComposerGRPOTrainer``, a ``GRPOTrainer`` subclass overriding ``_compute_loss``. Rollouts
 come from our Generator: TRL's generation and dataloader are never used here. Precision
 ``bf16`` is TRL's own ``bf16=True``: Accelerate's autocast around TRL's forward, over fp32
 weights and optimizer state (on CPU too). With ``lora``, TRL's own ``peft_config`` path wraps
@@ -100,8 +100,8 @@ class ComposerGRPOTrainer(GRPOTrainer):
     def policy_head(self, model, inputs: dict, distribution: bool) -> Head:
         """Under our inner loop, the last hidden states that predict each row's completion from one pass over the
         rows packed (``actors/models/packing.py``) and the LM head's weight: logits are formed chunk by chunk in the
-        loss, never whole, as the native loop does. Under TRL's own training, TRL's token logprobs (its fused LM head never
-        builds ``[B, T, V]``), or the full logits when a loss channel needs the whole distribution
+        loss, never whole, as the native loop does. Under TRL's own training, TRL's token logprobs (its fused LM head
+        never builds ``[B, T, V]``), or the full logits when a loss channel needs the whole distribution
         (distillation, the entropy bonus)."""
         if (packed := inputs.get(PACKED)) is not None:
             with self.accelerator.autocast(), lm_head_off(self.model):  # as TRL wraps its forward (a no-op unless bf16)

@@ -4,8 +4,8 @@ Each trainer mesh is its own ``torch.distributed`` world (gloo on CPU, nccl on G
 sets each rank's env, and ``start_trainers`` has rank 0 host the world's store on a port the kernel picks
 as it binds, then hands its address to every rank, so no port is chosen free and bound later, when another
 program on the host may have taken it (runs side by side). Each rank receives only its share of the step's
-``TrainBatch`` (``TrainBatch.shares``, balanced by tokens); rank 0 reports the metrics and publishes the new weights to the
-weight store over the transport the runtime chose from placement (shared memory, RDMA
+``TrainBatch`` (``TrainBatch.shares``, balanced by tokens); rank 0 reports the metrics and publishes the new
+weights to the weight store over the transport the runtime chose from placement (shared memory, RDMA
 or CUDA IPC: ``actors/weights``), returning only the small ``WeightVersion``.
 
 Rank 0 also owns the store's directory, on its own host: only a process there can create
