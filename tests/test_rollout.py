@@ -17,7 +17,7 @@ from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Traject
 from actors.contract.top_k import TopK
 from actors.contract.train_batch import build_train_batch, row_advantages
 from actors.tasks import Problem
-from losses import group_advantages
+from losses import group_advantages, policy_config
 from mesh.controller import Collected
 from mesh.controller.inflight import collected_from_json, collected_to_json
 from mesh.controller.router import TargetLoad
@@ -127,6 +127,13 @@ def test_each_rank_is_sent_its_share_of_a_step_as_its_tokens():
     assert {int(r) for r in batch.pairs.flatten()} & set(range(len(shares[0]))), "a pair crosses the ranks"
     with pytest.raises(ValueError, match="rank 1 of 2 was sent rank 0 of 2's share"):
         shares[0].for_rank(1, 2)
+    kl_cov = policy_config(name="kl_cov", cov_fraction=0.1)
+    with pytest.raises(ValueError, match="without Clip-Cov's or KL-Cov's chosen tokens"):
+        shares[0].for_rank(0, 2, kl_cov)  # split without the loss's rule
+    chosen = batch.shares(2, kl_cov)
+    policy_tokens = int((batch.completion_mask & batch.policy_rows[:, None]).sum())
+    assert sum(int(s.held_back.sum()) for s in chosen) == int(0.1 * policy_tokens)  # chosen over the whole step
+    assert chosen[1].for_rank(1, 2, kl_cov) is chosen[1]
 
 
 def test_micro_batches_hold_at_most_their_rows_and_tokens_and_a_longer_row_alone():
