@@ -134,6 +134,24 @@ class PaddedNative(NativeLoop):
         return LinearHead(out.last_hidden_state[:, batch.prompt_len - 1 : -1], head_weight(self.model))
 
 
+@pytest.mark.parametrize("loop_name", ["native", "trl", "torchtitan"])
+def test_each_micro_batch_is_packed_once_on_the_host_before_its_rows_move(loop_name, model_dir, monkeypatch):
+    """Packing reads every token id (on a GPU, reading ids there waits for the device): each pass's rows, channel 3's
+    included, are packed once from the share on the host and moved with that packing, which the head uses."""
+    cfg = replace(config("grpo", True), inner_loop=loop_name)
+    loop = registry.load("inner_loop", loop_name)(model_dir, cfg, rank=0, world=1)
+    packed_rows, moved_with_packing, passes = [], [], []
+    pack, to, packed = TrainBatch.packed, TrainBatch.to, loop.packed
+    monkeypatch.setattr(TrainBatch, "packed", lambda self, lane=None: packed_rows.append(len(self)) or pack(self, lane))
+    monkeypatch.setattr(TrainBatch, "to", lambda self, device: moved_with_packing.append(self.packing is not None)
+                        or to(self, device))
+    monkeypatch.setattr(loop, "packed", lambda batch: passes.append(batch.packing is not None) or packed(batch))
+    loop.forward_backward(a_batch(model_dir, channels=True), taid_t=0.6)
+    assert passes and all(passes)  # every pass read its rows' packing
+    assert len(packed_rows) == len(passes) == moved_with_packing.count(True)  # packed once each, before moving
+    assert sum(packed_rows) > len(a_batch(model_dir, channels=True))  # the policy's passes and channel 3's
+
+
 @pytest.mark.parametrize("channels", [False, True], ids=["policy", "all_channels"])
 @pytest.mark.parametrize("policy", POLICY_LOSSES)
 def test_packed_rows_give_the_padded_rows_loss_and_gradients(policy, channels, model_dir, native, monkeypatch):
@@ -141,7 +159,7 @@ def test_packed_rows_give_the_padded_rows_loss_and_gradients(policy, channels, m
     rows padded to the step's longest, as every loop ran before: the same loss and gradients to float error. Every
     other loop matches the packed native loop (above), so each matches its padded self too."""
     batch, (packed_metrics, packed_gradients) = native(policy, channels)
-    monkeypatch.setattr(TrainBatch, "trimmed", lambda self, width=None: self)
+    monkeypatch.setattr(TrainBatch, "trimmed", lambda self: self)
     padded = PaddedNative(model_dir, config(policy, channels), rank=0, world=1)
     padded_metrics = padded.forward_backward(batch, taid_t=0.6)
     assert packed_metrics["loss"] == pytest.approx(padded_metrics["loss"], abs=TOLERANCE)

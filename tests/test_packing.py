@@ -80,10 +80,10 @@ def test_a_head_applied_only_where_completions_are_predicted_gathers_the_same_st
             ([5, 6, 7], [40, 41, 42, 43, 44]), ([5, 6, 7], [50, 51, 52, 53, 54, 55])]
     packed = pack_rows(*rows_as_a_batch(rows), lane=7)
     states = [torch.randn(*lane.input_ids.shape, 3) for lane in packed.passes]
-    places, predicted = packed.predicted()
-    narrowed = [state.flatten(0, 1)[kept][None] for state, kept in zip(states, places)]
+    predicted = packed.predicted()
+    narrowed = [state.flatten(0, 1)[kept][None] for state, kept in zip(states, predicted.kept)]
     assert torch.equal(predicted.gather(narrowed), packed.gather(states))
-    assert sum(map(len, places)) < sum(lane.input_ids.numel() for lane in packed.passes)
+    assert sum(map(len, predicted.kept)) < sum(lane.input_ids.numel() for lane in packed.passes)
 
 
 def test_padding_queries_see_only_themselves():

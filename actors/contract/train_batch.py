@@ -112,6 +112,7 @@ class TrainBatch:
     after_update: Tensor | None = None  # [B, T] bool, tokens sampled after a weight update interrupted their turn
     held_back: Tensor | None = None  # [B, T] bool, Clip-Cov/KL-Cov's tokens, chosen over the whole step (``shares``)
     share: Share | None = None  # None: the whole step
+    packing: PackedRows | None = None  # these rows packed on the host before they moved to a device; never travels
 
     @property
     def targets(self) -> Tensor:
@@ -125,7 +126,7 @@ class TrainBatch:
 
     def rows(self, rows: slice | Tensor) -> TrainBatch:
         """Some rows (a micro-batch); the caller keeps the global counts."""
-        return dataclasses.replace(self._map(lambda t: t[rows], skip=("pairs",)), pairs=None)
+        return dataclasses.replace(self._map(lambda t: t[rows], skip=("pairs",)), pairs=None, packing=None)
 
     def shares(self, world: int, covariance: CovariancePolicyConfig | None = None) -> list[TrainBatch]:
         """The step's rows among ``world`` ranks, consecutive and balanced by real tokens (``token_shares``), each
@@ -173,25 +174,28 @@ class TrainBatch:
         return len(self) if self.share is None else self.share.step_rows
 
     def to(self, device: torch.device) -> TrainBatch:
-        return self._map(lambda t: t.to(device))
+        packing = None if self.packing is None else self.packing.to(device)
+        return dataclasses.replace(self._map(lambda t: t.to(device)), packing=packing)
 
     @property
     def completion_width(self) -> int:
         return self.input_ids.shape[1] - self.prompt_len
 
-    def trimmed(self, width: int | None = None) -> TrainBatch:
+    def trimmed(self) -> TrainBatch:
         """These rows without the columns that are padding in all of them: a micro-batch's rows are often shorter
-        than the step's longest, and the loss would score every completion column. ``width``: the completion
-        columns to keep (at least one), by default up to the longest completion here."""
+        than the step's longest, and the loss would score every completion column. It reads the mask: on the host."""
         real = self.attention_mask.bool().any(0)  # columns real in some row
         start = min(int(real.long().argmax()), self.prompt_len - 1)  # the first, within the prompt
-        if width is None:
-            completion = real[self.prompt_len :].nonzero()
-            width = int(completion.max()) + 1 if len(completion) else 1
+        completion = real[self.prompt_len :].nonzero()
+        return self.cut(start, int(completion.max()) + 1 if len(completion) else 1)
+
+    def cut(self, start: int, width: int) -> TrainBatch:
+        """The columns from ``start`` and ``width`` completion columns (at least one): slicing only, so on a device
+        no wait for it."""
         end = self.prompt_len + width
         tokens = {name: getattr(self, name)[:, start:end] for name in TOKEN_FIELDS}
         per_token = {name: value[:, :width] for name in PER_TOKEN_FIELDS if (value := getattr(self, name)) is not None}
-        return dataclasses.replace(self, **tokens, **per_token, prompt_len=self.prompt_len - start)
+        return dataclasses.replace(self, **tokens, **per_token, prompt_len=self.prompt_len - start, packing=None)
 
     def __reduce__(self):
         # It travels token-major: each [B, P + T] or [B, T] field as the values at its real tokens only, flat, so
@@ -199,8 +203,10 @@ class TrainBatch:
         # it. Numpy arrays travel as raw bytes (Monarch pickles a tensor storage through torch.save, slower).
         real = self.attention_mask.bool()
         completion = real[:, self.prompt_len :]
-        fields = {}
+        fields = {"packing": None}  # the receiver packs for its own model and device
         for f in dataclasses.fields(self):
+            if f.name == "packing":
+                continue
             value = getattr(self, f.name)
             if f.name in SENT_AT_REAL_TOKENS and value is not None:
                 value = value[real if f.name in TOKEN_FIELDS else completion]

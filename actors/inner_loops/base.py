@@ -23,6 +23,7 @@ outside any autocast region on whatever dtype the head hands them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from actors.contract.train_batch import TrainBatch
 from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
 from actors.models.lora import adapter_state, load_adapter_state, saved_name
+from actors.models.packing import PackedRows, lane_tokens
 from actors.models.policy import number_tokens
 from losses import (
     Counts,
@@ -124,6 +126,7 @@ class MicroBatchLoop(ABC):
 
     lockstep = False
     model: nn.Module
+    lane: int  # the tokens a dense lane of this model's packed rows holds (``actors/models/packing.py``)
 
     def __init__(self, model_path: str, cfg: TrainerConfig, rank: int, world: int, device: torch.device):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
@@ -152,8 +155,21 @@ class MicroBatchLoop(ABC):
 
     @abstractmethod
     def head(self, batch: TrainBatch) -> Head:
-        """The policy's distribution at the completion positions of ``batch``'s rows,
+        """The policy's distribution at the completion positions of ``batch``'s rows (``packed`` for the pass),
         computed through the gradient-syncing wrapper (DDP, FSDP2, Accelerate)."""
+
+    def pack(self, rows: TrainBatch) -> PackedRows:
+        """``rows`` packed for one forward pass of this loop's model, on the host."""
+        return rows.packed(self.lane)
+
+    def packed(self, batch: TrainBatch) -> PackedRows:
+        """``batch``'s rows packed as ``on_device`` packed them before they moved, or now (a batch made elsewhere)."""
+        return batch.packing if batch.packing is not None else self.pack(batch).to(self.device)
+
+    def on_device(self, rows: TrainBatch) -> TrainBatch:
+        """A micro-batch's ``rows`` (on the host) packed there and moved to the loop's device: packing reads every
+        token id, and reading them on a GPU would wait for it."""
+        return dataclasses.replace(rows, packing=self.pack(rows)).to(self.device)
 
     @abstractmethod
     def no_sync(self) -> AbstractContextManager:
@@ -200,14 +216,14 @@ class MicroBatchLoop(ABC):
         return batch.for_rank(self.rank, self.world, policy if policy.name in COVARIANCE else None)
 
     def forward_backward(self, batch: TrainBatch, taid_t: float | None = None) -> dict[str, float]:
-        """This rank's share of the step's gradients, synced over ranks; the step's metrics."""
-        batch = self.share_of(batch)
-        # before it moves: no device sync per step
-        tokens, shared = batch.attention_mask.sum(-1).tolist(), batch.sequences().shared_prefixes()
-        batch = batch.to(self.device)
+        """This rank's share of the step's gradients, synced over ranks; the step's metrics. Micro-batches are cut
+        and packed from the share on the host (``on_device``); the share on the device gives their loss inputs."""
+        share = self.share_of(batch).to(CPU)
+        tokens, shared = share.attention_mask.sum(-1).tolist(), share.sequences().shared_prefixes()
+        batch = share.to(self.device)
         self.zero_grad()
         totals: dict[str, float] = {}
-        pair_grads = self._pair_gradients(batch, tokens, shared, totals) if self._has_pairs(batch) else None
+        pair_grads = self._pair_gradients(share, batch, tokens, shared, totals) if self._has_pairs(share) else None
         inputs = self.row_inputs(batch, pair_grads)
         passes = [("rows", rows) for rows in self._micro_batches(tokens, shared)]
         if self.lockstep:
@@ -215,12 +231,12 @@ class MicroBatchLoop(ABC):
         for i, (kind, rows) in enumerate(passes):
             with nullcontext() if i == len(passes) - 1 or self.world == 1 else self.no_sync():
                 if kind == "rows":
-                    part = batch.rows(rows).trimmed()
+                    part = self.on_device(share.rows(rows).trimmed())
                     out = self.micro_loss(part, inputs(rows, part.completion_width), taid_t)
                     self.backward(out.loss)
                     _accumulate(totals, out.metrics)
                 else:
-                    self.backward(self.sequence_logprobs(batch.rows(rows)).sum() * 0.0)
+                    self.backward(self.sequence_logprobs(self.on_device(share.rows(rows))).sum() * 0.0)
         return self._reduce(totals)
 
     def _micro_batches(self, tokens: list[int], shared: list[int]) -> list[slice | Tensor]:
@@ -283,7 +299,7 @@ class MicroBatchLoop(ABC):
         def rows(sl: slice | Tensor, width: int | None = None) -> LossInputs:
             part = batch.rows(sl)
             if width is not None:
-                part = part.trimmed(width)
+                part = part.cut(0, width)
             cut = slice(None, width)
             policy = PolicyInputs(
                 mask=policy_mask[sl, cut],
@@ -341,17 +357,18 @@ class MicroBatchLoop(ABC):
     def _has_pairs(self, batch: TrainBatch) -> bool:
         return batch.pairs is not None and len(batch.pairs) > 0 and self.cfg.loss.beta_replay > 0
 
-    def _pair_gradients(self, batch: TrainBatch, tokens: list[int], shared: list[int],
+    def _pair_gradients(self, share: TrainBatch, batch: TrainBatch, tokens: list[int], shared: list[int],
                         totals: dict[str, float]) -> PairGrads:
         """Channel 3 by gradient caching: the pair loss is a function of each row's summed
         logprob, so take those without a graph, get d(loss)/d(logprob) per row, and let
         each rank backpropagate ``coefficient * logprob`` over its own rows in the same
         micro-batches as channels 1 and 2 (``losses.batch.PairGrads``). Exact, and no pair
         ever needs both rows in one micro-batch, nor on one rank: each rank sums its own rows of the step's pairs,
-        and one all-reduce gives every rank all of them."""
-        rows = batch.pairs.unique()  # the step's rows in pairs, sorted
-        local = rows - batch.first_row
-        mine = (local >= 0) & (local < len(batch))
+        and one all-reduce gives every rank all of them. ``share``: this rank's rows on the host, ``batch`` on the
+        device."""
+        rows = share.pairs.unique()  # the step's rows in pairs, sorted
+        local = rows - share.first_row
+        mine = (local >= 0) & (local < len(share))
         at, own = mine.nonzero().flatten(), local[mine]
         rows_own = own.tolist()
         cuts = self._micro_batches([tokens[row] for row in rows_own],
@@ -361,9 +378,9 @@ class MicroBatchLoop(ABC):
         sums = torch.zeros(3, len(rows), dtype=torch.float64, device=self.device)  # logprob, length, reference's
         with torch.no_grad():
             for part in cuts:
-                sums[0, at[part]] = self.sequence_logprobs(batch.rows(own[part])).double()
+                sums[0, at[part]] = self.sequence_logprobs(self.on_device(share.rows(own[part]))).double()
             for _ in range(idle):
-                self.sequence_logprobs(batch.rows(slice(0, 1)))
+                self.sequence_logprobs(self.on_device(share.rows(slice(0, 1))))
         completion = batch.completion_mask[own]
         sums[1, at] = completion.sum(-1).double()
         sums[2, at] = (batch.inference_logprobs[own] * completion).sum(-1).double()
@@ -371,13 +388,13 @@ class MicroBatchLoop(ABC):
             dist.all_reduce(sums)
         logps = sums[0].float().requires_grad_()
         lengths, reference = sums[1].long(), sums[2].float()
-        chosen, rejected = torch.searchsorted(rows, batch.pairs).unbind(-1)  # positions in the sorted ``rows``
+        chosen, rejected = torch.searchsorted(rows, share.pairs).unbind(-1)  # positions in the sorted ``rows``
         pairs = PreferenceInputs(
             chosen_logps=logps[chosen],
             rejected_logps=logps[rejected],
             chosen_lengths=lengths[chosen],
             rejected_lengths=lengths[rejected],
-            num_pairs=len(batch.pairs),
+            num_pairs=len(share.pairs),
             ref_chosen_logps=reference[chosen],
             ref_rejected_logps=reference[rejected],
         )
@@ -422,6 +439,10 @@ class HFModelLoop(MicroBatchLoop):
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
+
+    @property
+    def lane(self) -> int:
+        return lane_tokens(self.model.config)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

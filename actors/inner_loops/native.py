@@ -22,11 +22,11 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from actors.contract.train_batch import Sequences, TrainBatch
+from actors.contract.train_batch import TrainBatch
 from actors.inner_loops.base import CPU, HFModelLoop
 from actors.inner_loops.config import TrainerConfig
 from actors.models.lora import head_weight, with_adapter
-from actors.models.packing import packed_states
+from actors.models.packing import PackedRows
 from actors.models.policy import load_policy
 from losses import LinearHead
 
@@ -38,10 +38,10 @@ class HiddenStates(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: TrainBatch | Sequences) -> Tensor:
-        """The states that predict each row's completion, from one pass over the rows packed
+    def forward(self, packed: PackedRows) -> Tensor:
+        """The states that predict each row's completion, from one pass over the ``packed`` rows
         (``actors/models/packing.py``): ``[rows, T, hidden]``."""
-        return packed_states(self.model, batch)
+        return packed.run(self.model.get_decoder())
 
 
 class NativeLoop(HFModelLoop):
@@ -61,7 +61,7 @@ class NativeLoop(HFModelLoop):
 
     def head(self, batch: TrainBatch) -> LinearHead:
         with self.autocast():
-            hidden = self.hidden(batch)
+            hidden = self.hidden(self.packed(batch))
         weight = head_weight(self.model)
         return LinearHead(hidden.to(self.compute_dtype), weight.to(self.compute_dtype))
 

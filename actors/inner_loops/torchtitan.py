@@ -106,7 +106,7 @@ from actors.inner_loops.base import CPU, MicroBatchLoop
 from actors.inner_loops.checkpoint import load_checkpoint, save_checkpoint
 from actors.inner_loops.config import TrainerConfig
 from actors.models.attention import PackedAttention
-from actors.models.packing import LanePass, lane_tokens
+from actors.models.packing import LanePass, PackedRows, lane_tokens
 from losses import Logits
 
 
@@ -395,8 +395,12 @@ class TorchTitanLoop(MicroBatchLoop):
     def head(self, batch: TrainBatch) -> Logits:
         """The logits that predict each row's completion, from one pass over the rows packed
         (``actors/models/packing.py``): the LM head is applied to the states that predict a completion token only."""
-        places, predicted = batch.packed(self.lane).predicted()
-        return Logits(predicted.gather([self._logits_at(lane, kept) for lane, kept in zip(predicted.passes, places)]))
+        packed = self.packed(batch)
+        return Logits(packed.gather([self._logits_at(lane, kept) for lane, kept in zip(packed.passes, packed.kept)]))
+
+    def pack(self, rows: TrainBatch) -> PackedRows:
+        """``rows`` packed with the states that predict a completion token kept (``PackedRows.predicted``)."""
+        return rows.packed(self.lane).predicted()
 
     def _logits_at(self, lane: LanePass, kept: Tensor) -> Tensor:
         """``[1, len(kept), V]``: the model's logits at the ``kept`` places of a pass's flattened states (the forward

@@ -37,7 +37,6 @@ from actors.contract.train_batch import TrainBatch
 from actors.inner_loops.base import CPU, HFModelLoop
 from actors.inner_loops.config import TrainerConfig
 from actors.models.lora import head_weight, peft_config
-from actors.models.packing import lane_tokens
 from actors.models.policy import lm_head_off
 from losses import (
     Counts,
@@ -210,7 +209,7 @@ class TRLLoop(HFModelLoop):
         return {
             "completion_ids": batch.input_ids[:, completion],
             "completion_mask": batch.attention_mask[:, completion],
-            PACKED: batch.packed(lane_tokens(self.model.config)),
+            PACKED: self.packed(batch),
         }
 
     def backward(self, loss: Tensor) -> None:

@@ -68,6 +68,10 @@ class PackedAttention:
                     pieces.append(_causal(q[:, :, row_start:row_end], keys, values, scale, window))
         return torch.cat(pieces, dim=2)
 
+    def to(self, device: torch.device) -> PackedAttention:
+        visible = None if self.visible is None else self.visible.to(device)
+        return PackedAttention(self.positions.to(device), visible, self.units)
+
     def _mask(self, window: int | None) -> Tensor:
         """The dense mask, and for a window the keys fewer than ``window`` positions back (a padding query's one key,
         itself, is 0 back)."""

@@ -54,26 +54,35 @@ class LanePass:
 
 @dataclass(frozen=True)
 class PackedRows:
-    """The model's inputs for packed rows, in passes, and where each row's completion is predicted."""
+    """The model's inputs for packed rows, in passes, and where each row's completion is predicted. Packing reads
+    every token id, so it is done on the host and the result moved (``to``): reading ids on a GPU would wait for it."""
 
     passes: tuple[LanePass, ...]
     predicting: Tensor  # [rows, T] long, the place in the passes' states (flattened, one after another)
+    kept: tuple[Tensor, ...] | None = None  # per pass, the only states kept (``predicted``); None: all of them
 
     def gather(self, states: list[Tensor]) -> Tensor:
-        """Each pass's ``[lanes, L, ...]`` states as the rows' ``[rows, T, ...]``: the state that predicts each
-        completion token (at a row's padding, the first pass's first: the loss masks it)."""
+        """Each pass's ``[lanes, L, ...]`` states (or its ``kept`` ones, ``[1, kept, ...]``) as the rows'
+        ``[rows, T, ...]``: the state that predicts each completion token (at a row's padding, the first pass's
+        first: the loss masks it)."""
         return torch.cat([state.flatten(0, 1) for state in states])[self.predicting]
 
-    def predicted(self) -> tuple[tuple[Tensor, ...], PackedRows]:
-        """Per pass, the places of its flattened ``[lanes * L]`` states that predict some completion token (a
-        prompt's other tokens and a lane's slack predict none), and these rows as ``gather`` reads each pass's states
-        taken at its places only: a head applied to those alone makes no logits nobody reads."""
+    def predicted(self) -> PackedRows:
+        """These rows with ``kept`` each pass's places of its flattened ``[lanes * L]`` states that predict some
+        completion token (a prompt's other tokens and a lane's slack predict none), and ``predicting`` the places in
+        those states taken one after another: a head applied to those alone makes no logits nobody reads."""
         sizes = [lane.input_ids.numel() for lane in self.passes]
         kept = self.predicting.unique()  # sorted
         bounds = torch.tensor([0, *itertools.accumulate(sizes)], device=kept.device)
         cuts = torch.searchsorted(kept, bounds).tolist()
         places = tuple(kept[a:b] - bounds[i] for i, (a, b) in enumerate(zip(cuts, cuts[1:])))
-        return places, PackedRows(self.passes, torch.searchsorted(kept, self.predicting))
+        return PackedRows(self.passes, torch.searchsorted(kept, self.predicting), places)
+
+    def to(self, device: torch.device) -> PackedRows:
+        passes = tuple(LanePass(lane.input_ids.to(device), lane.position_ids.to(device), lane.attention.to(device))
+                       for lane in self.passes)
+        kept = None if self.kept is None else tuple(places.to(device) for places in self.kept)
+        return PackedRows(passes, self.predicting.to(device), kept)
 
     def run(self, module: Module, config=None, **inputs) -> Tensor:
         """``gather`` of a Hugging Face ``module``'s first output (a decoder's last hidden states, or a causal LM's
@@ -118,7 +127,7 @@ def pack_rows(
     """Pack rows laid out as a ``TrainBatch``'s (prompts left-padded to ``prompt_len``, completions right-padded after
     it; ``attention_mask`` marks the real tokens, ``position_ids`` their positions) into dense lanes of ``lane``
     tokens (``lane_tokens`` of the model; None: ``LANE_TOKENS``), and one by-rows pass of the rows that are longer than
-    a lane with their prompt (each such prompt once)."""
+    a lane with their prompt (each such prompt once). Built on the host, whatever device the rows are on."""
     rows, width = input_ids.shape[0], input_ids.shape[1] - prompt_len
     capacity = lane or LANE_TOKENS
     pieces = [piece for unit in _units(input_ids, attention_mask, position_ids, prompt_len)
@@ -129,15 +138,7 @@ def pack_rows(
         passes.append(_dense_pass(_lanes(dense, capacity), predicting))
     if long := [piece for piece in pieces if piece.tokens > capacity]:  # one pass, each prompt once, by rows
         passes.append(_rows_pass(long, predicting, sum(lane.input_ids.numel() for lane in passes)))
-    device = input_ids.device
-    moved = tuple(LanePass(lane.input_ids.to(device), lane.position_ids.to(device), _to(lane.attention, device))
-                  for lane in passes)
-    return PackedRows(moved, torch.tensor(predicting, device=device))
-
-
-def _to(attention: PackedAttention, device: torch.device) -> PackedAttention:
-    visible = None if attention.visible is None else attention.visible.to(device)
-    return PackedAttention(attention.positions.to(device), visible, attention.units)
+    return PackedRows(tuple(passes), torch.tensor(predicting))
 
 
 def _lay(unit: _Unit, ids: list[int], positions: list[int], place: int, base: int, predicting: list[list[int]]
@@ -258,6 +259,6 @@ def _visible(unit_of: Tensor, owner: Tensor) -> Tensor:
 
 def packed_states(model: Module, sequences) -> Tensor:
     """A Hugging Face causal LM's last hidden states that predict each completion token of ``sequences`` (a
-    ``Sequences`` or ``TrainBatch``), ``[rows, T, hidden]``, from one pass of its decoder over the rows packed in lanes
-    of its size (the LM head is the caller's: it may need only some)."""
-    return sequences.packed(lane_tokens(model.config)).run(model.get_decoder())
+    ``Sequences`` or ``TrainBatch`` on the host), ``[rows, T, hidden]`` on the model's device, from one pass of its
+    decoder over the rows packed in lanes of its size (the LM head is the caller's: it may need only some)."""
+    return sequences.packed(lane_tokens(model.config)).to(model.device).run(model.get_decoder())

@@ -29,6 +29,7 @@ from actors.contract.rollouts import Trajectory
 from actors.contract.train_batch import Sequences, trajectory_sequences
 from actors.inner_loops.native import HiddenStates
 from actors.models.lora import head_weight
+from actors.models.packing import lane_tokens
 from actors.models.policy import load_policy
 from actors.models.source import check_before_loading
 from losses import token_logprobs
@@ -90,12 +91,14 @@ class ReferenceModel:
     def logprobs(self, sequences: Sequences) -> Tensor:
         """``[B, T]``: each completion token's logprob under the reference, micro-batch by micro-batch."""
         weight, batching = head_weight(self.model), self.batching
-        tokens = sequences.attention_mask.sum(-1).tolist()
+        sequences = sequences.to(torch.device("cpu"))  # micro-batches cut and packed on the host, scored on the device
+        tokens, lane = sequences.attention_mask.sum(-1).tolist(), lane_tokens(self.model.config)
         out = torch.zeros(sequences.targets.shape, device=self.device)
         with self.scoring():
             for rows in micro_batches(tokens, sequences.shared_prefixes(), batching.rows, batching.tokens):
-                part = sequences.rows(torch.tensor(rows)).to(self.device)
-                out[rows] = token_logprobs(self.hidden(part), weight, part.targets, batching.chunk_tokens)
+                part = sequences.rows(torch.tensor(rows))
+                hidden = self.hidden(part.packed(lane).to(self.device))
+                out[rows] = token_logprobs(hidden, weight, part.targets.to(self.device), batching.chunk_tokens)
         return out
 
 

@@ -156,9 +156,9 @@ class HFEngine:
     def scored_now(self, pairs: list[tuple[list[int], list[int]]]) -> list[Trajectory]:
         """Each (prompt ids, completion ids) with the completion's logprobs, from one pass over the rows packed
         (``actors/models/packing.py``)."""
-        sequences = pad_sequences(*zip(*pairs), self.tokenizer.pad_token_id).to(self.device)
+        sequences = pad_sequences(*zip(*pairs), self.tokenizer.pad_token_id)  # packed on the host, states on the device
         states = packed_states(self.model, sequences)
-        logprobs = token_logprobs(states, head_weight(self.model), sequences.targets).cpu()
+        logprobs = token_logprobs(states, head_weight(self.model), sequences.targets.to(states.device)).cpu()
         text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         return [Trajectory.single_turn(p, c, logprobs[row, : len(c)].tolist(), text(c)) for row, (p, c) in enumerate(pairs)]
 

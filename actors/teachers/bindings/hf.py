@@ -49,7 +49,7 @@ class CausalLMScorer:
         ]
         completions = [self._teacher_ids(r.completion_ids) for r in requests]
         # one pass over the rows packed, each context once for the completions that share it (a group's)
-        sequences = pad_sequences(contexts, completions, self.tokenizer.pad_token_id).to(self.model.device)
+        sequences = pad_sequences(contexts, completions, self.tokenizer.pad_token_id)  # packed on the host
         states = packed_states(self.model, sequences)  # on the GPU a self_hint teacher's weights arrive on
         logprobs = F.linear(states, head_weight(self.model).to(states.dtype)).float().log_softmax(-1)
         return [
