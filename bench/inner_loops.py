@@ -92,7 +92,7 @@ def time_loops(model_dir: Path, loss: LossConfig, batch: TrainBatch, loops: tupl
     built = {}
     for name in loops:
         cfg = TrainerConfig(
-            mesh="trainer", inner_loop=name, optimizer=OptimizerConfig(), loss=loss, micro_batch_size=512
+            mesh="trainer", inner_loop=name, optimizer=OptimizerConfig(), loss=loss, micro_batch_tokens=10**6
         )
         built[name] = registry.load("inner_loop", name)(str(model_dir), cfg, rank=0, world=1)
         for _ in range(2):  # warm-up: allocator, first-call compilation and caches

@@ -103,7 +103,7 @@ from actors.inner_loops.native import NativeLoop
 from actors.models.lora_config import LoRAConfig
 torch.manual_seed(0)
 lora = LoRAConfig(rank=32, alpha=64) if {lora} else None
-loop = NativeLoop({model!r}, TrainerConfig(mesh="t", micro_batch_size=8, lora=lora), 0, 1)
+loop = NativeLoop({model!r}, TrainerConfig(mesh="t", lora=lora), 0, 1)
 batch = a_batch({model!r}, channels=False)
 for _ in range(2):
     loop.train_step(batch)

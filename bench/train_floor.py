@@ -82,12 +82,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="recorded steps to time, from step 0")
     parser.add_argument("--repeats", type=int, default=3, help="times each step is timed each way (median kept)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a topology override for the trainer timed, e.g. actors.trainer.micro_batch_size=64")
+                        help="a topology override for the trainer timed, e.g. actors.trainer.micro_batch_tokens=4096")
     args = parser.parse_args()
     topology, model_path, batches = recorded_steps(args.run_dir, args.steps, args.set)
     cfg = topology.actors.trainer
     print(machine())
-    print(f"{args.run_dir}: {len(batches)} steps, trainer micro_batch_size {cfg.micro_batch_size}, micro_batch_tokens "
+    print(f"{args.run_dir}: {len(batches)} steps, trainer micro_batch_tokens "
           f"{cfg.micro_batch_tokens}, {cfg.precision}")
     packed, padded = NativeLoop(model_path, cfg, 0, 1), PaddedLoop(model_path, cfg, 0, 1)
     bare = packed.model

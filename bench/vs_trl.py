@@ -88,6 +88,7 @@ def trl_trainer(topology: Topology, steps: int, output_dir: Path, model_dir: Pat
     problems = [p for step in range(steps) for p in task.problems(topology.seed, step, loop.prompts_per_step)]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [{"prompt": render(tokenizer, p.prompt, p.system_prompt), "index": i} for i, p in enumerate(problems)]
+    longest_prompt = max(len(tokenizer(row["prompt"], add_special_tokens=False).input_ids) for row in rows)
 
     def reward(completions: list[str], index: list[int], **_) -> list[float]:
         return [task.reward(problems[i], c) for i, c in zip(index, completions)]
@@ -96,23 +97,25 @@ def trl_trainer(topology: Topology, steps: int, output_dir: Path, model_dir: Pat
     trainer = GRPOTrainer(
         model=str(model_dir),
         reward_funcs=reward,
-        args=grpo_args(topology, steps, output_dir),
+        args=grpo_args(topology, steps, output_dir, longest_prompt),
         train_dataset=datasets.Dataset.from_list(rows),
         callbacks=[clock],
     )
     return trainer, clock
 
 
-def grpo_args(topology: Topology, steps: int, output_dir: Path) -> GRPOConfig:
+def grpo_args(topology: Topology, steps: int, output_dir: Path, longest_prompt: int) -> GRPOConfig:
     """The topology's trainer as a ``GRPOConfig``: DAPO (its clip range, token mean over a step's tokens), no
     KL, its AdamW (lr, betas, weight decay, grad clip; constant lr), temperature 1 and its generator's
     ``max_new_tokens``, fp32 on CPU, no gradient checkpointing, its seed; prompts in the dataset's order. One
     optimizer step takes exactly one generation of ``prompts_per_step x group_size`` samples, in
-    micro-batches of at most the trainer's ``micro_batch_size`` rows (accumulated)."""
+    micro-batches of as many rows (padded to ``longest_prompt`` and ``max_new_tokens``, as TRL pads them) as the
+    trainer's ``micro_batch_tokens`` hold (accumulated)."""
     loop, trainer = topology.loop, topology.actors.trainer
     opt, policy = trainer.optimizer, trainer.loss.policy
     samples = loop.prompts_per_step * loop.group_size
-    micro = max(d for d in range(1, min(samples, trainer.micro_batch_size) + 1) if samples % d == 0)
+    fit = max(trainer.micro_batch_tokens // (longest_prompt + topology.actors.generator.max_new_tokens), 1)
+    micro = max(d for d in range(1, min(samples, fit) + 1) if samples % d == 0)
     return GRPOConfig(
         output_dir=str(output_dir),
         report_to="none",

@@ -18,7 +18,7 @@ one after the other:
   directory, each step's prompts as the runtime draws them (``problems(seed, step, prompts_per_step)``, in
   order) rendered with the model's chat template and the task's system prompt (``actors/models/chat.py``), the
   task's reward, ``num_generations = group_size``, ``loss_type="dapo"`` with the topology's clip range, no KL,
-  one update per generation (micro-batches of at most the trainer's ``micro_batch_size`` rows, accumulated
+  one update per generation (micro-batches of as many padded rows as the trainer's ``micro_batch_tokens``, accumulated
   into one optimizer step of ``prompts_per_step x group_size`` samples), the topology's AdamW settings at a
   constant lr, temperature 1, ``max_completion_length = max_new_tokens``; saved with ``save_model``.
 

@@ -100,7 +100,7 @@ async def train_once(
     mesh = local_procs(procs)
     await setup_torch_elastic_env_async(mesh, *(master or (None, None)))
     optimizer = OptimizerConfig(lr=1e-2)
-    micro = micro or {"micro_batch_size": 3}
+    micro = micro or {"micro_batch_tokens": 20}
     cfg = TrainerConfig("trainer", inner_loop, optimizer=optimizer, loss=loss, precision=precision, **micro)
     trainer = mesh.spawn("trainer", Trainer, TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10))
     try:
@@ -130,12 +130,12 @@ async def train_once(
     ids=lambda value: value if isinstance(value, str) else ("all_channels" if value is ALL_CHANNELS else "policy"),
 )
 async def test_two_trainer_procs_make_the_same_update_as_one(model_dir, inner_loop, loss):
-    """Micro-batches of 3 rows; the native loop's with all channels by a budget of 18 tokens (rows of 6 to 13), so
-    ranks run different counts of micro-batches of varied rows."""
+    """Micro-batches of 20 tokens; the native loop's with all channels of 18 (rows of 6 to 13), so ranks run
+    different counts of micro-batches of varied rows."""
     batch = a_batch(model_dir, channels=loss is ALL_CHANNELS)
     micro = {"micro_batch_tokens": 18} if (inner_loop, loss) == ("native", ALL_CHANNELS) else None
     if micro is not None:
-        passes = {len(micro_batches(s.attention_mask.sum(-1).tolist(), s.sequences().shared_prefixes(), 64, 18))
+        passes = {len(micro_batches(s.attention_mask.sum(-1).tolist(), s.sequences().shared_prefixes(), 18))
                   for s in batch.shares(2)}
         assert len(passes) == 2, passes  # ranks run different counts of micro-batches
     one, weights_one = await train_once(model_dir, 1, batch, loss, inner_loop, micro=micro)
@@ -189,7 +189,7 @@ def test_pair_loss_by_gradient_caching_equals_the_whole_graph(model_dir):
     """The native loop's channel 3 (summed logprobs without a graph, then coefficient x logprob
     per micro-batch) gives the gradient of the whole loss taken in one graph."""
     batch = a_batch(model_dir, channels=True)
-    cfg = TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=ALL_CHANNELS, micro_batch_size=3)
+    cfg = TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=ALL_CHANNELS, micro_batch_tokens=20)
     loop = NativeLoop(model_dir, cfg, rank=0, world=1)
     metrics = loop.forward_backward(batch, taid_t=0.6)
     cached = {name: grad.clone() for name, grad in loop.gradients().items()}
@@ -223,7 +223,7 @@ def test_the_sampled_token_kl_trains_through_the_native_loop(model_dir):
     batch = a_batch(model_dir, channels=True)
     batch = dataclasses.replace(batch, advantages=torch.zeros_like(batch.advantages))  # channel 1: no gradient
     loss = LossConfig(distill=DistillConfig(divergence="sampled_kl_student_teacher"), alpha_sdpo=1.0, chunk_tokens=8)
-    cfg = TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_size=3)
+    cfg = TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_tokens=20)
     loop = NativeLoop(model_dir, cfg, rank=0, world=1)
     metrics = loop.forward_backward(batch)
     trained = {name: grad.clone() for name, grad in loop.gradients().items()}
@@ -310,7 +310,7 @@ class Replica:
     async def start(cls, model_dir: str, procs: int, inner_loop: str, index: int, store: str) -> Replica:
         mesh = local_procs(procs)
         await setup_torch_elastic_env_async(mesh)
-        cfg = TrainerConfig("trainer", inner_loop, optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=3)
+        cfg = TrainerConfig("trainer", inner_loop, optimizer=OptimizerConfig(lr=1e-2), micro_batch_tokens=20)
         plain_average = OuterOptimizerConfig(lr=1.0, momentum=0.0, nesterov=False)
         diloco = DiLoCoConfig(2, 1, plain_average, "object_store", store=store, round_timeout=60)
         setup = TrainerSetup(model_dir, cfg, 0, 2, Compute(threads=1), 10, diloco=diloco, replica=index)

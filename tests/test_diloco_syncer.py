@@ -105,7 +105,7 @@ def test_with_lora_an_outer_step_averages_the_adapters_and_leaves_the_base_as_it
     sync through the object store: the trainer lends the adapters alone, so the adapters become the mean
     of the replicas' and every base weight is bitwise the base's."""
     model_dir = str(build_tiny_model(tmp_path / "tiny", TinyModelSpec(), TASK.alphabet, seed=0))
-    cfg = TrainerConfig(mesh="t", micro_batch_size=4, lora=LoRAConfig(rank=4, alpha=8.0))
+    cfg = TrainerConfig(mesh="t", micro_batch_tokens=20, lora=LoRAConfig(rank=4, alpha=8.0))
     loops = []
     for _ in range(2):
         torch.manual_seed(0)

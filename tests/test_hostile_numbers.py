@@ -187,7 +187,7 @@ def model_dir(tmp_path_factory) -> str:
 
 
 def loop_of(model_dir: str, name: str = "native", loss: LossConfig = LossConfig()):
-    cfg = TrainerConfig("trainer", name, optimizer=OptimizerConfig(lr=1e-2), loss=loss, micro_batch_size=3)
+    cfg = TrainerConfig("trainer", name, optimizer=OptimizerConfig(lr=1e-2), loss=loss, micro_batch_tokens=20)
     return registry.load("inner_loop", name)(model_dir, cfg, rank=0, world=1)
 
 

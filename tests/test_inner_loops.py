@@ -66,7 +66,7 @@ def model_dir(tmp_path_factory) -> str:
 
 def config(policy: str, channels: bool, **fields) -> TrainerConfig:
     loss = replace(ALL_CHANNELS if channels else LossConfig(), policy=POLICIES.get(policy) or policy_config(policy))
-    return TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_size=3, **fields)
+    return TrainerConfig(mesh="t", optimizer=OptimizerConfig(grad_clip=0), loss=loss, micro_batch_tokens=20, **fields)
 
 
 def gradients_of(loop_name: str, model_dir: str, cfg: TrainerConfig, batch) -> tuple[dict, dict]:

@@ -131,7 +131,7 @@ def test_group_spread_weights_train_the_same_packed_in_micro_batches_as_unpacked
         mesh="t",
         optimizer=OptimizerConfig(grad_clip=0),
         loss=LossConfig(distill=distill, alpha_sdpo=1.0, chunk_tokens=8),
-        micro_batch_size=3,
+        micro_batch_tokens=20,
     )
     loop = NativeLoop(model_dir, cfg, rank=0, world=1)
     metrics = loop.forward_backward(batch)

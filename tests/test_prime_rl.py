@@ -107,7 +107,7 @@ def test_in_bf16_prime_rls_loss_gets_fp32_logprobs_and_the_fp32_loss_to_bf16_err
     for precision in ("fp32", "bf16"):
         SEEN.clear()
         cfg = TrainerConfig(
-            mesh="t", inner_loop="prime_rl", custom_loss=custom, micro_batch_size=3, precision=precision
+            mesh="t", inner_loop="prime_rl", custom_loss=custom, micro_batch_tokens=20, precision=precision
         )
         losses[precision] = PrimeRLLoop(model_dir, cfg, rank=0, world=1).forward_backward(batch)["policy/loss"]
         assert SEEN and set(SEEN) == {torch.float32}

@@ -33,7 +33,7 @@ def model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(), TASK.alphabet, seed=0))
 
 
-@pytest.mark.parametrize("batching", [Batching(3, 10**6, 4), Batching(64, 20, 4)], ids=["by rows", "by tokens"])
+@pytest.mark.parametrize("batching", [Batching(10**6, 4), Batching(20, 4)], ids=["whole", "by tokens"])
 def test_reference_logprobs_are_the_models_own_for_every_row_in_micro_batches(model_dir, batching):
     batch = a_batch(model_dir)
     reference = ReferenceModel.load(model_dir, model_dir, torch.device("cpu"), torch.float32, batching)
@@ -50,7 +50,7 @@ def test_reference_logprobs_are_the_models_own_for_every_row_in_micro_batches(mo
 def test_a_reference_with_another_tokenizer_is_refused_with_the_fix(model_dir, tmp_path):
     other = build_tiny_model(tmp_path / "other", TinyModelSpec(), "".join(reversed(TASK.alphabet)), seed=0)
     with pytest.raises(ReferenceMismatch, match="tokenizer other than the policy's.*leave actors.reference.path out"):
-        ReferenceModel.load(str(other), model_dir, torch.device("cpu"), torch.float32, Batching(4, 10**6, 8))
+        ReferenceModel.load(str(other), model_dir, torch.device("cpu"), torch.float32, Batching(10**6, 8))
 
 
 def test_a_reference_over_another_vocabulary_is_refused_when_the_topology_loads(tmp_path):

@@ -136,18 +136,19 @@ def test_each_rank_is_sent_its_share_of_a_step_as_its_tokens():
     assert chosen[1].for_rank(1, 2, kl_cov) is chosen[1]
 
 
-def test_micro_batches_hold_at_most_their_rows_and_tokens_and_a_longer_row_alone():
+def test_micro_batches_hold_at_most_their_tokens_and_a_longer_row_alone():
     tokens = [100, 80, 8000, 120, 90, 3000, 2900, 60]
-    cuts = micro_batches(tokens, [0] * 8, rows=3, budget=4096)
-    assert [2] in cuts and [5] in cuts  # 8000 alone; 3000 and 2900 cannot share 4096
-    assert micro_batches(tokens, [0] * 8, rows=2, budget=10**6) == [[0, 3], [1, 5], [2, 7], [4, 6]]  # longest first
-    assert micro_batches([], [], rows=2, budget=100) == []
+    cuts = micro_batches(tokens, [0] * 8, budget=4096)
+    assert [2] in cuts and not any({5, 6} <= set(cut) for cut in cuts)  # 8000 alone; 3000 and 2900 cannot share
+    # longest first into the least filled: 3180 and 3170 tokens
+    assert micro_batches(tokens, [0] * 8, budget=6000) == [[0, 1, 5], [2], [3, 4, 6, 7]]
+    assert micro_batches(tokens, [0] * 8, budget=10**6) == [list(range(8))]
+    assert micro_batches([], [], budget=100) == []
     for budget in (1, 150, 5000):
-        for rows in (1, 3, 8):
-            cuts = micro_batches(tokens, [0] * 8, rows=rows, budget=budget)
-            assert sorted(i for cut in cuts for i in cut) == list(range(8))
-            assert cuts == sorted(cuts) and all(cut == sorted(cut) for cut in cuts)  # in the rows' order
-            assert all(len(cut) <= rows and (len(cut) == 1 or sum(tokens[i] for i in cut) <= budget) for cut in cuts)
+        cuts = micro_batches(tokens, [0] * 8, budget=budget)
+        assert sorted(i for cut in cuts for i in cut) == list(range(8))
+        assert cuts == sorted(cuts) and all(cut == sorted(cut) for cut in cuts)  # in the rows' order
+        assert all(len(cut) == 1 or sum(tokens[i] for i in cut) <= budget for cut in cuts)
 
 
 def test_micro_batches_are_even_by_tokens_and_keep_a_groups_prompt_together():
@@ -157,18 +158,20 @@ def test_micro_batches_are_even_by_tokens_and_keep_a_groups_prompt_together():
     generator = random.Random(0)
     tokens = [generator.randint(100, 400) for _ in range(48)] + [generator.randint(2000, 8000) for _ in range(16)]
     generator.shuffle(tokens)
-    cuts = micro_batches(tokens, [0] * len(tokens), rows=64, budget=16384)
+    cuts = micro_batches(tokens, [0] * len(tokens), budget=16384)
     held = [sum(tokens[i] for i in cut) for cut in cuts]
     assert max(held) <= 1.1 * min(held) and max(held) <= 16384, held
     assert len(cuts) <= -(-sum(tokens) // 16384) + 1
     consecutive = [sum(tokens[i] for i in cut) for cut in _consecutive(tokens, 16384)]  # fill each, then the next
     assert max(consecutive) > 1.5 * min(consecutive)
-    # eight groups of eight rows sharing a 60-token prompt, 16 rows a micro-batch: two whole groups in each
+    # eight groups of eight rows sharing a 60-token prompt, a budget of two groups' tokens: two whole groups in each
     tokens = [60 + generator.randint(20, 48) for _ in range(64)]
     shared = [0 if i % 8 == 0 else 60 for i in range(64)]
-    cuts = micro_batches(tokens, shared, rows=16, budget=16384)
-    assert len(cuts) == 4 and all({i // 8 for i in cut} == {i // 8 for i in cut[::8]} for cut in cuts)
-    assert micro_batches([100, 100, 100], [0, 60, 60], rows=3, budget=180) == [[0, 1, 2]]  # 100 + 40 + 40
+    groups = sorted(sum(tokens[g * 8 : g * 8 + 8]) - 7 * 60 for g in range(8))
+    cuts = micro_batches(tokens, shared, budget=groups[-1] + groups[-2])
+    assert len(cuts) == 4 and all(len(cut) == 16 and cut[::8] == [cut[0], cut[8]] for cut in cuts), cuts
+    assert all({i // 8 for i in cut} == {cut[0] // 8, cut[8] // 8} for cut in cuts)
+    assert micro_batches([100, 100, 100], [0, 60, 60], budget=180) == [[0, 1, 2]]  # 100 + 40 + 40
 
 
 def _consecutive(tokens: list[int], budget: int) -> list[list[int]]:

@@ -125,6 +125,10 @@ def test_set_overrides_any_field_with_yaml_typed_values():
             ["actors.generator.replicas is now actors.generator.copies", "diloco.replicas", "copies: 2"],
         ),
         (
+            lambda t: t["actors"]["trainer"].update(micro_batch_size=16),
+            ["actors.trainer.micro_batch_size (rows per micro-batch) is gone", "micro_batch_tokens", "run directory"],
+        ),
+        (
             lambda t: t["actors"]["rewarder"].update(placement=None, mesh="generator"),
             ["actors.rewarder.mesh is the generator's mesh 'generator'", "placement: in_generator", "own_mesh"],
         ),

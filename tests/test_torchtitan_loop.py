@@ -67,7 +67,7 @@ def config(loss: LossConfig = POLICY_ONLY, precision: str = "auto", **optimizer)
         inner_loop="torchtitan",
         loss=loss,
         optimizer=OptimizerConfig(**optimizer),
-        micro_batch_size=3,
+        micro_batch_tokens=20,
         precision=precision,
     )
 

@@ -1,6 +1,6 @@
 """How work is shared out: a step's prompts among the generator requests that carry them (``split_evenly``, by
 count), a step's rows among a trainer's ranks (``token_shares``, contiguous, by tokens) and a rank's rows in
-micro-batches (``micro_batches``, by rows and tokens, balanced). Imports nothing, so the controller's side reads it
+micro-batches (``micro_batches``, by tokens, balanced). Imports nothing, so the controller's side reads it
 without loading torch.
 """
 
@@ -37,9 +37,9 @@ def token_shares(tokens: list[int], parts: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def micro_batches(tokens: list[int], shared: list[int], rows: int, budget: int) -> list[list[int]]:
+def micro_batches(tokens: list[int], shared: list[int], budget: int) -> list[list[int]]:
     """Rows (``tokens``: each row's real tokens; ``shared``: how many of them it shares with the row before it, its
-    group's prompt) in micro-batches of at most ``rows`` rows and ``budget`` tokens, a prefix that rows of one
+    group's prompt) in micro-batches of at most ``budget`` tokens, a prefix that rows of one
     micro-batch share counted once: as few micro-batches as hold them, their tokens as even as placing the longest
     runs first makes them. A run of rows sharing a prefix stays in one micro-batch where it fits, else in as few as it
     must; a row over ``budget`` is a micro-batch alone. Each micro-batch's rows, and the micro-batches by their first
@@ -48,9 +48,9 @@ def micro_batches(tokens: list[int], shared: list[int], rows: int, budget: int) 
     runs = _runs([row for row, held in enumerate(tokens) if held <= budget], shared)
     cost = [tokens[run[0]] + sum(tokens[row] - shared[row] for row in run[1:]) for run in runs]
     longest_first = sorted(range(len(runs)), key=lambda i: -cost[i])
-    fewest = max(-(-sum(cost) // budget), -(-sum(map(len, runs)) // rows), 1) if runs else 0
+    fewest = max(-(-sum(cost) // budget), 1) if runs else 0
     for count in itertools.count(fewest):
-        placed = _place([runs[i] for i in longest_first], tokens, shared, count, rows, budget)
+        placed = _place([runs[i] for i in longest_first], tokens, shared, count, budget)
         if placed is not None:
             return sorted(alone + [sorted(members) for members in placed if members])
     raise AssertionError("unreachable: a micro-batch per row always fits")
@@ -67,8 +67,8 @@ def _runs(rows: list[int], shared: list[int]) -> list[list[int]]:
     return runs
 
 
-def _place(runs: list[list[int]], tokens: list[int], shared: list[int], count: int, rows: int,
-           budget: int) -> list[list[int]] | None:
+def _place(runs: list[list[int]], tokens: list[int], shared: list[int], count: int, budget: int
+           ) -> list[list[int]] | None:
     """``runs`` placed in turn into ``count`` micro-batches, each run as much of it as fits into the least-loaded
     micro-batch that takes its next row, then the rest likewise; None when some row fits none."""
     members: list[list[int]] = [[] for _ in range(count)]
@@ -76,12 +76,12 @@ def _place(runs: list[list[int]], tokens: list[int], shared: list[int], count: i
     for run in runs:
         at = 0
         while at < len(run):
-            open_to = [b for b in range(count) if len(members[b]) < rows and loads[b] + tokens[run[at]] <= budget]
+            open_to = [b for b in range(count) if loads[b] + tokens[run[at]] <= budget]
             if not open_to:
                 return None
             chosen = min(open_to, key=lambda b: loads[b])
             first = True
-            while at < len(run) and len(members[chosen]) < rows:
+            while at < len(run):
                 row = run[at]
                 added = tokens[row] if first else tokens[row] - shared[row]  # the prefix once per micro-batch
                 if loads[chosen] + added > budget:

@@ -241,9 +241,8 @@ class MicroBatchLoop(ABC):
 
     def _micro_batches(self, tokens: list[int], shared: list[int]) -> list[slice | Tensor]:
         """Micro-batches of rows with these real ``tokens`` and ``shared`` prefixes (``micro_batches``), at most
-        ``micro_batch_size`` rows and ``micro_batch_tokens`` tokens each, as an index of this share's rows."""
-        cfg = self.cfg
-        return [_index(rows) for rows in micro_batches(tokens, shared, cfg.micro_batch_size, cfg.micro_batch_tokens)]
+        ``micro_batch_tokens`` tokens each, as an index of this share's rows."""
+        return [_index(rows) for rows in micro_batches(tokens, shared, self.cfg.micro_batch_tokens)]
 
     def _most(self, passes: int) -> int:
         """The most ``passes`` of any rank (ranks in lockstep run as many as the busiest)."""

@@ -60,10 +60,9 @@ class TrainerConfig:
     inner_loop: str = "native"  # native, trl, prime_rl, torchtitan, or package.module:Class
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    micro_batch_size: int = 64  # rows per forward/backward on one rank, packed (actors/models/packing.py)
-    # The most real tokens (prompt and completion, a group's prompt once) one micro-batch on one rank holds, whichever
-    # of it and micro_batch_size comes first; a longer row is a micro-batch alone. A rank's rows go into as few
-    # micro-batches as hold them, even by tokens. Long agent rows are not held 64 at once.
+    # The most real tokens (prompt and completion, a group's prompt once) one forward/backward on one rank holds,
+    # packed (actors/models/packing.py); a longer row is a micro-batch alone. A rank's rows go into as few
+    # micro-batches as hold them, even by tokens.
     micro_batch_tokens: int = 16384
     custom_loss: CustomLossConfig | None = None
     # The dtype of the matmuls; weights, gradients and optimizer state stay fp32 either way.
@@ -78,8 +77,6 @@ class TrainerConfig:
                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}; auto is bf16 on a "
                 "trainer mesh with GPUs and fp32 on CPU"
             )
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         abilities = registry.loop_abilities(self.inner_loop)

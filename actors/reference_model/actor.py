@@ -46,16 +46,15 @@ class ReferenceMismatch(ValueError):
 
 @dataclass(frozen=True)
 class Batching:
-    """How the reference scores rows: in the trainer's micro-batches (at most ``rows`` rows and ``tokens`` real
-    tokens, a longer row alone) and its loss's chunks of ``chunk_tokens`` through the LM head."""
+    """How the reference scores rows: in the trainer's micro-batches (at most ``tokens`` real tokens, a longer row
+    alone) and its loss's chunks of ``chunk_tokens`` through the LM head."""
 
-    rows: int
     tokens: int
     chunk_tokens: int
 
     @classmethod
     def of(cls, trainer: TrainerConfig) -> Batching:
-        return cls(trainer.micro_batch_size, trainer.micro_batch_tokens, trainer.loss.chunk_tokens)
+        return cls(trainer.micro_batch_tokens, trainer.loss.chunk_tokens)
 
 
 class ReferenceModel:
@@ -95,7 +94,7 @@ class ReferenceModel:
         tokens, lane = sequences.attention_mask.sum(-1).tolist(), lane_tokens(self.model.config)
         out = torch.zeros(sequences.targets.shape, device=self.device)
         with self.scoring():
-            for rows in micro_batches(tokens, sequences.shared_prefixes(), batching.rows, batching.tokens):
+            for rows in micro_batches(tokens, sequences.shared_prefixes(), batching.tokens):
                 part = sequences.rows(torch.tensor(rows))
                 hidden = self.hidden(part.packed(lane).to(self.device))
                 out[rows] = token_logprobs(hidden, weight, part.targets.to(self.device), batching.chunk_tokens)

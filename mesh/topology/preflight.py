@@ -248,8 +248,8 @@ class BatchFootprint:
         trainer = topology.meshes[cfg.trainer.mesh]
         if shape is not None and not trainer.gpus:
             ranks = trainer.size
-            micro = min(cfg.trainer.micro_batch_size, -(-loop.prompts_per_step * trainer_rows // ranks))
-            held = min(micro * tokens, max(tokens, cfg.trainer.micro_batch_tokens))  # a micro-batch's tokens
+            rows = -(-loop.prompts_per_step * trainer_rows // ranks)  # a rank's
+            held = min(rows * tokens, max(tokens, cfg.trainer.micro_batch_tokens))  # a micro-batch's tokens
             fixed = ranks * shape.training_bytes(held, cfg.trainer.loss.chunk_tokens)
         return cls(loop.prompts_per_step, tokens, per_prompt, fixed)
 
@@ -392,8 +392,7 @@ def check_retrained_steps(run: RunPlan, rows: int, tokens: int, free: FreeMemory
     if not run.topology.launcher.one_machine or free.ram is None or shape is None or trainer.gpus:
         return
     plan, cfg = StoreFootprint.of(run), run.topology.actors.trainer
-    micro = min(cfg.micro_batch_size, -(-rows // trainer.size))
-    held = min(micro * tokens, max(tokens, cfg.micro_batch_tokens))  # a micro-batch's tokens
+    held = min(-(-rows // trainer.size) * tokens, max(tokens, cfg.micro_batch_tokens))  # a micro-batch's tokens
     step = rows * tokens * TOKEN_BYTES + trainer.size * shape.training_bytes(held, cfg.loss.chunk_tokens)
     room = free.ram - plan.ram_margin - (plan.slots * plan.slot_bytes if plan.slot_bytes else 0)
     if step > room:
@@ -401,7 +400,7 @@ def check_retrained_steps(run: RunPlan, rows: int, tokens: int, free: FreeMemory
             f"the recording's largest step has {rows} rows and its longest row {tokens} tokens, which the trainer "
             f"needs at least {size(step)} of RAM to train on, but RAM has {size(free.ram)} available, of which "
             f"{size(free.ram - max(room, 0))} must stay for the trainer's processes and weights; retrain on a machine "
-            "with more memory, or lower actors.trainer.micro_batch_size or micro_batch_tokens"
+            "with more memory, or lower actors.trainer.micro_batch_tokens"
         )
 
 

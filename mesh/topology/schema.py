@@ -370,6 +370,15 @@ class Topology(Section):
     @classmethod
     def _renamed(cls, raw: Any) -> Any:
         actors = raw.get("actors") if isinstance(raw, dict) else None
+        trainer = actors.get("trainer") if isinstance(actors, dict) else None
+        if isinstance(trainer, dict) and "micro_batch_size" in trainer:
+            raise ValueError(
+                "actors.trainer.micro_batch_size (rows per micro-batch) is gone: micro-batches are cut by tokens "
+                "alone, at most actors.trainer.micro_batch_tokens each (default 16384, a group's prompt counted once), "
+                "so that long and short rows share a micro-batch evenly; remove micro_batch_size (from a run "
+                "directory's topology.yaml too, to resume or retrain a run recorded with it), and where you chose it "
+                "for memory or speed set micro_batch_tokens to about that many of your rows' tokens"
+            )
         generator = actors.get("generator") if isinstance(actors, dict) else None
         if isinstance(generator, dict) and "replicas" in generator:
             raise ValueError(
