@@ -23,8 +23,8 @@ from monarch.actor import Actor, endpoint
 from torch import Tensor, nn
 
 from actors.basics.compute import Compute
-from actors.basics.shares import micro_batches
 from actors.basics.proc_info import ProcInfo, this_proc
+from actors.basics.shares import micro_batches
 from actors.contract.rollouts import Trajectory
 from actors.contract.train_batch import Sequences, trajectory_sequences
 from actors.inner_loops.native import HiddenStates
