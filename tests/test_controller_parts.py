@@ -281,7 +281,7 @@ async def collect(in_generators: bool, remote_reference: bool = False) -> tuple[
 
 
 def rows_of(collected: Collected) -> list[tuple]:
-    return [(r.kind, r.trajectory.text, r.version, r.teacher, r.reward) for r in collected.rows()]
+    return [(r.kind, r.trajectory.text, r.oldest_version, r.teacher, r.reward) for r in collected.rows()]
 
 
 async def test_rewarding_in_the_generators_or_by_the_rewarder_gives_the_same_groups_one_call_apart():

@@ -140,7 +140,7 @@ async def test_process_launcher_places_a_trainer_across_two_hosts_from_a_model_d
 
 def test_a_batch_older_than_the_lag_is_never_trained_on():
     problem = Reverse().problems(0, 0, 1)[0]
-    stale = Row(RowKind.SAMPLE, Trajectory.single_turn([3], [4, 1], [-1.0, -1.0], "a"), version=2, reward=Reward(0.0))
+    stale = Row(RowKind.SAMPLE, Trajectory.single_turn([3], [4, 1], [-1.0, -1.0], "a"), oldest_version=2, reward=Reward(0.0))
     collected = Collected([RolloutGroup(problem, 0, (stale,) * 4)], None, seconds={}, teacher_metrics={})
 
     async def take_step_4() -> None:  # with max_policy_lag 1, the batch a checkpoint kept for step 4

@@ -130,7 +130,10 @@ class EpisodeOutcome:
 class Row:
     kind: RowKind
     trajectory: Trajectory
-    version: int  # the policy version that sampled it (for a teacher's trace: that scored it)
+    # the oldest policy version that sampled a token it trains, which its age counts from (a single-turn sample's
+    # request's; an agent's row may hold tokens of newer versions after it; a teacher's trace: the version that
+    # scored it)
+    oldest_version: int
     teacher: str | None = None  # the teacher binding that wrote it; None for the policy's samples
     reward: Reward | None = None  # None only while the step is being collected
     distill: TopK | None = None  # the distill teacher's top-k at each completion token (channel 2)

@@ -91,7 +91,7 @@ def encode_row(row: Row) -> dict[str, Any]:
     fields = {
         "kind": row.kind.value,
         "trajectory": dataclasses.asdict(row.trajectory),
-        "version": row.version,
+        "version": row.oldest_version,
         "teacher": row.teacher,
         "reward": dataclasses.asdict(row.reward),
         "distill": None,

@@ -62,7 +62,7 @@ def sample_records(
                 "group": group.index,
                 "kind": row.kind.value,
                 "teacher": row.teacher,
-                "version": row.version,
+                "version": row.oldest_version,
                 "age": ages[i],
                 "prompt": group.problem.prompt,
                 "completion": trajectory.text,

@@ -35,7 +35,7 @@ def policy_ages(step: int, collected: Collected, max_policy_lag: int) -> list[in
     """Each row's policy age when step ``step`` trains on it; a batch whose channel-1 rows are older than the lag
     is refused (a replayed trace's logprobs are the trainer's own, whichever version scored it)."""
     rows = collected.rows()
-    ages = [step - row.version for row in rows]
+    ages = [step - row.oldest_version for row in rows]
     oldest = max((age for age, row in zip(ages, rows) if row.kind.trains_policy), default=0)
     if oldest > max_policy_lag:
         raise StalenessError(f"step {step}: samples of policy age {oldest} > max_policy_lag")

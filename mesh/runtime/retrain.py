@@ -83,7 +83,7 @@ def recorded_batches(run_dir: Path, plan: RunPlan) -> list[Collected]:
 
 def oldest_age(batches: list[Collected]) -> int:
     """The largest policy age among the recorded rows (batch k trained at step k): the lag a retraining allows."""
-    return max(step - row.version for step, collected in enumerate(batches) for row in collected.rows())
+    return max(step - row.oldest_version for step, collected in enumerate(batches) for row in collected.rows())
 
 
 def largest_step(batches: list[Collected]) -> tuple[int, int]:
