@@ -34,15 +34,16 @@ class Counts:
         )
 
 
-def _slice_rows(obj, rows: slice):
-    """Slice every tensor field of a batch dataclass along dim 0; keep the rest."""
+def _slice_rows(obj, rows: slice | Tensor, width: int | None = None):
+    """Slice every tensor field of a batch dataclass along dim 0 and, given ``width``, every per-token field (two or
+    more dims: ``[B, T, ...]``) to its first ``width`` completion columns; keep the rest."""
     changes = {}
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
         if isinstance(value, Tensor):
-            changes[field.name] = value[rows]
+            changes[field.name] = value[rows] if width is None or value.dim() < 2 else value[rows, :width]
         elif dataclasses.is_dataclass(value) and hasattr(value, "rows"):
-            changes[field.name] = value.rows(rows)
+            changes[field.name] = value.rows(rows, width)
     return dataclasses.replace(obj, **changes)
 
 
@@ -136,8 +137,9 @@ class TeacherHidden:
     hidden: Tensor
     weight: Tensor
 
-    def rows(self, rows: slice) -> TeacherHidden:
-        return TeacherHidden(self.hidden[rows], self.weight)
+    def rows(self, rows: slice | Tensor, width: int | None = None) -> TeacherHidden:
+        hidden = self.hidden[rows] if width is None else self.hidden[rows, :width].contiguous()  # one GEMM
+        return TeacherHidden(hidden, self.weight)
 
 
 @dataclass(frozen=True)

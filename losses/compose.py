@@ -22,6 +22,7 @@ The policy's distribution comes in one of three forms (the ``Head``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,6 +32,7 @@ from losses.batch import DistillInputs, PairGrads, PolicyInputs, PreferenceInput
 from losses.config import COVARIANCE, CovariancePolicyConfig, LossConfig
 from losses.distill import distill_loss, rlsd_advantages
 from losses.logprobs import (
+    RowChunk,
     fused_linear_loss,
     selective_logprobs,
     selective_logprobs_and_entropy,
@@ -84,13 +86,15 @@ class LossOutput:
 def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, active: set[str]):
     """The channels that read the policy's distribution, as a loss of some rows' logits."""
 
-    def loss_of_rows(logits: Tensor, rows: slice) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss_of_rows(logits: Tensor, chunk: RowChunk) -> tuple[Tensor, dict[str, Tensor]]:
         total, metrics, logprobs = None, {}, None
+        rows, width = chunk.rows, chunk.width
+        targets = inputs.targets[rows, :width]
         if "policy" in active:
-            policy = inputs.policy.rows(rows)
-            logprobs, entropy = selective_logprobs_and_entropy(logits, inputs.targets[rows])
+            policy = inputs.policy.rows(rows, width)
+            logprobs, entropy = selective_logprobs_and_entropy(logits, targets)
             if "rlsd" in active:
-                policy, rlsd = _rlsd(policy, logprobs, inputs.distill.rows(rows), inputs.targets[rows], cfg)
+                policy, rlsd = _rlsd(policy, logprobs, inputs.distill.rows(rows, width), targets, cfg)
                 metrics |= {f"distill/{k}": v for k, v in rlsd.items()}
             total, parts = policy_loss(logprobs, policy, cfg.policy)
             if cfg.policy.entropy_coef:  # the bonus needs the entropy's gradient: log_softmax's temporaries
@@ -101,18 +105,25 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
                 parts |= policy.split.means("entropy", entropy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
         if "distill" in active and "rlsd" not in active:
-            distill, parts = distill_loss(
-                logits, inputs.distill.rows(rows), cfg.distill, taid_t, targets=inputs.targets[rows]
-            )
+            distill, parts = distill_loss(logits, inputs.distill.rows(rows, width), cfg.distill, taid_t, targets=targets)
             metrics |= {"distill/loss": distill.detach()} | {f"distill/{k}": v for k, v in parts.items()}
             total = _plus(total, cfg.alpha_sdpo * distill)
         if inputs.pair_grads is not None:
             if logprobs is None:
-                logprobs = selective_logprobs(logits, inputs.targets[rows])
-            total = _plus(total, _cached_pair_loss(logprobs, inputs.pair_grads.rows(rows)))
+                logprobs = selective_logprobs(logits, targets)
+            total = _plus(total, _cached_pair_loss(logprobs, inputs.pair_grads.rows(rows, width)))
         return total, metrics
 
     return loss_of_rows
+
+
+def _read_lengths(inputs: LossInputs) -> list[int]:
+    """Per row, the completion columns the token channels read: up to its last token in any channel's mask (at
+    least 1). A channel's tokens are masked, so the columns after them change nothing but the logits' cost."""
+    channels = (inputs.policy, inputs.distill, inputs.pair_grads)
+    read = functools.reduce(torch.logical_or, [channel.mask.bool() for channel in channels if channel is not None])
+    columns = torch.arange(1, read.shape[1] + 1, device=read.device)
+    return torch.where(read, columns, 0).amax(-1).clamp(min=1).tolist()
 
 
 def _rlsd(
@@ -223,10 +234,10 @@ def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid
     elif active & {"policy", "distill"} or inputs.pair_grads is not None:
         loss_of_rows = _token_channels(inputs, cfg, taid_t, active)
         if isinstance(head, Logits):
-            total, metrics = loss_of_rows(head.logits, slice(None))
+            total, metrics = loss_of_rows(head.logits, RowChunk(slice(None), head.logits.shape[1]))
         else:
-            rows_per_chunk = max(1, cfg.chunk_tokens // max(inputs.targets.shape[-1], 1))
-            total, metrics = fused_linear_loss(head.hidden, head.weight, loss_of_rows, rows_per_chunk)
+            lengths = _read_lengths(inputs)
+            total, metrics = fused_linear_loss(head.hidden, head.weight, loss_of_rows, cfg.chunk_tokens, lengths)
 
     if "preference" in active:
         preference, parts = preference_loss(inputs.preference, cfg.preference)

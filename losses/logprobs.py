@@ -5,11 +5,14 @@ Two tools, for two situations:
 - ``token_logprobs(hidden, weight, targets)``: the log-probabilities of given tokens as
   an ordinary tensor, for any downstream code. Logits exist one token chunk at a time;
   backward recomputes them chunk by chunk from the saved log-normalizers.
-- ``fused_linear_loss(hidden, weight, loss_fn)``: for a loss that is a sum over rows
+- ``fused_linear_loss(hidden, weight, loss_fn, chunk_tokens, lengths)``: for a loss that is a sum over rows
   (every loss in this library, given global ``Counts``). Each row chunk's logits are
   formed once, the loss and its gradients w.r.t. ``hidden`` and ``weight`` are taken
   right there (as Liger-Kernel does), and backward only scales them. Same matmul FLOPs as
-  the naive path (three GEMMs per chunk), a fraction of its memory.
+  the naive path (three GEMMs per chunk), a fraction of its memory. Given each row's
+  ``lengths`` (the columns its loss reads), rows are chunked longest first and each chunk
+  is only as wide as its longest row: rows of mixed lengths (an agent's long episode beside
+  short ones) form logits for their own tokens, not for the batch's longest row.
 
 Every GEMM takes its operands in the input dtype (bf16 stays bf16, for the tensor cores);
 softmax and loss math run in at least fp32, and the weight gradient, summed over chunks,
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -230,33 +234,59 @@ class _PrecomputedGrad(torch.autograd.Function):
         return None, grad_hidden, grad_weight, None, None
 
 
-RowLoss = Callable[[Tensor, slice], tuple[Tensor, dict[str, Tensor]]]
+@dataclass(frozen=True)
+class RowChunk:
+    """Some rows of ``[B, T, ...]`` inputs (``rows``: a slice, or an index of rows) and the first ``width`` of their
+    columns, which hold every token the loss reads in them."""
+
+    rows: slice | Tensor
+    width: int
+
+
+RowLoss = Callable[[Tensor, RowChunk], tuple[Tensor, dict[str, Tensor]]]
+
+
+def row_chunks(lengths: list[int], chunk_tokens: int, device: torch.device | None = None) -> list[RowChunk]:
+    """Rows whose loss reads their first ``lengths`` columns, in chunks of about ``chunk_tokens`` logits: longest
+    first (rows of one length keep their order), each chunk as wide as its longest row, and a row wider than
+    ``chunk_tokens`` a chunk alone. Rows all of one length give consecutive chunks of ``chunk_tokens // length``."""
+    order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
+    chunks, start = [], 0
+    while start < len(order):
+        width = max(lengths[order[start]], 1)
+        members = order[start : start + max(1, chunk_tokens // width)]
+        consecutive = members == list(range(members[0], members[0] + len(members)))
+        index = slice(members[0], members[0] + len(members)) if consecutive else torch.tensor(members, device=device)
+        chunks.append(RowChunk(index, width))
+        start += len(members)
+    return chunks
 
 
 def _chunk_loss(
-    chunk_hidden: Tensor, weight: Tensor, loss_fn: RowLoss, rows: slice, grad_hidden: Tensor, grad_weight: Tensor
+    chunk_hidden: Tensor, weight: Tensor, loss_fn: RowLoss, chunk: RowChunk, grad_hidden: Tensor, grad_weight: Tensor
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """One chunk's loss, with its gradients added to the buffers: its own function so that every
     chunk-sized tensor is released when the chunk ends, not when the next one overwrites it."""
     logits = (chunk_hidden @ weight.T).requires_grad_()
     with torch.enable_grad():
-        loss, metrics = loss_fn(logits, rows)
+        loss, metrics = loss_fn(logits, chunk)
     if loss.requires_grad:
         (grad_logits,) = torch.autograd.grad(loss, logits)  # in the logits' (input) dtype
         del logits
-        grad_hidden[rows] = grad_logits @ weight
+        grad_hidden[chunk.rows, : chunk.width] = grad_logits @ weight
         _add_product(grad_weight, grad_logits.flatten(0, -2).T, chunk_hidden.flatten(0, -2))
     return loss.detach(), {name: value.detach() for name, value in metrics.items()}
 
 
 def fused_linear_loss(
-    hidden: Tensor, weight: Tensor, loss_fn: RowLoss, rows_per_chunk: int
+    hidden: Tensor, weight: Tensor, loss_fn: RowLoss, chunk_tokens: int, lengths: list[int] | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Evaluate a row-separable loss of ``logits = hidden @ weight.T`` chunk by chunk.
+    """Evaluate a row-separable loss of ``logits = hidden @ weight.T`` chunk by chunk (``row_chunks``).
 
-    ``hidden`` is ``[B, T, H]``; ``loss_fn(logits_rows, rows)`` returns the rows' share of
-    the loss and of row-additive metrics. Whatever else ``loss_fn`` reads must carry no
-    gradient: only ``hidden`` and ``weight`` receive one.
+    ``hidden`` is ``[B, T, H]``; ``loss_fn(logits, chunk)`` returns the chunk's rows' share of the loss and of
+    row-additive metrics, its logits ``[rows, chunk.width, V]``. ``lengths``: the columns each row's loss reads
+    (None: all ``T``); the columns after them get no logits and no gradient. Whatever else ``loss_fn`` reads must
+    carry no gradient: only ``hidden`` and ``weight`` receive one.
     """
     acc = _accumulation_dtype(weight.dtype)
     grad_hidden = torch.zeros_like(hidden)
@@ -264,10 +294,10 @@ def fused_linear_loss(
     total = torch.zeros((), dtype=acc, device=hidden.device)
     metrics: dict[str, Tensor] = {}
     with torch.no_grad():
-        for start in range(0, hidden.shape[0], rows_per_chunk):
-            rows = slice(start, start + rows_per_chunk)
-            chunk_hidden = hidden[rows].detach()
-            loss, chunk_metrics = _chunk_loss(chunk_hidden, weight.detach(), loss_fn, rows, grad_hidden, grad_weight)
+        width = hidden.shape[1]
+        for chunk in row_chunks([width] * hidden.shape[0] if lengths is None else lengths, chunk_tokens, hidden.device):
+            chunk_hidden = hidden[chunk.rows, : chunk.width].detach().contiguous()  # one GEMM over its tokens
+            loss, chunk_metrics = _chunk_loss(chunk_hidden, weight.detach(), loss_fn, chunk, grad_hidden, grad_weight)
             total += loss
             for name, value in chunk_metrics.items():
                 metrics[name] = metrics.get(name, 0.0) + value

@@ -73,7 +73,7 @@ def test_weight_gradient_sums_chunks_in_fp32():
     g = torch.Generator().manual_seed(0)
     hidden = (0.5 + torch.rand(512, 1, 4, generator=g)).bfloat16().requires_grad_()
     weight = torch.randn(3, 4, generator=g).bfloat16().requires_grad_()
-    loss, _ = fused_linear_loss(hidden, weight, lambda logits, rows: (logits.float().sum(), {}), rows_per_chunk=1)
+    loss, _ = fused_linear_loss(hidden, weight, lambda logits, chunk: (logits.float().sum(), {}), chunk_tokens=1)
     loss.backward()
     exact = hidden.detach().double().sum((0, 1)).expand(3, 4)
     bf16_running_sum = torch.zeros(4, dtype=torch.bfloat16)

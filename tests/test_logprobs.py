@@ -7,6 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from losses import fused_linear_loss, selective_logprobs, token_logprobs
+from losses.logprobs import RowChunk, row_chunks
 
 
 def head(generator, tokens=(3, 7), hidden=6, vocab=13, dtype=torch.float64):
@@ -61,7 +62,7 @@ def test_token_logprobs_with_frozen_head(generator):
     assert h.grad is not None and w.grad is None
 
 
-def softmax_entropy_rows(logits, rows):
+def softmax_entropy_rows(logits, chunk):
     """A row-separable loss that depends on every logit (not only the targets)."""
     logp = torch.log_softmax(logits, -1)
     return (logp.exp() * logp).sum() / 21.0, {"sum": logits.detach().sum()}
@@ -70,8 +71,8 @@ def softmax_entropy_rows(logits, rows):
 @pytest.mark.parametrize("rows_per_chunk", [1, 2, 5])
 def test_fused_linear_loss_equals_the_unfused_loss(rows_per_chunk, generator):
     h, w, _ = head(generator)
-    fused, metrics = fused_linear_loss(h, w, softmax_entropy_rows, rows_per_chunk)
-    plain, plain_metrics = softmax_entropy_rows(h @ w.T, slice(None))
+    fused, metrics = fused_linear_loss(h, w, softmax_entropy_rows, rows_per_chunk * h.shape[1])
+    plain, plain_metrics = softmax_entropy_rows(h @ w.T, RowChunk(slice(None), h.shape[1]))
     assert_close(fused, plain, atol=1e-13, rtol=0)
     assert_close(metrics["sum"], plain_metrics["sum"])
     for a, b in zip(torch.autograd.grad(3 * fused, (h, w)), torch.autograd.grad(3 * plain, (h, w))):
@@ -80,7 +81,33 @@ def test_fused_linear_loss_equals_the_unfused_loss(rows_per_chunk, generator):
 
 def test_fused_linear_loss_gradcheck(generator):
     h, w, _ = head(generator, tokens=(3, 2), hidden=4, vocab=5)
-    assert torch.autograd.gradcheck(lambda h, w: fused_linear_loss(h, w, softmax_entropy_rows, 2)[0], (h, w))
+    assert torch.autograd.gradcheck(lambda h, w: fused_linear_loss(h, w, softmax_entropy_rows, 4)[0], (h, w))
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 9, 14, 1000])
+def test_rows_of_mixed_lengths_form_logits_for_their_own_columns_only(chunk_tokens, generator):
+    """A loss that reads each row's first ``lengths`` columns: chunked longest first, each chunk as wide as its
+    longest row, it equals the loss over every column in value and gradient, and no chunk is wider than its rows
+    need (nor holds more than ``chunk_tokens`` logits, unless one row is wider)."""
+    h, w, _ = head(generator, tokens=(6, 7))
+    lengths = [7, 1, 3, 7, 2, 5]
+    read = torch.arange(7)[None, :] < torch.tensor(lengths)[:, None]
+
+    def masked_entropy(logits, chunk):
+        logp = torch.log_softmax(logits, -1)
+        return torch.where(read[chunk.rows, : chunk.width, None], logp.exp() * logp, 0.0).sum(), {}
+
+    chunks = row_chunks(lengths, chunk_tokens)
+    widths = [max(lengths[r] for r in torch.arange(6)[chunk.rows].tolist()) for chunk in chunks]
+    assert [chunk.width for chunk in chunks] == widths
+    assert all(chunk.width * len(torch.arange(6)[chunk.rows]) <= max(chunk_tokens, chunk.width) for chunk in chunks)
+    assert sorted(r for chunk in chunks for r in torch.arange(6)[chunk.rows].tolist()) == list(range(6))
+    fused, _ = fused_linear_loss(h, w, masked_entropy, chunk_tokens, lengths)
+    plain, _ = masked_entropy(h @ w.T, RowChunk(slice(None), 7))
+    assert_close(fused, plain, atol=1e-13, rtol=0)
+    for a, b in zip(torch.autograd.grad(fused, (h, w)), torch.autograd.grad(plain, (h, w))):
+        assert_close(a, b, atol=1e-13, rtol=0)
+    assert row_chunks([4] * 6, 8) == [RowChunk(slice(0, 2), 4), RowChunk(slice(2, 4), 4), RowChunk(slice(4, 6), 4)]
 
 
 def test_selective_logprobs_backward_twice_on_a_kept_graph(generator):
