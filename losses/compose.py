@@ -39,7 +39,7 @@ from losses.logprobs import (
     token_entropy,
     token_logprobs,
 )
-from losses.policy import aggregate, covariance_selection, old_policy_logprobs, policy_loss
+from losses.policy import MISMATCH_MAX, aggregate, covariance_selection, old_policy_logprobs, policy_loss
 from losses.preference import preference_loss
 
 CHANNELS = ("policy", "distill", "preference")
@@ -237,7 +237,9 @@ def compose_loss(head: Head | None, inputs: LossInputs, cfg: LossConfig, *, taid
             total, metrics = loss_of_rows(head.logits, RowChunk(slice(None), head.logits.shape[1]))
         else:
             lengths = _read_lengths(inputs)
-            total, metrics = fused_linear_loss(head.hidden, head.weight, loss_of_rows, cfg.chunk_tokens, lengths)
+            total, metrics = fused_linear_loss(
+                head.hidden, head.weight, loss_of_rows, cfg.chunk_tokens, lengths, maxima={f"policy/{MISMATCH_MAX}"}
+            )
 
     if "preference" in active:
         preference, parts = preference_loss(inputs.preference, cfg.preference)

@@ -22,7 +22,7 @@ accumulates in fp32.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -279,14 +279,16 @@ def _chunk_loss(
 
 
 def fused_linear_loss(
-    hidden: Tensor, weight: Tensor, loss_fn: RowLoss, chunk_tokens: int, lengths: list[int] | None = None
+    hidden: Tensor, weight: Tensor, loss_fn: RowLoss, chunk_tokens: int, lengths: list[int] | None = None,
+    maxima: Collection[str] = (),
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Evaluate a row-separable loss of ``logits = hidden @ weight.T`` chunk by chunk (``row_chunks``).
 
     ``hidden`` is ``[B, T, H]``; ``loss_fn(logits, chunk)`` returns the chunk's rows' share of the loss and of
     row-additive metrics, its logits ``[rows, chunk.width, V]``. ``lengths``: the columns each row's loss reads
-    (None: all ``T``); the columns after them get no logits and no gradient. Whatever else ``loss_fn`` reads must
-    carry no gradient: only ``hidden`` and ``weight`` receive one.
+    (None: all ``T``); the columns after them get no logits and no gradient. The chunks' metrics add up, but those
+    named in ``maxima``, which are the largest of the chunks'. Whatever else ``loss_fn`` reads must carry no
+    gradient: only ``hidden`` and ``weight`` receive one.
     """
     acc = _accumulation_dtype(weight.dtype)
     grad_hidden = torch.zeros_like(hidden)
@@ -300,7 +302,10 @@ def fused_linear_loss(
             loss, chunk_metrics = _chunk_loss(chunk_hidden, weight.detach(), loss_fn, chunk, grad_hidden, grad_weight)
             total += loss
             for name, value in chunk_metrics.items():
-                metrics[name] = metrics.get(name, 0.0) + value
+                if name not in metrics:
+                    metrics[name] = value
+                else:
+                    metrics[name] = torch.maximum(metrics[name], value) if name in maxima else metrics[name] + value
     if hidden.requires_grad or weight.requires_grad:
         total = _PrecomputedGrad.apply(total, hidden, weight, grad_hidden, grad_weight.to(weight.dtype))
     return total, metrics

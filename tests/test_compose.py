@@ -142,6 +142,19 @@ def test_linear_head_equals_full_logits_for_all_channels(batch, chunk_tokens):
         assert_close(a, b, atol=1e-12, rtol=0)
 
 
+def test_a_maximum_over_chunks_is_the_largest_not_the_sum(batch, generator):
+    """mismatch_max (the largest |log pi - log mu| of any sampled token) is the largest of the head's chunks', as over
+    the full logits; summed over chunks it grew with their number."""
+    inference = batch["inputs"].targets.new_zeros(B, T, dtype=torch.float64) - 2.0
+    inputs = dataclasses.replace(batch["inputs"], policy=dataclasses.replace(batch["inputs"].policy,
+                                                                             inference_logprobs=inference))
+    cfg = LossConfig(policy=policy_config(name="grpo"), chunk_tokens=T)  # a row a chunk
+    full = compose_loss(Logits(batch["hidden"] @ batch["weight"].T), inputs, cfg).metrics["policy/mismatch_max"]
+    lean = compose_loss(LinearHead(batch["hidden"], batch["weight"]), inputs, cfg).metrics["policy/mismatch_max"]
+    logprobs = selective_logprobs(batch["hidden"].detach() @ batch["weight"].detach().T, inputs.targets)
+    assert lean == pytest.approx(full) == pytest.approx(float((logprobs + 2.0).abs()[inputs.policy.mask].max()))
+
+
 def test_the_entropy_and_the_divergence_per_token_class_make_up_their_means(batch):
     """The number tokens' and the wording's means, weighted by their counts, are the channel's own mean; the split
     only reports (the loss is the same without it); and each class's mean is its own, not the other's."""
