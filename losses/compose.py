@@ -105,7 +105,8 @@ def _token_channels(inputs: LossInputs, cfg: LossConfig, taid_t: float | None, a
                 parts |= policy.split.means("entropy", entropy)
             metrics |= {"policy/loss": total.detach()} | {f"policy/{k}": v for k, v in parts.items()}
         if "distill" in active and "rlsd" not in active:
-            distill, parts = distill_loss(logits, inputs.distill.rows(rows, width), cfg.distill, taid_t, targets=targets)
+            distill_rows = inputs.distill.rows(rows, width)
+            distill, parts = distill_loss(logits, distill_rows, cfg.distill, taid_t, targets=targets)
             metrics |= {"distill/loss": distill.detach()} | {f"distill/{k}": v for k, v in parts.items()}
             total = _plus(total, cfg.alpha_sdpo * distill)
         if inputs.pair_grads is not None:
