@@ -496,7 +496,7 @@ class LossConfig:
       ``distill.signal: rlsd`` the mix of the teacher's token weights into the advantages, at most 1.
     - ``beta_replay``: weight of channel 3 (DPO/SimPO over teacher-trace pairs).
     - ``chunk_tokens``: with a ``LinearHead``, about this many tokens' logits exist at
-      once (rounded to whole rows, at least one row).
+      once (whole rows, longest first, each chunk as wide as its longest row; at least one row).
     """
 
     policy: Annotated[PolicyConfig, _ByName()] = field(default_factory=lambda: POLICIES[DEFAULT_POLICY]())
