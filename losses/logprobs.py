@@ -188,13 +188,22 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
 
 
-def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 512) -> Tensor:
+def token_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int = 512, lengths: list[int] | None = None
+) -> Tensor:
     """``log_softmax(hidden @ weight.T)[targets]`` with ``[chunk_tokens x V]`` peak temporaries.
 
     ``hidden`` is ``[..., H]``, ``weight`` the LM head ``[V, H]``, ``targets`` ``[...]``;
-    returns ``[...]`` in at least fp32.
+    returns ``[...]`` in at least fp32. ``lengths``: for ``[B, T]`` targets, each row's first columns to score
+    (its real tokens, known on the host); the rest come back 0 and cost nothing.
     """
-    return _token_logprobs(hidden, weight, targets, chunk_tokens, with_entropy=False)[0]
+    if lengths is None:
+        return _token_logprobs(hidden, weight, targets, chunk_tokens, with_entropy=False)[0]
+    width = targets.shape[1]
+    places = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).flatten().nonzero().flatten()
+    places = places.to(targets.device)
+    scored = _token_logprobs(hidden.flatten(0, 1)[places], weight, targets.flatten()[places], chunk_tokens, False)[0]
+    return scored.new_zeros(targets.numel()).index_copy(0, places, scored).view(targets.shape)
 
 
 def token_logprobs_and_entropy(

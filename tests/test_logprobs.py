@@ -30,6 +30,22 @@ def test_chunked_logprobs_equal_full_logprobs_in_value_and_gradient(chunk, gener
         assert_close(a, b, atol=1e-13, rtol=0)
 
 
+def test_logprobs_of_each_rows_own_tokens_only(generator):
+    """Given each row's length, the first columns of each row are scored as in full and the rest are 0, with no
+    gradient: a short row beside a long one forms no logits at its padding."""
+    h, w, targets = head(generator, tokens=(4, 7))
+    lengths = [7, 0, 2, 5]
+    scored = token_logprobs(h, w, targets, chunk_tokens=3, lengths=lengths)
+    full = selective_logprobs(h @ w.T, targets)
+    real = torch.arange(7)[None, :] < torch.tensor(lengths)[:, None]
+    assert_close(scored[real], full[real], atol=1e-13, rtol=0)
+    assert torch.equal(scored[~real], torch.zeros(int((~real).sum()), dtype=scored.dtype))
+    upstream = torch.randn(targets.shape, generator=generator, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((scored * upstream).sum(), (h, w)),
+                    torch.autograd.grad((torch.where(real, full, 0.0) * upstream).sum(), (h, w))):
+        assert_close(a, b, atol=1e-13, rtol=0)
+
+
 def test_chunked_logprobs_fp32_and_bf16(generator):
     h, w, targets = head(generator, dtype=torch.float32)
     assert_close(token_logprobs(h, w, targets, 5), selective_logprobs(h @ w.T, targets), atol=1e-5, rtol=1e-5)

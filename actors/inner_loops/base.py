@@ -344,8 +344,9 @@ class MicroBatchLoop(ABC):
     def sequence_logprobs(self, batch: TrainBatch) -> Tensor:
         """Each row's completion logprob under the current policy, summed over its tokens."""
         head = self.head(batch)
-        if isinstance(head, LinearHead):
-            logprobs = token_logprobs(head.hidden, head.weight, batch.targets, self.cfg.loss.chunk_tokens)
+        if isinstance(head, LinearHead):  # logits at each row's own tokens only
+            lengths = list(self.packed(batch).completion_lengths)
+            logprobs = token_logprobs(head.hidden, head.weight, batch.targets, self.cfg.loss.chunk_tokens, lengths)
         elif isinstance(head, Logits):
             logprobs = selective_logprobs(head.logits, batch.targets)
         else:

@@ -59,6 +59,7 @@ class PackedRows:
 
     passes: tuple[LanePass, ...]
     predicting: Tensor  # [rows, T] long, the place in the passes' states (flattened, one after another)
+    completion_lengths: tuple[int, ...]  # each row's real completion tokens: the first of its T places
     kept: tuple[Tensor, ...] | None = None  # per pass, the only states kept (``predicted``); None: all of them
 
     def gather(self, states: list[Tensor]) -> Tensor:
@@ -76,13 +77,13 @@ class PackedRows:
         bounds = torch.tensor([0, *itertools.accumulate(sizes)], device=kept.device)
         cuts = torch.searchsorted(kept, bounds).tolist()
         places = tuple(kept[a:b] - bounds[i] for i, (a, b) in enumerate(zip(cuts, cuts[1:])))
-        return PackedRows(self.passes, torch.searchsorted(kept, self.predicting), places)
+        return PackedRows(self.passes, torch.searchsorted(kept, self.predicting), self.completion_lengths, places)
 
     def to(self, device: torch.device) -> PackedRows:
         passes = tuple(LanePass(lane.input_ids.to(device), lane.position_ids.to(device), lane.attention.to(device))
                        for lane in self.passes)
         kept = None if self.kept is None else tuple(places.to(device) for places in self.kept)
-        return PackedRows(passes, self.predicting.to(device), kept)
+        return PackedRows(passes, self.predicting.to(device), self.completion_lengths, kept)
 
     def run(self, module: Module, config=None, **inputs) -> Tensor:
         """``gather`` of a Hugging Face ``module``'s first output (a decoder's last hidden states, or a causal LM's
@@ -130,15 +131,23 @@ def pack_rows(
     a lane with their prompt (each such prompt once). Built on the host, whatever device the rows are on."""
     rows, width = input_ids.shape[0], input_ids.shape[1] - prompt_len
     capacity = lane or LANE_TOKENS
-    pieces = [piece for unit in _units(input_ids, attention_mask, position_ids, prompt_len)
-              for piece in _split(unit, capacity)]
+    units = _units(input_ids, attention_mask, position_ids, prompt_len)
+    pieces = [piece for unit in units for piece in _split(unit, capacity)]
     predicting = [[0] * width for _ in range(rows)]
     passes: list[LanePass] = []
     if dense := [piece for piece in pieces if piece.tokens <= capacity]:
         passes.append(_dense_pass(_lanes(dense, capacity), predicting))
     if long := [piece for piece in pieces if piece.tokens > capacity]:  # one pass, each prompt once, by rows
         passes.append(_rows_pass(long, predicting, sum(lane.input_ids.numel() for lane in passes)))
-    return PackedRows(tuple(passes), torch.tensor(predicting))
+    return PackedRows(tuple(passes), torch.tensor(predicting), _completion_lengths(units, rows))
+
+
+def _completion_lengths(units: list[_Unit], rows: int) -> tuple[int, ...]:
+    lengths = [0] * rows
+    for unit in units:
+        for row, (completion, _) in zip(unit.rows, unit.completions):
+            lengths[row] = len(completion)
+    return tuple(lengths)
 
 
 def _lay(unit: _Unit, ids: list[int], positions: list[int], place: int, base: int, predicting: list[list[int]]
@@ -195,8 +204,9 @@ def pack_by_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
     rows. The fewest tokens and attention pairs a pass over these rows can compute (``bench/train_floor.py``)."""
     rows, width = input_ids.shape[0], input_ids.shape[1] - prompt_len
     predicting = [[0] * width for _ in range(rows)]
-    lane = _rows_pass(_units(input_ids, attention_mask, position_ids, prompt_len), predicting, 0)
-    return PackedRows((lane,), torch.tensor(predicting))
+    units = _units(input_ids, attention_mask, position_ids, prompt_len)
+    lane = _rows_pass(units, predicting, 0)
+    return PackedRows((lane,), torch.tensor(predicting), _completion_lengths(units, rows))
 
 
 def _units(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int) -> list[_Unit]:

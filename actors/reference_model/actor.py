@@ -96,8 +96,10 @@ class ReferenceModel:
         with self.scoring():
             for rows in micro_batches(tokens, sequences.shared_prefixes(), batching.tokens):
                 part = sequences.rows(torch.tensor(rows))
-                hidden = self.hidden(part.packed(lane).to(self.device))
-                out[rows] = token_logprobs(hidden, weight, part.targets.to(self.device), batching.chunk_tokens)
+                packed = part.packed(lane)
+                hidden = self.hidden(packed.to(self.device))
+                targets, lengths = part.targets.to(self.device), list(packed.completion_lengths)
+                out[rows] = token_logprobs(hidden, weight, targets, batching.chunk_tokens, lengths)
         return out
 
 

@@ -158,7 +158,9 @@ class HFEngine:
         (``actors/models/packing.py``)."""
         sequences = pad_sequences(*zip(*pairs), self.tokenizer.pad_token_id)  # packed on the host, states on the device
         states = packed_states(self.model, sequences)
-        logprobs = token_logprobs(states, head_weight(self.model), sequences.targets.to(states.device)).cpu()
+        targets = sequences.targets.to(states.device)
+        lengths = [len(completion) for _, completion in pairs]  # logits at each row's own tokens only
+        logprobs = token_logprobs(states, head_weight(self.model), targets, lengths=lengths).cpu()
         text = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         return [Trajectory.single_turn(p, c, logprobs[row, : len(c)].tolist(), text(c)) for row, (p, c) in enumerate(pairs)]
 
