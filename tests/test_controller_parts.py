@@ -122,8 +122,8 @@ def test_a_late_episode_trains_its_fresh_tokens_and_leaves_the_group_when_it_has
     outcomes = [EpisodeOutcome(r, 1, True) for r in (1.0, 0.0)]
     group = PlayedGroup(problem, 0, [episode([0, 1, 2]), episode([0, 0, 0])], outcomes, 0, demonstration=shown)
     sample, replay = _episode_rows(group, "oracle", since=1)
-    assert sample.trajectory.loss_mask == [False, True, True] and sample.version == 1 and sample.episode == 0
-    assert replay.kind is RowKind.REPLAY and replay.trajectory.loss_mask == [True] * 3 and replay.version == 0
+    assert sample.trajectory.loss_mask == [False, True, True] and sample.oldest_version == 1 and sample.episode == 0
+    assert replay.kind is RowKind.REPLAY and replay.trajectory.loss_mask == [True] * 3 and replay.oldest_version == 0
     assert len(_episode_rows(group, "oracle", since=None)) == 3  # by step: no limit per token
     assert group.trainable_from(2) and not group.trainable_from(3)
 
@@ -143,7 +143,7 @@ async def test_restored_batches_come_back_in_flight_in_order_and_collection_goes
     scheduler.restore(5, [collected_at(4), collected_at(5)])  # a checkpoint at step 5 kept batches 5 and 6
     await scheduler.fill()
     assert started == [7]  # only the one the window still has room for
-    assert [c.rows()[0].version for c in await scheduler.in_flight()] == [4, 5, 7]
+    assert [c.rows()[0].oldest_version for c in await scheduler.in_flight()] == [4, 5, 7]
     assert (await scheduler.take(5))[1] == [1]
 
 
@@ -185,7 +185,7 @@ async def test_a_stopping_runs_checkpoint_keeps_the_batches_in_flight_before_one
     scheduler = Scheduler(collect, steps=10, max_policy_lag=2)
     scheduler.restore(1, [])
     await scheduler.fill()
-    assert [c.rows()[0].version for c in await scheduler.in_flight()] == [1]
+    assert [c.rows()[0].oldest_version for c in await scheduler.in_flight()] == [1]
     await scheduler.cancel()
 
 
