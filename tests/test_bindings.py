@@ -27,6 +27,7 @@ from actors.teachers.bindings import (
     top_k_from_entries,
     top_k_of,
 )
+from actors.teachers.bindings import hf as hf_binding
 from actors.teachers.bindings.hf import HFTeacher
 from actors.teachers.bindings.replay import ReplayTeacher
 from actors.teachers.bindings.self_hint import SelfHintTeacher
@@ -78,6 +79,18 @@ def test_hf_teacher_scores_the_students_tokens_with_its_own_distribution(student
     # an hf teacher reads no hint: the second request is scored after its prompt alone
     expected = distribution(teacher_dir, encode(teacher_dir, "ab="), completions[1])
     assert_scores_are(scores[1], expected, 3, completions[1])
+
+
+def test_a_long_completion_is_scored_a_chunk_of_positions_at_a_time(student, teacher_dir, monkeypatch):
+    """The logits of at most SCORED_TOKENS positions exist at once: a completion longer than that (here 2) gets the
+    same top-k as scored whole, beside a shorter one."""
+    teacher = HFTeacher(BindingConfig("hf", use=("distill",), path=teacher_dir, top_k=3), student)
+    requests = [TopKRequest("abc=", [4, 5, 6, 4, 1]), TopKRequest("ab=", [6])]
+    monkeypatch.setattr(hf_binding, "SCORED_TOKENS", 2)
+    chunked = teacher.top_k(requests)
+    expected = distribution(teacher_dir, encode(teacher_dir, "abc="), requests[0].completion_ids)
+    assert_scores_are(chunked[0], expected, 3, requests[0].completion_ids)
+    assert chunked[1].ids.shape == (1, 3)
 
 
 def test_a_top_k_beyond_the_vocabulary_is_the_whole_distribution(student, teacher_dir):

@@ -8,6 +8,7 @@ and the teacher's top-k at each position that predicts a completion token, that 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,6 +24,8 @@ from actors.tasks import Problem
 from actors.teachers.bindings import BindingConfig, BindingError, Student, TopKRequest
 from actors.teachers.bindings.config import HF_TEACHER_KEY
 from actors.teachers.bindings.tokens import top_k_of, vocab_map
+
+SCORED_TOKENS = 512  # the positions whose [positions, V] logits exist at once
 
 
 class CausalLMScorer:
@@ -51,17 +54,26 @@ class CausalLMScorer:
         # one pass over the rows packed, each context once for the completions that share it (a group's)
         sequences = pad_sequences(contexts, completions, self.tokenizer.pad_token_id)  # packed on the host
         states = packed_states(self.model, sequences)  # on the GPU a self_hint teacher's weights arrive on
-        logprobs = F.linear(states, head_weight(self.model).to(states.dtype)).float().log_softmax(-1)
-        return [
+        weight = head_weight(self.model).to(states.dtype)
+        return [self._top_k(states[row, : len(r.completion_ids)], weight, r.completion_ids)
+                for row, r in enumerate(requests)]
+
+    def _top_k(self, states: Tensor, weight: Tensor, sampled: list[int]) -> TopK:
+        """The top-k at each of a completion's positions from their ``states``, the logits of ``SCORED_TOKENS``
+        positions at a time: a long row's ``[T, V]`` logits never exist whole, and a short row's padding has none."""
+        parts = [
             top_k_of(
-                logprobs[row, : len(r.completion_ids)],
+                F.linear(states[start : start + SCORED_TOKENS], weight).float().log_softmax(-1),
                 self.cfg.top_k,
                 self.student_vocab_size,
                 self.to_student,
-                sampled=r.completion_ids,
+                sampled=sampled[start : start + SCORED_TOKENS],
             )
-            for row, r in enumerate(requests)
+            for start in range(0, max(len(sampled), 1), SCORED_TOKENS)
         ]
+        if len(parts) == 1:
+            return parts[0]
+        return TopK(np.concatenate([part.ids for part in parts]), np.concatenate([part.logprobs for part in parts]))
 
     def _teacher_ids(self, completion_ids: list[int]) -> list[int]:
         if self.to_teacher is None:
