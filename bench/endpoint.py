@@ -26,7 +26,7 @@ from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from actors.contract.rollouts import Trajectory
+from actors.contract.rollouts import ReplyRequest, Trajectory
 from actors.environments.endpoint import SERVED_MODEL, ChatServer
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
@@ -66,13 +66,11 @@ async def through_endpoint(client) -> float:
 
 
 async def measure(engine: HFEngine, requests: int) -> dict:
-    tokens = engine.sampling.max_new_tokens
-
-    async def sample(ids: list[int], seed: int, greedy: bool) -> Trajectory:
-        reply = await engine.continue_from(ids, seed, greedy)
+    async def sample(ids: list[int], seed: int, greedy: bool, request: ReplyRequest) -> Trajectory:
+        reply = await engine.continue_from(ids, seed, greedy, request.max_tokens, None, request.stop)
         return replace(reply, versions=[0] * len(reply.completion_ids))
 
-    server = ChatServer(engine.tokenizer, sample, positions=2048, max_new_tokens=tokens)
+    server = ChatServer(engine.tokenizer, sample, positions=2048, sampling=engine.sampling)
     await server.start()
     seeds = sampling_seeds(0, "bench", requests)
     one = {"direct": [], "endpoint": []}

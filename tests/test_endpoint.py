@@ -9,11 +9,12 @@ import contextlib
 import json
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import pytest
 
-from actors.contract.rollouts import Trajectory
+from actors.contract.rollouts import ReplyRequest, Trajectory
 from actors.environments.chat_tokens import ChatTokens
 from actors.environments.endpoint import (
     CONNECTIONS_PER_EPISODE,
@@ -21,9 +22,10 @@ from actors.environments.endpoint import (
     SERVED_MODEL,
     ChatServer,
     EpisodeRecord,
-    dropped_for_new,
     _tool_calls,
+    dropped_for_new,
 )
+from actors.environments.openai_fields import FIELDS
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
 from actors.models.facts import TinyModelSpec
@@ -34,6 +36,7 @@ openai = pytest.importorskip("openai", reason="the openai client is installed wi
 
 BPE = TinyModelSpec(hidden_size=64, heads=4, kv_heads=2, max_positions=512, tokenizer="bpe")
 TURNS = 4
+TOOL = {"type": "function", "function": {"name": "python", "parameters": {"type": "object", "properties": {}}}}
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +49,14 @@ class Recording:
     """The engine as the server's sampler, keeping every reply it sampled."""
 
     def __init__(self, engine: HFEngine):
-        self.engine, self.replies = engine, []
+        self.engine, self.replies, self.requests = engine, [], []
 
-    async def __call__(self, ids, seed, greedy):
-        reply = await self.engine.continue_from(ids, seed, greedy)
+    async def __call__(self, ids, seed, greedy, request=ReplyRequest()):
+        reply = await self.engine.continue_from(
+            ids, seed, greedy, request.max_tokens, None, request.stop, request.top_logprobs
+        )
         self.replies.append(reply)
+        self.requests.append(request)
         version = len(self.replies) // 2  # a new policy version every other turn
         return replace(reply, versions=[version] * len(reply.completion_ids))
 
@@ -58,7 +64,7 @@ class Recording:
 @pytest.fixture
 async def server(engine):
     sampler = Recording(engine)
-    server = ChatServer(engine.tokenizer, sampler, positions=BPE.max_positions, max_new_tokens=8)
+    server = ChatServer(engine.tokenizer, sampler, positions=BPE.max_positions, sampling=engine.sampling)
     server.sampler = sampler
     await server.start()
     yield server
@@ -120,7 +126,7 @@ async def test_a_demonstration_answers_with_its_replies_scored_by_the_policy_and
     async def score(ids, reply_ids):
         return replace(reply := await engine.score(ids, reply_ids), versions=[3] * len(reply.completion_ids))
 
-    server = ChatServer(engine.tokenizer, Recording(engine), BPE.max_positions, max_new_tokens=8, score=score)
+    server = ChatServer(engine.tokenizer, Recording(engine), BPE.max_positions, engine.sampling, score=score)
     await server.start()
     try:
         async with server.episode(sampling_seeds(0, "shown", TURNS), False, ["ab", "cd"]) as record:
@@ -156,19 +162,152 @@ async def test_streaming_and_completions_give_the_reply_and_its_logprobs(server,
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         reply = server.sampler.replies[-1]
         assert streamed == reply.text and chunks[-1].choices[0].finish_reason in ("stop", "length")
-        completion = await client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7], logprobs=1, max_tokens=2)
-        cut = server.sampler.replies[-1]
-        assert completion.choices[0].logprobs.token_logprobs == cut.logprobs[:2]
-        assert completion.usage.prompt_tokens == 3
-        assert completion.usage.completion_tokens == min(2, len(cut.completion_ids))
-        text = engine.tokenizer.decode(cut.completion_ids, skip_special_tokens=True)  # greedy: the same again
-        assert len(text) >= 3
+        assert all(c.usage is None for c in chunks)  # usage only when stream_options asks for it
+        whole = await client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7], logprobs=1)
+        sampled = server.sampler.replies[-1]
+        assert whole.choices[0].logprobs.token_logprobs == sampled.logprobs and whole.usage.prompt_tokens == 3
+        assert whole.choices[0].logprobs.top_logprobs[0] == {engine.tokenizer.decode(sampled.completion_ids[:1]):
+                                                             sampled.logprobs[0]}  # greedy: the top one is it
+        chunks = [c async for c in await client.completions.create(
+            model=SERVED_MODEL, prompt=[5, 6, 7], stream=True, stream_options={"include_usage": True}
+        )]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(sampled.completion_ids)
+
+
+async def test_max_tokens_and_stop_end_the_engines_sampling_not_a_cut_after_it(server, engine):
+    async with server.episode(sampling_seeds(0, "limits", TURNS), True) as record:
+        client = client_of(server, record)
+        whole = server.sampler  # greedy: the same prompt continues the same way every time
+        await client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7])
+        full = whole.replies[-1].completion_ids
+        text = engine.tokenizer.decode(full, skip_special_tokens=True)
+        assert len(full) >= 3 and len(text) >= 3
+        short = await client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7], max_tokens=2)
+        assert whole.requests[-1].max_tokens == 2 and whole.replies[-1].completion_ids == full[:2]  # sampled 2 only
+        assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 2
         stop = text[1:3]
         stopped = await client.completions.create(model=SERVED_MODEL, prompt=[5, 6, 7], stop=[stop])
-        kept = stopped.usage.completion_tokens  # the tokens up to the one that completes the stop string
+        sampled = whole.replies[-1].completion_ids  # the engine ended with the token that completed the stop string
+        assert whole.requests[-1].stop == (stop,) and len(sampled) < len(full) and sampled == full[: len(sampled)]
+        assert stop in engine.tokenizer.decode(sampled) and stop not in engine.tokenizer.decode(sampled[:-1])
         assert stopped.choices[0].text == text[: text.find(stop)] and stopped.choices[0].finish_reason == "stop"
-        assert stop not in engine.tokenizer.decode(cut.completion_ids[: kept - 1], skip_special_tokens=True)
-        assert record.trajectories()[-1].completion_ids[-kept:] == cut.completion_ids[:kept]  # those train
+        assert stopped.usage.completion_tokens == len(sampled)
+        assert record.trajectories()[-1].completion_ids[-len(sampled):] == sampled  # those train
+
+
+async def test_top_logprobs_are_the_engines_and_a_seed_draws_the_same_reply_in_its_episode(server, engine):
+    async with open_episode(server, "top", 4) as record:
+        client = client_of(server, record)
+        body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
+        answer = await client.chat.completions.create(**body, top_logprobs=3, seed=11)
+        reply = server.sampler.replies[-1]
+        content = answer.choices[0].logprobs.content
+        assert len(content) == len(reply.completion_ids) and reply.top_logprobs is not None
+        for place, token, top in zip(content, reply.completion_ids, reply.top_logprobs, strict=True):
+            assert [(t.token, t.logprob) for t in place.top_logprobs] == [
+                (engine.tokenizer.decode([t]), lp) for t, lp in top
+            ]
+            assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and place.logprob <= top[0][1]
+            assert place.token == engine.tokenizer.decode([token])
+        again = await client.chat.completions.create(**body, seed=11)  # the same request, seeded: the same draw
+        other = await client.chat.completions.create(**body, seed=12)  # (a tiny random model: near-uniform draws)
+        assert again.choices[0].message.content == answer.choices[0].message.content
+        assert other.choices[0].message.content != answer.choices[0].message.content
+
+
+async def test_completions_extend_their_episode_by_its_ids_or_the_text_served(server, engine):
+    async with open_episode(server, "extend", 4) as record:
+        client = client_of(server, record)
+        first = await client.completions.create(model=SERVED_MODEL, prompt="Count: 1, 2,")
+        said = "Count: 1, 2," + first.choices[0].text + " then"
+        await client.completions.create(model=SERVED_MODEL, prompt=said)  # the text it was served, and more
+        (row,) = record.trajectories()
+        one, two = (r.completion_ids for r in server.sampler.replies[-2:])
+        assert row.completion_ids == one + engine.tokenizer(" then", add_special_tokens=False).input_ids + two
+        assert [t for t, mine in zip(row.completion_ids, row.loss_mask, strict=True) if mine] == one + two
+        ids = row.prompt_ids + row.completion_ids + [5, 6]
+        await client.completions.create(model=SERVED_MODEL, prompt=ids)  # its ids, and more
+        (row,) = record.trajectories()
+        three = server.sampler.replies[-1].completion_ids
+        assert row.prompt_ids + row.completion_ids == ids + three and server.sampler.replies[-1].prompt_ids == ids
+        await client.completions.create(model=SERVED_MODEL, prompt="Something else")  # not a continuation
+        assert len(record.trajectories()) == 2 and record.tokens.split == 1
+
+
+async def test_a_turn_renders_the_chat_template_once(server):
+    turns = 10
+    async with open_episode(server, "renders", turns) as record:
+        await converse(client_of(server, record), turns)
+    (trajectory,) = record.trajectories()
+    assert record.tokens.renders == turns and record.tokens.split == 0
+
+
+def field_cases() -> list[tuple[str, str, dict, int, str]]:
+    """(route, field, the fields sent, status, what the answer says): a value of every field of OpenAI's requests
+    that asks for something, and for a field fixed by the topology or refused, its value that asks for nothing."""
+    chat, completions = "chat/completions", "completions"
+    sent = {
+        "max_tokens": 2, "max_completion_tokens": 2, "stop": ["zz"], "seed": 3, "stream": True,
+        "stream_options": {"include_usage": True}, "user": "u-1", "metadata": {"run": "a"}, "store": True,
+        "service_tier": "auto", "safety_identifier": "s-1", "prompt_cache_key": "k-1",
+    }
+    cases = []
+    for route in (chat, completions):
+        kind = "chat" if route == chat else "completions"
+        for name, spec in FIELDS.items():
+            if kind not in spec.routes or name in ("model", "messages", "prompt"):
+                continue
+            if spec.rule == "refused":
+                cases.append((route, name, {name: REFUSED_ASKS[name]}, 400, name))
+                if name in NEUTRAL:
+                    cases.append((route, name, {name: NEUTRAL[name]}, 200, ""))
+            elif spec.rule == "fixed":
+                cases.append((route, name, {name: 0.5}, 400, f"actors.generator.{name}"))
+                cases.append((route, name, {name: 1.0}, 200, ""))
+            elif name == "logprobs":
+                cases.append((route, name, {name: True if kind == "chat" else 2}, 200, ""))
+            elif name == "top_logprobs":
+                cases.append((route, name, {name: 2, "logprobs": True}, 200, ""))
+            elif name == "stream_options":
+                cases.append((route, name, {name: sent[name], "stream": True}, 200, ""))
+            elif name in ("tools", "tool_choice"):
+                cases.append((route, name, {"tools": [TOOL], "tool_choice": "none"}, 200, ""))
+                cases.append((route, name, {"tools": [TOOL], "tool_choice": "required"}, 400, "tool_choice"))
+            else:
+                cases.append((route, name, {name: sent[name]}, 200, ""))
+        cases.append((route, "top_k", {"top_k": 5}, 400, "does not take 'top_k'"))
+    return cases
+
+
+REFUSED_ASKS = {
+    "n": 2, "best_of": 2, "parallel_tool_calls": False, "logit_bias": {"5": 10}, "presence_penalty": 0.5,
+    "frequency_penalty": 0.5, "response_format": {"type": "json_object"}, "prediction": {"type": "content"},
+    "modalities": ["text", "audio"], "audio": {"voice": "alloy"}, "reasoning_effort": "low", "verbosity": "low",
+    "web_search_options": {}, "functions": [TOOL["function"]], "function_call": "auto", "echo": True, "suffix": "x",
+}
+NEUTRAL = {"n": 1, "best_of": 1, "parallel_tool_calls": True, "logit_bias": {}, "presence_penalty": 0,
+           "frequency_penalty": 0.0, "response_format": {"type": "text"}, "modalities": ["text"], "echo": False}
+
+
+@pytest.mark.parametrize(("route", "field", "sent", "status", "said"), field_cases(),
+                         ids=lambda value: value if isinstance(value, str) else None)
+async def test_every_openai_request_field_is_honoured_fixed_by_the_topology_or_refused(
+    server, route, field, sent, status, said
+):
+    async with open_episode(server, f"field {route} {field}", 1) as record:
+        base = {"model": SERVED_MODEL} | (GOOD if route == "chat/completions" else {"prompt": [5, 6, 7]})
+        answer = await ask(server, record, base | sent, route)
+        assert answer.status_code == status, answer.text
+        if status == 400:
+            assert said in answer.json()["error"]["message"] and record.turns == 0  # refused: no turn spent
+
+
+def test_the_field_cases_cover_every_field():
+    covered = {(route.split("/")[0], name) for route, name, *_ in field_cases()}
+    assert {(route, name) for name, spec in FIELDS.items() for route in spec.routes
+            if name not in ("model", "messages", "prompt")} <= covered
+    docs = (Path(__file__).parent.parent / "docs" / "environments-and-agents.md").read_text()
+    assert [name for name in FIELDS if f"`{name}`" not in docs] == []  # each listed for the people who send it
 
 
 async def test_bad_requests_are_refused_in_openais_shape_saying_what_to_send(server):
@@ -222,7 +361,6 @@ async def test_an_episode_answers_only_its_own_key_and_no_repr_shows_a_key(serve
     assert answer.status_code == 401
 
 
-TOOL = {"type": "function", "function": {"name": "python", "parameters": {"type": "object", "properties": {}}}}
 HERMES = (  # a template that renders tools and tool calls, as Qwen's and SmolLM's do
     "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
@@ -261,7 +399,7 @@ class Scripted:
     def __init__(self, tokenizer, text: str):
         self.ids, self.text, self.prompts = tokenizer(text, add_special_tokens=False).input_ids, text, []
 
-    async def __call__(self, ids, seed, greedy):
+    async def __call__(self, ids, seed, greedy, request=ReplyRequest()):
         self.prompts.append(list(ids))
         n = len(self.ids)
         return Trajectory(list(ids), self.ids, [0.0] * n, [True] * n, self.text, [0] * n)
@@ -276,7 +414,7 @@ def tokenizer_with(engine: HFEngine, template: str | None):
 @asynccontextmanager
 async def serving(tokenizer, sample, **limits):
     """A started server; ``limits`` replace its connection and read limits before it starts."""
-    server = ChatServer(tokenizer, sample, positions=BPE.max_positions, max_new_tokens=8)
+    server = ChatServer(tokenizer, sample, positions=BPE.max_positions, sampling=Sampling(max_new_tokens=8))
     for name, value in limits.items():
         setattr(server, name, value)
     await server.start()
@@ -366,7 +504,10 @@ MALFORMED = [  # (what the body changes, what the refusal says)
     ({"tools": "python"}, "tools"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "5"}, "max_tokens"),
-    ({"n": 2}, "send n requests for n replies"),
+    ({"n": 2}, "send n requests"),
+    ({"seed": "7"}, "seed must be an integer"),
+    ({"stream_options": {"include_usage": "yes"}}, "include_usage must be true or false"),
+    ({"tool_choice": {"type": "function", "function": {"name": "python"}}}, "cannot make the reply call a tool"),
     ({"stop": ["a", 3]}, "stop must be a string or a list"),
     ({"stop": 5}, "stop must be a string or a list"),
     ({"stop": {"a": 1}}, "stop must be a string or a list"),
@@ -374,7 +515,7 @@ MALFORMED = [  # (what the body changes, what the refusal says)
     ({"stream": 1}, "stream must be true or false"),
     ({"logprobs": "true"}, "logprobs must be true or false"),
     ({"logprobs": 1}, "logprobs must be true or false"),
-    ({"top_logprobs": 2, "logprobs": True}, "returns only the sampled token's logprob"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"top_logprobs": "2"}, "top_logprobs must be an integer"),
     ({"top_logprobs": -1}, "top_logprobs must be an integer"),
     ({"messages": [{"role": "user", "content": "Hi", "extra": json.loads("[" * 100 + "]" * 100)}]}, "nested"),
@@ -460,14 +601,14 @@ class Held(Scripted):
         super().__init__(tokenizer, text)
         self.held, self.release, self.holding = set(), asyncio.Event(), 0
 
-    async def __call__(self, ids, seed, greedy):
+    async def __call__(self, ids, seed, greedy, request=ReplyRequest()):
         if seed in self.held:
             self.holding += 1
             try:
                 await self.release.wait()
             finally:
                 self.holding -= 1
-        return await super().__call__(ids, seed, greedy)
+        return await super().__call__(ids, seed, greedy, request)
 
 
 async def wait_until(condition, within: float = 30) -> None:

@@ -309,3 +309,27 @@ async def test_an_interrupted_turn_ends_at_a_token_boundary_and_resumes_to_the_s
     )
     before_any = await sampler.continue_from(ids, 0, greedy=True, interrupt=InterruptAfter(0))
     assert before_any.completion_ids == [] and before_any.prompt_ids == ids
+
+
+@pytest.mark.parametrize("which", ["engine", "vllm_engine"])
+async def test_a_turn_stops_in_the_engine_at_a_stop_string_and_reports_its_top_logprobs(which, request):
+    """An agent's ``stop`` ends the engine's sampling with the token that completes it (no token sampled past it),
+    and ``top_logprobs`` are the engine's own: most likely first, the argmax's the greedy token's logprob."""
+    sampler = request.getfixturevalue(which)
+    for text in ("abc=", "fedcba=", "e=", "ab", "ddd"):
+        ids = sampler.tokenizer(text, add_special_tokens=False).input_ids
+        whole = await sampler.continue_from(ids, 0, greedy=True, max_new_tokens=6, top_logprobs=3)
+        decoded = sampler.tokenizer.decode(whole.completion_ids, skip_special_tokens=True)
+        if len(decoded) >= 3 and len(whole.completion_ids) >= 3:
+            break
+    assert len(decoded) >= 3 and len(whole.completion_ids) >= 3
+    assert [len(top) for top in whole.top_logprobs] == [3] * len(whole.completion_ids)
+    for token, logprob, top in zip(whole.completion_ids, whole.logprobs, whole.top_logprobs, strict=True):
+        assert top[0][0] == token and top[0][1] == pytest.approx(logprob, abs=1e-5)
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    stop = decoded[1]
+    stopped = await sampler.continue_from(ids, 0, greedy=True, max_new_tokens=6, stop=(stop,))
+    cut = stopped.completion_ids
+    assert cut == whole.completion_ids[: len(cut)] and len(cut) < len(whole.completion_ids)
+    assert stop in sampler.tokenizer.decode(cut, skip_special_tokens=True)
+    assert stop not in sampler.tokenizer.decode(cut[:-1], skip_special_tokens=True)

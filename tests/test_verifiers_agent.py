@@ -33,11 +33,12 @@ def engine(tmp_path_factory) -> HFEngine:
 async def server(engine):
     replies = []
 
-    async def sample(ids, seed, greedy):
-        replies.append(await engine.continue_from(ids, seed, greedy))
+    async def sample(ids, seed, greedy, request):
+        replies.append(await engine.continue_from(ids, seed, greedy, request.max_tokens, None, request.stop,
+                                                  request.top_logprobs))
         return replace(replies[-1], versions=[0] * len(replies[-1].completion_ids))
 
-    server = ChatServer(engine.tokenizer, sample, positions=BPE.max_positions, max_new_tokens=8)
+    server = ChatServer(engine.tokenizer, sample, positions=BPE.max_positions, sampling=engine.sampling)
     server.replies = replies
     await server.start()
     yield server

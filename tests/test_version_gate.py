@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from actors.basics.compute import Compute
+from actors.contract.rollouts import ReplyRequest
 from actors.generator.actor import Generator
 from actors.generator.config import GeneratorConfig
 from actors.generator.engines.hf import HFEngine
@@ -168,7 +169,7 @@ async def test_an_agent_turn_interrupted_by_a_weight_update_goes_on_with_the_new
 
     generator._follow(V0)
     hook = engine.model.register_forward_pre_hook(third_token_waits)
-    turn = asyncio.create_task(generator._turn(ids, 0, True))
+    turn = asyncio.create_task(generator._turn(ids, 0, True, ReplyRequest()))
     await asyncio.to_thread(reached.wait, 10.0)
     update = asyncio.create_task(hold(V1))
     await asyncio.sleep(0.05)  # the update queues behind the turn and interrupts it

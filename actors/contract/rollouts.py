@@ -48,6 +48,9 @@ class Trajectory:
     # per token, the policy version that sampled it (an episode's: an agent's goes on across weight updates, even
     # inside a turn); a context token carries its reply's before it. None (a single-turn sample): the row's version
     versions: list[int] | None = None
+    # per sampled token, the engine's most likely tokens there and their logprobs, most likely first, when a
+    # request asked for them (``ReplyRequest.top_logprobs``); what an agent is answered, never trained on
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def sampled_versions(self) -> list[int]:
         """The versions of the model's own tokens (empty when ``versions`` is None)."""
@@ -97,6 +100,18 @@ class Trajectory:
     def single_turn(cls, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float], text: str):
         """A completion the model wrote in one go: every token is its own."""
         return cls(prompt_ids, completion_ids, logprobs, [True] * len(completion_ids), text)
+
+
+@dataclass(frozen=True)
+class ReplyRequest:
+    """What a turn's request asks of the engine's reply (an agent's ``max_tokens``, ``stop`` and ``top_logprobs``):
+    the engine samples at most ``max_tokens`` tokens (the generator's ``max_new_tokens`` bounds it), ends after the
+    token that completes the first of the ``stop`` strings, and reports the ``top_logprobs`` most likely tokens at
+    each place. The tokens sampled are what trains, so every limit is the engine's, never a cut afterwards."""
+
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """An episode as the tokens the policy really sampled, whatever its messages re-tokenize to.
 
 The one stitcher of every multi-turn path: an agent's requests (``actors.environments.endpoint``) and an
-environment's episodes (``actors.environments.token_policy``). An agent talks to the run in OpenAI messages. Rendering each
-request's messages with the chat template and tokenizing them would train on tokens the engine
+environment's episodes (``actors.environments.token_policy``). An agent talks to the run in OpenAI messages.
+Rendering each request's messages with the chat template and tokenizing them would train on tokens the engine
 never produced: a reply's text can tokenize differently from the ids sampled, most visibly
 where a tokenizer merges characters across the end of the reply and the next turn's header.
 So an episode keeps the token ids it has so far (``Segment``) and each request that extends
@@ -12,10 +12,12 @@ new messages' tokens after the sampled ids: the model's tokens are kept byte for
 (``Prompt``) are recorded only with the reply sampled for them: a request refused or failed on
 the way records nothing.
 
-The new messages' tokens come from the template itself: the conversation up to the reply is
-rendered without a generation prompt, the whole one with it, and the difference (the new
-turns and the next assistant header) is tokenized alone, after what the template writes to
-close an assistant turn behind its end-of-sequence token (``"\\n"`` in ChatML). A request that
+The new messages' tokens come from the template itself, rendered once a turn: the whole conversation with a
+generation prompt begins with what the last reply's turn rendered (the conversation up to that reply), then the
+reply as the template writes it, closed by the end-of-sequence token; what follows that token (``"\\n"`` in
+ChatML, the new turns and the next assistant header) is tokenized alone. A template that closes a reply without
+that token, or a reply whose text holds it, is rendered twice more (the conversation up to the reply, without and
+with it) to find the same place. A request that
 does not extend the conversation (the agent edited or dropped earlier messages, or answered
 with another reply than the one it was given) starts a new segment: its own row in the batch,
 counted, never stitched into wrong tokens. A tokenizer without a chat template writes a
@@ -51,6 +53,9 @@ class Segment:
     versions: list[int] = field(default_factory=list)  # per completion token (see ``Trajectory.versions``)
     replies: list[str] = field(default_factory=list)
     ended_with_eos: bool = True
+    rendered: str = ""  # the template's text that the last reply continued (its turn's one render)
+    completion: bool = False  # made by /completions requests, which extend it by its ids or the text served
+    served: str | None = None  # a text-prompted completion's: its prompt's text and the replies' as served
 
     @property
     def ids(self) -> list[int]:
@@ -90,6 +95,9 @@ class Prompt:
     messages: list[Message]
     extends: Segment | None = None
     context: list[int] = field(default_factory=list)
+    rendered: str = ""  # ``messages`` as the template writes them, with the generation prompt
+    completion: bool = False  # a /completions request's
+    text: str | None = None  # a /completions request's text prompt, whole
 
 
 @dataclass
@@ -98,33 +106,77 @@ class ChatTokens:
 
     tokenizer: Any
     segments: list[Segment] = field(default_factory=list)
+    renders: int = 0  # the chat template's renders so far: one a turn, unless the template needs the fallback
 
     def prompt(self, messages: list[Message], tools: list[dict] | None = None) -> Prompt:
         """What the next reply continues: the current segment extended by the new messages when
         ``messages`` extends its conversation, else a new segment. Nothing is recorded yet."""
+        now = self.render(messages, tools, generation=True)  # the turn's one render
         current = self.segments[-1] if self.segments else None
         if current is not None and self._extends(current, messages):
-            before = self.render(messages[: len(current.messages)], tools, generation=False)
-            now = self.render(messages, tools, generation=True)
-            if now.startswith(before):
-                eos = self.tokenizer.eos_token or ""
-                closing = ("" if current.ended_with_eos else eos) + self._after_eos(current, before, tools)
-                context = self._encode(closing + now[len(before) :])
-                return Prompt(current.ids + context, list(messages), current, context)
-        return Prompt(self._encode(self.render(messages, tools, generation=True)), list(messages))
+            context = self._context(current, messages, tools, now)
+            if context is not None:
+                return Prompt(current.ids + context, list(messages), current, context, now)
+        return Prompt(self._encode(now), list(messages), rendered=now)
+
+    def _context(
+        self, segment: Segment, messages: list[Message], tools: list[dict] | None, now: str
+    ) -> list[int] | None:
+        """The tokens of ``now`` (the whole conversation rendered) after the segment's last reply, closed as the
+        template closes it; None when the conversation before them renders otherwise than it did (a new segment)."""
+        eos = self.tokenizer.eos_token or ""
+        closing = "" if segment.ended_with_eos else eos
+        reply_holds_eos = eos in json.dumps(segment.messages[-1])
+        if eos and not reply_holds_eos and segment.rendered and now.startswith(segment.rendered):
+            end = now.find(eos, len(segment.rendered))  # the end of the reply as the template wrote it
+            if end >= 0:
+                return self._encode(closing + now[end + len(eos) :])
+        return self._context_rendered_again(segment, messages, tools, now, closing)
+
+    def _context_rendered_again(
+        self, segment: Segment, messages: list[Message], tools: list[dict] | None, now: str, closing: str
+    ) -> list[int] | None:
+        """``_context`` for a template that closes a reply without the end-of-sequence token: the conversation up
+        to the reply rendered without a generation prompt says where the reply ends, and ``_after_eos`` what the
+        template writes after that token."""
+        before = self.render(messages[: len(segment.messages)], tools, generation=False)
+        if not now.startswith(before):
+            return None
+        return self._encode(closing + self._after_eos(segment, before, tools) + now[len(before) :])
+
+    def continued(self, prompt: list[int] | str) -> Prompt:
+        """A /completions request's prompt: the current completion segment and the prompt's new part when the
+        prompt continues it (its ids and more, or the text its agent was served and more), its new text tokenized
+        alone; else a new segment, its text tokenized whole. Nothing is recorded yet."""
+        text = prompt if isinstance(prompt, str) else None
+        messages = [{"role": "user", "content": text or ""}]
+        current = self.segments[-1] if self.segments else None
+        if current is not None and current.completion:
+            context = None
+            if text is not None and current.served is not None and text.startswith(current.served):
+                context = self._encode(text[len(current.served) :])
+            elif text is None and prompt[: len(current.ids)] == current.ids:
+                context = list(prompt[len(current.ids) :])
+            if context is not None:
+                return Prompt(current.ids + context, messages, current, context, completion=True, text=text)
+        ids = self._encode(text) if text is not None else list(prompt)
+        return Prompt(ids, messages, completion=True, text=text)
 
     def add(self, prompt: Prompt, reply: Trajectory, message: Message, eos_id: int | None) -> None:
         """Records ``prompt`` and the reply sampled for it (``message``: the reply as the server gave it)."""
         segment = prompt.extends
         if segment is None:
-            segment = Segment(prompt.ids, prompt.messages)
+            segment = Segment(prompt.ids, prompt.messages, completion=prompt.completion)
             self.segments.append(segment)
         else:
             segment.add_context(prompt.context)
             segment.messages = prompt.messages
         segment.add_reply(reply, message, eos_id)
+        segment.rendered = prompt.rendered
+        segment.served = None if prompt.text is None else prompt.text + (message.get("content") or "")
 
     def render(self, messages: list[Message], tools: list[dict] | None, generation: bool) -> str:
+        self.renders += 1
         if not has_chat_template(self.tokenizer):
             return _plain(messages, self.tokenizer.eos_token or "")
         try:

@@ -37,12 +37,13 @@ A turn is recorded whole or not at all: when its answer is ready and its client 
 cancels those still in flight and closes its connections before its record is read; ``EpisodeRecord.problem`` says
 when what it recorded cannot train.
 
-Each turn samples with the engine the run trains (its sampling settings: a request's ``temperature`` or ``top_p``
-does not change what the trainer assumes; ``max_tokens`` and ``stop`` cut the reply, which keeps what was sampled
-exact; ``n`` above 1 is refused), with the episode's seed for that turn and the newest weights the generator holds,
-and records the prompt ids, the sampled ids, their logprobs (``ChatTokens``) and the policy version that sampled
-them (an episode goes on across a weight update; the answer's ``system_fingerprint`` names the version). ``logprobs``
-gives the sampled tokens' logprobs only: a chat's ``top_logprobs`` above 0 is refused. A reply that writes
+Each turn samples with the engine the run trains, under the topology's sampling settings, with the episode's seed
+for that turn (or the request's ``seed``, mixed with the episode's) and the newest weights the generator holds, and
+records the prompt ids, the sampled ids, their logprobs (``ChatTokens``) and the policy version that sampled them (an
+episode goes on across a weight update; the answer's ``system_fingerprint`` names the version). Every request field
+is honoured, fixed by the topology or refused (``actors/environments/openai_fields.py``), never ignored:
+``max_tokens`` and ``stop`` reach the engine, which stops there, and ``top_logprobs`` returns the engine's own
+values. A reply that writes
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format that Qwen's and SmolLM's templates
 teach) is answered as OpenAI tool calls when the request offered tools. The whole reply is sampled before it is
 sent: a streamed answer is that reply in one chunk. An episode opened with a demonstration
@@ -64,16 +65,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from actors.contract.rollouts import Trajectory
+from actors.contract.rollouts import ReplyRequest, Trajectory
 from actors.environments.chat_tokens import ChatTokens, Message, Prompt, TemplateError
+from actors.environments.openai_fields import FieldRefused, Route, SamplingSettings, check_fields
 
-# Continue a token sequence with one sampled reply: (ids, seed, greedy) -> the reply alone, each token's
-# ``versions`` the policy version that sampled it. Cancelled when its episode ends first: it must stop cleanly or
-# run on to its end unawaited (the generator's runs on, shielded).
-Sample = Callable[[list[int], int, bool], Awaitable[Trajectory]]
+# Continue a token sequence with one sampled reply: (ids, seed, greedy, what the request asks of the reply) -> the
+# reply alone, each token's ``versions`` the policy version that sampled it. Cancelled when its episode ends first:
+# it must stop cleanly or run on to its end unawaited (the generator's runs on, shielded).
+Sample = Callable[[list[int], int, bool, ReplyRequest], Awaitable[Trajectory]]
 # Continue a token sequence with given reply tokens (a demonstration's): (ids, reply ids) -> the reply with the
 # policy's logprobs of its tokens, each token's ``versions`` the policy version that scored it. Cancelled as
 # ``Sample`` is.
@@ -216,11 +218,13 @@ class ChatServer:
     """The endpoint of one generator process: ``start`` it once, open an ``episode`` per agent run."""
 
     def __init__(
-        self, tokenizer: Any, sample: Sample, positions: int, max_new_tokens: int, score: Score | None = None
+        self, tokenizer: Any, sample: Sample, positions: int, sampling: SamplingSettings, score: Score | None = None
     ):
-        """``score``: how a demonstration's replies get the policy's logprobs (episodes opened with one)."""
+        """``sampling``: the generator's settings, which fix what a request may ask; ``score``: how a
+        demonstration's replies get the policy's logprobs (episodes opened with one)."""
         self.tokenizer, self.sample, self.score = tokenizer, sample, score
-        self.positions, self.max_new_tokens = positions, max_new_tokens
+        self.positions, self.sampling, self.max_new_tokens = positions, sampling, sampling.max_new_tokens
+        self._tools_rendered: dict[str, bool] = {}  # by a tool list's JSON: whether the template renders it
         self.max_body = max(MIN_BODY_BYTES, BODY_BYTES_PER_POSITION * positions)
         self.read_timeout_s, self.key_deadline_s = READ_TIMEOUT_S, KEY_DEADLINE_S
         self.anonymous_connections = ANONYMOUS_CONNECTIONS
@@ -289,10 +293,10 @@ class ChatServer:
     # ------------------------------------------------------------------------- the routes
 
     async def _chat(self, request) -> Any:
-        return await self._serve(request, _chat_ask, self._chat_turn)
+        return await self._serve(request, "chat", _chat_ask, self._chat_turn)
 
     async def _completions(self, request) -> Any:
-        return await self._serve(request, self._completion_ask, self._completion_turn)
+        return await self._serve(request, "completions", self._completion_ask, self._completion_turn)
 
     async def _models(self, request) -> Any:
         from aiohttp import web
@@ -302,7 +306,11 @@ class ChatServer:
         return web.json_response({"object": "list", "data": [model]})
 
     async def _serve(
-        self, request, read: Callable[[dict], Ask], turn: Callable[[EpisodeRecord, Ask], Awaitable[Turn]]
+        self,
+        request,
+        route: Route,
+        read: Callable[[dict], Ask],
+        turn: Callable[[EpisodeRecord, Ask], Awaitable[Turn]],
     ) -> Any:
         """A turn's request: its key checked before its body is read, the body checked whole before it waits for
         the episode's turn, the turn recorded only if its client is there to get the answer."""
@@ -310,6 +318,7 @@ class ChatServer:
         with record.in_flight():
             body = await self._body(request)
             _check_model(body)
+            check_fields(body, route, self.sampling, record.greedy)
             ask = read(body)
             async with record.lock:
                 if record.failure is not None:
@@ -322,7 +331,7 @@ class ChatServer:
                         "wait for each answer",
                     )
                 record.add(answered.prompt, answered.reply, answered.message, self.tokenizer.eos_token_id)
-            return await _answer(request, answered.answer, ask.stream)
+            return await _answer(request, answered.answer, ask.stream, ask.usage_chunk)
 
     def _authorized(self, request) -> EpisodeRecord:
         """The episode of the request's key, its connection bound to it; the episode its path or ``X-Episode-Id``
@@ -396,28 +405,28 @@ class ChatServer:
         return _json_object(raw)
 
     def _completion_ask(self, body: dict) -> Ask:
-        """A /completions request checked whole: its prompt tokenized, its ``logprobs`` OpenAI's 0 to 5."""
+        """A /completions request checked whole: its prompt text or ids, its ``logprobs`` OpenAI's 0 to 5."""
         logprobs = body.get("logprobs")
         if logprobs is not None and not (type(logprobs) is int and 0 <= logprobs <= 5):
             raise ApiError(
                 400, "invalid_logprobs",
                 f"logprobs must be an integer from 0 to 5, or null, for /completions, not {_shown(logprobs)}",
             )
-        text = body.get("prompt")
-        ids = self._prompt_ids(text)
-        message = {"role": "user", "content": text if isinstance(text, str) else ""}
-        return Ask(_limits(body), _flag(body, "stream"), logprobs is not None, [message], prompt=ids)
+        return Ask(
+            _request(body, logprobs or 0), _flag(body, "stream"), logprobs is not None, [],
+            prompt=self._prompt(body.get("prompt")), seed=_seed(body), usage_chunk=_usage_chunk(body),
+        )
 
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        """A completion's prompt as token ids: its text tokenized, or the ids it is, each one the model reads."""
+    def _prompt(self, prompt: Any) -> list[int] | str:
+        """A completion's prompt: text, or token ids each one the model reads (tokenized at its turn, where only
+        what it adds to its episode is)."""
         vocabulary = len(self.tokenizer)
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
-            if not ids:
-                raise ApiError(400, "invalid_prompt", f"the prompt encodes to {NO_TOKEN}")
-            return ids
+        if isinstance(prompt, str) and prompt:
+            return prompt
         if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t < vocabulary for t in prompt):
             return prompt
+        if prompt == "":
+            raise ApiError(400, "invalid_prompt", f"the prompt encodes to {NO_TOKEN}")
         raise ApiError(
             400, "invalid_prompt",
             f"prompt must be one non-empty string or one non-empty list of token ids (0 to {vocabulary - 1})",
@@ -427,11 +436,10 @@ class ChatServer:
 
     async def _chat_turn(self, record: EpisodeRecord, ask: Ask) -> Turn:
         prompt = self._chat_prompt(record, ask)
-        reply = await self._sample(record, prompt, ask.limits)
+        reply, finish = await self._sample(record, prompt, ask)
         content, calls = _tool_calls(reply.text) if ask.tools else (reply.text, [])
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
-        finish = "tool_calls" if calls else _finish(reply, ask.limits, self.tokenizer)
-        choice = {"index": 0, "message": message, "finish_reason": finish}
+        choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else finish}
         if ask.logprobs:
             choice["logprobs"] = {"content": self._token_logprobs(reply)}
         return Turn(prompt, reply, message, _completion("chat.completion", record, choice, prompt, reply))
@@ -441,7 +449,7 @@ class ChatServer:
         sampling when the template cannot render them or they encode to no token."""
         messages, tools = ask.messages, ask.tools
         try:
-            if tools and record.tokens.render(messages, None, True) == record.tokens.render(messages, tools, True):
+            if tools and not self._renders(tools):
                 raise ApiError(
                     400, "tools_not_rendered",
                     "the request offers tools, but this model's chat template does not render them, so the model "
@@ -456,31 +464,49 @@ class ChatServer:
         return prompt
 
     async def _completion_turn(self, record: EpisodeRecord, ask: Ask) -> Turn:
-        prompt = Prompt(ask.prompt, ask.messages)
-        reply = await self._sample(record, prompt, ask.limits)
+        prompt = record.tokens.continued(ask.prompt)
+        if not prompt.ids:
+            raise ApiError(400, "invalid_prompt", f"the prompt encodes to {NO_TOKEN}")
+        reply, finish = await self._sample(record, prompt, ask)
         message = {"role": "assistant", "content": reply.text}
-        choice = {"index": 0, "text": reply.text, "finish_reason": _finish(reply, ask.limits, self.tokenizer)}
+        choice = {"index": 0, "text": reply.text, "finish_reason": finish}
         if ask.logprobs:
             tokens = [self.tokenizer.decode([t]) for t in reply.completion_ids]
-            choice["logprobs"] = {"tokens": tokens, "token_logprobs": reply.logprobs, "top_logprobs": None}
+            top = None
+            if ask.request.top_logprobs:
+                top = [{self.tokenizer.decode([t]): lp for t, lp in place} for place in reply.top_logprobs or []]
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": reply.logprobs, "top_logprobs": top}
         return Turn(prompt, reply, message, _completion("text_completion", record, choice, prompt, reply))
 
-    async def _sample(self, record: EpisodeRecord, prompt: Prompt, limit: Limits) -> Trajectory:
+    async def _sample(self, record: EpisodeRecord, prompt: Prompt, ask: Ask) -> tuple[Trajectory, str]:
+        """The turn's reply within what ``ask`` asks, and its finish reason."""
         try:
             seed = record.next_seed(len(prompt.ids))
             demonstrated = None if record.demonstration is None else self._encoded_reply(record.demonstrated())
         except EpisodeOver as error:
             record.failure = str(error)
             raise ApiError(400, "context_length_exceeded", f"the episode has ended: {error}") from None
+        if ask.seed is not None:  # the same request with the same seed draws the same reply within this episode
+            seed = _mixed_seed(record.seeds[0], ask.seed)
         try:
             if demonstrated is None:
-                reply = await self.sample(prompt.ids, seed, record.greedy)
+                reply = await self.sample(prompt.ids, seed, record.greedy, ask.request)
             else:
                 reply = await self.score(prompt.ids, demonstrated)
         except Exception as error:  # the generator's own failure (a weight switch, the engine): the episode ends
             record.failure = f"the generator could not sample turn {record.turns}: {type(error).__name__}: {error}"
             raise ApiError(500, "server_error", record.failure) from None
-        return _cut(reply, limit, self.tokenizer)
+        return _cut(reply, ask.request, self.tokenizer)
+
+    def _renders(self, tools: list[dict]) -> bool:
+        """Whether the chat template renders ``tools`` at all (a one-message conversation with and without
+        them), once per tool list."""
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._tools_rendered:
+            probe = ChatTokens(self.tokenizer)
+            message = [{"role": "user", "content": "?"}]
+            self._tools_rendered[key] = probe.render(message, None, True) != probe.render(message, tools, True)
+        return self._tools_rendered[key]
 
     def _encoded_reply(self, text: str) -> list[int]:
         """A demonstration's reply as the model would end it: its tokens, then the end of the turn."""
@@ -493,11 +519,17 @@ class ChatServer:
         return ids
 
     def _token_logprobs(self, reply: Trajectory) -> list[dict]:
-        tokens = [self.tokenizer.decode([t]) for t in reply.completion_ids]
+        """A chat answer's ``logprobs.content``: each sampled token's logprob and, when asked, the engine's most
+        likely tokens at its place."""
+        places = reply.top_logprobs or [[] for _ in reply.completion_ids]
         return [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(tokens, reply.logprobs, strict=True)
+            self._token_logprob(token, logprob) | {"top_logprobs": [self._token_logprob(t, lp) for t, lp in top]}
+            for token, logprob, top in zip(reply.completion_ids, reply.logprobs, places, strict=True)
         ]
+
+    def _token_logprob(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def dropped_for_new(anonymous: dict[Any, bool], sent_something: Callable[[Any], bool]) -> Any:
@@ -696,10 +728,19 @@ def _text(content: Any, refuse: Callable[[str], ApiError]) -> str | None:
 
 
 def _tools(body: dict) -> list[dict] | None:
+    """The tools the reply may call: none under ``tool_choice: "none"`` (the template renders none, the reply is
+    read as text); a choice the engine cannot enforce (``required``, one named tool) is refused."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise ApiError(
+            400, "unsupported_tool_choice",
+            f"tool_choice is {_shown(choice)}, but the engine samples the policy freely (no constrained decoding), "
+            'so it cannot make the reply call a tool; send "auto" or "none", or leave it out',
+        )
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ApiError(400, "invalid_tools", 'tools must be a list of {"type": "function", "function": {...}} objects')
-    return tools
+    return None if choice == "none" else tools
 
 
 def _check_model(body: dict) -> None:
@@ -711,23 +752,9 @@ def _check_model(body: dict) -> None:
         )
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Where a request ends its reply: ``max_tokens`` tokens, or the first of its ``stop`` strings (left out of the
-    text, as OpenAI does). Applied after sampling, so what the trainer sees is exactly what was sampled up to there."""
-
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-
-
-def _limits(body: dict) -> Limits:
-    """The request's ``max_tokens`` and ``stop``; ``n`` is one choice or refused."""
-    if body.get("n") not in (None, 1):
-        raise ApiError(
-            400, "unsupported_n",
-            f"n is {_shown(body['n'])}, but each request is one turn of the episode with one reply; send n requests "
-            "for n replies",
-        )
+def _request(body: dict, top_logprobs: int) -> ReplyRequest:
+    """What the request asks of its reply: ``max_tokens`` (or ``max_completion_tokens``), ``stop`` and
+    ``top_logprobs``, each checked."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None and (type(limit) is not int or limit < 1):
         raise ApiError(400, "invalid_max_tokens", f"max_tokens must be a positive integer, got {_shown(limit)}")
@@ -737,20 +764,47 @@ def _limits(body: dict) -> Limits:
         raise ApiError(
             400, "invalid_stop", f"stop must be a string or a list of up to 4 non-empty strings, got {_shown(stop)}"
         )
-    return Limits(limit, tuple(stops))
+    return ReplyRequest(limit, tuple(stops), top_logprobs)
+
+
+def _seed(body: dict) -> int | None:
+    seed = body.get("seed")
+    if seed is not None and type(seed) is not int:
+        raise ApiError(400, "invalid_seed", f"seed must be an integer, not {_shown(seed)}")
+    return seed
+
+
+def _mixed_seed(episode: int, request: int) -> int:
+    """A turn's seed from the request's ``seed`` and its episode's: the same request draws the same reply within
+    one episode, and its group's episodes still draw apart."""
+    return int.from_bytes(hashlib.blake2b(f"{episode}/seed {request}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _usage_chunk(body: dict) -> bool:
+    """Whether a streamed answer ends with a chunk of its usage (``stream_options.include_usage``)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not (isinstance(options, dict) and set(options) <= {"include_usage", "include_obfuscation"}):
+        raise ApiError(
+            400, "invalid_stream_options", f'stream_options takes {{"include_usage": true}}, not {_shown(options)}'
+        )
+    return _flag(options, "include_usage")
 
 
 @dataclass(frozen=True)
 class Ask:
     """A turn's request with every field checked, before it waits for its episode's turn: a chat's messages and
-    tools, or a completion's prompt ids and its text as the user's message."""
+    tools, or a completion's prompt (text or token ids)."""
 
-    limits: Limits
+    request: ReplyRequest
     stream: bool
-    logprobs: bool  # the sampled tokens' logprobs (never the top alternatives: ``top_logprobs`` is refused)
+    logprobs: bool  # the sampled tokens' logprobs (and ``request.top_logprobs`` alternatives at each)
     messages: list[Message]
     tools: list[dict] | None = None
-    prompt: list[int] = field(default_factory=list)
+    prompt: list[int] | str = field(default_factory=list)  # a completion's: text, or token ids
+    seed: int | None = None  # the request's own, mixed with its episode's
+    usage_chunk: bool = False  # a stream ends with a chunk of the answer's usage
 
 
 @dataclass(frozen=True)
@@ -764,17 +818,17 @@ class Turn:
 
 
 def _chat_ask(body: dict) -> Ask:
-    """A /chat/completions request checked whole; ``top_logprobs`` is accepted only where it asks for nothing."""
+    """A /chat/completions request checked whole; ``top_logprobs`` (0 to 20) needs ``logprobs``, as OpenAI's."""
     top = body.get("top_logprobs")
     if top is not None and not (type(top) is int and 0 <= top <= 20):
         raise ApiError(400, "invalid_top_logprobs", f"top_logprobs must be an integer from 0 to 20, not {_shown(top)}")
-    if top:
-        raise ApiError(
-            400, "unsupported_top_logprobs",
-            f"top_logprobs is {top}, but this endpoint returns only the sampled token's logprob (logprobs: true); "
-            "send top_logprobs 0 or leave it out",
-        )
-    return Ask(_limits(body), _flag(body, "stream"), _flag(body, "logprobs"), _messages(body), _tools(body))
+    logprobs = _flag(body, "logprobs")
+    if top and not logprobs:
+        raise ApiError(400, "invalid_top_logprobs", "top_logprobs needs logprobs: true (as OpenAI's API does)")
+    return Ask(
+        _request(body, top or 0), _flag(body, "stream"), logprobs, _messages(body), _tools(body), seed=_seed(body),
+        usage_chunk=_usage_chunk(body),
+    )
 
 
 def _flag(body: dict, name: str) -> bool:
@@ -790,33 +844,36 @@ def _shown(value: Any) -> str:
     return json.dumps(value)[:80]
 
 
-def _cut(reply: Trajectory, limits: Limits, tokenizer: Any) -> Trajectory:
-    """The reply up to its limits: its first ``max_tokens`` tokens, then up to the token that completes a stop
-    string (its text ends before it): what sampling with those limits would have given."""
-    ids = reply.completion_ids[: limits.max_tokens]
-    text = None
-    if limits.stop:
-        for end in range(1, len(ids) + 1):
-            decoded = tokenizer.decode(ids[:end], skip_special_tokens=True)
-            found = [decoded.index(s) for s in limits.stop if s in decoded]
-            if found:
-                ids, text = ids[:end], decoded[: min(found)]
-                break
-    if len(ids) == len(reply.completion_ids):
-        return reply
-    n = len(ids)
-    text = tokenizer.decode(ids, skip_special_tokens=True) if text is None else text
-    versions = None if reply.versions is None else reply.versions[:n]
-    return Trajectory(reply.prompt_ids, ids, reply.logprobs[:n], reply.loss_mask[:n], text, versions)
-
-
-def _finish(reply: Trajectory, limits: Limits, tokenizer: Any) -> str:
-    """``stop`` when the reply ended itself (EOS) or at a stop string, ``length`` when a token limit cut it."""
-    ids = reply.completion_ids
-    if ids and ids[-1] == tokenizer.eos_token_id:
-        return "stop"
+def _cut(reply: Trajectory, request: ReplyRequest, tokenizer: Any) -> tuple[Trajectory, str]:
+    """The reply's text ended before the first of the request's stop strings (OpenAI leaves it out), its tokens up
+    to the one that completed it, and the finish reason: ``stop`` (EOS or a stop string) or ``length``. The engine
+    stopped there already; a reply a weight update cut into pieces, or a demonstration's, is cut here. The token
+    that completes a stop string is found by bisection: a few decodes, not one per token."""
+    ids = reply.completion_ids[: request.max_tokens]
     decoded = tokenizer.decode(ids, skip_special_tokens=True)
-    return "stop" if any(s in decoded for s in limits.stop) else "length"
+    found = [decoded.index(stop) for stop in request.stop if stop in decoded]
+    if not found:
+        finish = "stop" if ids and ids[-1] == tokenizer.eos_token_id else "length"
+        return (reply if len(ids) == len(reply.completion_ids) else _first(reply, len(ids), decoded)), finish
+    low, high = 1, len(ids)  # the shortest prefix whose text holds a stop string: high
+    while low < high:
+        middle = (low + high) // 2
+        text = tokenizer.decode(ids[:middle], skip_special_tokens=True)
+        low, high = (low, middle) if any(stop in text for stop in request.stop) else (middle + 1, high)
+    return _first(reply, high, decoded[: min(found)]), "stop"
+
+
+def _first(reply: Trajectory, count: int, text: str) -> Trajectory:
+    """The reply's first ``count`` tokens, with ``text``."""
+    return replace(
+        reply,
+        completion_ids=reply.completion_ids[:count],
+        logprobs=reply.logprobs[:count],
+        loss_mask=reply.loss_mask[:count],
+        text=text,
+        versions=None if reply.versions is None else reply.versions[:count],
+        top_logprobs=None if reply.top_logprobs is None else reply.top_logprobs[:count],
+    )
 
 
 def _tool_calls(text: str) -> tuple[str, list[dict]]:
@@ -868,8 +925,8 @@ def _completion(kind: str, record: EpisodeRecord, choice: dict, prompt: Prompt, 
     }
 
 
-async def _answer(request, answer: dict, stream: bool) -> Any:
-    """The answer as one JSON object, or as the chunks of a stream."""
+async def _answer(request, answer: dict, stream: bool, usage_chunk: bool) -> Any:
+    """The answer as one JSON object, or as the chunks of a stream (``usage_chunk``: then one of its usage)."""
     from aiohttp import web
 
     if not stream:
@@ -877,14 +934,15 @@ async def _answer(request, answer: dict, stream: bool) -> Any:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     with contextlib.suppress(ConnectionError):  # the agent left after its turn was recorded, as a sent one is
         await response.prepare(request)
-        for chunk in _chunks(answer):
+        for chunk in _chunks(answer, usage_chunk):
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
     return response
 
 
-def _chunks(answer: dict) -> list[dict]:
-    """A whole answer as the chunks of a stream: the reply, then its finish reason (with usage)."""
+def _chunks(answer: dict, usage_chunk: bool) -> list[dict]:
+    """A whole answer as the chunks of a stream: the reply, then its finish reason, then (``usage_chunk``) its
+    usage with no choice, as OpenAI's ``include_usage`` sends it."""
     choice = answer["choices"][0]
     head = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint")}
     if answer["object"] == "text_completion":
@@ -899,10 +957,8 @@ def _chunks(answer: dict) -> list[dict]:
         text = {"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice.get("logprobs")}
         end = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
         kind = "chat.completion.chunk"
-    return [
-        head | {"object": kind, "choices": [text]},
-        head | {"object": kind, "choices": [end], "usage": answer["usage"]},
-    ]
+    chunks = [head | {"object": kind, "choices": [text]}, head | {"object": kind, "choices": [end]}]
+    return chunks + ([head | {"object": kind, "choices": [], "usage": answer["usage"]}] if usage_chunk else [])
 
 
 def _error(error: ApiError) -> Any:
@@ -927,6 +983,8 @@ def _as_api_error(error: Exception) -> ApiError:
 
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, FieldRefused):
+        return ApiError(400, error.code, error.message)
     if isinstance(error, web.HTTPException) and error.status < 500:
         code = error.reason.lower().replace(" ", "_")
         return ApiError(error.status, code, f"{error.reason}: this endpoint serves {ROUTES}")

@@ -32,7 +32,7 @@ from monarch.actor import Actor, concurrent_endpoint
 from actors import registry
 from actors.basics.compute import Compute
 from actors.basics.proc_info import ProcInfo, this_proc
-from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
+from actors.contract.rollouts import EpisodeOutcome, ReplyRequest, Reward, Trajectory
 from actors.environments import Environments
 from actors.environments.agent_task import NO_DEMONSTRATION, Agents, AgentSpec
 from actors.environments.chat_tokens import ChatTokens
@@ -290,32 +290,38 @@ class Generator(Actor):
         in_turn = sum(sum(row.after_update()) for row in rows)
         return first, EpisodeOutcome(reward, record.turns, failure is None, failure, tuple(split), updated, in_turn)
 
-    async def _turn(self, ids: list[int], seed: int, greedy: bool) -> Trajectory:
-        """One turn of an agent's episode, sampled with the newest weights this process knows. A weight update
+    async def _turn(self, ids: list[int], seed: int, greedy: bool, request: ReplyRequest) -> Trajectory:
+        """One turn of an agent's episode, sampled with the newest weights this process knows, within what its
+        ``request`` asks (the engine stops at its ``max_tokens`` and ``stop`` strings). A weight update
         interrupts it at a token boundary and it goes on with the new weights from its tokens so far; each token
         keeps the version that sampled it. The sampling runs to its end even when its request is abandoned,
         holding the weights it uses until then: no weight change may reach the engine under a request it still
         runs."""
-        return await asyncio.shield(asyncio.ensure_future(self._pieces(ids, seed, greedy)))
+        return await asyncio.shield(asyncio.ensure_future(self._pieces(ids, seed, greedy, request)))
 
-    async def _pieces(self, ids: list[int], seed: int, greedy: bool) -> Trajectory:
-        limit, eos = self.cfg.sampling.max_new_tokens, self.tokenizer.eos_token_id
-        tokens, logprobs, versions = [], [], []
+    async def _pieces(self, ids: list[int], seed: int, greedy: bool, request: ReplyRequest) -> Trajectory:
+        limit = min(request.max_tokens or self.cfg.max_new_tokens, self.cfg.max_new_tokens)
+        eos = self.tokenizer.eos_token_id
+        tokens, logprobs, versions, top = [], [], [], []
         for piece in itertools.count():
             await self.gate.settled()
             weights, interrupt = self._newest, threading.Event()
             async with self.gate.use(weights, self._switch, interrupt):
                 sampled = await self.engine.continue_from(
-                    ids + tokens, piece_seed(seed, piece), greedy, limit - len(tokens), interrupt
+                    ids + tokens, piece_seed(seed, piece), greedy, limit - len(tokens), interrupt, request.stop,
+                    request.top_logprobs,
                 )
                 await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
             tokens += sampled.completion_ids
             logprobs += sampled.logprobs
             versions += [weights.version] * len(sampled.completion_ids)
-            if not interrupt.is_set() or len(tokens) >= limit or (tokens and tokens[-1] == eos):
+            top += sampled.top_logprobs or []
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            ended = len(tokens) >= limit or (tokens and tokens[-1] == eos) or any(s in text for s in request.stop)
+            if not interrupt.is_set() or ended:  # a stop string may end where a piece did: the joined text says
                 break
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return replace(Trajectory.single_turn(ids, tokens, logprobs, text), versions=versions)
+        reply = replace(Trajectory.single_turn(ids, tokens, logprobs, text), versions=versions)
+        return replace(reply, top_logprobs=top) if request.top_logprobs else reply
 
     async def _demonstrated_turn(self, ids: list[int], reply_ids: list[int]) -> Trajectory:
         """A demonstration's turn: its reply, with the newest weights' logprobs, as ``_turn`` samples one."""
@@ -347,7 +353,7 @@ class Generator(Actor):
 
                 positions = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
                 server = ChatServer(
-                    self.tokenizer, self._turn, positions, self.cfg.max_new_tokens, self._demonstrated_turn
+                    self.tokenizer, self._turn, positions, self.cfg.sampling, self._demonstrated_turn
                 )
                 await server.start()
                 self._server, self._agent_code = server, Agents(spec)

@@ -68,12 +68,16 @@ class Engine(Protocol):
         greedy: bool = False,
         max_new_tokens: int | None = None,
         interrupt: Event | None = None,
+        stop: tuple[str, ...] = (),
+        top_logprobs: int = 0,
     ) -> Trajectory:
         """One completion of a token sequence (an episode so far), with ``ids`` as its prompt;
         the same ids and ``seed`` give the same completion (``greedy``: the argmax one). ``max_new_tokens``: at
         most that many tokens (the sampling settings' when None). Once ``interrupt`` is set, the completion ends
         at the next token boundary with the tokens sampled so far (possibly none): a weight update waits for
-        it."""
+        it. ``stop``: the completion ends with the token whose text completes one of these strings (its text keeps
+        them: the caller cuts it). ``top_logprobs``: each token's most likely alternatives, in
+        ``Trajectory.top_logprobs``, under the distribution sampled from."""
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """Each given completion (EOS appended) as a ``Trajectory``, its logprobs under the loaded weights."""

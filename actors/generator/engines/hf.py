@@ -72,9 +72,13 @@ class HFEngine:
         greedy: bool = False,
         max_new_tokens: int | None = None,
         interrupt: threading.Event | None = None,
+        stop: tuple[str, ...] = (),
+        top_logprobs: int = 0,
     ) -> Trajectory:
         async with self._one_at_a_time:
-            return await asyncio.to_thread(self.continue_from_now, ids, seed, greedy, max_new_tokens, interrupt)
+            return await asyncio.to_thread(
+                self.continue_from_now, ids, seed, greedy, max_new_tokens, interrupt, stop, top_logprobs
+            )
 
     async def logprobs_of(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         async with self._one_at_a_time:
@@ -99,13 +103,15 @@ class HFEngine:
         greedy: bool = False,
         max_new_tokens: int | None = None,
         interrupt: threading.Event | None = None,
+        stop: tuple[str, ...] = (),
+        top_logprobs: int = 0,
     ) -> Trajectory:
         if interrupt is not None and interrupt.is_set():  # generate samples one token before it asks
             return Trajectory.single_turn(ids, [], [], "")
         encoded = BatchEncoding(
             {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
         )
-        return self._sampled(encoded, seed, greedy, max_new_tokens, interrupt)[0]
+        return self._sampled(encoded, seed, greedy, max_new_tokens, interrupt, stop, top_logprobs)[0]
 
     def _decoding(self, greedy: bool) -> dict:
         """``generate``'s arguments for how each token is chosen: the argmax, or a draw under the sampling
@@ -123,15 +129,18 @@ class HFEngine:
         greedy: bool,
         max_new_tokens: int | None = None,
         interrupt: threading.Event | None = None,
+        stop: tuple[str, ...] = (),
+        top_logprobs: int = 0,
     ) -> list[Trajectory]:
         """One completion per row of ``encoded`` (left-padded prompts); ``interrupt`` ends every row at the token
-        boundary after it is set."""
+        boundary after it is set, a ``stop`` string the row that completes it (transformers' stop strings)."""
         encoded = encoded.to(self.device)
         # transformers samples from the global RNG, one request at a time: seed it per request
         torch.manual_seed(seed)
         out = self.model.generate(
             **encoded,
             **self._decoding(greedy),
+            **({"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}),
             max_new_tokens=max_new_tokens or self.sampling.max_new_tokens,
             stopping_criteria=StoppingCriteriaList([Interrupted(interrupt)] if interrupt is not None else []),
             output_scores=True,  # after temperature/top-k/top-p: the distribution the tokens came from
@@ -141,9 +150,15 @@ class HFEngine:
         )
         prompt_len = encoded.input_ids.shape[1]
         tokens = out.sequences[:, prompt_len:]
-        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        distribution = torch.stack(out.scores, dim=1).float().log_softmax(-1)
+        logprobs = distribution.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         encoded, tokens, logprobs = encoded.to("cpu"), tokens.cpu(), logprobs.cpu()
-        return [self._sample(encoded, i, tokens[i], logprobs[i]) for i in range(len(tokens))]
+        samples = [self._sample(encoded, i, tokens[i], logprobs[i]) for i in range(len(tokens))]
+        if top_logprobs:
+            top = distribution.topk(top_logprobs, dim=-1)
+            samples = [replace(s, top_logprobs=_alternatives(top, i, len(s.completion_ids)))
+                       for i, s in enumerate(samples)]
+        return samples
 
     def logprobs_of_now(self, prompts: list[str], completions: list[str]) -> list[Trajectory]:
         """The model's own logprobs of given completions (not truncated by top-k/top-p:
@@ -174,6 +189,12 @@ class HFEngine:
             logprobs=logprobs[:length].tolist(),
             text=self.tokenizer.decode(completion, skip_special_tokens=True),
         )
+
+
+def _alternatives(top, row: int, length: int) -> list[list[tuple[int, float]]]:
+    """Row ``row``'s first ``length`` places of ``top`` (a ``topk`` of logprobs) as (token, logprob) lists."""
+    ids, values = top.indices[row, :length].tolist(), top.values[row, :length].tolist()
+    return [list(zip(place_ids, place_values)) for place_ids, place_values in zip(ids, values)]
 
 
 class Interrupted(StoppingCriteria):

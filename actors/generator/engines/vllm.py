@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -186,19 +187,32 @@ class VLLMEngine:
         greedy: bool = False,
         max_new_tokens: int | None = None,
         interrupt: threading.Event | None = None,
+        stop: tuple[str, ...] = (),
+        top_logprobs: int = 0,
     ) -> Trajectory:
-        params = self._params(1, seed, greedy, max_new_tokens, partial=interrupt is not None)
+        params = self._params(1, seed, greedy, max_new_tokens, interrupt is not None, stop, top_logprobs)
         out = await self._run(ids, params, interrupt)
         if out is None:  # interrupted before its first token
             return Trajectory.single_turn(ids, [], [], "")
-        return self._sample(out.prompt_token_ids, out.outputs[0].token_ids, out.outputs[0].logprobs)
+        sample = self._sample(out.prompt_token_ids, out.outputs[0].token_ids, out.outputs[0].logprobs)
+        if top_logprobs:
+            sample = replace(sample, top_logprobs=_alternatives(out.outputs[0].logprobs, top_logprobs))
+        return sample
 
     def _params(
-        self, samples: int, seed: int, greedy: bool, max_new_tokens: int | None = None, partial: bool = False
+        self,
+        samples: int,
+        seed: int,
+        greedy: bool,
+        max_new_tokens: int | None = None,
+        partial: bool = False,
+        stop: tuple[str, ...] = (),
+        top_logprobs: int = 0,
     ) -> SamplingParams:
         """A prompt's request: its own seed makes its samples independent of what else is in the batch;
         ``greedy`` is temperature 0 (vLLM then ignores top-p and top-k, and takes one completion only).
-        ``partial``: its output after every step, kept in case it is interrupted (else only its final one)."""
+        ``partial``: its output after every step, kept in case it is interrupted (else only its final one).
+        ``stop``: vLLM ends the completion with the token that completes one of them."""
         return SamplingParams(
             n=samples,
             seed=seed,
@@ -206,7 +220,8 @@ class VLLMEngine:
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k or -1,
             max_tokens=max_new_tokens or self.sampling.max_new_tokens,
-            logprobs=0,  # the sampled token's own logprob
+            stop=list(stop) or None,
+            logprobs=top_logprobs,  # the sampled token's own logprob, and the most likely ones asked for
             output_kind=RequestOutputKind.CUMULATIVE if partial else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -293,6 +308,16 @@ class VLLMEngine:
         for request_id in ended:
             _, latest = self._interruptible.pop(request_id)
             self._waiting.pop(request_id).set_result(latest)
+
+
+def _alternatives(logprobs, count: int) -> list[list[tuple[int, float]]]:
+    """vLLM's per-place logprobs (the sampled token's and the ``count`` most likely, each with its rank) as the
+    ``count`` most likely (token, logprob), most likely first."""
+    return [
+        [(token, entry.logprob) for token, entry in sorted(place.items(), key=lambda item: item[1].rank)
+         if entry.rank <= count]
+        for place in logprobs
+    ]
 
 
 @contextmanager
