@@ -9,7 +9,9 @@ topology check (``mesh``) reads any room's config without loading a backend:
     generator/        the Generator actor, its config and its engines (hf, vllm)
     rewarder/         the Rewarder actor and the reward functions the generator runs too
     teachers/         the TeacherPool actor, its config and the teacher bindings
-    environments/     multi-turn episodes, agents and external tasksets, behind text-only interfaces
+    environments/     multi-turn episodes and external tasksets (OpenEnv, verifiers), behind text-only interfaces
+    agents/           agent code for the OpenAI API as guests: the endpoint, the agent host, the stitcher
+    sandbox/          the python tool's sandbox: model-written code gets compute and a scratch directory only
     weights/          versioned, checksummed weight sync from the trainer to its followers, by transport
     contract/         the rollout data contract: rollouts, a teacher's top-k, the trainer's batch
     models/           where a model comes from and what it is: its source, facts, tokenizers, LoRA, GGUF

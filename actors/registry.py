@@ -134,7 +134,7 @@ BACKENDS: dict[str, dict[str, Backend]] = {
         "dataset": Backend("actors.tasks.dataset:DatasetTask"),
         "math": Backend("actors.tasks.math:Math"),
         "openenv": Backend("actors.environments.openenv_task:OpenEnvTask"),  # episodes of an OpenEnv server
-        "agent": Backend("actors.environments.agent_task:AgentTask"),  # OpenAI-API agent code, by import path
+        "agent": Backend("actors.agents.task:AgentTask"),  # OpenAI-API agent code, by import path
     },
     "agent": {},  # user agents, by import path only (``task: {agent: package.module:attr}``)
     "demonstration": {},  # an agent task's correct replies, by import path only (``task: {demonstration: ...}``)

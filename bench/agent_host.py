@@ -1,4 +1,4 @@
-"""What running each agent episode in a process of its own costs (``actors/environments/agent_host.py``).
+"""What running each agent episode in a process of its own costs (``actors/agents/host.py``).
 
     python bench/agent_host.py [--episodes 64]
 
@@ -18,8 +18,8 @@ import time
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
-from actors.environments.agent_task import Agents, AgentSpec
-from actors.environments.endpoint import Endpoint
+from actors.agents.endpoint import Endpoint
+from actors.agents.task import Agents, AgentSpec
 from actors.tasks import Problem, TaskConfig
 
 ENDPOINT = Endpoint("http://127.0.0.1:9/v1", "unused")

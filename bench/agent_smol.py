@@ -5,7 +5,7 @@
     python bench/agent_smol.py --quick                          # 2 steps, 4 evaluation problems: that it runs
     python bench/agent_smol.py --only --add tools@0=RUN_DIR ...  # only the summary and plot of earlier runs
 
-``python_solver`` (actors/environments/examples/tool_agents.py) on the shipped arithmetic word problems: the
+``python_solver`` (actors/agents/examples/tool_agents.py) on the shipped arithmetic word problems: the
 model may write ```python blocks, which the agent runs in the sandboxed tool and shows back, before it answers;
 the math task scores the last reply. The configurations:
 

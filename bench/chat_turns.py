@@ -6,7 +6,7 @@ one with it, and the one before the reply, to find what the template writes afte
 
 Both ways play the same episodes one after the other, interleaved, in this process: the official ``openai`` client
 talks to the endpoint, which samples each reply from the ``hf`` engine (greedy, 16 new tokens: the same replies
-both ways) and stitches its tokens (``actors/environments/chat_tokens.py``). ``once`` is the endpoint as it is;
+both ways) and stitches its tokens (``actors/agents/chat_tokens.py``). ``once`` is the endpoint as it is;
 ``thrice`` is the same endpoint with the episode's stitcher forced onto the path a template that closes a reply
 without its end-of-sequence token takes (``ChatTokens._context_rendered_again``), which is what every turn did
 before. It prints the template's renders per turn, the stitcher's time per turn at the first and the last turn,
@@ -24,9 +24,9 @@ from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
+from actors.agents.chat_tokens import ChatTokens, Prompt
+from actors.agents.endpoint import SERVED_MODEL, ChatServer
 from actors.contract.rollouts import ReplyRequest, Trajectory
-from actors.environments.chat_tokens import ChatTokens, Prompt
-from actors.environments.endpoint import SERVED_MODEL, ChatServer
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from common import machine  # bench/ is on sys.path when this runs as a script
 
+from actors.agents.endpoint import SERVED_MODEL, ChatServer
 from actors.contract.rollouts import ReplyRequest, Trajectory
-from actors.environments.endpoint import SERVED_MODEL, ChatServer
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
 from actors.models.facts import TinyModelSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from actors.environments.examples.tool_agents import computed
+from actors.agents.examples.tool_agents import computed
 
 SHORTEST_S, LONGEST_S = 0.5, 5.0
 

@@ -11,7 +11,7 @@ import json
 import time
 from urllib.parse import urlsplit
 
-from actors.environments.examples.tool_agents import RETRIES, make_number, make_number_demonstration
+from actors.agents.examples.tool_agents import RETRIES, make_number, make_number_demonstration
 from tests.agent_hostile import daemon, intrude
 
 FLOOD = 60  # keyless connections one squatter holds (re-opened as the endpoint drops them)

@@ -69,7 +69,7 @@ class FailsInItsHost:
     """A class agent whose construction fails in the agent host alone (the generator builds one first, to check it)."""
 
     def __init__(self):
-        if sys.argv[0].endswith("agent_host.py"):
+        if sys.argv[0].endswith(os.path.join("agents", "host.py")):
             raise RuntimeError("this machine lacks what the agent needs")
 
     async def __call__(self, endpoint, problem):

@@ -21,6 +21,7 @@ from actors.contract.train_batch import build_train_batch, row_advantages
 from actors.diloco.config import DiLoCoConfig, OuterOptimizerConfig
 from actors.generator.actor import Generator, GeneratorConfig
 from actors.generator.engines import sampling_seeds
+from actors.generator.request import SampleRequest
 from actors.inner_loops.config import OptimizerConfig, TrainerConfig
 from actors.inner_loops.native import NativeLoop
 from actors.models.facts import TinyModelSpec
@@ -262,12 +263,12 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
     seeds = sampling_seeds(0, "test", 2)
     try:
         await generator.start.call_one()
-        generation = await generator.generate.call_one(problems, 3, v0, seeds)
+        generation = await generator.generate.call_one(SampleRequest(problems, 3, v0, seeds))
         assert generation.version == 0 and [len(group) for group in generation.trajectories()] == [3, 3]
         for t in (t for group in generation.trajectories() for t in group):
             assert len(t.logprobs) == len(t.completion_ids) == len(t.loss_mask) and all(t.loss_mask)
         hint = problems[0].answer + "="  # the gap check's hinted policy: the hint read right after the question
-        hinted = await generator.generate.call_one(problems, 1, v0, seeds, False, [hint, None])
+        hinted = await generator.generate.call_one(SampleRequest(problems, 1, v0, seeds, False, [hint, None]))
         read = [tokenizer.decode(group[0].prompt_ids) for group in hinted.trajectories()]
         assert read == [problems[0].prompt + hint, problems[1].prompt]
 
@@ -279,14 +280,15 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
         before = (await generator.logprobs_of.call_one(problems, ["abc"] * 2, v0)).logprobs
         after = (await generator.logprobs_of.call_one(problems, ["abc"] * 2, v1)).logprobs
         assert after != before  # the new version is what the engine now computes with
-        await generator.generate.call_one(problems, 3, v1, seeds)
+        await generator.generate.call_one(SampleRequest(problems, 3, v1, seeds))
         assert await generator.held_version.call_one() == 1
 
         v2 = publisher.publish(model.state_dict(), 2)  # reuses v0's slot
         with pytest.raises(Exception, match="StaleWeightsError|not hold|holds"):
-            await generator.generate.call_one(problems, 3, v0, seeds)
+            await generator.generate.call_one(SampleRequest(problems, 3, v0, seeds))
         with pytest.raises(Exception, match="Stale"):
-            await generator.generate.call_one(problems, 3, type(v2)(7, v2.checksum, v2.nbytes, v2.store), seeds)
+            forged = type(v2)(7, v2.checksum, v2.nbytes, v2.store)
+            await generator.generate.call_one(SampleRequest(problems, 3, forged, seeds))
 
         with slot_file(tmp_path / "store", 2 % 2).open("r+b") as slot:  # flip one data byte of version 2
             slot.seek(HEADER_BYTES)
@@ -294,7 +296,7 @@ async def test_generator_samples_only_with_the_version_it_is_told_and_refuses_st
             slot.seek(HEADER_BYTES)
             slot.write(bytes([byte ^ 0xFF]))
         with pytest.raises(Exception, match="Torn"):
-            await generator.generate.call_one(problems, 3, v2, seeds)
+            await generator.generate.call_one(SampleRequest(problems, 3, v2, seeds))
     finally:
         await mesh.stop()
         publisher.close()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from tiny_runs import ROOT, command_line, run_topology
 
-from actors.environments.examples.tool_agents import MakeNumber
+from actors.agents.examples.tool_agents import MakeNumber
 
 pytest.importorskip("openai", reason="the example agents use the openai client (pip install -e .[agents])")
 
@@ -32,7 +32,7 @@ BY_GROUP = [
     "loop.steps=3",
     "loop.evaluation.every=0",
     "checkpointing.every=0",
-    f"task.problems={{name: 'actors.environments.examples.tool_agents:MakeNumber', high: {HIGH}}}",
+    f"task.problems={{name: 'actors.agents.examples.tool_agents:MakeNumber', high: {HIGH}}}",
     "task.agent=tests.agent_faults:all_but",
 ]
 

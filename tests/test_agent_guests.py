@@ -1,4 +1,4 @@
-"""Agents are guests (``actors/environments/guests.py``): an episode reaches nothing of the generator, its agent host
+"""Agents are guests (``actors/agents/guests.py``): an episode reaches nothing of the generator, its agent host
 or its siblings. Real agent hosts and real guest processes (``tests/agent_hostile.py``), without a model: the agents
 never call the endpoint. Where the tests run as root they get users of their own; a second host runs as root in a user
 namespace that maps uid 0 alone (as a rootless container's may), where agents share the run's user."""
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.environments import guests
-from actors.environments.agent_task import Agents, AgentSpec
-from actors.environments.endpoint import Endpoint
+from actors.agents.endpoint import Endpoint
+from actors.agents.task import Agents, AgentSpec
+from actors.agents import guests
 from actors.tasks import Problem, TaskConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,19 +148,19 @@ def test_nothing_the_host_says_is_used_before_it_is_checked():
     frame, a reward that is not a finite number or a failure too long are refused, never run or used."""
     import pickle
 
-    from actors.environments import agent_wire
+    from actors.agents import wire
 
-    with pytest.raises(agent_wire.WireError, match="not JSON"):
-        agent_wire.parse(pickle.dumps(("key", {"reward": 1.0})))
-    with pytest.raises(agent_wire.WireError, match="over the 65536 allowed"):
-        agent_wire.Frames(agent_wire.MAX_REPLY).feed(agent_wire.LENGTH.pack(2**20) + b"{")
+    with pytest.raises(wire.WireError, match="not JSON"):
+        wire.parse(pickle.dumps(("key", {"reward": 1.0})))
+    with pytest.raises(wire.WireError, match="over the 65536 allowed"):
+        wire.Frames(wire.MAX_REPLY).feed(wire.LENGTH.pack(2**20) + b"{")
     for bad in ({"key": 1, "reward": "1", "failure": None}, {"key": 1, "reward": None, "failure": "x" * 5000},
                 {"key": 1, "reward": 1.0}, {"key": "1", "reward": 1.0, "failure": None}):
-        with pytest.raises(agent_wire.WireError):
-            agent_wire.ended_of(bad)
-    assert agent_wire.ended_of({"key": 3, "reward": 1, "failure": None}) == (3, 1.0, None)
-    frames = agent_wire.Frames(agent_wire.MAX_REPLY)
-    whole = agent_wire.frame({"ended": {"key": 3, "reward": None, "failure": "x"}})
+        with pytest.raises(wire.WireError):
+            wire.ended_of(bad)
+    assert wire.ended_of({"key": 3, "reward": 1, "failure": None}) == (3, 1.0, None)
+    frames = wire.Frames(wire.MAX_REPLY)
+    whole = wire.frame({"ended": {"key": 3, "reward": None, "failure": "x"}})
     assert frames.feed(whole[:5]) == [] and frames.feed(whole[5:]) == [("ended", {"key": 3, "reward": None,
                                                                                    "failure": "x"})]
 
@@ -169,8 +169,8 @@ SHARED = textwrap.dedent(
     """
     import asyncio, json, sys
     sys.path[:0] = [{tests!r}, {root!r}]
-    from actors.environments.agent_task import Agents, AgentSpec
-    from actors.environments.endpoint import Endpoint
+    from actors.agents.task import Agents, AgentSpec
+    from actors.agents.endpoint import Endpoint
     from actors.tasks import Problem, TaskConfig
 
     async def main():

@@ -1,4 +1,4 @@
-"""Agents contained (``actors/environments/agent_host.py``): whatever an agent does, only its episode fails, with
+"""Agents contained (``actors/agents/host.py``): whatever an agent does, only its episode fails, with
 its cause; the generator's event loop never waits on it; a hung agent is stopped, not abandoned, and nothing it
 started outlives its episode. Each case runs real agent processes through ``Agents``, as a generator does, without
 a model: the agents never call the endpoint."""
@@ -12,11 +12,10 @@ import threading
 import time
 from pathlib import Path
 
-
 import pytest
 
-from actors.environments.agent_task import AgentOutcome, Agents, AgentSpec
-from actors.environments.endpoint import Endpoint
+from actors.agents.endpoint import Endpoint
+from actors.agents.task import AgentOutcome, Agents, AgentSpec
 from actors.tasks import Problem, TaskConfig
 
 TIMEOUT_S = 2.0
@@ -114,7 +113,7 @@ async def test_episodes_run_at_once_each_in_a_process_of_its_own_and_share_one_h
         outcomes = await asyncio.gather(*(runner.run(ENDPOINT, problem) for _ in range(4)))
         assert [o.reward for o in outcomes] == [0.5] * 4
         started = descendants(os.getpid()) - before
-        hosts = [pid for pid in started if b"agent_host" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        hosts = [pid for pid in started if b"actors.agents.host" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert hosts == [runner._host.process.pid]
         start = time.monotonic()
         outcomes = await asyncio.gather(*(runner.run(ENDPOINT, problem) for _ in range(8)))

@@ -24,7 +24,7 @@ def run_cli(tmp_path: Path, *settings: str) -> tuple[subprocess.CompletedProcess
 
 
 DEMONSTRATED = [
-    "task.demonstration=actors.environments.examples.tool_agents:make_number_demonstration",
+    "task.demonstration=actors.agents.examples.tool_agents:make_number_demonstration",
     "actors.teachers={mesh: trainer, bindings: {oracle: {kind: task_oracle, use: [replay]}}}",
     "actors.trainer.loss.preference={kind: simpo}",
     "actors.trainer.loss.beta_replay=0.1",

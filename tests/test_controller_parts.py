@@ -221,7 +221,10 @@ class Generators:
         rewards = REWARDS.reward(expanded, texts) if self.rewarding else None
         return Generation.of(rows, per_prompt, weights.version, 0.01, 0.0, rewards=rewards)
 
-    def _generate(self, problems, group_size, weights, seeds, greedy, hints):
+    def _generate(self, request):
+        problems, group_size, weights, seeds, greedy, hints = (
+            request.problems, request.group_size, request.weights, request.seeds, request.greedy, request.hints
+        )
         self.asked.append(([p.prompt for p in problems], greedy))
         self.hinted.append((hints, seeds))
         copies = [hints is not None and p.answer in (hints[i] or "") for i, p in enumerate(problems)]

@@ -1,6 +1,6 @@
-"""The run's OpenAI-compatible endpoint (``actors/environments/endpoint.py``): the official ``openai`` client
+"""The run's OpenAI-compatible endpoint (``actors/agents/endpoint.py``): the official ``openai`` client
 talks to a real engine on a tiny BPE model with a ChatML template, and every episode trains on the very tokens
-sampled (``actors/environments/chat_tokens.py``)."""
+sampled (``actors/agents/chat_tokens.py``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from actors.contract.rollouts import ReplyRequest, Trajectory
-from actors.environments.chat_tokens import ChatTokens
-from actors.environments.endpoint import (
+from actors.agents.chat_tokens import ChatTokens
+from actors.agents.endpoint import (
     CONNECTIONS_PER_EPISODE,
     REQUESTS_PER_EPISODE,
     SERVED_MODEL,
@@ -25,7 +24,8 @@ from actors.environments.endpoint import (
     _tool_calls,
     dropped_for_new,
 )
-from actors.environments.openai_fields import FIELDS
+from actors.agents.openai_fields import FIELDS
+from actors.contract.rollouts import ReplyRequest, Trajectory
 from actors.generator.engines import Sampling, sampling_seeds
 from actors.generator.engines.hf import HFEngine
 from actors.models.facts import TinyModelSpec

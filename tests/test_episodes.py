@@ -19,12 +19,12 @@ import pytest
 from local_procs import local_procs
 from tiny_runs import run_topology
 
+from actors.agents.chat_tokens import ChatTokens
 from actors.basics.compute import Compute
 from actors.contract.rollouts import Trajectory
 from actors.environments import Turn
-from actors.environments.chat_tokens import ChatTokens
 from actors.environments.episode import run_episode
-from actors.environments.openenv_task import OBSERVATION_ALPHABET, OpenEnvTask, episode_seed
+from actors.environments.openenv_task import OpenEnvTask, episode_seed
 from actors.environments.serve import EnvironmentServer
 from actors.environments.token_policy import TokenPolicy
 from actors.generator.actor import Generator, GeneratorConfig
@@ -33,6 +33,7 @@ from actors.models.facts import TinyModelSpec
 from actors.models.policy import load_policy
 from actors.models.tiny import build_tiny_model
 from actors.models.tokenizers import bpe_tokenizer, char_tokenizer
+from actors.tasks import OBSERVATION_ALPHABET
 from actors.weights.store import WeightPublisher
 from mesh.topology.schema import TopologyError, load_topology
 

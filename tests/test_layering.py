@@ -208,6 +208,8 @@ ROOMS = (  # actors/'s rooms, bottom to top: each imports only rooms before it (
     "models",
     "contract",
     "weights",
+    "sandbox",
+    "agents",
     "environments",
     "teachers",
     "rewarder",

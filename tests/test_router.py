@@ -11,6 +11,7 @@ import pytest
 
 from actors.contract.rollouts import Trajectory
 from actors.generator.actor import Generation
+from actors.generator.request import SampleRequest
 from actors.tasks.strings import Reverse
 from actors.weights.record import WeightVersion
 from mesh.controller import Controller
@@ -66,11 +67,8 @@ class FakeReplica:
         finally:
             self.in_flight.remove(weights.version)
 
-    async def _generate(
-        self, problems, group_size: int, weights: WeightVersion, seeds: list[int], greedy: bool, hints: list | None
-    ) -> Generation:
-        assert len(seeds) == len(problems) and (hints is None or len(hints) == len(problems))
-        return await self._serve("generate", problems, group_size, weights)
+    async def _generate(self, request: SampleRequest) -> Generation:
+        return await self._serve("generate", request.problems, request.group_size, request.weights)
 
     async def _logprobs_of(self, problems, texts, weights: WeightVersion) -> Generation:
         return await self._serve("logprobs_of", problems, 1, weights)
@@ -88,6 +86,11 @@ class FakeReplica:
         return sum(prompts for kind, prompts, _ in self.requests if kind == endpoint)
 
 
+def request(problems: list, group_size: int, weights: WeightVersion) -> SampleRequest:
+    """A request of ``problems``, each with its seed (the router hands each target its problems' seeds)."""
+    return SampleRequest(problems, group_size, weights, SEEDS[: len(problems)])
+
+
 def router(replicas: list[FakeReplica], policy: str) -> Router:
     return Router(replicas, policy)
 
@@ -97,13 +100,13 @@ async def test_round_robin_rotates_over_replicas_across_calls_and_keeps_group_or
     route = router(replicas, "round_robin")
     problems = TASK.problems(0, 0, 6)
 
-    routed = await route.generate(problems, 2, version(0), SEEDS)  # one request per replica, an even split
+    routed = await route.generate(request(problems, 2, version(0)))  # one request per replica, an even split
     assert [r.served() for r in replicas] == [2, 2, 2]
     assert [[t.text for t in group] for group in routed.trajectories] == [[p.prompt] * 2 for p in problems]
     assert [(load.requests, load.rows) for load in routed.loads] == [(1, 4)] * 3
 
-    await route.generate(problems[:2], 2, version(0), SEEDS)  # the rotation runs on: replicas 0 and 1
-    await route.generate(problems[:1], 2, version(0), SEEDS)  # ... then replica 2
+    await route.generate(request(problems[:2], 2, version(0)))  # the rotation runs on: replicas 0 and 1
+    await route.generate(request(problems[:1], 2, version(0)))  # ... then replica 2
     assert [len(r.requests) for r in replicas] == [2, 2, 2]
 
 
@@ -113,10 +116,10 @@ async def test_weights_a_push_adopted_are_reported_once_with_the_next_request_th
     problems = TASK.problems(0, 0, 2)
     route.push(version(1))
     await route.settle()
-    first = await route.generate(problems, 2, version(1), SEEDS)
+    first = await route.generate(request(problems, 2, version(1)))
     assert first.load_seconds == 0.02 and first.loads[0].busy_seconds == pytest.approx(0.07)
     assert first.sampling_seconds == pytest.approx(0.05)  # sampling alone, without the adoption
-    again = await route.generate(problems, 2, version(1), SEEDS)
+    again = await route.generate(request(problems, 2, version(1)))
     assert again.load_seconds == 0.0
 
 
@@ -126,7 +129,7 @@ async def test_least_loaded_sends_the_work_to_the_idle_replica_when_one_is_slow(
     problems = TASK.problems(0, 0, 16)
 
     start = time.perf_counter()
-    routed = await route.generate(problems, 4, version(0), SEEDS)
+    routed = await route.generate(request(problems, 4, version(0)))
     elapsed = time.perf_counter() - start
     assert len(slow.requests) + len(fast.requests) == 2 * REQUESTS_PER_TARGET
     assert len(slow.requests) <= 2 and slow.served() + fast.served() == 16  # the fast one took the rest
@@ -140,9 +143,9 @@ async def test_least_loaded_sends_the_work_to_the_idle_replica_when_one_is_slow(
 async def test_least_loaded_picks_fewest_rows_in_flight_ties_by_order():
     busy, idle_a, idle_b = FakeReplica(seconds=0.2), FakeReplica(), FakeReplica()
     route = router([busy, idle_a, idle_b], "least_loaded")
-    long = asyncio.create_task(route.generate(TASK.problems(0, 0, 1), 8, version(0), SEEDS))  # one request: replica 0
+    long = asyncio.create_task(route.generate(request(TASK.problems(0, 0, 1), 8, version(0))))  # one request: replica 0
     await asyncio.sleep(0.05)
-    await route.generate(TASK.problems(0, 1, 1), 1, version(0), SEEDS)
+    await route.generate(request(TASK.problems(0, 1, 1), 1, version(0)))
     await long
     assert [len(r.requests) for r in (busy, idle_a, idle_b)] == [1, 1, 0]  # not the busy one; first of the idle
 
@@ -150,9 +153,9 @@ async def test_least_loaded_picks_fewest_rows_in_flight_ties_by_order():
 async def test_a_replica_serves_one_version_at_a_time_and_every_replica_gets_each_published_version():
     replicas = [FakeReplica(seconds=0.05) for _ in range(2)]
     route = router(replicas, "least_loaded")
-    old = asyncio.create_task(route.generate(TASK.problems(0, 0, 8), 2, version(0), SEEDS))
+    old = asyncio.create_task(route.generate(request(TASK.problems(0, 0, 8), 2, version(0))))
     await asyncio.sleep(0.01)
-    new = asyncio.create_task(route.generate(TASK.problems(0, 1, 8), 2, version(1), SEEDS))  # FakeReplica checks no mix
+    new = asyncio.create_task(route.generate(request(TASK.problems(0, 1, 8), 2, version(1))))  # no mix: FakeReplica
     old_rows, new_rows = await old, await new
     assert (old_rows.version, new_rows.version) == (0, 1)
 
@@ -161,7 +164,7 @@ async def test_a_replica_serves_one_version_at_a_time_and_every_replica_gets_eac
     assert [r.held for r in replicas] == [2, 2]
     assert all(r.requests[-1] == ("hold", 0, 2) for r in replicas)
 
-    await route.generate(TASK.problems(0, 2, 1), 2, version(2), SEEDS)  # a replica that got no request still catches up
+    await route.generate(request(TASK.problems(0, 2, 1), 2, version(2)))  # a replica that got no request still catches up
     route.push(version(3))
     await route.settle()
     assert [r.held for r in replicas] == [3, 3]
@@ -173,7 +176,7 @@ async def test_a_failed_push_fails_the_next_call():
     with pytest.raises(PushFailed, match="generator target 1 could not adopt weight version 1: replica is gone"):
         await route.settle()
     with pytest.raises(PushFailed):
-        await route.generate(TASK.problems(0, 0, 2), 2, version(1), SEEDS)
+        await route.generate(request(TASK.problems(0, 0, 2), 2, version(1)))
 
 
 
@@ -191,7 +194,7 @@ async def test_a_failed_push_of_a_version_a_newer_one_superseded_fails_nothing(n
     route.push(version(3))
     await route.settle()
     assert replica.held == 3
-    assert (await route.generate(TASK.problems(0, 0, 1), 2, version(3), SEEDS)).version == 3
+    assert (await route.generate(request(TASK.problems(0, 0, 1), 2, version(3)))).version == 3
 
 
 # ----------------------------------------------------------------------------- a real run

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.environments import sandbox, sandbox_runner
-from actors.environments.sandbox import SandboxError, SandboxLimits, ToolResult, check_sandbox, run_python
+from actors.sandbox import runner, tool
+from actors.sandbox.tool import SandboxError, SandboxLimits, ToolResult, check_sandbox, run_python
 
 LIMITS = SandboxLimits(timeout_s=1.0, memory_bytes=128 * 2**20)
 
@@ -310,7 +310,7 @@ async def test_only_unix_and_inet_sockets(family, kind):
 async def test_io_uring_and_memfds_are_refused_in_every_process_of_the_code():
     """io_uring would run I/O the filter never sees; a memfd holds memory outside RLIMIT_AS. Both fail with ENOSYS,
     in the code's process and in a program it starts (a seccomp filter is inherited)."""
-    io_uring_setup = sandbox_runner.SYSCALLS[os.uname().machine]["io_uring_setup"]
+    io_uring_setup = runner.SYSCALLS[os.uname().machine]["io_uring_setup"]
     probe = (
         "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
         f"print(libc.syscall({io_uring_setup}, 1, ctypes.create_string_buffer(120)), ctypes.get_errno())\n"
@@ -340,7 +340,7 @@ async def test_the_host_name_and_cgroup_are_the_sandboxs_own():
     assert cgroups and [line.split(":", 2)[2] for line in cgroups] == ["/"] * len(cgroups), result
 
 
-needs_cgroup = pytest.mark.skipif(sandbox._cgroup_home() is None, reason="no memory cgroup writable here")
+needs_cgroup = pytest.mark.skipif(tool._cgroup_home() is None, reason="no memory cgroup writable here")
 
 
 @needs_sandbox
@@ -348,8 +348,8 @@ needs_cgroup = pytest.mark.skipif(sandbox._cgroup_home() is None, reason="no mem
 async def test_a_calls_processes_share_its_memory_limit(monkeypatch):
     """Two processes of 100 MiB each stay under a 192 MiB RLIMIT_AS apiece, but not together: the call's cgroup
     kills one. Half as much each runs. Each call's cgroup is gone after it."""
-    made, make = [], sandbox._make_cgroup
-    monkeypatch.setattr(sandbox, "_make_cgroup", lambda memory: made.append(make(memory)) or made[-1])
+    made, make = [], tool._make_cgroup
+    monkeypatch.setattr(tool, "_make_cgroup", lambda memory: made.append(make(memory)) or made[-1])
     limits = SandboxLimits(timeout_s=5.0, memory_bytes=192 * 2**20)
     code = (
         "import os, time\npid = os.fork()\ndata = b'x' * ({} * 2**20)\nif pid == 0:\n    time.sleep(0.5)\n"
@@ -365,7 +365,7 @@ async def test_a_calls_processes_share_its_memory_limit(monkeypatch):
 @needs_sandbox
 async def test_a_call_runs_where_no_cgroup_can_be_made(monkeypatch):
     """A cgroup is a bound added where one can be made, never a reason for a call to fail."""
-    monkeypatch.setattr(sandbox, "_cgroup_home", lambda: ("/proc", "v1"))  # no directory can be made there
+    monkeypatch.setattr(tool, "_cgroup_home", lambda: ("/proc", "v1"))  # no directory can be made there
     result, _ = await _run("print(6 * 7)")
     assert (result.output, result.failure) == ("42\n", None), result
 
@@ -373,30 +373,30 @@ async def test_a_call_runs_where_no_cgroup_can_be_made(monkeypatch):
 def test_the_runner_is_a_module_of_the_standard_library_only():
     """Run by path in an isolated interpreter, it can import nothing else; and not asyncio, which every call would
     pay to import."""
-    assert sandbox.RUNNER == sandbox_runner.__file__ and Path(sandbox.RUNNER).is_file()
-    tree = ast.parse(Path(sandbox.RUNNER).read_text())
+    assert tool.RUNNER == runner.__file__ and Path(tool.RUNNER).is_file()
+    tree = ast.parse(Path(tool.RUNNER).read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert {name.split(".")[0] for name in imported} <= set(sys.stdlib_module_names) - {"asyncio"}, imported
 
 
 def test_an_architecture_without_system_call_numbers_names_itself(monkeypatch):
-    monkeypatch.setattr(sandbox_runner, "SYSCALLS", {})
+    monkeypatch.setattr(runner, "SYSCALLS", {})
     with pytest.raises(OSError, match=f"no system call numbers known for {os.uname().machine}"):
-        sandbox_runner.syscall_numbers()
+        runner.syscall_numbers()
 
 
 def test_a_missing_system_call_is_named_with_the_kernel():
     """ENOSYS is the kernel's (or a container profile's) answer, not a sign of user namespaces being off."""
     error = "[Errno 38] Function not implemented: 'pivot_root'"
-    paragraph = sandbox._cannot_start({"errno": errno.ENOSYS, "step": "pivot_root", "error": error})
+    paragraph = tool._cannot_start({"errno": errno.ENOSYS, "step": "pivot_root", "error": error})
     assert f"Linux {os.uname().release}, has no pivot_root system call" in paragraph
     assert "allow pivot_root there" in paragraph and "max_user_namespaces" not in paragraph
 
 
 def test_another_failed_step_is_quoted_verbatim():
     error = "[Errno 1] Operation not permitted: 'mount /tmp/proc'"
-    paragraph = sandbox._cannot_start({"errno": errno.EPERM, "step": "mount /tmp/proc", "error": error})
+    paragraph = tool._cannot_start({"errno": errno.EPERM, "step": "mount /tmp/proc", "error": error})
     assert f"its setup failed at mount /tmp/proc: {error} (Linux {os.uname().release}" in paragraph
 
 
@@ -406,10 +406,10 @@ REFUSED_SETUP = {"errno": 1, "step": "unshare", "error": "[Errno 1] Operation no
 @pytest.fixture
 def refusing_runner(tmp_path, monkeypatch):
     """A runner that reports a failed setup step, as the real one does where unshare is refused."""
-    runner = tmp_path / "runner.py"
+    refusing = tmp_path / "runner.py"
     report = b"setup " + json.dumps(REFUSED_SETUP).encode()
-    runner.write_text(f"import os, sys\nos.write(int(sys.argv[1]), {report!r})")
-    monkeypatch.setattr(sandbox, "RUNNER", str(runner))
+    refusing.write_text(f"import os, sys\nos.write(int(sys.argv[1]), {report!r})")
+    monkeypatch.setattr(tool, "RUNNER", str(refusing))
 
 
 async def test_a_sandbox_that_cannot_start_runs_no_code(refusing_runner):

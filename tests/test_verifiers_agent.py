@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("verifiers.v1", reason="verifiers is installed with the envs extra")
 
-from actors.environments.agent_task import Agents, AgentTask  # noqa: E402
-from actors.environments.endpoint import ChatServer  # noqa: E402
+from actors.agents.endpoint import ChatServer  # noqa: E402
+from actors.agents.task import Agents, AgentTask  # noqa: E402
 from actors.generator.engines import Sampling, sampling_seeds  # noqa: E402
 from actors.generator.engines.hf import HFEngine  # noqa: E402
 from actors.models.facts import TinyModelSpec  # noqa: E402

@@ -134,7 +134,7 @@ class EpisodeOutcome:
     done: bool
     failure: str | None = None
     # an agent's requests that could not be stitched into the episode's one sequence (it edited its
-    # history): each its own trajectory, trained with the episode's reward (``actors/environments/chat_tokens.py``)
+    # history): each its own trajectory, trained with the episode's reward (``actors/agents/chat_tokens.py``)
     split: tuple[Trajectory, ...] = ()
     updated_tokens: int = 0  # of the model's tokens, those a newer version sampled (the episode went on with it)
     # of those, the tokens sampled after a weight update interrupted their turn (it went on with the new weights)

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import string
 from dataclasses import dataclass, field, replace
 
 from actors.basics.urls import check_url
-from actors.tasks import Problem
+from actors.tasks import MAX_TIMEOUT_S, OBSERVATION_ALPHABET, Problem
 
 # The character tokenizer of a tiny model (model.init) reads the observations too: every
 # character an environment may say must be in its vocabulary, or it reads as <unk>.
-OBSERVATION_ALPHABET = string.ascii_letters + string.digits + " .,;:!?'-()\n"
-MAX_TIMEOUT_S = 86_400  # a day: no environment call is meant to take longer, and asyncio takes any finite number
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """One environment episode as the tokens the policy sampled, stitched as an agent's are.
 
 ``TokenPolicy`` is the policy ``run_episode`` calls, turned into tokens by the one stitcher every
-multi-turn path uses (``actors.environments.chat_tokens``): each call's messages are the conversation
+multi-turn path uses (``actors.agents.chat_tokens``): each call's messages are the conversation
 so far, which extends what was recorded by the environment's new observation, so only the observation's
 tokens are rendered (by the chat template, after what it writes behind the reply's end-of-sequence
 token; loss mask False, logprob 0) and the next reply is sampled from everything so far (loss mask True,
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from actors.agents.chat_tokens import ChatTokens
 from actors.contract.rollouts import Trajectory
-from actors.environments.chat_tokens import ChatTokens
 
 # Continue a token sequence with one sampled reply: (ids so far, turn) -> the reply alone.
 Sampler = Callable[[list[int], int], Awaitable[Trajectory]]

@@ -43,7 +43,7 @@ from verifiers.v1.clients import EvalClientConfig
 from verifiers.v1.runtimes import SubprocessConfig, SubprocessRuntime
 from verifiers.v1.utils.loaders import harness_class
 
-from actors.environments.endpoint import Endpoint
+from actors.agents.endpoint import Endpoint
 from actors.environments.verifiers import VerifiersTask
 from actors.tasks import Problem, Task
 
@@ -65,9 +65,9 @@ class VerifiersAgent:
             raise ValueError(
                 "verifiers harness 'bash' is refused: its shell and edit tools run model-written commands as programs "
                 "of the agent's process, on the generator's host, with the network and every file that process can "
-                "read, outside the python tool's sandbox (actors/environments/sandbox.py), which offers a Python "
+                "read, outside the python tool's sandbox (actors/sandbox/tool.py), which offers a Python "
                 "interpreter only. Use harness: null (a chat loop), or give the agent a python tool "
-                "(actors/environments/examples/tool_agents.py)"
+                "(actors/agents/examples/tool_agents.py)"
             )
         if harness_class(harness).NEEDS_CONTAINER:
             raise ValueError(

@@ -30,18 +30,19 @@ import torch
 from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
+from actors.agents.chat_tokens import ChatTokens
+from actors.agents.task import NO_DEMONSTRATION, Agents, AgentSpec
 from actors.basics.compute import Compute
 from actors.basics.proc_info import ProcInfo, this_proc
 from actors.contract.rollouts import EpisodeOutcome, ReplyRequest, Reward, Trajectory
 from actors.environments import Environments
-from actors.environments.agent_task import NO_DEMONSTRATION, Agents, AgentSpec
-from actors.environments.chat_tokens import ChatTokens
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
 from actors.environments.token_policy import TokenPolicy
 from actors.generator.config import GeneratorConfig
 from actors.generator.engines import piece_seed, sampling_seeds
 from actors.generator.gate import VersionGate
+from actors.generator.request import SampleRequest
 from actors.models.chat import render
 from actors.models.lora_config import LoRAConfig
 from actors.models.source import check_before_loading
@@ -180,28 +181,17 @@ class Generator(Actor):
         return self.weights.hold(weights, self.engine.load_weights)
 
     @concurrent_endpoint
-    async def generate(
-        self,
-        problems: list[Problem],
-        group_size: int,
-        weights: WeightVersion,
-        seeds: list[int],
-        greedy: bool = False,
-        hints: list[str | None] | None = None,
-    ) -> Generation:
-        """``group_size`` samples of each problem; ``seeds`` (one per problem) fix the sampling
-        randomness, so a request sampled again (a retry, a resumed run) gives the same samples.
-        ``greedy``: each problem's argmax continuation instead (the evaluation's, one per problem).
-        ``hints`` (one per problem, or None): each read after its question as a self-hinting teacher reads
-        its hint (``actors/models/chat.py``), so the policy samples as its hinted self (the gap check's)."""
-        start = time.perf_counter()
+    async def generate(self, request: SampleRequest) -> Generation:
+        """The samples ``request`` asks for, rewarded here when the rewarder runs in this process."""
+        start, weights = time.perf_counter(), request.weights
+        prompts = self._prompts(request.problems, request.hints)
         async with self.gate.use(weights, self._switch) as load_seconds:
-            groups = await self.engine.generate(self._prompts(problems, hints), group_size, seeds, greedy)
+            groups = await self.engine.generate(prompts, request.group_size, request.seeds, request.greedy)
             await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
         rows = [t for group in groups for t in group]
-        rewards = self._rewards(problems, rows, group_size)
+        rewards = self._rewards(request.problems, rows, request.group_size)
         seconds = time.perf_counter() - start
-        return Generation.of(rows, group_size, weights.version, seconds, load_seconds, rewards=rewards)
+        return Generation.of(rows, request.group_size, weights.version, seconds, load_seconds, rewards=rewards)
 
     @concurrent_endpoint
     async def play(
@@ -264,7 +254,7 @@ class Generator(Actor):
         self, agents: Agents, spec: AgentSpec, problem: Problem, seed: int, j: int
     ) -> tuple[Trajectory, EpisodeOutcome]:
         """One run of the agent on ``problem``, its turns sampled through this process's endpoint with seeds of
-        (``seed``, ``j``), recorded as the tokens sampled (``actors/environments/chat_tokens.py``)."""
+        (``seed``, ``j``), recorded as the tokens sampled (``actors/agents/chat_tokens.py``)."""
         turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
         replies = None
         if spec.demonstrating:
@@ -349,7 +339,7 @@ class Generator(Actor):
             if self._agent_code is None:
                 from transformers import AutoConfig
 
-                from actors.environments.endpoint import ChatServer
+                from actors.agents.endpoint import ChatServer
 
                 positions = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
                 server = ChatServer(
@@ -361,7 +351,7 @@ class Generator(Actor):
 
     @concurrent_endpoint
     async def agent_guarantees(self, spec: AgentSpec) -> str:
-        """What holds for this process's agents (``actors/environments/guests.py``), as its agent host says: the run
+        """What holds for this process's agents (``actors/agents/guests.py``), as its agent host says: the run
         says it at its start."""
         return await (await self._agents(spec)).guarantees()
 

@@ -7,8 +7,15 @@ the same prompts, and it knows the correct answer, which both the verifier and t
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field
 from typing import Protocol
+
+# what a multi-turn task's episodes (an environment's, an agent's) may take: a tiny model's characters, those an
+# environment may say; and the longest timeout a call of theirs may have (a day: none is meant to take longer, and
+# asyncio takes any finite number)
+OBSERVATION_ALPHABET = string.ascii_letters + string.digits + " .,;:!?'-()\n"
+MAX_TIMEOUT_S = 86_400
 
 
 @dataclass(frozen=True)

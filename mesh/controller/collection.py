@@ -27,11 +27,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from actors.agents.task import NO_DEMONSTRATION, AgentSpec
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.contract.top_k import TopK
-from actors.environments.agent_task import NO_DEMONSTRATION, AgentSpec
 from actors.environments.openenv_task import EpisodeSpec
 from actors.generator.engines import sampling_seeds
+from actors.generator.request import SampleRequest
 from actors.tasks import Problem, Task
 from actors.teachers.bindings import TopKRequest
 from actors.weights.record import WeightVersion
@@ -190,7 +191,7 @@ class SampleCollection(_Collection):
         """One completion per held-out prompt (sampled, or greedy with ``evaluation_greedy``): its mean
         reward and the share exactly right (a reward of 1 or more, as ``reward/exact`` counts)."""
         problems, seeds = self._evaluation_prompts(step)
-        rows = await self._rewarded(problems, 1, weights, seeds, self.settings.evaluation_greedy)
+        rows = await self._rewarded(SampleRequest(problems, 1, weights, seeds, self.settings.evaluation_greedy))
         rewards = [row.reward.total for group in rows for row in group]
         return Evaluated(sum(rewards) / len(problems), exact_share(rows))
 
@@ -200,7 +201,8 @@ class SampleCollection(_Collection):
         hints, as many samples again with its hint after the question; both with ``weights``."""
         teacher, seed, group_size = _distiller(teachers), self.settings.seed, self.settings.group_size
         drawn = self.task.problems(seed, 0, problems)
-        student = await self._rewarded(drawn, group_size, weights, sampling_seeds(seed, "gap", problems))
+        gap_seeds = sampling_seeds(seed, "gap", problems)
+        student = await self._rewarded(SampleRequest(drawn, group_size, weights, gap_seeds))
         hints = [problem_hint(teacher, problem, rows) for problem, rows in zip(drawn, student)]
         checked = [i for i, hint in enumerate(hints) if hint is not None]
         check = GapCheck(problems, len(checked), group_size, teacher.config.hint, self.settings.distill_every_sample)
@@ -208,23 +210,15 @@ class SampleCollection(_Collection):
             return check
         seeds = sampling_seeds(seed, "gap, hinted", len(checked))
         hinted = await self._rewarded(
-            [drawn[i] for i in checked], group_size, weights, seeds, hints=[hints[i] for i in checked]
+            SampleRequest([drawn[i] for i in checked], group_size, weights, seeds, hints=[hints[i] for i in checked])
         )
         return replace(check, student=exact_share([student[i] for i in checked]), hinted=exact_share(hinted))
 
-    async def _rewarded(
-        self,
-        problems: list[Problem],
-        per_prompt: int,
-        weights: WeightVersion,
-        seeds: list[int],
-        greedy: bool = False,
-        hints: list[str | None] | None = None,
-    ) -> Rows:
-        """``per_prompt`` samples of each problem (read after its hint, where given), as rows with their rewards."""
-        sampled = await self.services.generators.generate(problems, per_prompt, weights, seeds, greedy, hints)
-        rows = [_sampled_rows(i, sampled) for i in range(len(problems))]
-        return (await self.services.rewarding.reward(problems, rows))[0]
+    async def _rewarded(self, request: SampleRequest) -> Rows:
+        """The samples ``request`` asks for (each read after its hint, where given), as rows with their rewards."""
+        sampled = await self.services.generators.generate(request)
+        rows = [_sampled_rows(i, sampled) for i in range(len(request.problems))]
+        return (await self.services.rewarding.reward(request.problems, rows))[0]
 
     # ------------------------------------------------------------------------- the stages
 
@@ -237,7 +231,9 @@ class SampleCollection(_Collection):
         tracers = list({t.name: t for t in ([warm] if warm else []) + replay}.values())
         tracing = asyncio.ensure_future(self._trace(tracers, problems))  # beside the sampling
         try:  # awaited, not gathered: the generators' requests leave in this turn of the event loop
-            sampled = await self.services.generators.generate(problems, settings.group_size, weights, rollout.seeds)
+            sampled = await self.services.generators.generate(
+                SampleRequest(problems, settings.group_size, weights, rollout.seeds)
+            )
         except BaseException:
             tracing.cancel()
             raise

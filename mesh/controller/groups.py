@@ -98,7 +98,7 @@ class PlayedGroup:
 
 @dataclass(frozen=True)
 class Demonstration:
-    """An agent's demonstration of a group's problem, played as an episode (``actors/environments/agent_task.py``):
+    """An agent's demonstration of a group's problem, played as an episode (``actors/agents/task.py``):
     it joins the group as a warm start's row (``warm_start``) and as channel 3's replayed trace (``replay``)."""
 
     trajectory: Trajectory

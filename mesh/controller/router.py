@@ -38,6 +38,7 @@ from actors.basics.shares import split_evenly
 from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
 from actors.environments.openenv_task import EpisodeSpec
 from actors.generator.actor import Generation
+from actors.generator.request import SampleRequest
 from actors.tasks import Problem
 from actors.weights.record import WeightVersion
 
@@ -153,25 +154,14 @@ class Router:
     def handles(self) -> list[ActorMesh]:
         return [target.handle for target in self.targets]
 
-    async def generate(
-        self,
-        problems: list[Problem],
-        group_size: int,
-        weights: WeightVersion,
-        seeds: list[int],
-        greedy: bool = False,
-        hints: list[str | None] | None = None,
-    ) -> Routed:
-        """``group_size`` samples of each prompt, sampled with ``weights``, in prompt order.
-        ``seeds`` (one per prompt) fix each prompt's sampling, whichever target serves it;
-        ``greedy``: each prompt's argmax continuation instead; ``hints``: one per prompt, read after it
-        (``Generator.generate``)."""
+    async def generate(self, request: SampleRequest) -> Routed:
+        """The samples ``request`` asks for, in prompt order, its problems shared among the targets (each problem's
+        seed goes with it, so whichever target serves it samples the same)."""
 
         def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
-            shared = None if hints is None else hints[share]
-            return handle.generate.call_one(problems[share], group_size, weights, seeds[share], greedy, shared)
+            return handle.generate.call_one(request.part(share))
 
-        return await self._route(problems, group_size, weights.version, call)
+        return await self._route(request.problems, request.group_size, request.weights.version, call)
 
     async def play(
         self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], spec: EpisodeSpec

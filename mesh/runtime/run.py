@@ -34,11 +34,11 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 import monarch.actor  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env_async  # noqa: E402
 
+from actors.agents.task import AgentSpec  # noqa: E402
 from actors.basics.compute import Compute  # noqa: E402
 from actors.basics.proc_info import ProcInfo  # noqa: E402
 from actors.diloco.config import DiLoCoConfig  # noqa: E402
 from actors.diloco.syncer import checkpoint_name  # noqa: E402
-from actors.environments.agent_task import AgentSpec  # noqa: E402
 from actors.environments.openenv_task import EpisodeSpec  # noqa: E402
 from actors.environments.serve import EnvironmentServer  # noqa: E402
 from actors.generator.actor import Generator  # noqa: E402
@@ -236,7 +236,7 @@ def _episodes(task, run_dir: RunDir, cleanup: AsyncExitStack) -> EpisodeSpec | N
 
 
 async def _say_guests(plan: RunPlan, fleet: Fleet, spec: AgentSpec, faults: _FaultLog) -> None:
-    """What holds for the agents on each generator (``actors/environments/guests.py``), said once at the start."""
+    """What holds for the agents on each generator (``actors/agents/guests.py``), said once at the start."""
     said: set[str] = set()
     for name in plan.generator_meshes:
         said |= set((await fleet.handle("generator", name).agent_guarantees.call(spec)).values())

@@ -162,12 +162,12 @@ class TaskSection(Section):
 
     @property
     def agent(self) -> str | None:
-        """The agent's import path of an agent task (``actors/environments/agent_task.py``), else None."""
+        """The agent's import path of an agent task (``actors/agents/task.py``), else None."""
         return (self.model_extra or {}).get("agent") if self.name == "agent" else None
 
     @property
     def demonstration(self) -> str | None:
-        """An agent task's demonstration (``actors/environments/agent_task.py``), else None."""
+        """An agent task's demonstration (``actors/agents/task.py``), else None."""
         return (self.model_extra or {}).get("demonstration") if self.name == "agent" else None
 
     @property
@@ -178,7 +178,7 @@ class TaskSection(Section):
     @model_validator(mode="before")
     @classmethod
     def _agent(cls, data: object) -> object:
-        """``task: {agent: package.module:attr, ...}`` is the ``agent`` task (``actors/environments/agent_task.py``)."""
+        """``task: {agent: package.module:attr, ...}`` is the ``agent`` task (``actors/agents/task.py``)."""
         if isinstance(data, dict) and "agent" in data and "name" not in data:
             return {"name": "agent", **data}
         return data

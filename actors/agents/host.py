@@ -1,9 +1,9 @@
 """The agent host: a supervisor that runs each episode's agent in a fork of itself, as a guest.
 
-``python -m actors.environments.agent_host`` is started by a generator (``actors.environments.agent_task.Agents``),
+``python -m actors.agents.host`` is started by a generator (``actors.agents.task.Agents``),
 fresh, never a fork of the generator's threads. It reads the agent's spec, imports the agent's module, builds its
 task and (a class agent) its instance, once; then for each episode asked for it forks a child, which becomes a guest
-(``actors/environments/guests.py``: a user of its own where the host is root) and runs the agent on the problem::
+(``actors/agents/guests.py``: a user of its own where the host is root) and runs the agent on the problem::
 
     generator ── start (key, endpoint, problem) ──▶ host ── fork ──▶ episode: the agent, as a guest
         ▲                JSON, length-prefixed       │ ◀── its outcome (JSON), its output (bounded) ─┘
@@ -35,9 +35,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.environments import agent_wire, guests
-from actors.environments.agent_task import AgentSpec, load_agent
-from actors.environments.endpoint import Endpoint
+from actors.agents import guests, wire
+from actors.agents.endpoint import Endpoint
+from actors.agents.task import AgentSpec, load_agent
 from actors.tasks import Problem
 
 _SAID = 500  # the most characters of an agent's exception that reach its failure
@@ -77,7 +77,7 @@ class Host:
                 self.users.give_back(uid)
         self.episodes: dict[int, _Episode] = {}  # by pid
         self.draining: set[int] = set()  # guest uids whose episode ended, back to the pool once no process has them
-        self.frames = agent_wire.Frames(agent_wire.MAX_REQUEST)
+        self.frames = wire.Frames(wire.MAX_REQUEST)
         self.selector = selectors.DefaultSelector()
         self.wakeup, wakeup_write = os.pipe()
         for fd in (requests, self.wakeup, wakeup_write):
@@ -109,14 +109,14 @@ class Host:
             self._shutdown()
         for kind, value in self.frames.feed(data):
             if kind == "start":
-                self._start(*agent_wire.start_of(value))
+                self._start(*wire.start_of(value))
             elif kind == "cancel":
                 for episode in [e for e in self.episodes.values() if e.key == value]:
                     self._stop(episode, "the generator stopped waiting for the episode")
             elif kind == "ping":
                 self._reply({"pong": value})
             else:
-                raise agent_wire.WireError(f"a request of kind {kind!r}")
+                raise wire.WireError(f"a request of kind {kind!r}")
 
     def _start(self, key: int, endpoint: Endpoint, problem: Problem) -> None:
         pipes, uid = [], None
@@ -132,7 +132,7 @@ class Host:
             if uid is not None:
                 self.users.give_back(uid)
             failure = f"the agent's episode could not start: {error}"
-            return self._reply(agent_wire.ended_message(key, {"reward": None, "failure": failure}))
+            return self._reply(wire.ended_message(key, {"reward": None, "failure": failure}))
         if pid == 0:
             _episode(self, endpoint, problem, uid, outcome_write, output_write)
         os.close(outcome_write)
@@ -157,7 +157,7 @@ class Host:
     def _read_outcome(self, episode: _Episode) -> None:
         chunk = _read(episode.outcome)
         if chunk:
-            episode.said += chunk[: agent_wire.MAX_REPLY - len(episode.said)]
+            episode.said += chunk[: wire.MAX_REPLY - len(episode.said)]
         elif chunk is not None:  # its end: every holder of the pipe closed it
             self._forget(episode.outcome)
 
@@ -205,7 +205,7 @@ class Host:
             self._forget(fd)
             os.close(fd)
         _log_output(episode)  # before its end is told: the log holds what an episode printed once it has ended
-        self._reply(agent_wire.ended_message(episode.key, _told(episode, status)))
+        self._reply(wire.ended_message(episode.key, _told(episode, status)))
         if episode.uid is not None:
             self.draining.add(episode.uid)
 
@@ -240,7 +240,7 @@ class Host:
         sys.exit(0)
 
     def _reply(self, message: dict) -> None:
-        data = agent_wire.frame(message)
+        data = wire.frame(message)
         while data:
             data = data[os.write(self.replies, data) :]
 
@@ -254,7 +254,7 @@ def main() -> None:
         host = _started(requests, replies)
     except Exception as error:  # noqa: BLE001  its own cause, told to the generator, which fails its episodes with it
         said = f"the agent host could not start: {type(error).__name__}: {_said(error)}"
-        os.write(replies, agent_wire.frame({"failed": said}))
+        os.write(replies, wire.frame({"failed": said}))
         raise
     host.serve()
 
@@ -263,8 +263,8 @@ def _started(requests: int, replies: int) -> Host:
     """The host, its spec read, its isolation found and its agent loaded."""
     kind, value = _first_message(requests)
     if kind != "spec":
-        raise agent_wire.WireError(f"a first message of kind {kind!r}, not the spec")
-    spec = agent_wire.spec_of(value, AgentSpec)
+        raise wire.WireError(f"a first message of kind {kind!r}, not the spec")
+    spec = wire.spec_of(value, AgentSpec)
     isolation = guests.isolation(sys.path)
     if isolation.own_users:  # a guest's home is its private /tmp: so too for paths its modules make as they load
         os.environ.update(guests.GUEST_HOME)
@@ -274,8 +274,8 @@ def _started(requests: int, replies: int) -> Host:
 
 
 def _first_message(fd: int) -> tuple[str, Any]:
-    header = _exactly(fd, agent_wire.LENGTH.size)
-    return agent_wire.parse(_exactly(fd, agent_wire.size_of(header, agent_wire.MAX_REQUEST)))
+    header = _exactly(fd, wire.LENGTH.size)
+    return wire.parse(_exactly(fd, wire.size_of(header, wire.MAX_REQUEST)))
 
 
 def _exactly(fd: int, size: int) -> bytes:
@@ -297,7 +297,7 @@ def _warm() -> None:
 
         client = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="unused")
         client.chat.completions, client.completions, client.models  # noqa: B018  imported as they are first read
-    from actors.environments.sandbox import host_view
+    from actors.sandbox.tool import host_view
 
     with contextlib.suppress(Exception):  # no sandbox here: an agent that runs the tool fails with its own error
         host_view()
@@ -351,7 +351,7 @@ def _hold_only(outcome: int, output: int) -> None:
 
 def _tell(told: dict) -> None:
     with contextlib.suppress(BaseException):
-        os.write(_OUTCOME, json.dumps(told).encode()[: agent_wire.MAX_REPLY])
+        os.write(_OUTCOME, json.dumps(told).encode()[: wire.MAX_REPLY])
     os._exit(0)
 
 
@@ -398,7 +398,7 @@ def _told(episode: _Episode, status: int) -> dict:
     with contextlib.suppress(ValueError, RecursionError):  # WireError is a ValueError
         told = json.loads(episode.said) if episode.said else None
         if isinstance(told, dict) and told.keys() == {"reward", "failure"}:
-            _, reward, failure = agent_wire.ended_of({"key": 0, **told})
+            _, reward, failure = wire.ended_of({"key": 0, **told})
             return {"reward": reward, "failure": failure}
     code = os.waitstatus_to_exitcode(status)
     how = f"was killed by signal {-code}" if code < 0 else f"exited ({code})"

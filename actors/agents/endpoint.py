@@ -41,13 +41,13 @@ Each turn samples with the engine the run trains, under the topology's sampling 
 for that turn (or the request's ``seed``, mixed with the episode's) and the newest weights the generator holds, and
 records the prompt ids, the sampled ids, their logprobs (``ChatTokens``) and the policy version that sampled them (an
 episode goes on across a weight update; the answer's ``system_fingerprint`` names the version). Every request field
-is honoured, fixed by the topology or refused (``actors/environments/openai_fields.py``), never ignored:
+is honoured, fixed by the topology or refused (``actors/agents/openai_fields.py``), never ignored:
 ``max_tokens`` and ``stop`` reach the engine, which stops there, and ``top_logprobs`` returns the engine's own
 values. A reply that writes
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format that Qwen's and SmolLM's templates
 teach) is answered as OpenAI tool calls when the request offered tools. The whole reply is sampled before it is
 sent: a streamed answer is that reply in one chunk. An episode opened with a demonstration
-(``actors/environments/agent_task.py``) answers each turn with the demonstration's next reply, scored by the policy
+(``actors/agents/task.py``) answers each turn with the demonstration's next reply, scored by the policy
 instead of sampled, and recorded the same way.
 """
 
@@ -68,9 +68,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from actors.agents.chat_tokens import ChatTokens, Message, Prompt, TemplateError
+from actors.agents.openai_fields import FieldRefused, Route, SamplingSettings, check_fields
 from actors.contract.rollouts import ReplyRequest, Trajectory
-from actors.environments.chat_tokens import ChatTokens, Message, Prompt, TemplateError
-from actors.environments.openai_fields import FieldRefused, Route, SamplingSettings, check_fields
 
 # Continue a token sequence with one sampled reply: (ids, seed, greedy, what the request asks of the reply) -> the
 # reply alone, each token's ``versions`` the policy version that sampled it. Cancelled when its episode ends first:

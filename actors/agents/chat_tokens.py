@@ -1,6 +1,6 @@
 """An episode as the tokens the policy really sampled, whatever its messages re-tokenize to.
 
-The one stitcher of every multi-turn path: an agent's requests (``actors.environments.endpoint``) and an
+The one stitcher of every multi-turn path: an agent's requests (``actors.agents.endpoint``) and an
 environment's episodes (``actors.environments.token_policy``). An agent talks to the run in OpenAI messages.
 Rendering each request's messages with the chat template and tokenizing them would train on tokens the engine
 never produced: a reply's text can tokenize differently from the ids sampled, most visibly

@@ -15,7 +15,7 @@ well, which the run has the agent play as a warm start and replays to the model 
 shipped ``math`` set's ``solution`` column), a python block that computes the answer, then the answer alone
 after the tool's output.
 
-Every tool call runs in its own sandboxed process (``actors.environments.sandbox``): the model's
+Every tool call runs in its own sandboxed process (``actors.sandbox.tool``): the model's
 code sees nothing of the host but the interpreter and a scratch directory (no network, no file of the run's,
 no answer), and a call that hangs is killed. Importing this module checks the sandbox once
 (``check_sandbox``), so a machine that cannot run it (no user namespaces, say) fails where the agents load,
@@ -28,7 +28,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from actors.environments.sandbox import SandboxLimits, check_sandbox, run_python
+from actors.sandbox.tool import SandboxLimits, check_sandbox, run_python
 from actors.tasks import Problem
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)

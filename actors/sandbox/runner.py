@@ -1,7 +1,7 @@
-"""The python tool's sandbox from the inside: builds the sandbox that ``actors/environments/sandbox.py`` describes and
+"""The python tool's sandbox from the inside: builds the sandbox that ``actors/sandbox/tool.py`` describes and
 runs one call's code in it.
 
-Run by path, ``python -I -S -u sandbox_runner.py STATUS MEMORY CPU VIEW``, with the code on stdin: STATUS is the
+Run by path, ``python -I -S -u runner.py STATUS MEMORY CPU VIEW``, with the code on stdin: STATUS is the
 status pipe's fd, MEMORY and CPU the code's address space (bytes) and CPU seconds, VIEW what of the host the root
 shows (JSON). It imports the standard library only, since the isolated interpreter has no site-packages, and not
 asyncio, since every call pays for what it imports. It reads the whole code before it forks, so a memory cgroup the
@@ -120,7 +120,7 @@ def syscall_numbers() -> dict:
         raise OSError(
             errno.ENOEXEC,
             f"no system call numbers known for {machine}, only for {' and '.join(SYSCALLS)}; add this architecture's "
-            "to SYSCALLS in actors/environments/sandbox_runner.py",
+            "to SYSCALLS in actors/sandbox/runner.py",
             "architecture",
         )
     return SYSCALLS[machine]

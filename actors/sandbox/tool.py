@@ -5,7 +5,7 @@ The code is untrusted. By accident or by reward hacking, it may loop forever, ea
 the disk, use the network, signal the trainer, read the task's answers, talk to a daemon on the host or probe the
 kernel. ``run_python`` runs each call in a fresh interpreter, ``python -I -S``. It takes nothing from the environment
 or from site-packages, so the tool offers the standard library and behaves the same on every machine. The sandbox is
-built by a program of its own, ``sandbox_runner.py`` beside this module, which that interpreter runs by path. The
+built by a program of its own, ``runner.py`` beside this module, which that interpreter runs by path. The
 call is bounded in five ways:
 
 - What it sees. The code's root is a small tmpfs made for the call, holding nothing of the host but what the
@@ -66,7 +66,7 @@ from pathlib import Path
 _TAIL = 1024  # bytes kept from the end of stderr, where a traceback names its exception
 _LINE = 200  # the most characters of that line that go into ``ToolResult.failure``
 
-RUNNER = str(Path(__file__).with_name("sandbox_runner.py"))  # the program that builds the sandbox and runs the code
+RUNNER = str(Path(__file__).with_name("runner.py"))  # the program that builds the sandbox and runs the code
 _CGROUP_WAIT_S = 1.0  # how long a call's cgroup may stay busy after its runner ended (its processes still exiting)
 _CGROUP_FILES = {  # the files that set a call cgroup's memory limit and its swap's, by cgroup version
     "v2": ("memory.max", "memory.swap.max"),

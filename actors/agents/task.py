@@ -7,11 +7,11 @@ URL, a key and the model name: ``openai.AsyncOpenAI(base_url=endpoint.base_url, 
 and one ``Problem`` of the ``problems`` task, talks to the model through the endpoint as often
 as it likes (up to ``max_turns`` replies), calls its own tools, and returns the episode's reward;
 or ``None``, and the ``problems`` task's reward scores the model's last reply. Every token the
-model sampled trains, as sampled (``actors.environments.chat_tokens``).
+model sampled trains, as sampled (``actors.agents.chat_tokens``).
 
 The generators run the agents: each process serves the endpoint on loopback
-(``actors.environments.endpoint``) and runs each episode's agent in a process of its own, forked from an
-agent host that loaded the agent once (``actors/environments/agent_host.py``; a class agent's instance is built
+(``actors.agents.endpoint``) and runs each episode's agent in a process of its own, forked from an
+agent host that loaded the agent once (``actors/agents/host.py``; a class agent's instance is built
 there, and each episode runs on a copy of it; ``AGENTS_AT_ONCE`` at a time), and kills it at ``timeout_s``. An
 agent that exits, raises anything, hangs, spins, allocates, returns what is not a reward, never
 calls the endpoint, or asks for more turns or tokens than the run allows fails only its episode: a
@@ -42,9 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors import registry
-from actors.environments import agent_wire, guests
-from actors.environments.openenv_task import MAX_TIMEOUT_S, OBSERVATION_ALPHABET
-from actors.tasks import Problem, Task, TaskConfig, build_task
+from actors.agents import guests, wire
+from actors.tasks import MAX_TIMEOUT_S, OBSERVATION_ALPHABET, Problem, Task, TaskConfig, build_task
 
 NO_DEMONSTRATION = "the problem has no demonstration"  # a demonstration's outcome where it returns None
 # Episodes a generator process runs at once, each an agent process of its own (tens of MB once it imports its
@@ -135,8 +134,8 @@ class AgentOutcome:
 
 
 class Agents:
-    """A generator's agent code, run by an agent host (``actors/environments/agent_host.py``): each episode in a
-    process of its own, as a guest (``actors/environments/guests.py``), which ends whatever the agent does; the
+    """A generator's agent code, run by an agent host (``actors/agents/host.py``): each episode in a
+    process of its own, as a guest (``actors/agents/guests.py``), which ends whatever the agent does; the
     generator only waits for a reward or a failure. The process that holds one is not dumpable: its memory (the
     episodes' keys) and its fds (the host's pipes) are closed to every process without CAP_SYS_PTRACE."""
 
@@ -214,10 +213,10 @@ class _Host:
     async def start(cls, spec: AgentSpec) -> _Host:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))}  # the agent's module as here
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "actors.environments.agent_host", stdin=PIPE, stdout=PIPE, env=env
+            sys.executable, "-m", "actors.agents.host", stdin=PIPE, stdout=PIPE, env=env
         )
         host = cls(process, spec)
-        host._send(agent_wire.spec_message(spec))
+        host._send(wire.spec_message(spec))
         try:
             async with asyncio.timeout(_HOST_START_S):
                 host.guarantees = await host.ready
@@ -238,7 +237,7 @@ class _Host:
         """The episode's end as the host tells it. An end that does not come within ``timeout_s`` and a margin fails
         this episode only (the host is told to stop it); the host is restarted only if it stops answering."""
         future = self.waiting[key] = asyncio.get_running_loop().create_future()
-        self._send(agent_wire.start_message(key, endpoint, problem))
+        self._send(wire.start_message(key, endpoint, problem))
         try:
             return await asyncio.wait_for(future, self.spec.timeout_s + _HOST_MARGIN_S)
         except TimeoutError:
@@ -262,20 +261,20 @@ class _Host:
 
     def _send(self, message: dict) -> None:
         if not self.ended:
-            self.process.stdin.write(agent_wire.frame(message))
+            self.process.stdin.write(wire.frame(message))
 
     async def _read(self) -> None:
-        """The host's messages, until it ends: each checked (``agent_wire``) before it is used."""
+        """The host's messages, until it ends: each checked (``wire``) before it is used."""
         try:
             while True:
-                header = await self.process.stdout.readexactly(agent_wire.LENGTH.size)
-                size = agent_wire.size_of(header, agent_wire.MAX_REPLY)
-                self._received(*agent_wire.parse(await self.process.stdout.readexactly(size)))
+                header = await self.process.stdout.readexactly(wire.LENGTH.size)
+                size = wire.size_of(header, wire.MAX_REPLY)
+                self._received(*wire.parse(await self.process.stdout.readexactly(size)))
         except (asyncio.IncompleteReadError, ConnectionError):  # the host ended
             code = await self.process.wait()
             how = f"was killed by signal {-code}" if code < 0 else f"exited ({code})"
             self._end(f"the agent host {how}; its error, if any, is in the generator's log")
-        except agent_wire.WireError as error:
+        except wire.WireError as error:
             self.kill()
             self._end(f"the agent host sent {error}; it is restarted")
         except Exception as error:  # noqa: BLE001  whatever went wrong here, no episode waits for ever
@@ -284,17 +283,17 @@ class _Host:
 
     def _received(self, kind: str, value: Any) -> None:
         if kind == "ended":
-            key, reward, failure = agent_wire.ended_of(value)
+            key, reward, failure = wire.ended_of(value)
             if (waiting := self.waiting.get(key)) is not None and not waiting.done():
                 waiting.set_result(AgentOutcome(reward, failure))
         elif kind == "ready" and isinstance(value, dict) and isinstance(value.get("guarantees"), str):
             self.ready.set_result(value["guarantees"])
         elif kind == "failed" and isinstance(value, str):
-            self._end(value[: agent_wire.MAX_FAILURE])
+            self._end(value[: wire.MAX_FAILURE])
         elif kind == "pong" and (pong := self.pongs.get(value)) is not None and not pong.done():
             pong.set_result(None)
         else:
-            raise agent_wire.WireError(f"a message of kind {kind!r}")
+            raise wire.WireError(f"a message of kind {kind!r}")
 
     def _end(self, failure: str) -> None:
         """Every episode that waits fails with ``failure``, as does the host's start."""

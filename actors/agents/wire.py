@@ -1,4 +1,4 @@
-"""What travels between a generator and its agent host (``actors/environments/agent_host.py``), and how.
+"""What travels between a generator and its agent host (``actors/agents/host.py``), and how.
 
 Each message is a JSON object behind a 4-byte length, read with a size limit and checked against its schema before
 anything of it is used: nothing either side reads can run code, whoever managed to write it. The generator sends::
@@ -24,7 +24,7 @@ import struct
 from dataclasses import asdict
 from typing import Any
 
-from actors.environments.endpoint import Endpoint
+from actors.agents.endpoint import Endpoint
 from actors.tasks import Problem, TaskConfig
 
 LENGTH = struct.Struct("!I")

@@ -1,0 +1,1 @@
+"""Small agents the tests and the CPU topologies train: agents with a ``python`` tool."""
