@@ -88,9 +88,10 @@ def _encode_group(group: RolloutGroup) -> dict[str, Any]:
 
 
 def encode_row(row: Row) -> dict[str, Any]:
+    trajectory = {name: getattr(row.trajectory, name) for name in SavedTrajectory.model_fields}  # what trains
     fields = {
         "kind": row.kind.value,
-        "trajectory": dataclasses.asdict(row.trajectory),
+        "trajectory": trajectory,
         "version": row.oldest_version,
         "teacher": row.teacher,
         "reward": dataclasses.asdict(row.reward),
