@@ -208,28 +208,24 @@ class Generator(Actor):
         ``seeds`` fix each episode's sampling, turn by turn (with ``spec.greedy`` every turn is the argmax
         continuation instead)."""
         start = time.perf_counter()
-        if isinstance(spec, AgentSpec):  # each turn takes the gate, with the newest weights (``_turn``)
-            self._follow(weights)
+        self._follow(weights)  # every turn takes the gate, with the newest weights (``_turn``)
+        if isinstance(spec, AgentSpec):
             one = functools.partial(self._act_one, await self._agents(spec), spec)
-            played, load_seconds = await self._played(one, problems, seeds, group_size), 0.0
         else:
-            async with self.gate.use(weights, self._switch) as load_seconds:
-                one = functools.partial(self._play_one, self._environments(spec), spec, weights.version)
-                played = await self._played(one, problems, seeds, group_size)
-                await asyncio.to_thread(self.weights.check_intact, weights)  # may wait for the byte check
-        trajectories, outcomes = zip(*played)
+            one = functools.partial(self._play_one, self._environments(spec), spec)
+        trajectories, outcomes = zip(*await self._played(one, problems, seeds, group_size))
         seconds = time.perf_counter() - start
-        return Generation.of(list(trajectories), group_size, weights.version, seconds, load_seconds, list(outcomes))
+        return Generation.of(list(trajectories), group_size, weights.version, seconds, 0.0, list(outcomes))
 
     async def _play_one(
-        self, environments: Environments, spec: EpisodeSpec, version: int, problem: Problem, seed: int, j: int
+        self, environments: Environments, spec: EpisodeSpec, problem: Problem, seed: int, j: int
     ) -> tuple[Trajectory, EpisodeOutcome]:
-        """One episode against its environment, every turn sampled by ``version`` (held for the whole call)."""
+        """One episode against its environment, its turns sampled as an agent's are (``_turn``: the newest
+        weights, a weight update going on inside a turn), stitched by the one stitcher."""
         turn_seeds = sampling_seeds(seed, f"episode {j}", spec.max_turns)
 
         async def sample(ids: list[int], turn: int) -> Trajectory:
-            reply = await self.engine.continue_from(ids, turn_seeds[turn], spec.greedy)
-            return replace(reply, versions=[version] * len(reply.completion_ids))
+            return await self._turn(ids, turn_seeds[turn], spec.greedy, ReplyRequest())
 
         policy = TokenPolicy(ChatTokens(self.tokenizer), sample)
         episode = await run_episode(
@@ -240,9 +236,10 @@ class Generator(Actor):
             max_turns=spec.max_turns,
             system_prompt=spec.system_prompt,
         )
-        trajectory = policy.trajectory()
-        failure = episode.failure or Trajectory.untrainable([trajectory, *policy.split])
-        return trajectory, EpisodeOutcome(episode.reward, episode.turns, episode.done, failure, policy.split)
+        first, split = policy.trajectory(), policy.split
+        failure = episode.failure or Trajectory.untrainable([first, *split])
+        updated, in_turn = _versions_of([first, *split])
+        return first, EpisodeOutcome(episode.reward, episode.turns, episode.done, failure, split, updated, in_turn)
 
     @staticmethod
     async def _played(one: Callable, problems: list[Problem], seeds: list[int], group_size: int) -> list:
@@ -274,10 +271,7 @@ class Generator(Actor):
         else:
             rows = [Trajectory([], [], [], [], "")]  # a failed episode never trains: nothing of it travels
         first, *split = rows
-        versions = [version for row in rows for version in row.sampled_versions()]
-        oldest = min(versions, default=None)
-        updated = sum(version != oldest for version in versions)
-        in_turn = sum(sum(row.after_update()) for row in rows)
+        updated, in_turn = _versions_of(rows)
         return first, EpisodeOutcome(reward, record.turns, failure is None, failure, tuple(split), updated, in_turn)
 
     async def _turn(self, ids: list[int], seed: int, greedy: bool, request: ReplyRequest) -> Trajectory:
@@ -394,6 +388,14 @@ def _check_rows(rows: list[Trajectory], outcomes: list[EpisodeOutcome] | None) -
         failed = outcomes is not None and outcomes[number].failure is not None
         if not failed and (defect := row.defect()) is not None:
             raise ValueError(f"the generator made row {number}, which cannot train: {defect}")
+
+
+def _versions_of(rows: list[Trajectory]) -> tuple[int, int]:
+    """Of an episode's sampled tokens, those a newer version than its oldest sampled (it went on with newer weights),
+    and those sampled after a weight update interrupted their turn."""
+    versions = [version for row in rows for version in row.sampled_versions()]
+    oldest = min(versions, default=None)
+    return sum(version != oldest for version in versions), sum(sum(row.after_update()) for row in rows)
 
 
 def _unplayed(failure: str) -> tuple[Trajectory, EpisodeOutcome]:

@@ -134,11 +134,9 @@ Call = Callable[["ActorMesh", slice], Awaitable[Generation]]
 
 
 class Router:
-    def __init__(self, handles: list[ActorMesh], policy: str, mixes_versions: bool = False):
+    def __init__(self, handles: list[ActorMesh], policy: str):
         """``handles``: one single-actor generator handle per target, in target order;
-        ``policy``: ``round_robin`` or ``least_loaded``; ``mixes_versions``: a target takes requests for any
-        version at once (an agent task's generator switches weights between turns, not requests)."""
-        self.mixes_versions = mixes_versions
+        ``policy``: ``round_robin`` or ``least_loaded``."""
         pickers = {"round_robin": self._in_turn, "least_loaded": self._least_loaded}
         self._pick = pickers[policy]
         self.policy = policy
@@ -173,7 +171,9 @@ class Router:
         def call(handle: ActorMesh, prompts: slice) -> Awaitable[Generation]:
             return handle.play.call_one(problems[prompts], group_size, weights, seeds[prompts], share)
 
-        return await self._route(problems, group_size, weights.version, call)
+        # an episode's turns take the newest weights the generator holds, switching between turns, not requests: a
+        # target plays episodes whatever versions it runs
+        return await self._route(problems, group_size, weights.version, call, mixes_versions=True)
 
     async def logprobs_of(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Routed:
         """``texts[i]`` as a completion of ``problems[i]``, with the logprobs of ``weights``."""
@@ -213,10 +213,17 @@ class Router:
 
     # ------------------------------------------------------------------------- requests
 
-    async def _route(self, problems: list[Problem], rows_each: int, version: int, call: Call) -> Routed:
+    async def _route(
+        self, problems: list[Problem], rows_each: int, version: int, call: Call, mixes_versions: bool = False
+    ) -> Routed:
+        """``call`` on every share of ``problems``; ``mixes_versions``: a target takes these requests whatever version
+        it runs (else only its own, or when idle)."""
         start = time.perf_counter()
         shares = [s for s in split_evenly(len(problems), self._requests(len(problems))) if s.stop > s.start]
-        requests = [self._request(call, share, (share.stop - share.start) * rows_each, version) for share in shares]
+        requests = [
+            self._request(call, share, (share.stop - share.start) * rows_each, version, mixes_versions)
+            for share in shares
+        ]
         # one request is awaited, not gathered: it is sent in the caller's turn of the event loop
         replies = [await requests[0]] if len(requests) == 1 else await asyncio.gather(*requests)
         loads = [TargetLoad() for _ in self.targets]
@@ -240,8 +247,10 @@ class Router:
         per_target = REQUESTS_PER_TARGET if self.policy == "least_loaded" and len(self.targets) > 1 else 1
         return min(count, per_target * len(self.targets))
 
-    async def _request(self, call: Call, share: slice, rows: int, version: int) -> tuple[int, Generation]:
-        i = await self._acquire(rows, version)
+    async def _request(
+        self, call: Call, share: slice, rows: int, version: int, mixes_versions: bool
+    ) -> tuple[int, Generation]:
+        i = await self._acquire(rows, version, mixes_versions)
         target = self.targets[i]
         try:
             reply = await call(target.handle, share)
@@ -250,12 +259,12 @@ class Router:
         finally:
             await self._release(target, rows)
 
-    async def _acquire(self, rows: int, version: int) -> int:
+    async def _acquire(self, rows: int, version: int, mixes_versions: bool) -> int:
         async with self._changed:
             self._waiting += 1
             try:
                 self._raise_failure()
-                while (i := self._pick(version)) is None:
+                while (i := self._pick(version, mixes_versions)) is None:
                     await self._changed.wait()
                     self._raise_failure()
             finally:
@@ -277,16 +286,15 @@ class Router:
         target.rows += rows
         target.version = version
 
-    def _in_turn(self, version: int) -> int | None:
+    def _in_turn(self, version: int, mixes_versions: bool) -> int | None:
         i = self._turn % len(self.targets)
-        if not self.targets[i].serves(version, self.mixes_versions):
+        if not self.targets[i].serves(version, mixes_versions):
             return None
         self._turn += 1
         return i
 
-    def _least_loaded(self, version: int) -> int | None:
-        mixes = self.mixes_versions
-        open_ = [i for i, t in enumerate(self.targets) if t.in_flight < DEPTH and t.serves(version, mixes)]
+    def _least_loaded(self, version: int, mixes_versions: bool) -> int | None:
+        open_ = [i for i, t in enumerate(self.targets) if t.in_flight < DEPTH and t.serves(version, mixes_versions)]
         return min(open_, key=lambda i: self.targets[i].rows, default=None)
 
     # --------------------------------------------------------------------------- pushes

@@ -440,7 +440,7 @@ def _services(plan: RunPlan, fleet: Fleet) -> Services:
         for name in plan.generator_meshes
         for proc in range(plan.meshes[name].size)
     ]
-    router = Router(targets, cfg.generator.router, mixes_versions=plan.topology.task.agent is not None)
+    router = Router(targets, cfg.generator.router)
     fleet.listeners.append(lambda mesh: router.forget([i for i, t in enumerate(targets) if t.mesh == mesh]))
     rewarding: Rewarding = RewardedInGenerators()
     if plan.runs("rewarder"):
