@@ -5,7 +5,7 @@
 
 Two figures, each against a baseline measured in the same run:
 
-1. **Per-step cost.** Every actor call of a run goes through ``mesh.runtime.fleet`` (a timeout,
+1. **Per-step cost.** Every actor call of a run goes through ``mesh.supervision.fleet`` (a timeout,
    supervision handling, a handle lookup). A no-op endpoint called through the fleet vs
    called directly on its Monarch actor mesh, calls interleaved: the extra time per call,
    times the calls a synchronous ``tiny.yaml`` step makes, as a share of that step's
@@ -36,8 +36,8 @@ from monarch.actor import Actor, endpoint, this_host
 
 from actors.basics.proc_info import ProcInfo, this_proc
 from mesh.records.rundir import read_metrics
-from mesh.runtime.fleet import Fleet, Role
 from mesh.runtime.run import run
+from mesh.supervision.fleet import Fleet, Role
 from mesh.topology.preflight import load_plan
 from mesh.topology.schema import FaultTolerance
 

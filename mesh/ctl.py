@@ -10,7 +10,7 @@ SPEC is a YAML flow mapping with the fields of ``actors.teachers.bindings.config
 checked here before anything is sent; the run checks it again by building the binding
 (loading its model) and applies it at its next step boundary, or rejects it and keeps
 the old binding. Only the user who started the run can send commands (see
-``mesh/runtime/commands.py``).
+``mesh/supervision/commands.py``).
 
 Exit codes: 0 applied or listed; 1 rejected by the run, or the run cannot be reached;
 2 the command line or the spec is wrong (nothing was sent); 130 stopped by SIGINT.
@@ -26,7 +26,8 @@ from pathlib import Path
 from actors import registry
 from actors.models.source import PACKAGE
 from actors.teachers.bindings.config import BindingConfig
-from mesh.runtime.commands import EVENTS, NAME_PATTERN, ControlError, read_teachers, send
+from mesh.records.layout import EVENTS, ControlError
+from mesh.supervision.commands import NAME_PATTERN, read_teachers, send
 from mesh.topology.schema import TopologyError, parse_yaml
 
 EXAMPLE_SPEC = "'{kind: hf, path: ./teacher, use: [distill]}'"

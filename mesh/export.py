@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from mesh.checkpoints.export import ExportError, describe, export
-from mesh.runtime.interrupts import Signalled, signals_raise
+from mesh.supervision.interrupts import Signalled, signals_raise
 
 
 def main(argv: list[str] | None = None) -> int:

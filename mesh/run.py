@@ -14,8 +14,8 @@ import sys
 
 
 class QuietStop:
-    """Until a run's ``Stopper`` takes over (``mesh/runtime/interrupts.py``), and after it lets go, SIGINT or SIGTERM
-    prints one line saying the program stopped ``doing`` and exits 128 + the signal's number, instead of a
+    """Until a run's ``Stopper`` takes over (``mesh/supervision/interrupts.py``), and after it lets go, SIGINT or
+    SIGTERM prints one line saying the program stopped ``doing`` and exits 128 + the signal's number, instead of a
     traceback from whatever import or check it landed in.
 
     Before the run, ``SystemExit`` unwinds like any exception (``finally`` blocks run) and Python prints no
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
 
-    from mesh.runtime.interrupts import Interrupted
     from mesh.runtime.run import RunFailed, run
+    from mesh.supervision.interrupts import Interrupted
 
     QUIET.stop_if_received()
     QUIET.ended("while exiting; the run had stopped everything it started")  # the run's Stopper is in between

@@ -23,7 +23,8 @@ from typing import Self
 import pytest
 
 from mesh.ctl import main
-from mesh.runtime.commands import Command, ControlChannel, ControlError, read_teachers, send
+from mesh.records.layout import ControlError
+from mesh.supervision.commands import Command, ControlChannel, read_teachers, send
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,7 +190,7 @@ def test_another_user_cannot_send_commands():
 
 def test_a_run_that_died_without_closing_is_reported_ended(tmp_path):
     crash = (
-        "from pathlib import Path; from mesh.runtime.commands import ControlChannel; "
+        "from pathlib import Path; from mesh.supervision.commands import ControlChannel; "
         f"ControlChannel.create(Path({str(tmp_path)!r}))"
     )
     subprocess.run([sys.executable, "-c", crash], check=True, cwd=ROOT)

@@ -16,7 +16,7 @@ from actors.models.chat import render
 from actors.rewarder.functions import RewardFunctions
 from actors.tasks import build_task
 from mesh.report import main
-from mesh.runtime.progress import Progress
+from mesh.supervision.progress import Progress
 from mesh.topology.schema import Topology, load_topology
 
 PROMPTS = 16

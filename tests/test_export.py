@@ -248,8 +248,8 @@ def test_a_run_whose_final_model_does_not_fit_fails_and_the_report_says_so(full,
     """The end-of-run export onto a full disk: RunFailed (exit 1, not a traceback), no final.partial, and the
     failure in error.log, so ``mesh.report`` calls the run failed rather than "finishing?" forever."""
     from mesh.records.rundir import RunDir
-    from mesh.runtime.interrupts import Stopper
     from mesh.runtime.run import RunFailed, _FaultLog, _write_final
+    from mesh.supervision.interrupts import Stopper
 
     async def write_final(run: Path) -> None:  # the Stopper takes the signals from the run's event loop
         _write_final(RunDir(run, tensorboard=False), full.checkpoint, _FaultLog(run, bar=None), Stopper())
@@ -275,8 +275,8 @@ def test_a_signal_during_the_end_of_run_export_removes_its_final_but_not_a_users
     """A signal just after the rename: the whole final/ is removed, as the run says it wrote none. A final/ there
     before the export (which refuses to write over it) is not the run's to remove, whenever the signal comes."""
     from mesh.records.rundir import RunDir
-    from mesh.runtime.interrupts import FinalInterrupted, Signalled, Stopper
     from mesh.runtime.run import _FaultLog, _write_final
+    from mesh.supervision.interrupts import FinalInterrupted, Signalled, Stopper
 
     run = tmp_path / "tiny-20261127-000000"
     run.mkdir()

@@ -16,7 +16,7 @@ import pytest
 
 from actors.tasks.dataset import DatasetError, DatasetSource
 from mesh.ctl import main as ctl_main
-from mesh.runtime.commands import ControlChannel
+from mesh.supervision.commands import ControlChannel
 from mesh.topology.preflight import BatchFootprint, FreeMemory, StoreFootprint, check_memory, load_plan
 from mesh.topology.schema import TopologyError, load_topology
 

@@ -24,8 +24,8 @@ from actors.inner_loops.checkpoint import CheckpointError, checkpoint_state, sav
 from actors.models.safetensors_header import header_shapes
 from mesh import ctl, export, report
 from mesh.records import readers
+from mesh.records.layout import MAX_PID
 from mesh.run import dry_run
-from mesh.runtime.commands import MAX_PID
 
 HANG_S = 20  # each of these answers in well under a second; an open or read that waits is what fails
 

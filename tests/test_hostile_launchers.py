@@ -1,5 +1,5 @@
 """Hostile launcher values: everything a topology pastes into a Slurm batch script or a Kubernetes
-object is held to its target's grammar when the topology is read (``mesh/launchers/grammars.py``),
+object is held to its target's grammar when the topology is read (``mesh/topology/grammars.py``),
 so an injected ``#SBATCH`` directive or shell command, or a name a cluster refuses, stops the check
 (exit 2) naming the key; values the targets take still pass; and ``--render`` writes all of its
 files or none. No cluster is needed: the refusals happen before anything is submitted or applied."""
@@ -15,9 +15,9 @@ import yaml
 from test_k8s_render import K8S_VERSION, validate
 from tmpfs import fill, tmpfs
 
-from mesh.launchers.grammars import QUANTITY
 from mesh.launchers.slurm import sbatch_script
 from mesh.run import main
+from mesh.topology.grammars import QUANTITY
 from mesh.topology.preflight import load_plan
 from mesh.topology.schema import TopologyError
 

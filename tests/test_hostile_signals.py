@@ -23,7 +23,7 @@ import mesh.run
 from actors.weights.config import store_root
 from actors.weights.storedir import OWNER, StoreOwner
 from mesh.run import QuietStop, main
-from mesh.runtime.interrupts import Interrupted, newest_checkpoint
+from mesh.supervision.interrupts import Interrupted, newest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "topologies" / "tiny.yaml"
@@ -247,7 +247,7 @@ def test_a_signal_in_a_finalizer_during_work_at_once_is_kept_without_a_traceback
     import gc
     import weakref
 
-    from mesh.runtime.interrupts import Stopper
+    from mesh.supervision.interrupts import Stopper
 
     class Held:
         pass
@@ -282,7 +282,7 @@ def library_call_the_signal_lands_in() -> None:
 def test_a_signal_a_library_turns_into_its_own_exception_still_stops_work_at_once():
     """Whatever exception leaves work that a signal interrupted, the stop is the signal's (on main: the library's
     ValueError ended the run with a traceback)."""
-    from mesh.runtime.interrupts import Signalled, Stopper
+    from mesh.supervision.interrupts import Signalled, Stopper
 
     async def work() -> tuple[int, int | None]:
         stopper = Stopper()

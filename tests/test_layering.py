@@ -255,3 +255,34 @@ def test_no_package_init_of_actors_imports_a_heavy_library():
         for package in packages
     )
     assert loaded_after("import sys\n" + checks, HEAVY) == []
+
+
+MESH_ROOMS = (  # mesh/'s rooms, bottom to top: each imports only rooms before it (mesh/__init__.py draws them)
+    "topology",
+    "launchers",
+    "records",
+    "supervision",
+    "controller",
+    "checkpoints",
+    "runtime",
+)
+
+
+def test_mesh_rooms_import_downward_only():
+    """A room is a package of mesh/; a module directly under it (a program, or mesh/__init__.py) is in none."""
+    import mesh
+
+    graph = import_graph(ROOT, ("mesh",))
+    rooms_of = {name: name.split(".")[1] for name in graph if "." in name}
+    in_rooms = {name: room for name, room in rooms_of.items() if (ROOT / "mesh" / room).is_dir()}  # not a program
+    assert set(in_rooms.values()) == set(MESH_ROOMS), "a room of mesh/ goes in MESH_ROOMS, and in mesh/__init__.py"
+    drawn = re.findall(r"^    (\w+)/ ", mesh.__doc__, re.M)
+    assert drawn == list(reversed(MESH_ROOMS)), "mesh/__init__.py's map draws the rooms top to bottom"
+    rank = {room: i for i, room in enumerate(MESH_ROOMS)}
+    upward = sorted(
+        f"{name} -> {imported}"
+        for name, room in in_rooms.items()
+        for imported in graph[name]
+        if imported in in_rooms and rank[in_rooms[imported]] > rank[room]
+    )
+    assert upward == [], "a room imports one above it: move the shared piece down, or the room up"

@@ -22,7 +22,7 @@ import pytest
 from mesh.records.rundir import RunDir, RunDirError, read_metrics
 from mesh.records.sinks import SAMPLE_COLUMNS, TRACKERS_FILE, TrackerError, WandbTracker, sample_table, scalars
 from mesh.run import main
-from mesh.runtime.interrupts import Interrupted
+from mesh.supervision.interrupts import Interrupted
 from mesh.topology import schema as topology_module
 from mesh.topology.schema import Logging, TopologyError, load_topology
 

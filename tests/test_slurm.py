@@ -109,7 +109,7 @@ def test_launcher_options_belong_to_their_kind(overrides, reason):
     assert load_plan(TINY, ["launcher.kind=slurm", "launcher.partition=gpu"]).topology.launcher.partition == "gpu"
 
 
-# what the check takes (mesh/launchers/grammars.py) against what the cluster's sbatch takes
+# what the check takes (mesh/topology/grammars.py) against what the cluster's sbatch takes
 SBATCH_SPELLINGS = [("time", t) for t in ("30", "30:00", "12:00:00", "1-00", "1-00:00", "1-00:00:00", "UNLIMITED")]
 SBATCH_SPELLINGS += [("mem", m) for m in ("100", "100M", "1G")] + [("partition", "debug"), ("qos", "normal")]
 

@@ -22,7 +22,7 @@ from actors.teachers.config import TeachersConfig
 from actors.teachers.pool import TeacherPool
 from losses.config import LossConfig
 from mesh.controller.teacher_board import TeacherBoard
-from mesh.runtime.commands import Command
+from mesh.supervision.commands import Command
 
 ORACLE = "actors.teachers.bindings.task_oracle:TaskOracle"  # a registered binding, named by its import path
 

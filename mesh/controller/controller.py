@@ -32,13 +32,13 @@ it trains on it minus the version that sampled it, and no sample older than L is
 trained on. Teachers change only at step boundaries (``mesh.ctl``), for the collections
 started from then on.
 
-Every actor call goes through the fleet (``mesh/runtime/fleet.py``), which replaces a generator,
+Every actor call goes through the fleet (``mesh/supervision/fleet.py``), which replaces a generator,
 rewarder or teacher process that dies or hangs and retries the call; a lost trainer
 comes back here (``TrainerLost``): the trainer mesh restarts from the last checkpoint and
 the steps after it are trained again. Prompts are seeded by (seed, step) and sampling by
 (seed, step, prompt), and a checkpoint keeps the batches already collected for the steps
 after it, so a retried call, a restarted trainer and a resumed run all train on exactly
-the samples the uninterrupted run would have. A signal (``mesh/runtime/interrupts.py``) stops the
+the samples the uninterrupted run would have. A signal (``mesh/supervision/interrupts.py``) stops the
 loop at the next step boundary, with a checkpoint; the collection starts no more work meanwhile, and a step
 that cannot finish with the work already running stops the run at once (``Abandoned``).
 """
@@ -72,10 +72,10 @@ from mesh.controller.settings import LoopSettings
 from mesh.controller.teacher_board import TeacherBoard
 from mesh.records.rundir import RunDir
 from mesh.records.trace import at_step, in_step
-from mesh.runtime.commands import ControlChannel
-from mesh.runtime.fleet import Fleet, TrainerLost
-from mesh.runtime.interrupts import Interrupted, Stopper
-from mesh.runtime.progress import Progress
+from mesh.supervision.commands import ControlChannel
+from mesh.supervision.fleet import Fleet, TrainerLost
+from mesh.supervision.interrupts import Interrupted, Stopper
+from mesh.supervision.progress import Progress
 
 
 @dataclass(frozen=True)

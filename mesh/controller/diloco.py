@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from actors.diloco.syncer import SyncReport
 from actors.weights.record import WeightVersion
-from mesh.runtime.interrupts import Stopper
+from mesh.supervision.interrupts import Stopper
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
     from monarch._src.actor.actor_mesh import ActorMesh

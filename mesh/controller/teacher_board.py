@@ -18,7 +18,7 @@ from losses.config import LossConfig
 if TYPE_CHECKING:
     from monarch._src.actor.actor_mesh import ActorMesh
 
-    from mesh.runtime.commands import Command
+    from mesh.supervision.commands import Command
 
 
 @dataclass(frozen=True)

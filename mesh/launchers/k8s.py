@@ -39,7 +39,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from actors import registry
-from mesh.launchers.grammars import DNS_LABEL, DNS_SUBDOMAIN, IMAGE, LABEL_KEY, LABEL_VALUE, positive_quantity
+from mesh.topology.grammars import DNS_LABEL, DNS_SUBDOMAIN, IMAGE, LABEL_KEY, LABEL_VALUE, positive_quantity
 from mesh.topology.launcher import Launcher, LauncherOptions
 from mesh.topology.preflight import StoreFootprint
 
@@ -120,7 +120,7 @@ class K8sOptions(LauncherOptions):
     ``queue`` that admits them, the controller's ``service_account`` (default
     ``<topology>-controller``), the nodes (``node_selector``, ``tolerations``) and the
     volume holding run directories (``run_volume``). Every value is checked against the
-    grammar Kubernetes holds it to (``mesh/launchers/grammars.py``), so what ``--render``
+    grammar Kubernetes holds it to (``mesh/topology/grammars.py``), so what ``--render``
     writes and a run creates is what a cluster takes."""
 
     kind: Literal["k8s"] = "k8s"

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from pydantic import BeforeValidator, NonNegativeInt, PositiveInt
 
-from mesh.launchers.grammars import (
+from mesh.launchers.procs import spawn_procs
+from mesh.topology.gpus import proc_starts
+from mesh.topology.grammars import (
     SBATCH_OPTION,
     SBATCH_PATH,
     SBATCH_WORD,
@@ -39,8 +41,6 @@ from mesh.launchers.grammars import (
     SLURM_NAMES,
     SLURM_TIME,
 )
-from mesh.launchers.procs import spawn_procs
-from mesh.topology.gpus import proc_starts
 from mesh.topology.launcher import LauncherOptions
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class SlurmOptions(LauncherOptions):
     further ones, given as sbatch spells them (``--constraint=h100``). ``gpus_per_node`` is
     what each node of the partition has: a mesh's job asks for the GPUs its node runs
     (procs x gpus), so CPU meshes take none. Every value is checked against what sbatch
-    reads as one word of its kind (``mesh/launchers/grammars.py``): a newline, space or '#'
+    reads as one word of its kind (``mesh/topology/grammars.py``): a newline, space or '#'
     would end the directive early or add another, and a shell command after a newline runs."""
 
     one_machine: ClassVar[bool] = False

@@ -20,9 +20,8 @@ from functools import cached_property
 from pathlib import Path
 
 from actors.basics.disk import RefusedFile, lines, open_regular, read_regular
+from mesh.records.layout import CHECKPOINT_NAME, CONTROL, EVENTS, ControlError, read_owner
 from mesh.records.rundir import ERROR_LOG, METRICS_FILE, REWARD_KEY
-from mesh.runtime.commands import CONTROL, EVENTS, ControlError, read_owner
-from mesh.runtime.interrupts import CHECKPOINT_NAME
 from mesh.topology.schema import MAX_FILE_BYTES, TopologyError, parse_yaml
 
 REPLICAS = "replicas"

@@ -1,3 +1,3 @@
-"""Running a plan: the run's processes and actors, kept alive (``run``, ``fleet``), what failed in words
-(``faults``), signals (``interrupts``), the owner's control channel (``commands``), DiLoCo replicas
-(``replicas``), training on a recorded run's batches (``retrain``) and the progress bar (``progress``)."""
+"""Running a plan: its processes and actors started and the controller driven over them (``run``), DiLoCo
+replicas (``replicas``) and training on a recorded run's batches (``retrain``). What keeps a run alive and
+steerable meanwhile is ``mesh/supervision``'s."""

@@ -36,7 +36,7 @@ from typing import IO
 from tqdm import tqdm
 
 from mesh.records.rundir import METRICS_FILE, REWARD_KEY, RunDir, RunDirError, draw, plot_replica_rewards, read_rows
-from mesh.runtime.interrupts import SIGNALS
+from mesh.supervision.interrupts import SIGNALS
 from mesh.topology.schema import Topology
 
 POLL_S = 0.5

@@ -7,9 +7,10 @@ A run ends in one of three ways, and each keeps everything written so far:
 - a fault the run cannot absorb (an actor's endpoint raised, or more processes died than
   ``fault_tolerance.max_restarts`` allows): :class:`RunFailed`, one paragraph naming the
   actor, the step and the original exception; the remote traceback goes to ``error.log``;
-- a signal: :class:`~mesh.runtime.interrupts.Interrupted` after a final checkpoint (see ``mesh/runtime/interrupts.py``).
+- a signal: :class:`~mesh.supervision.interrupts.Interrupted` after a final checkpoint (see
+  ``mesh/supervision/interrupts.py``).
 
-Processes that die or hang along the way are replaced by the fleet (``mesh/runtime/fleet.py``).
+Processes that die or hang along the way are replaced by the fleet (``mesh/supervision/fleet.py``).
 """
 
 from __future__ import annotations
@@ -72,15 +73,22 @@ from mesh.controller import (  # noqa: E402
 from mesh.controller.router import Router  # noqa: E402
 from mesh.controller.samples import SampleRecording  # noqa: E402
 from mesh.controller.teacher_board import TeacherBoard  # noqa: E402
+from mesh.records.layout import EVENTS  # noqa: E402
 from mesh.records.rundir import ERROR_LOG, RunDir  # noqa: E402
 from mesh.records.trace import Tracer  # noqa: E402
-from mesh.runtime.commands import EVENTS, ControlChannel  # noqa: E402
-from mesh.runtime.faults import explain, paragraph  # noqa: E402
-from mesh.runtime.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
-from mesh.runtime.interrupts import FinalInterrupted, Interrupted, Signalled, Stopper, newest_checkpoint  # noqa: E402
-from mesh.runtime.progress import Progress  # noqa: E402
 from mesh.runtime.replicas import serve_lighthouse  # noqa: E402
 from mesh.runtime.retrain import oldest_age  # noqa: E402
+from mesh.supervision.commands import ControlChannel  # noqa: E402
+from mesh.supervision.faults import explain, paragraph  # noqa: E402
+from mesh.supervision.fleet import ActorFailed, Fault, Fleet, Role  # noqa: E402
+from mesh.supervision.interrupts import (  # noqa: E402
+    FinalInterrupted,
+    Interrupted,
+    Signalled,
+    Stopper,
+    newest_checkpoint,
+)
+from mesh.supervision.progress import Progress  # noqa: E402
 from mesh.topology.plan import RunPlan, model_path_of  # noqa: E402
 from mesh.topology.schema import SamplesLogging  # noqa: E402
 

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from actors import registry
-from mesh.launchers.grammars import Grammar
+from mesh.topology.grammars import Grammar
 from mesh.topology.launcher import LAUNCHERS, LauncherOptions
 from mesh.topology.schema import TaskSection, Topology
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from mesh.records.layout import CHECKPOINT_NAME
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-CHECKPOINT_NAME = re.compile(r"step_\d+")  # not step_N.partial (being written) nor step_N.replaced
 
 
 class Interrupted(RuntimeError):

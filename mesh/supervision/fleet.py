@@ -35,7 +35,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ProcMesh
 
 from actors.basics.proc_info import ProcInfo
-from mesh.runtime.faults import Cause, explain, explain_report, name_actor
+from mesh.supervision.faults import Cause, explain, explain_report, name_actor
 from mesh.topology.schema import FaultTolerance
 
 if TYPE_CHECKING:  # monarch does not export the ActorMesh type publicly
