@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from actors.agents import guests
 from actors.agents.endpoint import Endpoint
 from actors.agents.task import Agents, AgentSpec
-from actors.agents import guests
 from actors.tasks import Problem, TaskConfig
 
 ROOT = Path(__file__).resolve().parents[1]
