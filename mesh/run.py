@@ -323,7 +323,19 @@ def check_resume(topology: Topology, checkpoint: Path) -> None:
         raise TopologyError(str(error)) from None
 
 
+def exit_code() -> int:
+    """``main``'s exit code; after a signal, 128 + its number whatever became of its ``SystemExit``: raised inside
+    an import it can come back wrapped (CPython wraps what a ``__set_name__`` raises in a ``RuntimeError``), and the
+    signal's one line is said already."""
+    try:
+        return main()
+    except Exception:
+        if QUIET.received is None:
+            raise
+        return 128 + QUIET.received
+
+
 if __name__ == "__main__":
-    exit_code = main()
+    code = exit_code()
     shut_down_monarch()
-    sys.exit(exit_code)
+    sys.exit(code)

@@ -77,6 +77,28 @@ def stopped(process: subprocess.Popen, signum: int) -> list[str]:
 # ----------------------------------------------------------------------------- start-up
 
 
+def test_a_signal_whose_exit_an_import_wrapped_still_ends_the_program_quietly(monkeypatch):
+    """A SIGINT landing inside a class body's ``__set_name__`` during an import (torch's, at start-up) comes back as
+    a ``RuntimeError`` wrapping the handler's ``SystemExit``: the program still exits 130, no traceback."""
+    import mesh.run as program
+
+    def interrupted_import() -> int:
+        program.QUIET.received = signal.SIGINT
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance 'type' in 'LeafSpec'")
+
+    monkeypatch.setattr(program.QUIET, "received", None)
+    monkeypatch.setattr(program, "main", interrupted_import)
+    assert program.exit_code() == 128 + signal.SIGINT
+    monkeypatch.setattr(program.QUIET, "received", None)
+
+    def failing() -> int:
+        raise RuntimeError("a defect")
+
+    monkeypatch.setattr(program, "main", failing)
+    with pytest.raises(RuntimeError, match="a defect"):  # without a signal, a failure is not hidden
+        program.exit_code()
+
+
 @pytest.mark.parametrize("after", [0.5, 1.0])
 def test_a_signal_while_the_program_imports_stops_it_in_one_line(tmp_path, after):
     """The reproduction: SIGINT half a second and a second after the start (on main: a 30-40 line
