@@ -16,11 +16,13 @@ Policies (``actors.generator.router``):
   ``REQUESTS_PER_TARGET`` requests per target, so a fast target takes the requests a
   slow or busy one has not reached.
 
-Weight versions: every request names its version, and the generator samples with
-exactly that version, switching only between requests. The router sends a target
-requests of one version at a time (one of another version waits in the router until
-the target's requests in flight are done), so a request never queues behind a weight
-change at a busy target while another could serve it. ``push`` (after every trainer
+Weight versions: every request names its version, and a ``generate`` or ``logprobs_of``
+request is sampled with exactly that version, the generator switching only between
+requests. The router sends a target such requests of one version at a time (one of
+another version waits in the router until the target's requests in flight are done), so a
+request never queues behind a weight change at a busy target while another could serve
+it. An episode's turns (``play``) take the newest weights the generator holds, switching
+between turns, so a target plays episodes whatever versions it runs. ``push`` (after every trainer
 step) pushes the new version to each target (the generator's ``hold``) as soon as it is
 idle with no request waiting, so a target that got no request in a step still catches
 up, and the next step finds its weights loaded.
