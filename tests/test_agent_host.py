@@ -151,3 +151,36 @@ async def test_a_host_that_cannot_start_fails_its_episodes_with_its_own_cause():
         assert outcome == AgentOutcome(None, said)
     finally:
         await runner.close()
+
+
+async def test_an_episode_waiting_for_an_agents_place_has_nothing_open_at_the_endpoint(tmp_path, monkeypatch):
+    """A generator opens an episode at its endpoint (a key, a record) only once the episode holds one of the agents'
+    places: the episodes waiting for one are nothing the endpoint, or a count of open episodes, sees."""
+    from transformers import AutoTokenizer
+
+    from actors.agents import task
+    from actors.agents.endpoint import ChatServer
+    from actors.basics.compute import Compute
+    from actors.generator.actor import Generator
+    from actors.generator.config import GeneratorConfig, Sampling
+    from actors.models.facts import TinyModelSpec
+    from actors.models.tiny import build_tiny_model
+
+    monkeypatch.setattr(task, "AGENTS_AT_ONCE", 1)
+    runner = agents("sleeps")
+    path = build_tiny_model(tmp_path, TinyModelSpec(), "abc", seed=0)
+    generator = Generator(str(path), GeneratorConfig(mesh="generators", max_new_tokens=4), Compute())
+    server = generator._server = ChatServer(AutoTokenizer.from_pretrained(path), None, 64, Sampling(4))
+    await server.start()
+    problem = runner.task.problems(0, 0, 1)[0]
+    try:
+        episodes = [asyncio.create_task(generator._act_one(runner, runner.spec, problem, 0, j)) for j in range(2)]
+        opened = []
+        while not all(e.done() for e in episodes):
+            opened.append(len(server._episodes))
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*episodes)
+    finally:
+        await runner.close()
+        await server.stop()
+    assert max(opened) == 1 and opened.count(1) > 20  # one at a time, each open about its agent's second

@@ -148,18 +148,22 @@ class Agents:
         self._demonstration = registry.load("demonstration", spec.demonstration) if spec.demonstration else None
         self._host: _Host | None = None
         self._starting = asyncio.Lock()  # a step's first episodes arrive at once: one host for them all
-        self._running = asyncio.Semaphore(AGENTS_AT_ONCE)
+        self._places = asyncio.Semaphore(AGENTS_AT_ONCE)
         self._keys = itertools.count()
 
+    def place(self) -> asyncio.Semaphore:
+        """One of ``AGENTS_AT_ONCE`` places, to hold from before an episode opens at the endpoint until its agent's
+        run ends: an episode that waits for a place has no key, no record and no process yet."""
+        return self._places
+
     async def run(self, endpoint: Any, problem: Problem) -> AgentOutcome:
-        """The agent's run on ``problem`` in a process of its own, within ``timeout_s`` once it starts (at most
-        ``AGENTS_AT_ONCE`` run at once)."""
-        async with self._running:
-            try:
-                host = await self.host()
-            except AgentHostError as error:
-                return AgentOutcome(None, str(error))
-            return await host.episode(next(self._keys), endpoint, problem)
+        """The agent's run on ``problem`` in a process of its own, within ``timeout_s`` once it starts (the caller
+        holds its ``place``)."""
+        try:
+            host = await self.host()
+        except AgentHostError as error:
+            return AgentOutcome(None, str(error))
+        return await host.episode(next(self._keys), endpoint, problem)
 
     async def host(self) -> _Host:
         """The running agent host, started (again, after one ended) by the first episode that needs it."""

@@ -261,7 +261,7 @@ class Generator(Actor):
                 return _unplayed(f"task.demonstration raised {type(error).__name__}: {error}")
             if replies is None:
                 return _unplayed(NO_DEMONSTRATION)
-        async with self._server.episode(turn_seeds, spec.greedy, replies) as record:
+        async with agents.place(), self._server.episode(turn_seeds, spec.greedy, replies) as record:
             outcome = await agents.run(self._server.endpoint(record), problem)
         failure = record.redact(record.failure or outcome.failure) or record.problem()
         rows = record.trajectories()
