@@ -41,11 +41,11 @@ Each turn samples with the engine the run trains, under the topology's sampling 
 for that turn (or the request's ``seed``, mixed with the episode's) and the newest weights the generator holds, and
 records the prompt ids, the sampled ids, their logprobs (``ChatTokens``) and the policy version that sampled them (an
 episode goes on across a weight update; the answer's ``system_fingerprint`` names the version). Every request field
-is honoured, fixed by the topology or refused (``actors/agents/openai_fields.py``), never ignored:
-``max_tokens`` and ``stop`` reach the engine, which stops there, and ``top_logprobs`` returns the engine's own
-values. A reply that writes
-``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` (the Hermes format that Qwen's and SmolLM's templates
-teach) is answered as OpenAI tool calls when the request offered tools. The whole reply is sampled before it is
+is honoured, fixed by the topology, bookkeeping without effect on the reply (``user``), or refused
+(``actors/agents/openai_fields.py``): ``max_tokens`` and ``stop`` reach the engine, which stops there, and
+``top_logprobs`` returns the engine's own values. A reply that writes ``<tool_call>{"name": ..., "arguments":
+...}</tool_call>`` (the Hermes format that Qwen's and SmolLM's templates teach) is answered as OpenAI tool calls when
+the request offered tools. The whole reply is sampled before it is
 sent: a streamed answer is that reply in one chunk. An episode opened with a demonstration
 (``actors/agents/task.py``) answers each turn with the demonstration's next reply, scored by the policy
 instead of sampled, and recorded the same way.
