@@ -70,6 +70,7 @@ from typing import Any
 
 from actors.agents.chat_tokens import ChatTokens, Message, Prompt, TemplateError
 from actors.agents.openai_fields import FieldRefused, Route, SamplingSettings, check_fields
+from actors.basics.seeds import seed_of
 from actors.contract.rollouts import ReplyRequest, Trajectory
 
 # Continue a token sequence with one sampled reply: (ids, seed, greedy, what the request asks of the reply) -> the
@@ -777,7 +778,7 @@ def _seed(body: dict) -> int | None:
 def _mixed_seed(episode: int, request: int) -> int:
     """A turn's seed from the request's ``seed`` and its episode's: the same request draws the same reply within
     one episode, and its group's episodes still draw apart."""
-    return int.from_bytes(hashlib.blake2b(f"{episode}/seed {request}".encode(), digest_size=8).digest(), "little") >> 1
+    return seed_of(f"{episode}/seed {request}")
 
 
 def _usage_chunk(body: dict) -> bool:

@@ -8,9 +8,9 @@ continuously, ``hf`` takes them one at a time.
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Protocol
 
+from actors.basics.seeds import seed_of
 from actors.contract.rollouts import Trajectory
 from actors.generator.config import Sampling  # noqa: F401  the engines' input, re-exported beside their output
 
@@ -25,22 +25,18 @@ def sampling_seeds(seed: int, stream: str, count: int) -> list[int]:
     randomness of prompt i is a function of (seed, stream, i) and of nothing that happened
     before, so a resumed run, or a request retried on a respawned generator, samples
     exactly what the uninterrupted run sampled."""
-    return [_mix(f"{seed}/{stream}/{i}") for i in range(count)]
+    return [seed_of(f"{seed}/{stream}/{i}") for i in range(count)]
 
 
 def request_seed(seeds: list[int]) -> int:
     """One seed for a whole request (an engine that samples a request as one batch)."""
-    return _mix("/".join(map(str, seeds)))
+    return seed_of("/".join(map(str, seeds)))
 
 
 def piece_seed(seed: int, piece: int) -> int:
     """The seed of a turn's ``piece``-th part: 0 is the turn's own seed; a turn that a weight update interrupted
     goes on with fresh randomness, not with its first tokens' draws over again."""
-    return seed if piece == 0 else _mix(f"{seed}/piece {piece}")
-
-
-def _mix(key: str) -> int:
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1  # 63 bits
+    return seed if piece == 0 else seed_of(f"{seed}/piece {piece}")
 
 
 class Engine(Protocol):
