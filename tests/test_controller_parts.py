@@ -30,6 +30,7 @@ from mesh.controller import (
     Services,
     StalenessError,
 )
+from mesh.controller.admission import PolicyLag
 from mesh.controller.collected import Collected
 from mesh.controller.collection import Evaluated, SampleCollection, _episode_rows
 from mesh.controller.diloco import DiLoCoHook
@@ -37,7 +38,7 @@ from mesh.controller.gap import GapCheck
 from mesh.controller.groups import Demonstration, PlayedGroup
 from mesh.controller.metrics import step_metrics, teacher_metrics
 from mesh.controller.router import Router, TargetLoad
-from mesh.controller.scheduler import Abandoned, Scheduler, policy_ages
+from mesh.controller.scheduler import Abandoned, Scheduler
 from mesh.controller.teacher_board import TeacherBinding
 
 TASK = Reverse()
@@ -101,16 +102,16 @@ async def test_a_synchronous_window_samples_every_step_with_the_weights_just_pub
 
 
 def test_a_batch_older_than_the_lag_is_refused():
-    assert policy_ages(4, collected_at(3), max_policy_lag=1) == [1]
+    assert PolicyLag(1).ages(4, collected_at(3)) == [1]
     with pytest.raises(StalenessError, match="step 4: samples of policy age 2 > max_policy_lag"):
-        policy_ages(4, collected_at(2), max_policy_lag=1)
+        PolicyLag(1).ages(4, collected_at(2))
 
 
 def test_a_replayed_trace_scored_by_an_older_version_does_not_make_its_batch_stale():
     """Channel 3 scores a replayed trace with the trainer's own logprobs: only rows that train channel 1 count."""
     rows = (row(3), row(1, kind=RowKind.REPLAY, teacher="oracle"))
     collected = Collected([RolloutGroup(TASK.problems(0, 0, 1)[0], 0, rows)], None, {}, {})
-    assert policy_ages(4, collected, max_policy_lag=1) == [1, 3]
+    assert PolicyLag(1).ages(4, collected) == [1, 3]
 
 
 def test_a_late_episode_trains_its_fresh_tokens_and_leaves_the_group_when_it_has_none():

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.contract.rollouts import Trajectory
+from actors.contract.rollouts import EpisodeOutcome, Trajectory
+from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig
 from actors.generator.actor import Generation
+from actors.generator.capacity import Capacity
 from actors.generator.request import SampleRequest
 from actors.tasks.strings import Reverse
 from actors.weights.record import WeightVersion
@@ -148,6 +150,47 @@ async def test_least_loaded_picks_fewest_rows_in_flight_ties_by_order():
     await route.generate(request(TASK.problems(0, 1, 1), 1, version(0)))
     await long
     assert [len(r.requests) for r in (busy, idle_a, idle_b)] == [1, 1, 0]  # not the busy one; first of the idle
+
+
+class Player:
+    """A generator handle that plays episodes: it reports ``places`` episodes at once (and the session share it was
+    asked about), and holds every play request until ``release``."""
+
+    def __init__(self, places: int):
+        self.places, self.asked, self.versions = places, [], []
+        self.release = asyncio.Event()
+        self.capacity, self.play = FakeEndpoint(self._capacity), FakeEndpoint(self._play)
+
+    async def _capacity(self, spec: EpisodeSpec) -> Capacity:
+        self.asked.append(spec.environment.max_concurrent)
+        return Capacity(self.places, "environment sessions")
+
+    async def _play(self, problems, group_size, weights, seeds, spec) -> Generation:
+        self.versions.append(weights.version)
+        await self.release.wait()
+        rows = [Trajectory.single_turn([1], [2], [-0.5], p.prompt) for p in problems for _ in range(group_size)]
+        outcomes = [EpisodeOutcome(1.0, 1, True) for _ in rows]
+        return Generation.of(rows, group_size, weights.version, 0.0, 0.0, outcomes)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+async def test_episodes_go_at_once_where_the_most_places_are_free_whatever_version_a_target_runs(policy):
+    """Episodes are placed by the places each target reports (asked once, of its share of the sessions), never
+    held in the router: not by the depth of least_loaded, not by the version a busy target runs."""
+    roomy, small = Player(places=8), Player(places=4)
+    route = router([roomy, small], policy)
+    spec = EpisodeSpec(OpenEnvConfig("http://localhost:1", max_concurrent=12), max_turns=2)
+    one = TASK.problems(0, 0, 1)
+    plays = []
+    for v in (0, 1, 2, 3):  # 4 episodes each, each a newer version
+        plays.append(asyncio.create_task(route.play(one, 4, version(v), [0], spec)))
+        await asyncio.sleep(0.01)
+    assert (roomy.versions, small.versions) == ([0, 1, 3], [2])  # 8 vs 4 free, 4 vs 4 (the first), 0 vs 4, 0 vs 0
+    assert roomy.asked == small.asked == [6]  # once, each of its half of the 12 sessions
+    roomy.release.set()
+    small.release.set()
+    assert [routed.version for routed in await asyncio.gather(*plays)] == [0, 1, 2, 3]
+    assert [target.rows for target in route.targets] == [0, 0]
 
 
 async def test_a_replica_serves_one_version_at_a_time_and_every_replica_gets_each_published_version():

@@ -31,7 +31,7 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from actors import registry
 from actors.agents.chat_tokens import ChatTokens
-from actors.agents.task import NO_DEMONSTRATION, Agents, AgentSpec
+from actors.agents.task import AGENTS_AT_ONCE, NO_DEMONSTRATION, Agents, AgentSpec
 from actors.basics.compute import Compute
 from actors.basics.proc_info import ProcInfo, this_proc
 from actors.contract.rollouts import EpisodeOutcome, ReplyRequest, Reward, Trajectory
@@ -39,6 +39,7 @@ from actors.environments import Environments
 from actors.environments.episode import run_episode
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig, episode_seed
 from actors.environments.token_policy import TokenPolicy
+from actors.generator.capacity import Capacity
 from actors.generator.config import GeneratorConfig
 from actors.generator.engines import piece_seed, sampling_seeds
 from actors.generator.gate import VersionGate
@@ -342,6 +343,15 @@ class Generator(Actor):
                 await server.start()
                 self._server, self._agent_code = server, Agents(spec)
         return self._agent_code
+
+    @concurrent_endpoint
+    async def capacity(self, spec: EpisodeSpec | AgentSpec) -> Capacity:
+        """How many of ``spec``'s episodes this process plays at once: its agent host's places, or its share of the
+        environment's sessions (``spec`` is its share). The controller's admission starts no more
+        (``mesh/controller/admission.py``), so the places and sessions are this process's guard, not a queue."""
+        if isinstance(spec, AgentSpec):
+            return Capacity(AGENTS_AT_ONCE, "agent places")
+        return Capacity(spec.environment.max_concurrent, "environment sessions")
 
     @concurrent_endpoint
     async def agent_guarantees(self, spec: AgentSpec) -> str:

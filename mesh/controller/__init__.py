@@ -1,10 +1,10 @@
 """The controller and its parts (``controller.py`` draws them)."""
 
+from mesh.controller.admission import StalenessError
 from mesh.controller.collected import Collected
 from mesh.controller.collection import Collection, EpisodeCollection, RecordedCollection, SampleCollection
 from mesh.controller.controller import Controller, RunContext
 from mesh.controller.groups import EnvironmentDown
-from mesh.controller.scheduler import StalenessError
 from mesh.controller.services import (
     ReferenceInTrainer,
     ReferenceScoring,

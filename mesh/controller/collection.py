@@ -31,11 +31,13 @@ from actors.agents.task import NO_DEMONSTRATION, AgentSpec
 from actors.contract.rollouts import Reward, RolloutGroup, Row, RowKind, Trajectory
 from actors.contract.top_k import TopK
 from actors.environments.openenv_task import EpisodeSpec
+from actors.generator.capacity import Capacity
 from actors.generator.engines import sampling_seeds
 from actors.generator.request import SampleRequest
 from actors.tasks import Problem, Task
 from actors.teachers.bindings import TopKRequest
 from actors.weights.record import WeightVersion
+from mesh.controller.admission import Admission, PolicyLag
 from mesh.controller.collected import Collected
 from mesh.controller.gap import GapCheck, exact_share
 from mesh.controller.groups import Demonstration, EnvironmentDown, GroupPool, PlayedGroup
@@ -356,7 +358,7 @@ class EpisodeCollection(_Collection):
         than this (``groups.py``), else (None) by step."""
         super().__init__(settings, task, services)
         self.episodes, self.failed = episodes, failed
-        self.pool = None if group_lag is None else GroupPool(group_lag, settings.prompts_per_step, self._streamed)
+        self.pool = None if group_lag is None else GroupPool(self._admission(group_lag), self._streamed, self._capacity)
         self._step_prompts: tuple[int, list[Problem], list[int]] | None = None  # the last step the stream read
 
     async def collect(self, step: int, weights: WeightVersion, teachers: Snapshot) -> Collected:
@@ -367,19 +369,21 @@ class EpisodeCollection(_Collection):
         agent itself. By group, the step trains on the first groups to finish (``groups.py``)."""
         problems, seeds = self._prompts(step)
         oracle = teachers.get(self.settings.oracle) if self.settings.oracle else None
-        since = None if self.pool is None else step - self.pool.max_policy_lag  # the oldest version it may train
+        since = None if self.pool is None else self.pool.admission.lag.oldest(step)  # the oldest version it trains
+        admitted = {}
         if self.pool is None:
             played, routed = await self._play(problems, seeds, weights, step, 0)
             loads, generate, load, dropped = routed.loads, routed.sampling_seconds, routed.load_seconds, []
         else:
             start = time.perf_counter()
-            self.pool.follow(weights)
+            await self.pool.follow(weights)
             async with self.pool.in_order:
                 played, dropped = await self.pool.take(step)
+                admitted = self.pool.admission.metrics()
             loads = [sum(per, TargetLoad()) for per in zip(*(group.loads for group in played))]
             generate, load = time.perf_counter() - start, 0.0
         collected = await self._batch(step, played, loads, generate, load, oracle, since)
-        collected.episode_metrics |= _untrained(played, dropped, since)
+        collected.episode_metrics |= _untrained(played, dropped, since) | admitted
         return collected
 
     async def evaluate(self, step: int, weights: WeightVersion) -> Evaluated:
@@ -403,6 +407,16 @@ class EpisodeCollection(_Collection):
     async def restart(self) -> None:
         if self.pool is not None:
             await self.pool.restart()
+
+    def _admission(self, lag: int) -> Admission:
+        """What decides which groups start (by group): the lag, and a group's episodes (one more where the agent
+        demonstrates its problem beside them)."""
+        settings = self.settings
+        demonstrates = settings.oracle is not None and (settings.warm_start_steps > 0 or settings.replay)
+        return Admission(PolicyLag(lag), settings.prompts_per_step, settings.group_size + demonstrates)
+
+    async def _capacity(self) -> list[Capacity]:
+        return await self.services.generators.capacity(self.episodes)
 
     async def _play(
         self, problems: list[Problem], seeds: list[int], weights: WeightVersion, step: int, first: int

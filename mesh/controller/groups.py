@@ -10,12 +10,12 @@ takes the first ``prompts_per_step`` finished groups, the steps in step order::
     finished:  g3 g1 g7 g0 ...                a new version admits the next P groups, g8 ... g11
     take(k):   the first P fresh enough; a slow group is taken by a later step, or dropped
 
-The admission rule is AReaL's: with the newest weights ``v`` versions past the pool's first, at most
-``(max_policy_lag + v + 1) x P`` groups that fill or may fill a step have started (a group whose every
-episode failed, or that was dropped, gives its place back). A group started under it is at most
-``max_policy_lag`` versions behind the step it fills, as long as the groups finish in about the order
-they started, so the pool runs no work ahead that it would have to throw away; only a group slower than
-the ``P`` after it can still come too late.
+What starts is the admission authority's to say (``admission.py``): AReaL's rule, ``(max_policy_lag + v + 1) x P``
+groups started with the newest weights ``v`` versions past the pool's first, within the places the generators
+report (a group whose every episode failed, or that was dropped, gives its place back). A group started under it
+is at most ``max_policy_lag`` versions behind the step it fills, as long as the groups finish in about the order
+they started, so the pool runs no work ahead that it would have to throw away; only a group slower than the ``P``
+after it can still come too late.
 
 ``max_policy_lag`` stays a rule on the tokens trained, per token: a step trains none that a version more than
 ``max_policy_lag`` behind it sampled. A group that came late trains on its newer tokens (an episode that went
@@ -39,8 +39,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from actors.contract.rollouts import EpisodeOutcome, Trajectory
+from actors.generator.capacity import Capacity
 from actors.tasks import Problem
 from actors.weights.record import WeightVersion
+from mesh.controller.admission import Admission
 from mesh.controller.router import TargetLoad
 from mesh.controller.scheduler import Abandoned
 
@@ -111,28 +113,27 @@ class Demonstration:
 class GroupPool:
     """The groups running and finished, taken by the steps in the order they ask (see the module docstring)."""
 
-    def __init__(self, max_policy_lag: int, per_step: int, play: Play):
-        self.max_policy_lag, self.per_step, self.play = max_policy_lag, per_step, play
-        self.budget = (max_policy_lag + 1) * per_step  # a lag window of groups: the failed ones that stop the pool
+    def __init__(self, admission: Admission, play: Play, capacity: Callable[[], Awaitable[list[Capacity]]]):
+        """``capacity``: what the generators report they play at once, asked once, before the first group starts."""
+        self.admission, self.play, self.capacity = admission, play, capacity
+        self.per_step = admission.per_step
         self.streamed = 0  # the next group of the prompt stream
-        self.admitted = 0  # groups started that filled a step or may still fill one
         self.weights: WeightVersion | None = None  # the newest: what groups start with
-        self.first_version: int | None = None  # the version the pool's stream started with
         self.finished: deque[PlayedGroup] = deque()
         self.running: set[asyncio.Future] = set()
         self.changed = asyncio.Event()
         self.in_order = asyncio.Lock()  # fair: the steps take in the order their collections began
         self.error: BaseException | None = None
-        self.failed_since_success = 0  # groups whose every episode failed, since one did not
-        self.first_failure: str | None = None  # the first failure of those groups
+        self.first_failure: str | None = None  # the first failure of the groups failing in a row
         self.drained = False  # the run stops after the step it is in: no group starts
 
-    def follow(self, weights: WeightVersion) -> None:
+    async def follow(self, weights: WeightVersion) -> None:
         """Groups start with ``weights`` from now on (a newer version than any before), and the pool is full."""
+        if self.admission.at_once is None:
+            self.admission.size(await self.capacity())
         if self.weights is None or weights.version > self.weights.version:
             self.weights = weights
-        if self.first_version is None:
-            self.first_version = weights.version
+        self.admission.follow(weights.version)
         self._refill()
 
     async def take(self, step: int) -> tuple[list[PlayedGroup], list[PlayedGroup]]:
@@ -149,9 +150,9 @@ class GroupPool:
                 group = self.finished.popleft()
                 if group.failed:  # its place was given back as it arrived
                     failed.append(group)
-                elif not group.trainable_from(step - self.max_policy_lag):
+                elif not group.trainable_from(self.admission.lag.oldest(step)):
                     dropped.append(group)
-                    self.admitted -= 1
+                    self.admission.dropped()
                     self._refill()
                 else:
                     good.append(group)
@@ -164,8 +165,8 @@ class GroupPool:
                 )
             if self.down:
                 raise EnvironmentDown(
-                    f"every episode of the last {self.failed_since_success} groups failed (loop.collect: group), so "
-                    f"step {step} can never be filled; the first: {self.first_failure}"
+                    f"every episode of the last {self.admission.failed_in_a_row} groups failed (loop.collect: group), "
+                    f"so step {step} can never be filled; the first: {self.first_failure}"
                 )
             self.changed.clear()
             await self.changed.wait()
@@ -182,12 +183,12 @@ class GroupPool:
         stream again, with the checkpoint's weights."""
         self.weights = None  # first: a group that finishes while the others stop starts none
         await self._stop()
-        self.error, self.failed_since_success, self.first_failure = None, 0, None
-        self.admitted, self.first_version = 0, None
+        self.error, self.first_failure = None, None
+        self.admission.restart()
 
     async def cancel(self) -> None:
         """Stop every group running and forget the finished ones (the run's end); none starts after."""
-        self.budget = 0
+        self.weights = None
         await self._stop()
 
     async def _stop(self) -> None:
@@ -198,42 +199,26 @@ class GroupPool:
         self.finished.clear()
 
     def _refill(self) -> None:
-        """Start the groups the admission rule admits (see the module docstring). A group whose every episode
-        failed gives its place back, but holds one of the lag window's until a group succeeds, so fast failures
-        cannot cycle without end while slower groups run."""
-        while self._may_start() and self.admitted < self._admissible and self._failures_allow:
+        """Start the groups the admission authority admits."""
+        while self._may_start() and self.admission.may_start():
             group = asyncio.ensure_future(self.play(self.streamed, self.weights))
             self.streamed += 1
-            self.admitted += 1
+            self.admission.started()
             self.running.add(group)
             group.add_done_callback(self._arrived)
 
-    @property
-    def _failures_allow(self) -> bool:
-        """Groups that failed since one succeeded hold places of a lag window, ``(max_policy_lag + 1) x P``."""
-        return len(self.running) + self.failed_since_success < self.budget
-
-    @property
-    def _admissible(self) -> int:
-        """How many groups may have been admitted with the newest weights: AReaL's ``(lag + v + 1) x P``."""
-        return (self.max_policy_lag + self.weights.version - self.first_version + 1) * self.per_step
-
     def _arrived(self, group: asyncio.Future) -> None:
         self.running.discard(group)
-        if group.cancelled():
-            return
-        if group.exception() is not None:
-            self.error = self.error or group.exception()
+        if group.cancelled() or group.exception() is not None:
+            self.admission.stopped()
+            if not group.cancelled():
+                self.error = self.error or group.exception()
         else:
             played = group.result()
             self.finished.append(played)
-            if not played.failed:
-                self.failed_since_success = 0
-            else:
-                self.admitted -= 1
-                if self.failed_since_success == 0:
-                    self.first_failure = next(o.failure for o in played.outcomes if o.failure is not None)
-                self.failed_since_success += 1
+            if played.failed and self.admission.failed_in_a_row == 0:
+                self.first_failure = next(o.failure for o in played.outcomes if o.failure is not None)
+            self.admission.finished(played.failed)
         self._refill()
         self.changed.set()
 
@@ -243,4 +228,4 @@ class GroupPool:
     @property
     def down(self) -> bool:
         """Every place's last group failed and none runs: the environment or the agent fails every episode."""
-        return not self.running and self.failed_since_success >= self.budget
+        return self.admission.down

@@ -16,13 +16,19 @@ Policies (``actors.generator.router``):
   ``REQUESTS_PER_TARGET`` requests per target, so a fast target takes the requests a
   slow or busy one has not reached.
 
+Episodes (``play``) are placed by neither policy: a request goes at once to the target with the most of its
+places free (what it reports it plays at once, ``Generator.capacity``, less the episodes it plays). Collected by
+group, the admission authority (``admission.py``) starts no more than the places hold, so no episode waits, here
+or at a generator; collected by step, the scheduler's window is the bound, and a step's episodes beyond a target's
+places wait there for one.
+
 Weight versions: every request names its version, and a ``generate`` or ``logprobs_of``
 request is sampled with exactly that version, the generator switching only between
 requests. The router sends a target such requests of one version at a time (one of
 another version waits in the router until the target's requests in flight are done), so a
 request never queues behind a weight change at a busy target while another could serve
-it. An episode's turns (``play``) take the newest weights the generator holds, switching
-between turns, so a target plays episodes whatever versions it runs. ``push`` (after every trainer
+it. An episode's turns take the newest weights the generator holds, switching between
+turns, so a target plays episodes whatever versions it runs. ``push`` (after every trainer
 step) pushes the new version to each target (the generator's ``hold``) as soon as it is
 idle with no request waiting, so a target that got no request in a step still catches
 up, and the next step finds its weights loaded.
@@ -36,10 +42,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from actors.agents.task import AgentSpec
 from actors.basics.shares import split_evenly
 from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
 from actors.environments.openenv_task import EpisodeSpec
 from actors.generator.actor import Generation
+from actors.generator.capacity import Capacity
 from actors.generator.request import SampleRequest
 from actors.tasks import Problem
 from actors.weights.record import WeightVersion
@@ -123,13 +131,19 @@ class _Target:
     version: int | None = None  # the version of everything in flight
     held: int | None = None  # the version its last finished request named
     pushed_load_seconds: float = 0.0  # weight adoption by pushes, not yet reported with a request
+    places: int | None = None  # the episodes it plays at once, as it reported (None: not asked)
 
     def take_pushed_load(self) -> float:
         seconds, self.pushed_load_seconds = self.pushed_load_seconds, 0.0
         return seconds
 
-    def serves(self, version: int, mixes_versions: bool) -> bool:
-        return mixes_versions or self.in_flight == 0 or self.version == version
+    def serves(self, version: int) -> bool:
+        return self.in_flight == 0 or self.version == version
+
+    @property
+    def room(self) -> int:
+        """Its places free (less than none where it plays more than it reported, or was never asked)."""
+        return (self.places or 0) - self.rows
 
 
 Call = Callable[["ActorMesh", slice], Awaitable[Generation]]
@@ -149,6 +163,7 @@ class Router:
         self._newest: WeightVersion | None = None
         self._pushes: set[asyncio.Task] = set()
         self._failure: PushFailed | None = None
+        self._capacities: list[Capacity] | None = None
 
     @property
     def handles(self) -> list[ActorMesh]:
@@ -164,18 +179,32 @@ class Router:
         return await self._route(request.problems, request.group_size, request.weights.version, call)
 
     async def play(
-        self, problems: list[Problem], group_size: int, weights: WeightVersion, seeds: list[int], spec: EpisodeSpec
+        self,
+        problems: list[Problem],
+        group_size: int,
+        weights: WeightVersion,
+        seeds: list[int],
+        spec: EpisodeSpec | AgentSpec,
     ) -> Routed:
-        """``group_size`` environment episodes of each prompt, played with ``weights``, in prompt order;
-        each target holds its share of the environment's sessions."""
+        """``group_size`` episodes of each prompt, played with ``weights`` (then the newest each target holds), in
+        prompt order; each target holds its share of the environment's sessions."""
         share = spec.shared_by(len(self.targets))
+        await self.capacity(spec)
 
         def call(handle: ActorMesh, prompts: slice) -> Awaitable[Generation]:
             return handle.play.call_one(problems[prompts], group_size, weights, seeds[prompts], share)
 
-        # an episode's turns take the newest weights the generator holds, switching between turns, not requests: a
-        # target plays episodes whatever versions it runs
-        return await self._route(problems, group_size, weights.version, call, mixes_versions=True)
+        return await self._route(problems, group_size, weights.version, call, episodes=True)
+
+    async def capacity(self, spec: EpisodeSpec | AgentSpec) -> list[Capacity]:
+        """What each target reports it plays at once of ``spec``'s episodes (of its share), asked once."""
+        if self._capacities is None:
+            share = spec.shared_by(len(self.targets))
+            reports = await asyncio.gather(*(target.handle.capacity.call_one(share) for target in self.targets))
+            for target, reported in zip(self.targets, reports):
+                target.places = reported.episodes
+            self._capacities = list(reports)
+        return self._capacities
 
     async def logprobs_of(self, problems: list[Problem], texts: list[str], weights: WeightVersion) -> Routed:
         """``texts[i]`` as a completion of ``problems[i]``, with the logprobs of ``weights``."""
@@ -216,14 +245,14 @@ class Router:
     # ------------------------------------------------------------------------- requests
 
     async def _route(
-        self, problems: list[Problem], rows_each: int, version: int, call: Call, mixes_versions: bool = False
+        self, problems: list[Problem], rows_each: int, version: int, call: Call, episodes: bool = False
     ) -> Routed:
-        """``call`` on every share of ``problems``; ``mixes_versions``: a target takes these requests whatever version
-        it runs (else only its own, or when idle)."""
+        """``call`` on every share of ``problems``; ``episodes``: these are episodes, placed where the most places are
+        free, whatever version the target runs (else by the policy, on a target running ``version`` or idle)."""
         start = time.perf_counter()
         shares = [s for s in split_evenly(len(problems), self._requests(len(problems))) if s.stop > s.start]
         requests = [
-            self._request(call, share, (share.stop - share.start) * rows_each, version, mixes_versions)
+            self._request(call, share, (share.stop - share.start) * rows_each, version, episodes)
             for share in shares
         ]
         # one request is awaited, not gathered: it is sent in the caller's turn of the event loop
@@ -250,9 +279,9 @@ class Router:
         return min(count, per_target * len(self.targets))
 
     async def _request(
-        self, call: Call, share: slice, rows: int, version: int, mixes_versions: bool
+        self, call: Call, share: slice, rows: int, version: int, episodes: bool
     ) -> tuple[int, Generation]:
-        i = await self._acquire(rows, version, mixes_versions)
+        i = await self._acquire(rows, version, episodes)
         target = self.targets[i]
         try:
             reply = await call(target.handle, share)
@@ -261,12 +290,12 @@ class Router:
         finally:
             await self._release(target, rows)
 
-    async def _acquire(self, rows: int, version: int, mixes_versions: bool) -> int:
+    async def _acquire(self, rows: int, version: int, episodes: bool) -> int:
         async with self._changed:
             self._waiting += 1
             try:
                 self._raise_failure()
-                while (i := self._pick(version, mixes_versions)) is None:
+                while (i := self._most_room() if episodes else self._pick(version)) is None:
                     await self._changed.wait()
                     self._raise_failure()
             finally:
@@ -288,16 +317,20 @@ class Router:
         target.rows += rows
         target.version = version
 
-    def _in_turn(self, version: int, mixes_versions: bool) -> int | None:
+    def _in_turn(self, version: int) -> int | None:
         i = self._turn % len(self.targets)
-        if not self.targets[i].serves(version, mixes_versions):
+        if not self.targets[i].serves(version):
             return None
         self._turn += 1
         return i
 
-    def _least_loaded(self, version: int, mixes_versions: bool) -> int | None:
-        open_ = [i for i, t in enumerate(self.targets) if t.in_flight < DEPTH and t.serves(version, mixes_versions)]
+    def _least_loaded(self, version: int) -> int | None:
+        open_ = [i for i, t in enumerate(self.targets) if t.in_flight < DEPTH and t.serves(version)]
         return min(open_, key=lambda i: self.targets[i].rows, default=None)
+
+    def _most_room(self) -> int:
+        """The target with the most places free, the lowest index among equals."""
+        return max(range(len(self.targets)), key=lambda i: (self.targets[i].room, -i))
 
     # --------------------------------------------------------------------------- pushes
 

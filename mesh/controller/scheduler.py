@@ -3,7 +3,8 @@
 With ``max_policy_lag: L`` at most L+1 collections are in flight, in step order; the first is the
 batch of the step the trainer takes next. Each starts with the newest weights when it is started,
 so a batch taken at step k was sampled by a version at most L older than the trainer's, and a batch
-older than that is refused, never trained on (``StalenessError``).
+older than that is refused, never trained on (``StalenessError``). The window is derived from the lag's one
+rule (``admission.py``).
 
     before step k trains:  collecting = [ batch k | batch k+1 | ... | batch k+L ]   (oldest first)
     take(k):               batch k, each row's policy age = k - the version that sampled it (<= L)
@@ -17,13 +18,10 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from mesh.controller.admission import PolicyLag
 from mesh.controller.collected import Collected
 
 Collect = Callable[[int], Coroutine[Any, Any, Collected]]  # step -> its collection, started with the newest weights
-
-
-class StalenessError(RuntimeError):
-    """A batch older than ``max_policy_lag`` reached the trainer: a controller bug, never trained on."""
 
 
 class Abandoned(RuntimeError):
@@ -31,20 +29,9 @@ class Abandoned(RuntimeError):
     stops at once instead of waiting for work that never starts."""
 
 
-def policy_ages(step: int, collected: Collected, max_policy_lag: int) -> list[int]:
-    """Each row's policy age when step ``step`` trains on it; a batch whose channel-1 rows are older than the lag
-    is refused (a replayed trace's logprobs are the trainer's own, whichever version scored it)."""
-    rows = collected.rows()
-    ages = [step - row.oldest_version for row in rows]
-    oldest = max((age for age, row in zip(ages, rows) if row.kind.trains_policy), default=0)
-    if oldest > max_policy_lag:
-        raise StalenessError(f"step {step}: samples of policy age {oldest} > max_policy_lag")
-    return ages
-
-
 class Scheduler:
     def __init__(self, collect: Collect, steps: int, max_policy_lag: int):
-        self.collect, self.steps, self.max_policy_lag = collect, steps, max_policy_lag
+        self.collect, self.steps, self.lag = collect, steps, PolicyLag(max_policy_lag)
         self.collecting: deque[asyncio.Future[Collected]] = deque()  # the steps after the trained ones, in order
         self.scheduled = 0  # the next step to start collecting
 
@@ -59,7 +46,7 @@ class Scheduler:
     async def fill(self) -> None:
         """Start collecting every step the lag window lets run ahead."""
         started = False
-        while self.scheduled < self.steps and len(self.collecting) <= self.max_policy_lag:
+        while self.scheduled < self.steps and len(self.collecting) < self.lag.steps_ahead:
             self.collecting.append(asyncio.ensure_future(self.collect(self.scheduled)))
             self.scheduled += 1
             started = True
@@ -70,7 +57,7 @@ class Scheduler:
         """Step ``step``'s batch (the oldest in flight), once collected, and each row's policy age."""
         collected = await self.collecting[0]
         self.collecting.popleft()
-        return collected, policy_ages(step, collected, self.max_policy_lag)
+        return collected, self.lag.ages(step, collected)
 
     async def in_flight(self) -> list[Collected]:
         """The batches already started for the steps after the trained ones, collected (for a checkpoint); in a
