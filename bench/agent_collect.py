@@ -41,12 +41,20 @@ def run(mode: str, lag: int, steps: int, root: Path, tree: Path = ROOT) -> dict:
     """One run of ``tree``'s code (its topology, its agent) under ``root``, and what it did."""
     settings = [f"loop.collect={mode}", f"loop.max_policy_lag={lag}", f"loop.steps={steps}"]
     settings += ["loop.evaluation.every=0", "checkpointing.every=0", "task.agent=bench.varied_agent:varied"]
-    topology = tree / TOPOLOGY.relative_to(ROOT)
+    return summary(metrics_of(tree / TOPOLOGY.relative_to(ROOT), settings, root, tree))
+
+
+def metrics_of(topology: Path, settings: list[str], root: Path, tree: Path = ROOT) -> list[dict]:
+    """Each step's metrics of a run of ``topology`` with ``settings``, from ``tree``'s code, under ``root``."""
     command = [sys.executable, "-m", "mesh.run", str(topology), "--no-progress", "--set", f"logging.root={root}"]
     command += [arg for setting in settings for arg in ("--set", setting)]
     subprocess.run(command, check=True, capture_output=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
-    (run_dir,) = root.glob("agent_tools-*")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_dir,) = root.glob(f"{topology.stem}-*")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(rows: list[dict]) -> dict:
+    """A run's speed, the work it threw away, and its tokens sampled across weight updates with their mismatch."""
     steady = rows[2:-1]
     tokens = sum(row["completion_len/mean"] * row["generator/0/rows"] for row in rows)  # the model's, every row
     return {
@@ -66,10 +74,12 @@ def run(mode: str, lag: int, steps: int, root: Path, tree: Path = ROOT) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="lag 1 only, 8 steps")
+    parser.add_argument("--lags", type=int, nargs="+", help="these lags (default 1 and 2)")
     parser.add_argument("--collect", choices=("step", "group"), nargs="+", default=["step", "group"])
     parser.add_argument("--against", type=Path, help="another checkout: each run from it too, alternating")
     args = parser.parse_args()
     lags, steps = ((1,), 8) if args.quick else ((1, 2), 16)
+    lags = args.lags or lags
     trees = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
     print(machine())
     results = {}

@@ -81,27 +81,27 @@ async def test_groups_start_as_the_admission_rule_lets_them_and_a_step_takes_the
 
 
 async def test_the_admission_starts_no_more_groups_than_the_generators_places_and_counts_those_that_wait():
-    """The lag allows (1 + 0 + 1) x 2 = 4 groups, the generator's places hold 2: 2 run and 2 wait, and a place
-    given back starts the next at once."""
+    """The lag allows (1 + 0 + 1) x 3 = 6 groups, the generator's places hold 2 and one more that takes places as
+    they free: 3 run and 3 wait, and a place given back starts the next at once."""
     stream = Stream()
-    pool = pool_of(per_step=2, play=stream.play, places=2)
+    pool = pool_of(per_step=3, play=stream.play, places=2)
     await pool.follow(Weights(0))
     await asyncio.sleep(0)
-    assert [n for n, _ in stream.started] == [0, 1]
-    counts = {"groups/admitted": 2, "groups/running": 2, "groups/waiting": 2, "groups/at_once": 2}
+    assert [n for n, _ in stream.started] == [0, 1, 2]
+    counts = {"groups/admitted": 3, "groups/running": 3, "groups/waiting": 3, "groups/at_once": 3}
     assert pool.admission.metrics() == counts
     await stream.finish(1)
-    assert [n for n, _ in stream.started] == [0, 1, 2]  # group 1's place, finished, went to group 2
-    assert pool.admission.metrics() == counts | {"groups/admitted": 3, "groups/waiting": 1}
+    assert [n for n, _ in stream.started] == [0, 1, 2, 3]  # group 1's place, finished, went to group 3
+    assert pool.admission.metrics() == counts | {"groups/admitted": 4, "groups/waiting": 2}
     await pool.cancel()
 
 
 def test_the_groups_at_once_are_the_whole_groups_each_target_places():
-    """Episodes of a group run on one target: 9 places hold two groups of 4, not two and a quarter; a group that
-    does not fit anywhere still runs, one at a time."""
+    """Episodes of a group run on one target: 9 places hold two groups of 4, not two and a quarter, and one more
+    group takes places as they free; a group larger than the places still runs."""
     admission = Admission(PolicyLag(1), per_step=8, episodes_per_group=4)
     admission.size([Capacity(9, "agent places"), Capacity(9, "agent places")])
-    assert admission.at_once == 4
+    assert admission.at_once == 6
     admission.size([Capacity(3, "environment sessions")])
     assert admission.at_once == 1
     assert admission.failure_window == 16 and PolicyLag(2).admissible(versions=3, per_step=8) == 48

@@ -7,15 +7,17 @@ else that bounds work is derived from it, so none can disagree:
     by step    the scheduler collects the L + 1 steps after the trained ones       (``PolicyLag.steps_ahead``)
     by group   the ``Admission`` starts a group while
                  started  <  (L + v + 1) x P          AReaL's rule; v: versions since the pool's first
-                 running  <  C = sum over targets of floor(places_t / e)   the generators' reported capacity
+                 running  <  C = sum over targets of (floor(places_t / e) + 1)   the generators' places
                  running + failed in a row  <  (L + 1) x P                 a lag window of failures
 
 where P is ``prompts_per_step``, e a group's episodes (``group_size``, one more where the agent demonstrates) and
 places_t what generator target t plays at once (``actors/generator/capacity.py``: its agent host's places, or its
-share of the environment's sessions). The places and sessions stay each generator's guard, but the work admitted
-never waits on them, and nothing waits in the router: a group admitted is a group playing. A group the lag allows
-but the generators have no place for waits here, counted as ``groups/waiting``; every step logs ``groups/admitted``
-(started, not yet taken or given back), ``groups/running`` and ``groups/at_once`` (C).
+share of the environment's sessions). C is the whole groups the places hold and one group more at each target, whose
+episodes take places as the episodes before them free them: a group holds its places until its slowest episode
+ends, and without that one group an episode's place would idle for a round trip to the controller. An episode that
+waits for a place has nothing open (no session, no key, no process), and nothing waits in the router. A group the lag
+allows that the generators have no place for waits here, unstarted, counted as ``groups/waiting``; every step logs
+``groups/admitted`` (started, not yet taken or given back), ``groups/running`` and ``groups/at_once`` (C).
 
 A group admitted with the newest weights v is at most L versions behind the step it fills, as long as the groups
 finish in about the order they started; a slower one trains only its tokens no older than its step's limit.
@@ -78,8 +80,9 @@ class Admission:
         self.failed_in_a_row = 0  # groups whose every episode failed, since one did not
 
     def size(self, capacities: list[Capacity]) -> None:
-        """The generators' reported capacity, one per target: what fits of whole groups (at least one)."""
-        self.at_once = max(1, sum(c.episodes // self.episodes_per_group for c in capacities))
+        """The generators' reported capacity, one per target: the whole groups each target's places hold, and one
+        more whose episodes take places as they are freed."""
+        self.at_once = sum(c.episodes // self.episodes_per_group + 1 for c in capacities)
 
     def follow(self, version: int) -> None:
         """Groups start with ``version`` from now on (ignored when not newer)."""

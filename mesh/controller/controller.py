@@ -12,7 +12,9 @@ What runs where, and the buffers between them (``max_policy_lag: L``):
          |    teachers  -> TeacherPool: the distill teacher's top-k
          |    reference -> ReferenceScoring: on the trainer's ranks, or the Reference actor
          |    join      -> one RolloutGroup per prompt: Collected
-         |  or an EpisodeCollection: the generators play episodes against an environment
+         |  or an EpisodeCollection: the generators play episodes against an environment or an agent;
+         |    by group, a GroupPool (groups.py) of groups started as the Admission (admission.py) lets them:
+         |    started < (L+v+1) x P, running < the groups the generators' places hold
          v
     train step k: take batch k (policy ages <= L, else StalenessError)
       -> advantages -> TrainBatch -> Trainer (one optimizer step, publishes version k+1)
