@@ -106,9 +106,12 @@ def test_agent_tools_learns_through_the_endpoint(tmp_path, collect):
         assert all(row["teachers/oracle/reward"] == 1.0 and row["teachers/oracle/pairs"] > 0 for row in rows)
         # nothing failed; a late group trains on its tokens fresh enough (the lag is a limit per token)
         assert sum(row["groups/untrained_tokens"] for row in rows) / len(rows) < 0.1, rows
-        for row in rows:  # the admission's bounds (docs/environments-and-agents.md), held at every step: lag 1, P 8
-            assert row["groups/at_once"] == AGENTS_AT_ONCE // (4 + 1) + 1 >= row["groups/running"], row  # G 4, shown
-            assert row["groups/admitted"] <= (1 + row["step"] + 1) * 8 and row["policy_age/max"] <= 1, row
+        # the admission's bounds (docs/environments-and-agents.md), held at every step: lag 1, P 8, G 4 and the shown
+        # one; no channel-1 token older than the lag trained, or the run would have stopped (StalenessError); a
+        # replayed demonstration's row may be older (channel 3 scores it anew), so policy_age/max may be 2
+        for row in rows:
+            assert row["groups/at_once"] == AGENTS_AT_ONCE // (4 + 1) + 1 >= row["groups/running"], row
+            assert row["groups/admitted"] <= (1 + row["step"] + 1) * 8, row
         shown = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
         assert {row["kind"] for row in shown if row["teacher"] == "oracle"} >= {"warm_start", "replay"}
 
