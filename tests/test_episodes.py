@@ -29,6 +29,7 @@ from actors.environments.serve import EnvironmentServer
 from actors.environments.token_policy import TokenPolicy
 from actors.generator.actor import Generator, GeneratorConfig
 from actors.generator.engines import sampling_seeds
+from actors.generator.request import PlayRequest
 from actors.models.facts import TinyModelSpec
 from actors.models.policy import load_policy
 from actors.models.tiny import build_tiny_model
@@ -176,7 +177,7 @@ async def test_a_generator_plays_episodes_as_trajectories_the_game_and_its_rewar
     problems, seeds = task.problems(0, 0, 2), sampling_seeds(0, "test", 2)
     try:
         await generator.start.call_one()
-        played = await generator.play.call_one(problems, 3, weights, seeds, task.episodes())  # 6 episodes, 2 sessions
+        played = await generator.play.call_one(PlayRequest(problems, 3, weights, seeds, task.episodes()))  # 2 sessions
         assert played.version == 0
         for problem, trajectories, outcomes in zip(problems, played.trajectories(), played.episode_outcomes()):
             assert len(trajectories) == len(outcomes) == 3
@@ -190,14 +191,15 @@ async def test_a_generator_plays_episodes_as_trajectories_the_game_and_its_rewar
                 context = [t for t, mine in zip(trajectory.completion_ids, trajectory.loss_mask) if not mine]
                 eos = tokenizer.eos_token
                 assert tokenizer.decode(context).replace(eos, "") == "".join(answers[: outcome.turns - 1])
-        again = await generator.play.call_one(problems, 3, weights, seeds, task.episodes())
+        again = await generator.play.call_one(PlayRequest(problems, 3, weights, seeds, task.episodes()))
         assert again.completion_ids == played.completion_ids  # seeded turn by turn
-        greedy = await generator.play.call_one(problems, 3, weights, seeds, replace(task.episodes(), greedy=True))
+        greedy_episodes = replace(task.episodes(), greedy=True)
+        greedy = await generator.play.call_one(PlayRequest(problems, 3, weights, seeds, greedy_episodes))
         for trajectories in greedy.trajectories():  # every turn the argmax, whatever its seed: one game, played alike
             assert len({tuple(t.completion_ids) for t in trajectories}) == 1
 
         dead = OpenEnvTask(url="http://127.0.0.1:9", max_turns=3, action_field="message", observation_field="message")
-        failed = await generator.play.call_one(problems[:1], 2, weights, seeds[:1], dead.episodes())
+        failed = await generator.play.call_one(PlayRequest(problems[:1], 2, weights, seeds[:1], dead.episodes()))
         reasons = [o.failure for o in failed.outcomes]
         assert all("cannot open a session" in r and "start the server or fix the url" in r for r in reasons)
     finally:

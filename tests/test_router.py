@@ -13,7 +13,7 @@ from actors.contract.rollouts import EpisodeOutcome, Trajectory
 from actors.environments.openenv_task import EpisodeSpec, OpenEnvConfig
 from actors.generator.actor import Generation
 from actors.generator.capacity import Capacity
-from actors.generator.request import SampleRequest
+from actors.generator.request import PlayRequest, SampleRequest
 from actors.tasks.strings import Reverse
 from actors.weights.record import WeightVersion
 from mesh.controller import Controller
@@ -165,12 +165,13 @@ class Player:
         self.asked.append(spec.environment.max_concurrent)
         return Capacity(self.places, "environment sessions")
 
-    async def _play(self, problems, group_size, weights, seeds, spec) -> Generation:
-        self.versions.append(weights.version)
+    async def _play(self, request: PlayRequest) -> Generation:
+        self.versions.append(request.weights.version)
         await self.release.wait()
-        rows = [Trajectory.single_turn([1], [2], [-0.5], p.prompt) for p in problems for _ in range(group_size)]
+        rows = [Trajectory.single_turn([1], [2], [-0.5], p.prompt) for p in request.problems]
+        rows = [row for row in rows for _ in range(request.group_size)]
         outcomes = [EpisodeOutcome(1.0, 1, True) for _ in rows]
-        return Generation.of(rows, group_size, weights.version, 0.0, 0.0, outcomes)
+        return Generation.of(rows, request.group_size, request.weights.version, 0.0, 0.0, outcomes)
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
@@ -183,7 +184,7 @@ async def test_episodes_go_at_once_where_the_most_places_are_free_whatever_versi
     one = TASK.problems(0, 0, 1)
     plays = []
     for v in (0, 1, 2, 3):  # 4 episodes each, each a newer version
-        plays.append(asyncio.create_task(route.play(one, 4, version(v), [0], spec)))
+        plays.append(asyncio.create_task(route.play(PlayRequest(one, 4, version(v), [0], spec))))
         await asyncio.sleep(0.01)
     assert (roomy.versions, small.versions) == ([0, 1, 3], [2])  # 8 vs 4 free, 4 vs 4 (the first), 0 vs 4, 0 vs 0
     assert roomy.asked == small.asked == [6]  # once, each of its half of the 12 sessions

@@ -43,7 +43,7 @@ from actors.generator.capacity import Capacity
 from actors.generator.config import GeneratorConfig
 from actors.generator.engines import piece_seed, sampling_seeds
 from actors.generator.gate import VersionGate
-from actors.generator.request import SampleRequest
+from actors.generator.request import PlayRequest, SampleRequest
 from actors.models.chat import render
 from actors.models.lora_config import LoRAConfig
 from actors.models.source import check_before_loading
@@ -195,28 +195,21 @@ class Generator(Actor):
         return Generation.of(rows, request.group_size, weights.version, seconds, load_seconds, rewards=rewards)
 
     @concurrent_endpoint
-    async def play(
-        self,
-        problems: list[Problem],
-        group_size: int,
-        weights: WeightVersion,
-        seeds: list[int],
-        spec: EpisodeSpec | AgentSpec,
-    ) -> Generation:
-        """``group_size`` episodes of each problem, all played at once: against its environment seed (the
-        environment bounds how many hold a session), or by the agent through this process's endpoint.
-        Each is one trajectory with the environment's (or the agent's) tokens masked out of the loss;
-        ``seeds`` fix each episode's sampling, turn by turn (with ``spec.greedy`` every turn is the argmax
-        continuation instead)."""
-        start = time.perf_counter()
-        self._follow(weights)  # every turn takes the gate, with the newest weights (``_turn``)
+    async def play(self, request: PlayRequest) -> Generation:
+        """The episodes ``request`` asks for, all played at once: against its environment seed (the environment
+        bounds how many hold a session), or by the agent through this process's endpoint. Each is one trajectory
+        with the environment's (or the agent's) tokens masked out of the loss; its seed fixes each episode's
+        sampling, turn by turn (with ``spec.greedy`` every turn is the argmax continuation instead)."""
+        start, spec = time.perf_counter(), request.spec
+        self._follow(request.weights)  # every turn takes the gate, with the newest weights (``_turn``)
         if isinstance(spec, AgentSpec):
             one = functools.partial(self._act_one, await self._agents(spec), spec)
         else:
             one = functools.partial(self._play_one, self._environments(spec), spec)
-        trajectories, outcomes = zip(*await self._played(one, problems, seeds, group_size))
+        trajectories, outcomes = zip(*await self._played(one, request))
         seconds = time.perf_counter() - start
-        return Generation.of(list(trajectories), group_size, weights.version, seconds, 0.0, list(outcomes))
+        version = request.weights.version
+        return Generation.of(list(trajectories), request.group_size, version, seconds, 0.0, list(outcomes))
 
     async def _play_one(
         self, environments: Environments, spec: EpisodeSpec, problem: Problem, seed: int, j: int
@@ -243,9 +236,13 @@ class Generator(Actor):
         return first, EpisodeOutcome(episode.reward, episode.turns, episode.done, failure, split, updated, in_turn)
 
     @staticmethod
-    async def _played(one: Callable, problems: list[Problem], seeds: list[int], group_size: int) -> list:
+    async def _played(one: Callable, request: PlayRequest) -> list:
         return await asyncio.gather(
-            *(one(problem, seed, j) for problem, seed in zip(problems, seeds) for j in range(group_size))
+            *(
+                one(problem, seed, j)
+                for problem, seed in zip(request.problems, request.seeds)
+                for j in range(request.group_size)
+            )
         )
 
     async def _act_one(

@@ -33,7 +33,7 @@ from actors.contract.top_k import TopK
 from actors.environments.openenv_task import EpisodeSpec
 from actors.generator.capacity import Capacity
 from actors.generator.engines import sampling_seeds
-from actors.generator.request import SampleRequest
+from actors.generator.request import PlayRequest, SampleRequest
 from actors.tasks import Problem, Task
 from actors.teachers.bindings import TopKRequest
 from actors.weights.record import WeightVersion
@@ -391,7 +391,7 @@ class EpisodeCollection(_Collection):
         share that took more than one model turn; a failed episode earns nothing and counts as one turn."""
         problems, seeds = self._evaluation_prompts(step)
         spec = replace(self.episodes, greedy=self.settings.evaluation_greedy)
-        played = await self.services.generators.play(problems, 1, weights, seeds, spec)
+        played = await self.services.generators.play(PlayRequest(problems, 1, weights, seeds, spec))
         finished = [o for per in played.outcomes for o in per if o.failure is None]
         returns, continued = sum(o.reward for o in finished), sum(o.turns > 1 for o in finished)
         return Evaluated(returns / len(problems), accuracy=None, multi_turn=continued / len(problems))
@@ -428,8 +428,8 @@ class EpisodeCollection(_Collection):
         demonstrating = settings.oracle is not None and (warm_start or replay)
         start = time.perf_counter()
         routed, demonstrated = await asyncio.gather(
-            generators.play(problems, settings.group_size, weights, seeds, self.episodes),
-            generators.play(problems, 1, weights, seeds, replace(self.episodes, demonstrating=True))
+            generators.play(PlayRequest(problems, settings.group_size, weights, seeds, self.episodes)),
+            generators.play(PlayRequest(problems, 1, weights, seeds, replace(self.episodes, demonstrating=True)))
             if demonstrating
             else _nothing(),
         )

@@ -48,7 +48,7 @@ from actors.contract.rollouts import EpisodeOutcome, Reward, Trajectory
 from actors.environments.openenv_task import EpisodeSpec
 from actors.generator.actor import Generation
 from actors.generator.capacity import Capacity
-from actors.generator.request import SampleRequest
+from actors.generator.request import PlayRequest, SampleRequest
 from actors.tasks import Problem
 from actors.weights.record import WeightVersion
 
@@ -178,23 +178,16 @@ class Router:
 
         return await self._route(request.problems, request.group_size, request.weights.version, call)
 
-    async def play(
-        self,
-        problems: list[Problem],
-        group_size: int,
-        weights: WeightVersion,
-        seeds: list[int],
-        spec: EpisodeSpec | AgentSpec,
-    ) -> Routed:
-        """``group_size`` episodes of each prompt, played with ``weights`` (then the newest each target holds), in
-        prompt order; each target holds its share of the environment's sessions."""
-        share = spec.shared_by(len(self.targets))
-        await self.capacity(spec)
+    async def play(self, request: PlayRequest) -> Routed:
+        """The episodes ``request`` asks for, in prompt order, its problems shared among the targets, each holding
+        its share of the environment's sessions."""
+        shared = request.shared_by(len(self.targets))
+        await self.capacity(request.spec)
 
-        def call(handle: ActorMesh, prompts: slice) -> Awaitable[Generation]:
-            return handle.play.call_one(problems[prompts], group_size, weights, seeds[prompts], share)
+        def call(handle: ActorMesh, share: slice) -> Awaitable[Generation]:
+            return handle.play.call_one(shared.part(share))
 
-        return await self._route(problems, group_size, weights.version, call, episodes=True)
+        return await self._route(request.problems, request.group_size, request.weights.version, call, episodes=True)
 
     async def capacity(self, spec: EpisodeSpec | AgentSpec) -> list[Capacity]:
         """What each target reports it plays at once of ``spec``'s episodes (of its share), asked once."""
