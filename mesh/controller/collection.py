@@ -370,7 +370,7 @@ class EpisodeCollection(_Collection):
         problems, seeds = self._prompts(step)
         oracle = teachers.get(self.settings.oracle) if self.settings.oracle else None
         since = None if self.pool is None else self.pool.admission.lag.oldest(step)  # the oldest version it trains
-        admitted = {}
+        admitted: dict[str, float] = {}  # by group: the admission's counts as the step took its groups
         if self.pool is None:
             played, routed = await self._play(problems, seeds, weights, step, 0)
             loads, generate, load, dropped = routed.loads, routed.sampling_seconds, routed.load_seconds, []
