@@ -344,8 +344,9 @@ class Generator(Actor):
     @concurrent_endpoint
     async def capacity(self, spec: EpisodeSpec | AgentSpec) -> Capacity:
         """How many of ``spec``'s episodes this process plays at once: its agent host's places, or its share of the
-        environment's sessions (``spec`` is its share). The controller's admission starts no more
-        (``mesh/controller/admission.py``), so the places and sessions are this process's guard, not a queue."""
+        environment's sessions (``spec`` is its share). The controller's admission sizes what it starts to it
+        (``mesh/controller/admission.py``): the places' whole groups and one more, whose episodes wait for places as
+        they free with nothing open."""
         if isinstance(spec, AgentSpec):
             return Capacity(AGENTS_AT_ONCE, "agent places")
         return Capacity(spec.environment.max_concurrent, "environment sessions")

@@ -17,10 +17,10 @@ Policies (``actors.generator.router``):
   slow or busy one has not reached.
 
 Episodes (``play``) are placed by neither policy: a request goes at once to the target with the most of its
-places free (what it reports it plays at once, ``Generator.capacity``, less the episodes it plays). Collected by
-group, the admission authority (``admission.py``) starts no more than the places hold, so no episode waits, here
-or at a generator; collected by step, the scheduler's window is the bound, and a step's episodes beyond a target's
-places wait there for one.
+places free (what it reports it plays at once, ``Generator.capacity``, less the episodes it plays), and never waits
+here. Collected by group, the admission authority (``admission.py``) starts the whole groups the places hold and one
+more per target, whose episodes wait at the generator for places as they free; collected by step, the scheduler's
+window is the bound, and a step's episodes beyond a target's places wait there for one.
 
 Weight versions: every request names its version, and a ``generate`` or ``logprobs_of``
 request is sampled with exactly that version, the generator switching only between
